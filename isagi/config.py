@@ -1,0 +1,114 @@
+"""Settings: the one place that reads the ``ISAGI_*`` environment.
+
+Every other module receives a :class:`Settings` object; command-line flags
+override settings through :meth:`Settings.with_overrides`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from isagi.errors import ConfigError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are ISAGI, a helpful, honest and concise assistant. "
+    "Answer clearly and briefly."
+)
+QUANT_CHOICES = ("nf4", "none")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ISAGI can be told through its environment.
+
+    Attributes mirror the ``ISAGI_*`` variables of DESIGN.md §6.
+    """
+
+    home: Path = field(default_factory=lambda: Path.home() / ".isagi")
+    model: str = "default"
+    quant: str = "nf4"
+    device: str = "auto"
+    database_url: str | None = None
+    layer: int | None = None  # None: the model's default (2/3 of its depth)
+    k: int = 64
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    max_new_tokens: int = 256
+    max_message_chars: int = 8000
+    auth: str | None = None  # "user:pass,user2:pass2" for the web app
+
+    def with_overrides(self, **overrides: object) -> Settings:
+        """A copy with every override that is not ``None`` applied and checked."""
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        if "home" in clean:
+            clean["home"] = Path(str(clean["home"])).expanduser()
+        return _validated(replace(self, **clean))
+
+    # Derived locations under the data directory.
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def profiles_dir(self) -> Path:
+        return self.home / "profiles"
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.home / "sessions"
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'history.sqlite3'}"
+
+
+def _int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a whole number; set it to e.g. 20.") from None
+
+
+def _validated(s: Settings) -> Settings:
+    if s.quant not in QUANT_CHOICES:
+        raise ConfigError(f"quantisation {s.quant!r} is unknown; use one of {', '.join(QUANT_CHOICES)}.")
+    if s.device not in DEVICE_CHOICES:
+        raise ConfigError(f"device {s.device!r} is unknown; use one of {', '.join(DEVICE_CHOICES)}.")
+    if s.k < 2:
+        raise ConfigError(f"k={s.k} is too small; the UGT basis needs at least 2 dimensions.")
+    if s.layer is not None and s.layer < 1:
+        raise ConfigError(f"layer={s.layer}: use a decoder layer index >= 1 (0 is the embeddings).")
+    if s.max_new_tokens < 1:
+        raise ConfigError("max_new_tokens must be at least 1.")
+    return s
+
+
+def load_settings(environ: dict[str, str] | None = None, **overrides: object) -> Settings:
+    """Read ``ISAGI_*`` from ``environ`` (default: ``os.environ``), then apply overrides."""
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    if v := env.get("ISAGI_HOME"):
+        values["home"] = Path(v).expanduser()
+    if v := env.get("ISAGI_MODEL"):
+        values["model"] = v
+    if v := env.get("ISAGI_QUANT"):
+        values["quant"] = v.lower()
+    if v := env.get("ISAGI_DEVICE"):
+        values["device"] = v.lower()
+    if v := env.get("ISAGI_DATABASE_URL"):
+        values["database_url"] = v
+    if v := env.get("ISAGI_LAYER"):
+        values["layer"] = _int("ISAGI_LAYER", v)
+    if v := env.get("ISAGI_K"):
+        values["k"] = _int("ISAGI_K", v)
+    if v := env.get("ISAGI_SYSTEM_PROMPT"):
+        values["system_prompt"] = v
+    if v := env.get("ISAGI_MAX_NEW_TOKENS"):
+        values["max_new_tokens"] = _int("ISAGI_MAX_NEW_TOKENS", v)
+    if v := env.get("ISAGI_AUTH"):
+        values["auth"] = v
+    known = {f.name for f in fields(Settings)}
+    assert set(values) <= known
+    return Settings().with_overrides(**values).with_overrides(**overrides)

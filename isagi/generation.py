@@ -1,0 +1,248 @@
+"""Generation with hidden-state capture and no wasted compute.
+
+Owns the decoding loop of a turn. A :class:`Generation` runs the prompt's
+prefill once with a capture hook on layer L and returns ``h`` (the hidden
+state at the last prompt token). The caller then decides what to do (answer
+from memory, refuse, or generate); if it generates, decoding continues from
+the prefill's KV cache, so no token is computed twice, and the same hook keeps
+each reply token's hidden state for the streaming safety check.
+
+Also owns batched hidden states of many prompts (calibration) and streaming
+text that never splits a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from isagi.hooks import LayerCapture, capture_layer, steer_layer
+from isagi.model import LoadedModel
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How to pick tokens. Greedy unless ``do_sample``."""
+
+    max_new_tokens: int = 256
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 50
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One decoded token: the text it adds (possibly empty mid-character) and its id."""
+
+    text: str
+    token_id: int
+
+
+@dataclass
+class _Detokenizer:
+    """Turns a growing list of ids into text deltas, holding back partial characters."""
+
+    tokenizer: Any
+    ids: list[int] = field(default_factory=list)
+    emitted: str = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return delta
+
+
+def _logits_processors(options: GenerationOptions) -> Any:
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    procs = LogitsProcessorList()
+    if options.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(options.repetition_penalty))
+    if options.do_sample:
+        procs.append(TemperatureLogitsWarper(options.temperature))
+        if options.top_k > 0:
+            procs.append(TopKLogitsWarper(options.top_k))
+        if options.top_p < 1.0:
+            procs.append(TopPLogitsWarper(options.top_p))
+    return procs
+
+
+class Generation:
+    """One reply: a single prefill, then decoding from its KV cache.
+
+    Use as a context manager; the capture (and optional steering) hooks live
+    exactly as long as the ``with`` block::
+
+        with Generation(lm, ids, layer, options) as gen:
+            h = gen.prefill()
+            for event in gen.stream():
+                ...
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        input_ids: torch.Tensor,
+        layer: int,
+        options: GenerationOptions | None = None,
+        *,
+        steer: torch.Tensor | None = None,
+    ) -> None:
+        self.lm = lm
+        self.input_ids = input_ids
+        self.layer = layer
+        self.options = options or GenerationOptions()
+        self.steer = steer
+        self.new_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._stop = threading.Event()
+        self._stack = ExitStack()
+        self._capture: LayerCapture | None = None
+        self._cache: Any = None
+        self._logits: torch.Tensor | None = None
+        self._detok = _Detokenizer(lm.tokenizer)
+
+    def __enter__(self) -> Generation:
+        self._capture = self._stack.enter_context(capture_layer(self.lm.model, self.layer))
+        if self.steer is not None:
+            self._stack.enter_context(steer_layer(self.lm.model, self.layer, self.steer))
+        self._stack.enter_context(torch.inference_mode())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._cache = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def text(self) -> str:
+        return self._detok.emitted
+
+    def stop(self) -> None:
+        """Ask the decoding loop to end after the current token (thread-safe)."""
+        self._stop.set()
+
+    def prefill(self) -> np.ndarray:
+        """Run the prompt once; return h (d,) at the last prompt token as float32."""
+        from transformers import DynamicCache
+
+        assert self._capture is not None, "use Generation inside a with block"
+        self._cache = DynamicCache()
+        out = self.lm.model(
+            input_ids=self.input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+        )
+        self._logits = out.logits[:, -1, :]
+        return self._capture.last[-1][0].cpu().numpy()
+
+    def last_hidden(self) -> np.ndarray:
+        """Hidden state at the newest position seen (the last token fed to the model)."""
+        assert self._capture is not None
+        return self._capture.last[-1][0].cpu().numpy()
+
+    def reply_hidden(self) -> np.ndarray:
+        """Hidden states (n, d) of the reply tokens fed so far (excludes the prompt)."""
+        assert self._capture is not None
+        states = self._capture.last[1:]
+        if not states:
+            return np.zeros((0, self.lm.hidden_size), dtype=np.float32)
+        return torch.cat(states).cpu().numpy()
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Decode from the prefill's cache, one token at a time, until a stop condition."""
+        if self._logits is None:
+            self.prefill()
+        opts = self.options
+        procs = _logits_processors(opts)
+        generator = None
+        if opts.do_sample:
+            generator = torch.Generator(device=self.input_ids.device)
+            generator.manual_seed(opts.seed if opts.seed is not None else torch.seed())
+        stop_ids = self.lm.stop_token_ids
+        all_ids = self.input_ids
+        logits = self._logits
+        while True:
+            if self._stop.is_set():
+                self.finish_reason = "cancelled"
+                return
+            if len(self.new_ids) >= opts.max_new_tokens:
+                self.finish_reason = "length"
+                return
+            scores = procs(all_ids, logits.float()) if len(procs) else logits
+            if opts.do_sample:
+                probs = torch.softmax(scores.float(), dim=-1)
+                token = torch.multinomial(probs, 1, generator=generator)[0, 0]
+            else:
+                token = torch.argmax(scores, dim=-1)[0]
+            token_id = int(token)
+            if token_id in stop_ids:
+                self.finish_reason = "stop"
+                return
+            self.new_ids.append(token_id)
+            next_input = token.view(1, 1)
+            if len(procs):
+                all_ids = torch.cat([all_ids, next_input], dim=1)
+            yield TokenEvent(self._detok.push(token_id), token_id)
+            if len(self.new_ids) >= opts.max_new_tokens or self._stop.is_set():
+                continue  # no forward pass for a token that will not be continued
+            out = self.lm.model(
+                input_ids=next_input, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+            )
+            logits = out.logits[:, -1, :]
+
+
+def prompt_hidden_states(
+    lm: LoadedModel,
+    prompts: list[list[dict[str, str]]],
+    layer: int,
+    *,
+    batch_size: int = 16,
+    progress: Any = None,
+) -> np.ndarray:
+    """h (n, d) at the last prompt token of each chat, batched with left padding.
+
+    Positions are computed from the attention mask so a padded prompt gets the
+    same hidden state as the prompt alone (up to float tolerance).
+    """
+    tok = lm.tokenizer
+    out: list[np.ndarray] = []
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with capture_layer(lm.model, layer) as cap, torch.inference_mode():
+        for start in range(0, len(prompts), batch_size):
+            chunk = [lm.chat_ids(m)[0] for m in prompts[start : start + batch_size]]
+            width = max(len(c) for c in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device=lm.device)
+            mask = torch.zeros_like(ids)
+            for i, c in enumerate(chunk):
+                ids[i, width - len(c) :] = c
+                mask[i, width - len(c) :] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cap.clear()
+            lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+            out.append(cap.last[-1].cpu().numpy())
+            if progress is not None:
+                progress(len(chunk))
+    if not out:
+        return np.zeros((0, lm.hidden_size), dtype=np.float32)
+    return np.concatenate(out).astype(np.float32)

@@ -1,0 +1,53 @@
+"""Shared fixtures: settings on a temporary data directory, the real default model
+(loaded once per test session), and tiny random transformers models for fast tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from isagi.config import Settings, load_settings
+
+
+def _shared_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ISAGI_TEST_HOME lets CI and developers reuse one converted model between runs."""
+    if env := os.environ.get("ISAGI_TEST_HOME"):
+        path = Path(env)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("isagi-home")
+
+
+@pytest.fixture(scope="session")
+def settings_default(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """Settings for the embedded default model in NF4 on the CPU."""
+    return load_settings(environ={}, home=_shared_home(tmp_path_factory), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def default_lm(settings_default: Settings):
+    """The real SmolLM2-135M-Instruct in NF4, loaded once for the whole test session."""
+    from isagi.model import load_model
+
+    return load_model(settings_default)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0):
+    """A tiny random decoder model of the given family, built from a config (no download)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    )
+    config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
+    return AutoModelForCausalLM.from_config(config).eval()
