@@ -1,0 +1,176 @@
+"""Lookup benchmark: the two-stage memory search against exact brute force.
+
+Behind ``isagi bench lookup --n N --k K --json`` (issue 3, item 7). One run:
+
+1. ``n`` synthetic query coordinates from 256 Gaussian clusters in ``R^k``.
+2. A random SPD metric grown with the design's own rule: ``Metric.update``
+   along ``metric_updates`` anisotropically scaled random directions (the
+   update rule of DESIGN §4, so the metric is of the kind a long life builds).
+3. A :class:`~isagi.memory.TrajectoryMemory` filled in bulk (``from_columns``)
+   and its index built in the metric's frame (``build_s``).
+4. ``queries`` single queries, half noisy copies of stored points, half fresh
+   draws from the clusters; each timed on its own (``p50_us``/``p95_us``,
+   FAISS on one OpenMP thread — single queries gain nothing from more).
+5. Ground truth: exact brute force under the same ``M`` over all ``n``
+   points (float64). ``recall_at_1`` counts a query as found when the
+   returned distance equals the true nearest distance (ties count).
+6. Speed-up against brute force, per query, measured in the same run:
+   ``speedup_vs_bruteforce`` uses the *strong* brute force (stored points
+   pre-transformed into the metric frame once, then one float32 matrix-vector
+   product and an argmin per query); ``speedup_vs_naive_bruteforce`` the
+   plain one (``Metric.distances`` over all ``n`` points, i.e. applying ``M``
+   to every stored vector per query).
+"""
+
+from __future__ import annotations
+
+import time
+
+import faiss
+import numpy as np
+
+from isagi.cog import Metric
+from isagi.memory import TrajectoryMemory
+
+__all__ = ["run", "synthetic_columns", "random_metric"]
+
+_TEXTS = ("query_text", "reply_text", "tier", "context_key", "content_key")
+
+
+def random_metric(k: int, rng: np.random.Generator, updates: int = 2000) -> Metric:
+    """An SPD metric grown by ``updates`` design-rule updates along random directions."""
+    metric = Metric(k)
+    scales = np.geomspace(0.1, 3.0, k)
+    for _ in range(updates):
+        metric.update(rng.standard_normal(k) * scales)
+    return metric
+
+
+def synthetic_columns(
+    n: int, k: int, rng: np.random.Generator, clusters: int = 256, spread: float = 0.5
+) -> tuple[dict, np.ndarray]:
+    """Trajectory columns for ``n`` clustered points, and the cluster centres."""
+    centres = rng.standard_normal((clusters, k))
+    labels = rng.integers(0, clusters, n)
+    X = (centres[labels] + spread * rng.standard_normal((n, k))).astype(np.float32)
+    cols = {
+        "id": np.arange(n, dtype=np.int64),
+        "query_x": X,
+        "reply_x": X,
+        "cluster": labels.astype(np.int32),
+        "created": np.zeros(n),
+        "last_hit": np.zeros(n),
+        "hits": np.zeros(n, dtype=np.int32),
+        **{c: [""] * n for c in _TEXTS},
+    }
+    return cols, centres
+
+
+def _ground_truth(Xf: np.ndarray, Q: np.ndarray, L: np.ndarray, chunk: int = 64) -> np.ndarray:
+    """Exact nearest metric-cosine distance of every query (float64, batched)."""
+    Z = Xf @ L
+    Z /= np.maximum(np.linalg.norm(Z, axis=1, keepdims=True), 1e-300)
+    best = np.empty(Q.shape[0])
+    for s in range(0, Q.shape[0], chunk):
+        q = Q[s : s + chunk] @ L
+        q /= np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-300)
+        best[s : s + chunk] = 1.0 - (q @ Z.T).max(axis=1)
+    return np.clip(best, 0.0, 2.0)
+
+
+def run(
+    n: int = 100_000,
+    k: int = 64,
+    queries: int = 1000,
+    seed: int = 0,
+    *,
+    metric_updates: int = 2000,
+    bruteforce_queries: int = 200,
+    naive_queries: int = 30,
+) -> dict:
+    """Run the benchmark; returns the figures as a JSON-ready dict."""
+    if n < 1 or k < 1 or queries < 1:
+        raise ValueError("n, k and queries must be at least 1")
+    rng = np.random.default_rng(seed)
+    cols, centres = synthetic_columns(n, k, rng)
+    X = cols["query_x"]
+    metric = random_metric(k, rng, metric_updates)
+
+    half = queries // 2
+    copies = X[rng.integers(0, n, half)] + 0.25 * rng.standard_normal((half, k))
+    fresh_lab = rng.integers(0, centres.shape[0], queries - half)
+    fresh = centres[fresh_lab] + 0.5 * rng.standard_normal((queries - half, k))
+    Q = np.concatenate([copies, fresh]).astype(np.float32)
+    Q = Q[rng.permutation(queries)].astype(np.float64)
+
+    mem = TrajectoryMemory.from_columns(cols, k, cap=max(n, 1))
+    t = time.perf_counter()
+    mem.search(Q[0], metric)  # builds the index in the metric's frame
+    build_s = time.perf_counter() - t
+
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        for q in Q[: min(20, queries)]:  # warm-up (allocations, branch predictors)
+            mem.search(q, metric)
+        lat = np.empty(queries)
+        found = np.empty(queries)
+        for i, q in enumerate(Q):
+            t0 = time.perf_counter_ns()
+            hit = mem.search(q, metric, top=1)
+            lat[i] = time.perf_counter_ns() - t0
+            found[i] = hit[0].distance
+    finally:
+        faiss.omp_set_num_threads(threads)
+    lat_us = lat / 1e3
+
+    L = metric.cholesky_factor()
+    truth = _ground_truth(X.astype(np.float64), Q, L)
+    recall = float(np.mean(found <= truth + 1e-9))
+
+    # strong brute force: frame precomputed once, one mat-vec + argmin per query
+    Z = TrajectoryMemory._frame(X, L)
+    nb = min(bruteforce_queries, queries)
+    t0 = time.perf_counter()
+    for q in Q[:nb]:
+        z = q @ L
+        z = (z / np.linalg.norm(z)).astype(np.float32)
+        int(np.argmax(Z @ z))
+    bf_us = (time.perf_counter() - t0) / nb * 1e6
+    del Z
+
+    # naive brute force: the metric applied to every stored vector per query
+    nn = min(naive_queries, queries)
+    t0 = time.perf_counter()
+    for q in Q[:nn]:
+        int(np.argmin(metric.distances(q, X)))
+    naive_us = (time.perf_counter() - t0) / nn * 1e6
+
+    mean_us = float(lat_us.mean())
+    return {
+        "n": int(n),
+        "k": int(k),
+        "queries": int(queries),
+        "index": mem._index_kind,
+        "candidates": mem.candidates,
+        "p50_us": round(float(np.percentile(lat_us, 50)), 2),
+        "p95_us": round(float(np.percentile(lat_us, 95)), 2),
+        "mean_us": round(mean_us, 2),
+        "recall_at_1": recall,
+        "speedup_vs_bruteforce": round(bf_us / mean_us, 2),
+        "bruteforce_us": round(bf_us, 2),
+        "speedup_vs_naive_bruteforce": round(naive_us / mean_us, 2),
+        "naive_bruteforce_us": round(naive_us, 2),
+        "build_s": round(build_s, 3),
+        "metric_growth": round(metric.growth, 4),
+        "metric_saturation": round(metric.saturation, 4),
+        "faiss_threads_query": 1,
+        "seed": int(seed),
+    }
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    import json
+    import sys
+
+    print(json.dumps(run(*(int(a) for a in sys.argv[1:3])), indent=2))

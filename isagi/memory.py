@@ -1,0 +1,444 @@
+"""Trajectory memory: stored exchanges and the two-stage metric lookup.
+
+This module owns the records a session remembers (query and reply UGT
+coordinates, texts, tier, cluster, times, hit counts) and how they are found
+again (DESIGN §3 step 5):
+
+Stage 1 — FAISS over the stored query coordinates in the *metric frame*: with
+``M = L Lᵀ`` the metric cosine distance of ``x`` and ``y`` is the plain cosine
+distance of ``Lᵀx`` and ``Lᵀy``, so the index holds the unit vectors
+``Lᵀy / ‖Lᵀy‖`` and is searched by inner product. The index is exact
+(``IndexFlatIP``) while at most ``exact_below`` records are alive, HNSW
+(``IndexHNSWFlat``, inner product) beyond.
+
+Stage 2 — the candidates are rescored exactly under the *current* metric
+(``Metric.distances``) and sorted ascending. Results are therefore exact among
+the candidates even when the index frame is stale.
+
+Rebuild policy. ``L`` is frozen when the index is built. When the metric has
+moved on, its drift from the build frame is measured as the spread of the
+relative metric ``R = L⁻¹ M L⁻ᵀ``: ``drift = λ_max(R)/λ_min(R) − 1`` (0 when
+``M`` is a positive multiple of the built metric — the cosine distance is
+invariant to scaling ``M`` — and it bounds how far angles in the stale frame
+can be from the true ones). While ``0 < drift ≤ bound`` the candidate count is
+enlarged to ``candidates · (1 + 3·drift/bound)``; past the bound the index is
+rebuilt in the current frame (bound ``rebuild_drift_exact`` for the flat index,
+which is cheap to rebuild, ``rebuild_drift_hnsw`` for HNSW).
+
+Eviction. At most ``cap`` records are alive. Adding to a full memory first
+evicts the ``evict_fraction·cap`` least useful records, by the score
+``log2(1 + hits) − age / half_life`` with ``age = now − max(created, last_hit)``
+(seconds; ties: least recently used first, then lowest id). Evicted records
+are tombstoned: their ids are never reused, stage 1 skips them, and when a
+quarter of the slots are tombstones the arrays are compacted and the index is
+rebuilt. Record ids are stable for the life of the memory and across
+``to_columns``/``from_columns``.
+
+Not thread-safe: one session is used by one thread.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+from scipy.linalg import solve_triangular
+
+from isagi.cog import Metric
+
+__all__ = ["Hit", "TrajectoryMemory"]
+
+_TEXT_COLUMNS = ("query_text", "reply_text", "tier", "context_key", "content_key")
+
+
+@dataclass
+class Hit:
+    """One lookup result.
+
+    ``index`` is the record's row in the memory's internal arrays (stable until
+    the next compaction; use ``id`` for anything kept), ``distance`` the metric
+    cosine distance under the metric passed to ``search``.
+    """
+
+    index: int
+    id: int
+    distance: float
+
+
+class TrajectoryMemory:
+    """Stored trajectories of one session, searchable under the COG metric."""
+
+    def __init__(
+        self,
+        k: int,
+        cap: int = 50_000,
+        exact_below: int = 4096,
+        candidates: int = 32,
+        *,
+        hnsw_m: int = 32,
+        ef_construction: int = 80,
+        ef_search: int = 32,
+        rebuild_drift_exact: float = 0.02,
+        rebuild_drift_hnsw: float = 0.25,
+        evict_fraction: float = 0.05,
+        half_life_s: float = 7 * 24 * 3600.0,
+    ) -> None:
+        if k < 1 or cap < 1 or candidates < 1:
+            raise ValueError("k, cap and candidates must be at least 1")
+        self.k = int(k)
+        self.cap = int(cap)
+        self.exact_below = int(exact_below)
+        self.candidates = int(candidates)
+        self.hnsw_m = int(hnsw_m)
+        self.ef_construction = int(ef_construction)
+        self.ef_search = int(ef_search)
+        self.rebuild_drift_exact = float(rebuild_drift_exact)
+        self.rebuild_drift_hnsw = float(rebuild_drift_hnsw)
+        self.evict_fraction = float(evict_fraction)
+        self.half_life_s = float(half_life_s)
+
+        self._size = 0  # slots in use (alive + tombstones)
+        self._alive_count = 0
+        self._alloc(0)
+        self._texts: dict[str, list[str]] = {c: [] for c in _TEXT_COLUMNS}
+        self._id2slot: dict[int, int] = {}
+        self._next_id = 0
+        self._next_cluster = 0
+
+        self._index: faiss.Index | None = None
+        self._index_kind = ""
+        self._frame_L: np.ndarray | None = None
+        self._drift_key: tuple[Metric, int] | None = None
+        self._drift = 0.0
+        self._cur_ef = -1
+        self.rebuilds = 0
+        self.evicted = 0
+
+    # -- storage -----------------------------------------------------------
+    def _alloc(self, capacity: int) -> None:
+        k = self.k
+        self._ids = np.zeros(capacity, np.int64)
+        self._qx = np.zeros((capacity, k), np.float32)
+        self._rx = np.zeros((capacity, k), np.float32)
+        self._cluster = np.zeros(capacity, np.int32)
+        self._created = np.zeros(capacity, np.float64)
+        self._last_hit = np.zeros(capacity, np.float64)
+        self._hits = np.zeros(capacity, np.int32)
+        self._alive = np.zeros(capacity, bool)
+
+    _NUMERIC = ("_ids", "_qx", "_rx", "_cluster", "_created", "_last_hit", "_hits", "_alive")
+
+    def _grow(self, need: int) -> None:
+        cap_now = self._ids.shape[0]
+        if need <= cap_now:
+            return
+        new = max(need, 2 * cap_now, 64)
+        for name in self._NUMERIC:
+            old = getattr(self, name)
+            arr = np.zeros((new, *old.shape[1:]), old.dtype)
+            arr[: self._size] = old[: self._size]
+            setattr(self, name, arr)
+
+    def __len__(self) -> int:
+        return self._alive_count
+
+    def __contains__(self, id: int) -> bool:
+        return int(id) in self._id2slot
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Ids of the alive records, oldest first."""
+        return self._ids[: self._size][self._alive[: self._size]].copy()
+
+    @property
+    def clusters(self) -> dict[int, int]:
+        """Cluster id -> number of alive records in it."""
+        c = self._cluster[: self._size][self._alive[: self._size]]
+        u, n = np.unique(c, return_counts=True)
+        return {int(a): int(b) for a, b in zip(u, n, strict=True)}
+
+    def next_cluster_id(self) -> int:
+        """A cluster id not used before in this memory (reserved on return)."""
+        c = self._next_cluster
+        self._next_cluster += 1
+        return c
+
+    def add(
+        self,
+        query_x: np.ndarray,
+        reply_x: np.ndarray,
+        query_text: str,
+        reply_text: str,
+        tier: str,
+        cluster: int,
+        *,
+        context_key: str = "",
+        content_key: str = "",
+        created: float | None = None,
+    ) -> int:
+        """Store one trajectory; returns its id. Evicts first when the memory is full."""
+        q = np.asarray(query_x, dtype=np.float32).reshape(-1)
+        r = np.asarray(reply_x, dtype=np.float32).reshape(-1)
+        if q.shape[0] != self.k or r.shape[0] != self.k:
+            raise ValueError(
+                f"coordinates must be {self.k}-dimensional, got {q.shape[0]} and {r.shape[0]}"
+            )
+        if not (np.all(np.isfinite(q)) and np.all(np.isfinite(r))):
+            raise ValueError("coordinates contain NaN or infinite values")
+        if self._alive_count >= self.cap:
+            self._evict(max(1, math.ceil(self.evict_fraction * self.cap)))
+        self._grow(self._size + 1)
+        s = self._size
+        rid = self._next_id
+        self._next_id += 1
+        self._ids[s] = rid
+        self._qx[s] = q
+        self._rx[s] = r
+        self._cluster[s] = int(cluster)
+        self._created[s] = time.time() if created is None else float(created)
+        self._last_hit[s] = 0.0
+        self._hits[s] = 0
+        self._alive[s] = True
+        for col, val in zip(
+            _TEXT_COLUMNS,
+            (query_text, reply_text, str(tier), context_key, content_key),
+            strict=True,
+        ):
+            self._texts[col].append(str(val))
+        self._size += 1
+        self._alive_count += 1
+        self._id2slot[rid] = s
+        self._next_cluster = max(self._next_cluster, int(cluster) + 1)
+        if self._index is not None:
+            self._index.add(self._frame(q[None, :], self._frame_L))
+            if self._index_kind == "flat" and self._alive_count > self.exact_below:
+                self._index = None  # switch to HNSW at the next search
+        return rid
+
+    def get(self, id: int) -> dict:
+        """The record with this id as a dict (KeyError if unknown or evicted)."""
+        s = self._id2slot[int(id)]
+        rec = {
+            "id": int(self._ids[s]),
+            "index": s,
+            "query_x": self._qx[s].copy(),
+            "reply_x": self._rx[s].copy(),
+            "cluster": int(self._cluster[s]),
+            "created": float(self._created[s]),
+            "last_hit": float(self._last_hit[s]),
+            "hits": int(self._hits[s]),
+        }
+        for col in _TEXT_COLUMNS:
+            rec[col] = self._texts[col][s]
+        return rec
+
+    def record_hit(self, id: int, now: float | None = None) -> None:
+        """Count a use of the record (a RETRIEVE answer or AUGMENT context)."""
+        s = self._id2slot[int(id)]
+        self._hits[s] += 1
+        self._last_hit[s] = time.time() if now is None else float(now)
+
+    # -- eviction ----------------------------------------------------------
+    def usefulness(self, now: float | None = None) -> np.ndarray:
+        """Eviction score of every slot (alive or not): higher is kept longer."""
+        now = time.time() if now is None else float(now)
+        n = self._size
+        last_used = np.maximum(self._created[:n], self._last_hit[:n])
+        age = np.maximum(0.0, now - last_used)
+        return np.log2(1.0 + self._hits[:n]) - age / self.half_life_s
+
+    def _evict(self, count: int) -> None:
+        n = self._size
+        alive = np.flatnonzero(self._alive[:n])
+        if alive.size == 0:
+            return
+        count = min(count, alive.size)
+        score = self.usefulness()[alive]
+        last_used = np.maximum(self._created[alive], self._last_hit[alive])
+        order = np.lexsort((self._ids[alive], last_used, score))
+        victims = alive[order[:count]]
+        self._alive[victims] = False
+        for s in victims.tolist():
+            del self._id2slot[int(self._ids[s])]
+            for col in ("query_text", "reply_text"):
+                self._texts[col][s] = ""
+        self._alive_count -= count
+        self.evicted += count
+        if self._size - self._alive_count > self._size // 4:
+            self._compact()
+
+    def _compact(self) -> None:
+        keep = np.flatnonzero(self._alive[: self._size])
+        for name in self._NUMERIC:
+            arr = getattr(self, name)
+            setattr(self, name, arr[keep].copy())
+        for col in _TEXT_COLUMNS:
+            lst = self._texts[col]
+            self._texts[col] = [lst[i] for i in keep.tolist()]
+        self._size = keep.size
+        self._id2slot = {int(i): s for s, i in enumerate(self._ids[: self._size].tolist())}
+        self._index = None  # rebuilt (in the then-current frame) at the next search
+
+    # -- index -------------------------------------------------------------
+    @staticmethod
+    def _frame(Y: np.ndarray, L: np.ndarray) -> np.ndarray:
+        """Rows ``Lᵀy / ‖Lᵀy‖`` (float32, C-contiguous); zero rows stay zero."""
+        Z = np.asarray(Y, dtype=np.float64) @ L
+        nrm = np.linalg.norm(Z, axis=1, keepdims=True)
+        Z = np.divide(Z, nrm, out=np.zeros_like(Z), where=nrm > 0)
+        return np.ascontiguousarray(Z, dtype=np.float32)
+
+    def _build(self, metric: Metric) -> None:
+        L = metric.cholesky_factor().copy()
+        Z = self._frame(self._qx[: self._size], L)
+        if self._alive_count > self.exact_below:
+            index = faiss.IndexHNSWFlat(self.k, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = self.ef_construction
+            kind = "hnsw"
+        else:
+            index = faiss.IndexFlatIP(self.k)
+            kind = "flat"
+        index.add(Z)
+        self._index = index
+        self._index_kind = kind
+        self._frame_L = L
+        self._drift_key = (metric, metric.version)
+        self._drift = 0.0
+        self._cur_ef = -1
+        self.rebuilds += 1
+
+    def frame_drift(self, metric: Metric) -> float:
+        """``λ_max/λ_min − 1`` of ``L⁻¹ M L⁻ᵀ`` (0 if no index has been built yet)."""
+        if self._frame_L is None:
+            return 0.0
+        key = self._drift_key
+        if key is not None and key[0] is metric and key[1] == metric.version:
+            return self._drift
+        L = self._frame_L
+        A = solve_triangular(L, metric.M, lower=True)
+        R = solve_triangular(L, A.T, lower=True)
+        ev = np.linalg.eigvalsh(0.5 * (R + R.T))
+        drift = float(ev[-1] / ev[0] - 1.0) if ev[0] > 0 else float("inf")
+        self._drift_key = (metric, metric.version)
+        self._drift = max(0.0, drift)
+        return self._drift
+
+    def _prepare(self, metric: Metric) -> int:
+        """Build or rebuild the index as needed; returns the stage-1 candidate count."""
+        if self._index is None:
+            self._build(metric)
+            return self.candidates
+        drift = self.frame_drift(metric)
+        if drift <= 1e-12:
+            return self.candidates
+        bound = self.rebuild_drift_hnsw if self._index_kind == "hnsw" else self.rebuild_drift_exact
+        if drift > bound:
+            self._build(metric)
+            return self.candidates
+        return math.ceil(self.candidates * (1.0 + 3.0 * drift / bound))
+
+    def search(self, x: np.ndarray, metric: Metric, top: int = 1) -> list[Hit]:
+        """The ``top`` nearest alive records to ``x`` under ``metric``, nearest first."""
+        if metric.k != self.k:
+            raise ValueError(f"metric is {metric.k}-dimensional, the memory {self.k}")
+        if self._alive_count == 0 or top < 1:
+            return []
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        if x.shape[0] != self.k:
+            raise ValueError(f"x has dimension {x.shape[0]}, the memory is {self.k}-dimensional")
+        cand = max(self._prepare(metric), top)
+        n = self._size
+        z = x @ self._frame_L
+        nz = math.sqrt(float(z @ z))
+        if self._alive_count <= cand or nz == 0.0:
+            rows = np.flatnonzero(self._alive[:n])
+        else:
+            dead = n - self._alive_count
+            ks = min(n, cand + (math.ceil(cand * dead / self._alive_count) if dead else 0))
+            q = (z / nz).astype(np.float32)[None, :]
+            if self._index_kind == "hnsw":
+                ef = max(self.ef_search, ks)
+                if ef != self._cur_ef:
+                    self._index.hnsw.efSearch = ef
+                    self._cur_ef = ef
+            _, labels = self._index.search(q, ks)
+            rows = labels[0]
+            rows = rows[rows >= 0]
+            if dead:
+                rows = rows[self._alive[rows]]
+            if rows.size == 0:
+                rows = np.flatnonzero(self._alive[:n])
+        d = metric.distances(x, self._qx[rows])
+        order = [int(np.argmin(d))] if top == 1 else np.argsort(d, kind="stable")[:top].tolist()
+        return [
+            Hit(index=int(rows[i]), id=int(self._ids[rows[i]]), distance=float(d[i])) for i in order
+        ]
+
+    # -- columns -----------------------------------------------------------
+    def to_columns(self) -> dict[str, np.ndarray | list[str]]:
+        """Alive records as columns, oldest first (for ``.miku`` files)."""
+        keep = np.flatnonzero(self._alive[: self._size])
+        cols: dict[str, np.ndarray | list[str]] = {
+            "id": self._ids[keep].astype(np.int64),
+            "query_x": self._qx[keep].astype(np.float32),
+            "reply_x": self._rx[keep].astype(np.float32),
+            "cluster": self._cluster[keep].astype(np.int32),
+            "created": self._created[keep].astype(np.float64),
+            "last_hit": self._last_hit[keep].astype(np.float64),
+            "hits": self._hits[keep].astype(np.int32),
+        }
+        idx = keep.tolist()
+        for col in _TEXT_COLUMNS:
+            lst = self._texts[col]
+            cols[col] = [lst[i] for i in idx]
+        return cols
+
+    @classmethod
+    def from_columns(cls, cols: dict, k: int, cap: int = 50_000, **kwargs) -> TrajectoryMemory:
+        """Rebuild a memory from :meth:`to_columns` output (validated; index built lazily)."""
+        mem = cls(k, cap=cap, **kwargs)
+        try:
+            ids = np.asarray(cols["id"], dtype=np.int64).reshape(-1)
+            n = ids.shape[0]
+            qx = np.asarray(cols["query_x"], dtype=np.float32).reshape(n, k)
+            rx = np.asarray(cols["reply_x"], dtype=np.float32).reshape(n, k)
+            numeric = {
+                "cluster": np.asarray(cols["cluster"], dtype=np.int32).reshape(n),
+                "created": np.asarray(cols["created"], dtype=np.float64).reshape(n),
+                "last_hit": np.asarray(cols["last_hit"], dtype=np.float64).reshape(n),
+                "hits": np.asarray(cols["hits"], dtype=np.int32).reshape(n),
+            }
+            texts = {c: [str(v) for v in cols[c]] for c in _TEXT_COLUMNS}
+        except KeyError as exc:
+            raise ValueError(f"trajectory columns are missing {exc.args[0]!r}") from exc
+        except ValueError as exc:
+            raise ValueError(f"trajectory columns have inconsistent shapes: {exc}") from exc
+        for c, lst in texts.items():
+            if len(lst) != n:
+                raise ValueError(f"column {c!r} has {len(lst)} rows, expected {n}")
+        if n and (np.unique(ids).size != n or ids.min() < 0):
+            raise ValueError("trajectory ids must be unique and non-negative")
+        if not (np.all(np.isfinite(qx)) and np.all(np.isfinite(rx))):
+            raise ValueError("trajectory coordinates contain NaN or infinite values")
+        order = np.argsort(ids, kind="stable")
+        mem._alloc(n)
+        mem._ids[:] = ids[order]
+        mem._qx[:] = qx[order]
+        mem._rx[:] = rx[order]
+        mem._cluster[:] = numeric["cluster"][order]
+        mem._created[:] = numeric["created"][order]
+        mem._last_hit[:] = numeric["last_hit"][order]
+        mem._hits[:] = numeric["hits"][order]
+        mem._alive[:] = True
+        mem._texts = {c: [lst[i] for i in order.tolist()] for c, lst in texts.items()}
+        mem._size = n
+        mem._alive_count = n
+        mem._id2slot = {int(i): s for s, i in enumerate(mem._ids.tolist())}
+        mem._next_id = int(ids.max()) + 1 if n else 0
+        mem._next_cluster = int(numeric["cluster"].max()) + 1 if n else 0
+        if n > mem.cap:
+            mem._evict(n - mem.cap)
+        return mem
