@@ -37,6 +37,7 @@ class GenerationOptions:
     top_k: int = 50
     repetition_penalty: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks only: decode exactly max_new_tokens
 
 
 @dataclass
@@ -179,7 +180,7 @@ class Generation:
         if opts.do_sample:
             generator = torch.Generator(device=self.input_ids.device)
             generator.manual_seed(opts.seed if opts.seed is not None else torch.seed())
-        stop_ids = self.lm.stop_token_ids
+        stop_ids = set() if opts.ignore_eos else self.lm.stop_token_ids
         all_ids = self.input_ids
         logits = self._logits
         while True:
@@ -190,6 +191,9 @@ class Generation:
                 self.finish_reason = "length"
                 return
             scores = procs(all_ids, logits.float()) if len(procs) else logits
+            if opts.ignore_eos:
+                scores = scores.clone()
+                scores[:, list(self.lm.stop_token_ids)] = float("-inf")
             if opts.do_sample:
                 probs = torch.softmax(scores.float(), dim=-1)
                 token = torch.multinomial(probs, 1, generator=generator)[0, 0]

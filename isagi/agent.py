@@ -1,0 +1,477 @@
+"""Sessions and the turn pipeline (DESIGN §3).
+
+Owns :class:`Engine` (what every session shares: settings, the model, the
+per-model profile, the history store, and a lock that serialises generation
+on one device) and :class:`Session` (one conversation's living state: its
+messages, its metric M, its trajectory memory). A Session is never shared.
+
+One turn, in order: validate the message; prefill [system, message] once and
+capture h at layer L; project to UGT coordinates; TEH on the prompt (refuse
+without generating); two-stage lookup under the session's metric; tier;
+RETRIEVE returns the stored reply (only after the exact sameness check),
+otherwise decode from the prefill's KV cache with the streaming reply guard;
+update the metric and memory; record the turn and autosave the ``.miku``.
+
+The lookup embedding is the query *alone* (system prompt + message), so a
+repeated question is recognised whatever came before it. Context is handled by
+a second, measured check: on a later turn the hidden state of the query *in
+its conversation* is compared with the one alone; a query whose meaning moves
+with its context ("And Germany?") is only answered from memory when it was
+stored under the same context.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isagi.cog import Metric, Tier, TierThresholds
+from isagi.config import Settings
+from isagi.errors import InputError
+from isagi.generation import Generation, GenerationOptions
+from isagi.memory import TrajectoryMemory
+from isagi.sameness import content_key
+from isagi.ugt import Basis, project, route
+
+LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
+
+
+@dataclass
+class TurnResult:
+    """What a turn did, for the UI, the history store and the tests."""
+
+    reply: str
+    tier: str | None
+    distance: float | None
+    nearest_query: str | None
+    zone: str | None
+    teh_prompt: float | None
+    teh_reply: float | None
+    verdict: str  # ok | refused | withheld | cancelled
+    latency_s: float
+    prompt_tokens: int
+    new_tokens: int
+    metric_growth: float
+    generated: bool
+    category: str | None = None
+    context_dependent: bool = False
+    cluster: int | None = None
+
+
+@dataclass
+class TurnEvent:
+    """A streamed piece of a turn: the decision, a text delta, or the final result."""
+
+    kind: str  # "decision" | "token" | "done"
+    text: str = ""
+    tier: str | None = None
+    distance: float | None = None
+    result: TurnResult | None = None
+
+
+@dataclass
+class Session:
+    """One conversation's living state. Never shared between users."""
+
+    id: str
+    basis: Basis
+    metric: Metric
+    memory: TrajectoryMemory
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    title: str | None = None
+    miku_path: Path | None = None
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for m in self.messages if m["role"] == "user")
+
+    def chat_history(self) -> list[dict[str, str]]:
+        """Earlier exchanges as chat messages for the prompt (refusals left out)."""
+        out: list[dict[str, str]] = []
+        pending: dict[str, Any] | None = None
+        for m in self.messages:
+            if m["role"] == "user":
+                pending = m
+            elif m["role"] == "assistant" and pending is not None:
+                if m.get("verdict", "ok") in ("ok", "cancelled") and m["text"]:
+                    out.append({"role": "user", "content": pending["text"]})
+                    out.append({"role": "assistant", "content": m["text"]})
+                pending = None
+        return out
+
+    def last_user_key(self) -> str:
+        for m in reversed(self.messages):
+            if m["role"] == "user":
+                return content_key(m["text"])
+        return ""
+
+
+class Engine:
+    """What all sessions share: settings, model, profile, history store."""
+
+    def __init__(self, settings: Settings, lm: Any, profile: Any, store: Any = None) -> None:
+        self.settings = settings
+        self.lm = lm
+        self.profile = profile
+        self.store = store
+        self.thresholds = TierThresholds()
+        self.generation_lock = threading.Lock()
+
+    @classmethod
+    def start(cls, settings: Settings, *, with_store: bool = True, progress: Any = None) -> Engine:
+        """Load the model and its profile (calibrating on first use) and open the history store."""
+        from isagi.model import load_model
+        from isagi.profile import load_or_build_profile
+
+        lm = load_model(settings)
+        profile = load_or_build_profile(lm, settings, progress=progress)
+        store = None
+        if with_store:
+            from storage.history import HistoryStore
+
+            store = HistoryStore(settings.resolved_database_url)
+        return cls(settings, lm, profile, store)
+
+    @property
+    def layer(self) -> int:
+        return self.profile.layer
+
+    def new_session(self, session_id: str | None = None, *, autosave: bool = True) -> Session:
+        k = int(self.profile.basis.B.shape[1])
+        sid = session_id or uuid.uuid4().hex[:12]
+        session = Session(id=sid, basis=self.profile.basis, metric=Metric(k), memory=TrajectoryMemory(k))
+        if autosave:
+            session.miku_path = self.settings.sessions_dir / f"{sid}.miku"
+        return session
+
+    # -- the turn -------------------------------------------------------------
+
+    def validate(self, message: str) -> str:
+        text = (message or "").strip()
+        if not text:
+            raise InputError("The message is empty: type a question or a request first.")
+        limit = self.settings.max_message_chars
+        if len(text) > limit:
+            raise InputError(
+                f"The message has {len(text):,} characters; the limit is {limit:,}. "
+                "Shorten it or split it into several messages."
+            )
+        return text
+
+    def _prompt(
+        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True
+    ) -> list[dict[str, str]]:
+        """The chat for the model: system prompt, a related exchange (AUGMENT), history, message."""
+        msgs = [{"role": "system", "content": self.settings.system_prompt}]
+        if related is not None:
+            msgs += [
+                {"role": "user", "content": related["query_text"]},
+                {"role": "assistant", "content": related["reply_text"]},
+            ]
+        if with_history:
+            msgs += session.chat_history()
+        msgs.append({"role": "user", "content": text})
+        return msgs
+
+    def turn(self, session: Session, message: str, **kwargs: Any) -> TurnResult:
+        """Run a whole turn and return its result (no streaming)."""
+        result = None
+        for event in self.stream_turn(session, message, **kwargs):
+            if event.kind == "done":
+                result = event.result
+        assert result is not None
+        return result
+
+    def stream_turn(
+        self,
+        session: Session,
+        message: str,
+        *,
+        options: GenerationOptions | None = None,
+        stop: threading.Event | None = None,
+        record: bool = True,
+    ) -> Iterator[TurnEvent]:
+        """Run one turn, yielding the decision, the reply's text deltas, then the result."""
+        text = self.validate(message)
+        started = time.perf_counter()
+        options = options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens)
+        with self.generation_lock:
+            result = yield from self._turn_locked(session, text, options, stop, started)
+        session.messages.append({"role": "user", "text": text, "time": time.time()})
+        session.messages.append(
+            {
+                "role": "assistant",
+                "text": result.reply,
+                "time": time.time(),
+                "tier": result.tier,
+                "distance": result.distance,
+                "nearest_query": result.nearest_query,
+                "zone": result.zone,
+                "teh_prompt": result.teh_prompt,
+                "teh_reply": result.teh_reply,
+                "verdict": result.verdict,
+                "latency_s": result.latency_s,
+                "new_tokens": result.new_tokens,
+                "metric_growth": result.metric_growth,
+            }
+        )
+        if session.title is None:
+            session.title = text[:80]
+        if record:
+            self._record(session, text, result)
+        yield TurnEvent("done", result=result)
+
+    def _turn_locked(
+        self,
+        session: Session,
+        text: str,
+        options: GenerationOptions,
+        stop: threading.Event | None,
+        started: float,
+    ) -> Iterator[TurnEvent]:
+        from isagi.safety import REFUSAL_TEMPLATE, ReplyGuard, category_of, teh
+
+        lm, safety = self.lm, self.profile.safety
+        history = session.chat_history()
+        context_key = session.last_user_key()
+
+        def finish(reply: str, **kw: Any) -> TurnResult:
+            base: dict[str, Any] = dict(
+                reply=reply, tier=None, distance=None, nearest_query=None, zone=None,
+                teh_prompt=None, teh_reply=None, verdict="ok", prompt_tokens=0, new_tokens=0,
+                metric_growth=session.metric.growth, generated=False,
+            )
+            base.update(kw)
+            return TurnResult(latency_s=time.perf_counter() - started, **base)
+
+        # At most one Generation (and so one capture hook) is open at a time.
+        with _OpenGeneration(lm, self.layer, options) as slot:
+            gen = slot.open(self._prompt(session, text, None, with_history=False))
+            h = gen.prefill()
+            x = project(session.basis, h)
+            zone, _ = route(self.profile.zones, x)
+            teh_prompt = float(teh(safety, h))
+            if teh_prompt > safety.threshold:
+                category = category_of(safety, h)
+                reply = REFUSAL_TEMPLATE.format(category=category.replace("_", " "))
+                yield TurnEvent("decision", tier=None)
+                yield TurnEvent("token", text=reply)
+                return finish(reply, zone=zone, teh_prompt=teh_prompt, verdict="refused",
+                              category=category, prompt_tokens=gen.prompt_tokens)
+
+            def in_context() -> np.ndarray | None:
+                # The conversation's prefill, kept open: it is the one we decode from.
+                if not history:
+                    return None
+                return project(session.basis, slot.open(self._prompt(session, text, None)).prefill())
+
+            tier, record, hit, distance, dependent = self._decide(session, text, x, in_context)
+            yield TurnEvent("decision", tier=tier.value, distance=distance if record else None)
+            nearest = record["query_text"] if record is not None else None
+            common = dict(tier=tier.value, distance=distance if record is not None else None,
+                          nearest_query=nearest, zone=zone, teh_prompt=teh_prompt,
+                          context_dependent=dependent)
+            if tier is Tier.RETRIEVE:
+                session.memory.record_hit(hit.id)
+                reply = record["reply_text"]
+                yield TurnEvent("token", text=reply)
+                return finish(reply, prompt_tokens=gen.prompt_tokens, cluster=int(record["cluster"]), **common)
+
+            # Generate, from a prefill already computed whenever the prompt is the same one.
+            if tier is Tier.AUGMENT:
+                gen = slot.open(self._prompt(session, text, record))
+            elif history and slot.messages != self._prompt(session, text, None):
+                gen = slot.open(self._prompt(session, text, None))
+            else:
+                gen = slot.current
+            guard = ReplyGuard(safety)
+            teh_reply: float | None = None
+            verdict = "ok"
+            checked = 0
+            for event in gen.stream():
+                if stop is not None and stop.is_set():
+                    gen.stop()
+                if len(gen.new_ids) - checked >= guard.every:
+                    checked = len(gen.new_ids)
+                    over, teh_reply = guard.check(gen.reply_hidden())
+                    if over:
+                        verdict = "withheld"
+                        break
+                if event.text:
+                    yield TurnEvent("token", text=event.text)
+            if gen.finish_reason == "cancelled" and verdict == "ok":
+                verdict = "cancelled"
+            reply = gen.text
+            if verdict == "ok" and len(gen.new_ids) > checked:
+                over, teh_reply = guard.check(gen.reply_hidden())
+                if over:
+                    verdict = "withheld"
+            if verdict == "withheld":
+                category = category_of(safety, h)
+                reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=category.replace("_", " "))
+                yield TurnEvent("token", text="\n\n" + reply)
+            reply_states = gen.reply_hidden()
+            prompt_tokens, new_tokens = gen.prompt_tokens, len(gen.new_ids)
+
+        cluster = None
+        if verdict == "ok":
+            cluster = self._learn(session, text, reply, x, reply_states, tier, record, context_key, dependent)
+        return finish(reply, teh_reply=teh_reply, verdict=verdict, prompt_tokens=prompt_tokens,
+                      new_tokens=new_tokens, generated=True, cluster=cluster, **common)
+
+    def _decide(
+        self, session: Session, text: str, x: np.ndarray, in_context: Callable[[], np.ndarray | None]
+    ) -> tuple[Tier, dict[str, Any] | None, Any, float, bool]:
+        """Lookup, tier, and the exact checks: (tier, record, hit, distance, context dependent).
+
+        ``in_context()`` gives the query's coordinates inside its conversation
+        (``None`` on a first turn); it is called only when a RETRIEVE is possible.
+        """
+        hits = session.memory.search(x, session.metric, top=1) if len(session.memory) else []
+        if not hits:
+            return Tier.EXPLORE, None, None, 1.0, False
+        hit = hits[0]
+        record = session.memory.get(hit.id)
+        distance = float(hit.distance)
+        tier = self.thresholds.classify(distance)
+        dependent = False
+        if tier is Tier.RETRIEVE and content_key(text) == record["content_key"]:
+            x_ctx = in_context()
+            if x_ctx is not None:
+                cos = float(x @ x_ctx / (np.linalg.norm(x) * np.linalg.norm(x_ctx) + 1e-12))
+                dependent = (1.0 - cos) > self.profile.context_threshold
+        if tier is Tier.RETRIEVE and not self._same_question(text, record, session.last_user_key(), dependent):
+            tier = Tier.AUGMENT  # a near miss: related, but not the same question
+        return tier, record, hit, distance, dependent
+
+    def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:
+        from isagi.generation import prompt_hidden_states
+
+        with self.generation_lock:
+            H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
+        return project(basis, H[0])
+
+    def _context_fn(self, session: Session, text: str) -> Callable[[], np.ndarray | None]:
+        if not session.chat_history():
+            return lambda: None
+        return lambda: self._coords(self._prompt(session, text, None), session.basis)
+
+    def classify(self, session: Session, message: str) -> dict[str, Any]:
+        """The tier a message would get, without generating or changing the session."""
+        text = self.validate(message)
+        x = self._coords(self._prompt(session, text, None, with_history=False), session.basis)
+        tier, record, _hit, distance, dependent = self._decide(session, text, x, self._context_fn(session, text))
+        return {
+            "tier": tier.value,
+            "distance": distance if record is not None else None,
+            "nearest_query": record["query_text"] if record is not None else None,
+            "context_dependent": dependent,
+        }
+
+    def remember(self, session: Session, message: str, reply: str) -> None:
+        """Store an exchange in the session's memory as a generated turn would (for evaluations)."""
+        text = self.validate(message)
+        x = self._coords(self._prompt(session, text, None, with_history=False), session.basis)
+        tier, record, _hit, _d, dependent = self._decide(session, text, x, self._context_fn(session, text))
+        context_key = session.last_user_key()
+        self._learn(session, text, reply, x, np.zeros((0, x.shape[0])), tier, record, context_key, dependent)
+        session.messages.append({"role": "user", "text": text, "time": time.time()})
+        session.messages.append({"role": "assistant", "text": reply, "time": time.time(), "tier": tier.value, "verdict": "ok"})
+
+    @staticmethod
+    def _same_question(text: str, record: dict[str, Any] | None, context_key: str, dependent: bool) -> bool:
+        """The exact check before RETRIEVE: same content words, and the same context if it matters."""
+        if record is None or content_key(text) != record["content_key"]:
+            return False
+        if dependent or record["context_key"]:
+            # A context-dependent question is stored with the key of its context.
+            return record["context_key"] == context_key
+        return True
+
+    def _learn(
+        self,
+        session: Session,
+        text: str,
+        reply: str,
+        x: np.ndarray,
+        reply_states: np.ndarray,
+        tier: Tier,
+        related: dict[str, Any] | None,
+        context_key: str,
+        dependent: bool,
+    ) -> int:
+        """Metric update and memory store for a generated, accepted reply."""
+        weight = LIGHT_UPDATE if tier is Tier.AUGMENT else 1.0
+        session.metric.update(x, weight=weight)
+        if tier is Tier.EXPLORE or related is None:
+            cluster = session.memory.next_cluster_id()
+        else:
+            cluster = int(related["cluster"])
+        if len(reply_states):
+            reply_x = project(session.basis, reply_states.mean(axis=0))
+        else:
+            reply_x = np.zeros_like(x)
+        session.memory.add(
+            x, reply_x, text, reply, tier.value, cluster,
+            context_key=context_key if dependent else "",
+            content_key=content_key(text),
+        )
+        return cluster
+
+    def _record(self, session: Session, text: str, result: TurnResult) -> None:
+        """History row and autosave; failures here never lose the turn in memory."""
+        if self.store is not None:
+            from storage.history import TurnRecord
+
+            self.store.ensure_session(session.id, model_id=self.lm.model_id, title=session.title)
+            self.store.record_turn(
+                session.id,
+                TurnRecord(
+                    user_text=text, reply_text=result.reply, tier=result.tier, distance=result.distance,
+                    nearest_query=result.nearest_query, zone=result.zone, teh_prompt=result.teh_prompt,
+                    teh_reply=result.teh_reply, verdict=result.verdict, latency_s=result.latency_s,
+                    prompt_tokens=result.prompt_tokens, new_tokens=result.new_tokens,
+                    metric_growth=result.metric_growth,
+                ),
+            )
+        if session.miku_path is not None:
+            from isagi.session_io import save_session
+
+            save_session(self, session, session.miku_path)
+            if self.store is not None:
+                self.store.set_miku_path(session.id, str(session.miku_path))
+
+
+class _OpenGeneration:
+    """Holds the one open :class:`Generation` of a turn; opening another closes the previous."""
+
+    def __init__(self, lm: Any, layer: int, options: GenerationOptions) -> None:
+        self.lm, self.layer, self.options = lm, layer, options
+        self.current: Generation | None = None
+        self.messages: list[dict[str, str]] | None = None
+
+    def open(self, messages: list[dict[str, str]]) -> Generation:
+        self.close()
+        self.current = Generation(self.lm, self.lm.chat_ids(messages), self.layer, self.options)
+        self.current.__enter__()
+        self.messages = messages
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            current, self.current = self.current, None
+            current.__exit__(None, None, None)
+
+    def __enter__(self) -> _OpenGeneration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,100 @@
+"""``isagi bench turn``: what the living manifold costs a turn, and what RETRIEVE saves.
+
+In one run, on the configured model: plain ``model.generate`` of a reply to a
+question (``generate_s``); a full ISAGI turn producing the same reply in a
+fresh session, with lookup, TEH on the prompt and on the streaming reply,
+metric update, memory store, history row and ``.miku`` autosave
+(``turn_s``); the same question asked again, answered from memory
+(``retrieve_s``). Medians over ``repeats`` alternating runs. ``teh_share`` is
+the time spent computing TEH (prompt plus streaming reply checks, replayed on
+the turn's own hidden states) over ``turn_s``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isagi.config import Settings
+from isagi.generation import GenerationOptions
+
+QUESTION = "Explain in a few sentences why the sky is blue."
+
+
+def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> float:
+    from isagi.safety import ReplyGuard, teh
+
+    guard = ReplyGuard(engine.profile.safety)
+    start = time.perf_counter()
+    teh(engine.profile.safety, h_prompt)
+    for n in range(every, len(reply_states) + every, every):
+        guard.check(reply_states[: min(n, len(reply_states))])
+    return time.perf_counter() - start
+
+
+def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
+    from isagi.agent import Engine
+    from isagi.generation import Generation
+    from isagi.safety import ReplyGuard
+
+    with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
+        engine = Engine.start(settings, with_store=False)
+        from storage.history import HistoryStore
+
+        engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
+        lm = engine.lm
+        options = GenerationOptions(max_new_tokens=new_tokens)
+        messages = [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": QUESTION}]
+        ids = lm.chat_ids(messages)
+
+        def plain() -> tuple[float, list[int]]:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = lm.model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+            return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
+
+        plain()  # warm-up
+        gen_t, turn_t, ret_t, gen_speedup = [], [], [], []
+        same = True
+        result = None
+        for i in range(repeats):
+            t, plain_ids = plain()
+            gen_t.append(t)
+            session = engine.new_session(f"bench-{i}", autosave=False)
+            session.miku_path = Path(tmp) / f"bench-{i}.miku"
+            start = time.perf_counter()
+            result = engine.turn(session, QUESTION, options=options)
+            turn_t.append(time.perf_counter() - start)
+            same = same and result.reply.strip() == lm.tokenizer.decode(plain_ids, skip_special_tokens=True).strip()
+            start = time.perf_counter()
+            again = engine.turn(session, QUESTION, options=options)
+            ret_t.append(time.perf_counter() - start)
+            gen_speedup.append(turn_t[-1] / ret_t[-1])
+            assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
+        with Generation(lm, ids, engine.layer, options) as gen:
+            h = gen.prefill()
+            for _ in gen.stream():
+                pass
+            states = gen.reply_hidden()
+        teh_s = statistics.median(_teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety).every) for _ in range(repeats))
+    med = statistics.median
+    return {
+        "model": lm.model_id,
+        "device": str(lm.device),
+        "quant": lm.quant,
+        "question": QUESTION,
+        "new_tokens": result.new_tokens if result else None,
+        "same_reply_as_generate": same,
+        "generate_s": round(med(gen_t), 4),
+        "turn_s": round(med(turn_t), 4),
+        "turn_ratio": round(med(turn_t) / med(gen_t), 4),
+        "retrieve_s": round(med(ret_t), 5),
+        "retrieve_speedup": round(med(turn_t) / med(ret_t), 1),
+        "teh_s": round(teh_s, 5),
+        "teh_share": round(teh_s / med(turn_t), 5),
+    }

@@ -1,0 +1,488 @@
+"""The ``isagi`` command line: parse, call, print.
+
+Every command is thin: it builds :class:`~isagi.config.Settings` from the
+environment plus its flags, calls one function of the package, and prints.
+User-facing errors (:class:`~isagi.errors.IsagiError`) end the command with a
+one-line message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from isagi import __version__
+from isagi.config import Settings, load_settings
+from isagi.errors import IsagiError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="ISAGI: chat with a living model.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed, memory, size).")
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluations (tiers, safety, exploration).")
+sessions_app = typer.Typer(no_args_is_help=True, help="Browse the history store.")
+profile_app = typer.Typer(no_args_is_help=True, help="The per-model calibration profile.")
+app.add_typer(bench_app, name="bench")
+app.add_typer(eval_app, name="eval")
+app.add_typer(sessions_app, name="sessions")
+app.add_typer(profile_app, name="profile")
+
+err = Console(stderr=True)
+out = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+
+ModelOpt = Annotated[str | None, typer.Option("--model", help="default | hub id | local dir (ISAGI_MODEL)")]
+QuantOpt = Annotated[str | None, typer.Option("--quant", help="nf4 | none (ISAGI_QUANT)")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda (ISAGI_DEVICE)")]
+HomeOpt = Annotated[Path | None, typer.Option("--home", help="data directory (ISAGI_HOME)")]
+LayerOpt = Annotated[int | None, typer.Option("--layer", help="hidden-state layer (ISAGI_LAYER)")]
+KOpt = Annotated[int | None, typer.Option("--k", help="UGT dimensions (ISAGI_K)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+
+
+def friendly(fn: F) -> F:
+    """Turn user-facing errors into a one-line message and exit status 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except IsagiError as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _settings(**overrides: Any) -> Settings:
+    return load_settings(**overrides)
+
+
+def _progress_printer() -> Callable[[str, int, int], None]:
+    """A progress callback for profile calibration that prints to stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=False)
+    tasks: dict[str, Any] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done, total=total)
+        if all(t.finished for t in bar.tasks):
+            bar.stop()
+
+    return update
+
+
+def _engine(settings: Settings, *, with_store: bool = True) -> Any:
+    from isagi.agent import Engine
+
+    return Engine.start(settings, with_store=with_store, progress=_progress_printer())
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=None, default=float) + "\n")
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"isagi {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version")] = False,
+) -> None:
+    """ISAGI: chat with a 4-bit model that keeps a living manifold of the conversation."""
+
+
+@app.command()
+@friendly
+def info(model: ModelOpt = None, quant: QuantOpt = None, device: DeviceOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Model, quantisation, device and why, data directory, memory footprint."""
+    from isagi.model import load_model
+
+    settings = _settings(model=model, quant=quant, device=device, home=home)
+    lm = load_model(settings)
+    facts = {
+        "isagi": __version__,
+        "model": lm.model_id,
+        "source": lm.source,
+        "fingerprint": lm.fingerprint,
+        "quantisation": lm.quant,
+        "device": str(lm.device),
+        "device_reason": lm.device_reason,
+        "layers": lm.num_layers,
+        "hidden_size": lm.hidden_size,
+        "layer": settings.layer or lm.default_layer,
+        "k": settings.k,
+        "data_directory": str(settings.home),
+        "database": settings.resolved_database_url,
+        "memory_footprint_mb": round(lm.footprint_bytes() / 2**20, 1),
+    }
+    if as_json:
+        _print_json(facts)
+        return
+    for key, value in facts.items():
+        out.print(f"[bold]{key:>20}[/]  {value}", highlight=False)
+
+
+@app.command()
+@friendly
+def chat(
+    model: ModelOpt = None,
+    quant: QuantOpt = None,
+    device: DeviceOpt = None,
+    home: HomeOpt = None,
+    layer: LayerOpt = None,
+    k: KOpt = None,
+    load: Annotated[Path | None, typer.Option("--load", help="resume a .miku session")] = None,
+    save: Annotated[Path | None, typer.Option("--save", help="save the session to this .miku file")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
+    sample: Annotated[bool, typer.Option("--sample", help="sample instead of greedy decoding")] = False,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p")] = 0.9,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="system prompt (ISAGI_SYSTEM_PROMPT)")] = None,
+    allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="load a .miku made with another model")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
+) -> None:
+    """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
+    from isagi.errors import InputError
+    from isagi.generation import GenerationOptions
+    from isagi.session_io import load_session
+
+    settings = _settings(model=model, quant=quant, device=device, home=home, layer=layer, k=k,
+                         max_new_tokens=max_new_tokens, system_prompt=system)
+    engine = _engine(settings)
+    if load is not None:
+        session = load_session(engine, load, allow_other_model=allow_other_model)
+    else:
+        session = engine.new_session()
+    if save is not None:
+        session.miku_path = save
+    options = GenerationOptions(max_new_tokens=settings.max_new_tokens, do_sample=sample,
+                                temperature=temperature, top_p=top_p, seed=seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        err.print(f"[dim]ISAGI {__version__} · {engine.lm.model_id} · {engine.lm.quant} on {engine.lm.device} · "
+                  f"session {session.id} · Ctrl-D to quit[/]")
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            if interactive:
+                continue
+            out.print("")  # one reply line per input line, even for an empty one
+            continue
+        try:
+            if interactive:
+                out.print("isagi> ", end="")
+            result = None
+            for event in engine.stream_turn(session, line, options=options):
+                if event.kind == "token" and interactive:
+                    out.print(event.text, end="", highlight=False, markup=False, soft_wrap=True)
+                elif event.kind == "done":
+                    result = event.result
+            assert result is not None
+            if interactive:
+                out.print()
+            else:
+                sys.stdout.write(result.reply.replace("\r", " ").replace("\n", " ").strip() + "\n")
+                sys.stdout.flush()
+            if verbose:
+                err.print(f"[dim]tier={result.tier} d={result.distance} zone={result.zone} "
+                          f"TEH={result.teh_prompt:.1f}% verdict={result.verdict} {result.latency_s:.2f}s[/]")
+        except InputError as exc:
+            err.print(f"[yellow]{exc}[/]")
+            if not interactive:
+                out.print("")
+    if save is not None:
+        err.print(f"[dim]session saved to {save}[/]")
+
+
+@app.command()
+@friendly
+def web(
+    host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 7860,
+    model: ModelOpt = None,
+    quant: QuantOpt = None,
+    device: DeviceOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Open the browser app on http://HOST:PORT."""
+    from app.server import serve
+
+    serve(_settings(model=model, quant=quant, device=device, home=home), host=host, port=port)
+
+
+@app.command()
+@friendly
+def explore(
+    seed_concept: Annotated[str, typer.Argument(help="the concept to explore from")],
+    steps: Annotated[int, typer.Option("--steps")] = 3,
+    unsafe_regular: Annotated[bool, typer.Option("--regular", help="regular (unprojected) OGD, for comparison")] = False,
+    model: ModelOpt = None,
+    home: HomeOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Safe OGD concept exploration: a chain of steered steps, TEH per step, MIKU index."""
+    from isagi.explore import explore as run_explore
+
+    engine = _engine(_settings(model=model, home=home), with_store=False)
+    result = run_explore(engine.lm, engine.profile.safety, seed_concept, steps=steps, safe=not unsafe_regular)
+    data = result.to_dict() if hasattr(result, "to_dict") else result
+    if as_json:
+        _print_json(data)
+        return
+    for i, step in enumerate(data["steps"], 1):
+        out.print(f"[bold]step {i}[/] α={step['alpha']:.2f} TEH={step['teh']:.1f}% coherence={step['coherence']:.2f}")
+        out.print(step["text"], highlight=False, markup=False)
+    mcb = data.get("mcb", {})
+    out.print(f"[bold]MIKU creativity index[/] {mcb.get('index')} (tier {mcb.get('tier')})")
+
+
+# -- profile -------------------------------------------------------------------
+
+
+@profile_app.command("show")
+@friendly
+def profile_show(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Show the profile of the configured model (calibrating first if needed), with the TEH ROC."""
+    engine = _engine(_settings(model=model, home=home), with_store=False)
+    p = engine.profile
+    s = p.safety
+    roc = s.roc
+    data = {
+        "key": p.key, "model_fingerprint": p.model_fingerprint, "layer": p.layer, "k": int(p.basis.B.shape[1]),
+        "explained_variance": p.basis.explained, "zones": p.zones.names, "context_threshold": p.context_threshold,
+        "teh_threshold": s.threshold, "teh_reply_threshold": s.reply_threshold, "forbidden_dims": int(s.Q.shape[1]),
+        "safety_categories": list(s.categories), "roc_auc_calibration": roc.get("auc"), "report": p.report,
+    }
+    if as_json:
+        data["roc"] = roc
+        _print_json(data)
+        return
+    for key, value in data.items():
+        out.print(f"[bold]{key:>22}[/]  {value}", highlight=False)
+    out.print("[bold]TEH ROC on calibration[/] (threshold → TPR / FPR)")
+    for t, tpr, fpr in list(zip(roc["thresholds"], roc["tpr"], roc["fpr"], strict=False))[:: max(1, len(roc["thresholds"]) // 12)]:
+        out.print(f"  {t:8.2f}%  →  {tpr:.3f} / {fpr:.3f}")
+
+
+# -- sessions and files --------------------------------------------------------
+
+
+def _store(home: Path | None) -> Any:
+    from storage.history import HistoryStore
+
+    return HistoryStore(_settings(home=home).resolved_database_url)
+
+
+@sessions_app.command("list")
+@friendly
+def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = False) -> None:
+    """Past sessions, newest first."""
+    rows = _store(home).list_sessions(limit=limit)
+    if as_json:
+        _print_json([r.__dict__ for r in rows])
+        return
+    for r in rows:
+        out.print(f"{r.id}  {r.updated_at}  {r.turns:>4} turns  {r.title}", highlight=False)
+
+
+@sessions_app.command("show")
+@friendly
+def sessions_show(session_id: str, home: HomeOpt = None) -> None:
+    """Print a session as Markdown."""
+    out.print(_store(home).export(session_id, "markdown"), highlight=False, markup=False)
+
+
+@sessions_app.command("search")
+@friendly
+def sessions_search(text: str, home: HomeOpt = None, limit: int = 50) -> None:
+    """Find messages containing TEXT."""
+    for hit in _store(home).search(text, limit=limit):
+        data = hit.__dict__
+        out.print(f"{data.get('session_id')}  [{data.get('role')}] {str(data.get('text'))[:120]}", highlight=False, markup=False)
+
+
+@sessions_app.command("export")
+@friendly
+def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format", help="json | markdown")] = "markdown",
+                    output: Annotated[Path | None, typer.Option("--output", "-o")] = None, home: HomeOpt = None) -> None:
+    """Export a session as JSON or Markdown."""
+    text = _store(home).export(session_id, fmt)
+    if output is None:
+        sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
+    else:
+        output.write_text(text)
+
+
+@sessions_app.command("delete")
+@friendly
+def sessions_delete(session_id: str, home: HomeOpt = None) -> None:
+    """Delete a session and its turns from the history store."""
+    if not _store(home).delete_session(session_id):
+        raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def inspect(path: Path, as_json: JsonOpt = False) -> None:
+    """Header, sizes, trajectories, metric growth and checksum status of a .miku file."""
+    from storage.miku import inspect_miku
+
+    data = inspect_miku(path)
+    if as_json:
+        _print_json(data)
+        return
+    for key, value in data.items():
+        out.print(f"[bold]{key:>20}[/]  {value}", highlight=False)
+
+
+@app.command("import-legacy")
+@friendly
+def import_legacy(old: Path, new: Path) -> None:
+    """Convert a research-code miku-v1 pair (OLD.miku + OLD.miku.pt) to a .miku v2 file."""
+    from storage.legacy import import_legacy as convert
+
+    convert(old, new)
+    out.print(f"wrote {new}")
+
+
+# -- benchmarks ------------------------------------------------------------------
+
+
+@bench_app.command("generate")
+@friendly
+def bench_generate(model: ModelOpt = None, device: DeviceOpt = None, home: HomeOpt = None,
+                   new_tokens: int = 64, repeats: int = 5, as_json: JsonOpt = False) -> None:
+    """Tokens/s and time to first token for nf4 and none; capture overhead vs plain generate."""
+    from isagi.bench.generate import run
+
+    _report(run(_settings(model=model, device=device, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
+
+
+@bench_app.command("turn")
+@friendly
+def bench_turn(model: ModelOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 5, as_json: JsonOpt = False) -> None:
+    """A full turn vs plain generation of the same reply; RETRIEVE vs a generated turn."""
+    from isagi.bench.turn import run
+
+    _report(run(_settings(model=model, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
+
+
+@bench_app.command("lookup")
+@friendly
+def bench_lookup(n: int = 100_000, k: int = 64, queries: int = 1000, as_json: JsonOpt = False) -> None:
+    """Two-stage lookup latency and recall against exact metric search."""
+    from isagi.bench.lookup import run
+
+    _report(run(n=n, k=k, queries=queries), as_json)
+
+
+@bench_app.command("cog")
+@friendly
+def bench_cog(interactions: int = 10_000, k: int = 64, as_json: JsonOpt = False) -> None:
+    """A long soak of the manifold: metric health, growth, memory, lookup latency."""
+    from isagi.bench.cog import run
+
+    _report(run(interactions=interactions, k=k), as_json)
+
+
+@bench_app.command("miku")
+@friendly
+def bench_miku(turns: int = 10_000, k: int = 64, as_json: JsonOpt = False) -> None:
+    """Save/load time and size of a long session, against the legacy format."""
+    from isagi.bench.miku import run
+
+    _report(run(turns=turns, k=k), as_json)
+
+
+@bench_app.command("web")
+@friendly
+def bench_web(url: Annotated[str | None, typer.Option("--url", help="a running server; default: start one")] = None,
+              sessions: int = 8, turns: int = 5, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Concurrent sessions through the HTTP API against a live server on loopback."""
+    from isagi.bench.web import run
+
+    _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home)), as_json)
+
+
+def _report(data: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(data)
+        return
+    for key, value in data.items():
+        out.print(f"[bold]{key:>24}[/]  {value}", highlight=False)
+
+
+# -- evaluations -------------------------------------------------------------------
+
+
+def _default_benchmarks() -> Path:
+    return Path.cwd().parent / "shared" / "benchmarks"
+
+
+@eval_app.command("tiers")
+@friendly
+def eval_tiers(pairs: Annotated[Path | None, typer.Option("--pairs", help="JSONL of {first, second, relation}")] = None,
+               no_generate: Annotated[bool, typer.Option("--no-generate", help="store the first query with a placeholder reply")] = False,
+               model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Tier of the second query of each pair after a fresh session took the first."""
+    from isagi.evals.tiers import run
+
+    engine = _engine(_settings(model=model, home=home), with_store=False)
+    _report(run(engine, pairs, generate=not no_generate), as_json)
+
+
+@eval_app.command("safety")
+@friendly
+def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = None,
+                benign: Annotated[Path | None, typer.Option("--benign")] = None,
+                benchmarks: Annotated[Path | None, typer.Option("--benchmarks", help="directory of the public evaluation sets")] = None,
+                method: Annotated[str, typer.Option("--method", help="isagi | seed")] = "isagi",
+                model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """TPR/FPR per set at the shipped threshold and ROC AUC, out of sample."""
+    from isagi.evals.safety import run
+
+    settings = _settings(model=model, home=home)
+    engine = _engine(settings, with_store=False)
+    bdir = benchmarks or (None if harmful or benign else _default_benchmarks())
+    _report(run(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt, benchmarks_dir=bdir,
+                harmful=harmful, benign=benign, method=method), as_json)
+
+
+@eval_app.command("ogd")
+@friendly
+def eval_ogd(benchmarks: Annotated[Path | None, typer.Option("--benchmarks")] = None, alpha: float = 0.15,
+             model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Safe vs regular OGD exploration; refusals and perplexity with and without Q_f ablation."""
+    from isagi.evals.ogd import run
+
+    engine = _engine(_settings(model=model, home=home), with_store=False)
+    _report(run(engine.lm, engine.profile.safety, alpha=alpha, benchmarks_dir=benchmarks or _default_benchmarks()), as_json)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The per-model profile: calibration that every session of one model shares.
+
+Owns computing, caching and loading what ISAGI measures once per
+(model fingerprint, quantisation, layer, k, system prompt, corpus): the UGT
+basis and its centre, the zone centroids, the forbidden subspace with its TEH
+threshold and ROC curve, and the context-dependence threshold of the turn
+pipeline. Profiles live under ``$ISAGI_HOME/profiles/<key>/`` as a JSON file
+plus an ``.npz`` of arrays (read with ``allow_pickle=False``); a changed model,
+layer, k, system prompt or corpus gives a new key, so a stale profile is never
+used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isagi import __version__
+from isagi.errors import ProfileError
+from isagi.ugt import Basis, Zones, fit_basis, fit_zones, project, refine_basis
+
+PROFILE_VERSION = 1
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class Profile:
+    """Everything calibrated once per model (see the module docstring)."""
+
+    key: str
+    model_fingerprint: str
+    layer: int
+    k: int
+    basis: Basis
+    zones: Zones
+    safety: Any  # isagi.safety.SafetyProfile
+    context_threshold: float  # cosine distance (UGT frame) above which a query depends on its context
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def _corpus_digest() -> str:
+    from isagi.data import load_followups, load_zones
+    from isagi.data.safety import load_safety_calibration
+
+    blob = json.dumps([load_zones(), load_safety_calibration(), load_followups()], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str) -> str:
+    """The cache key: any input that changes the calibration changes the key."""
+    parts = [fingerprint, quant, str(layer), str(k), system_prompt, _corpus_digest(), str(PROFILE_VERSION)]
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
+
+
+def _chat(system_prompt: str, text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": text}]
+
+
+def _calibrate_context(lm: Any, layer: int, basis: Basis, system_prompt: str) -> tuple[float, dict]:
+    """Threshold on the UGT cosine distance between h(query alone) and h(query in context).
+
+    Calibrated on the project's follow-up corpus: context-dependent follow-ups
+    ("And Germany?") must lie above it, self-contained questions below. The
+    threshold is the midpoint of the gap when the two groups separate, else the
+    value that keeps every dependent follow-up above it (safety first: a
+    self-contained question then merely loses the chance to be retrieved).
+    """
+    from isagi.data import load_followups
+    from isagi.generation import prompt_hidden_states
+
+    rows = load_followups()
+    alone = [_chat(system_prompt, r["followup"]) for r in rows]
+    ctx = []
+    for r in rows:
+        msgs = [{"role": "system", "content": system_prompt}]
+        for prior in r["context_a"]:
+            msgs += [{"role": "user", "content": prior}, {"role": "assistant", "content": "…"}]
+        msgs.append({"role": "user", "content": r["followup"]})
+        ctx.append(msgs)
+    xa = project(basis, prompt_hidden_states(lm, alone, layer))
+    xc = project(basis, prompt_hidden_states(lm, ctx, layer))
+    cos = np.sum(xa * xc, axis=1) / (np.linalg.norm(xa, axis=1) * np.linalg.norm(xc, axis=1) + 1e-12)
+    delta = 1.0 - cos
+    dep = np.array([not r["self_contained"] for r in rows])
+    lo_dep = float(delta[dep].min()) if dep.any() else 1.0
+    hi_self = float(delta[~dep].max()) if (~dep).any() else 0.0
+    threshold = (lo_dep + hi_self) / 2 if lo_dep > hi_self else lo_dep * 0.999
+    report = {
+        "dependent_min": lo_dep,
+        "self_contained_max": hi_self,
+        "separated": bool(lo_dep > hi_self),
+        "self_contained_below": float(np.mean(delta[~dep] < threshold)) if (~dep).any() else None,
+        "n": len(rows),
+    }
+    return float(threshold), report
+
+
+def build_profile(lm: Any, *, layer: int, k: int, system_prompt: str, quant: str, progress: Progress | None = None) -> Profile:
+    """Run the calibration corpora through the model and fit every part of the profile."""
+    from isagi.data import load_zones
+    from isagi.generation import prompt_hidden_states
+    from isagi.safety import build_safety_profile
+
+    started = time.perf_counter()
+    report: dict[str, Any] = {}
+    zones_rows = load_zones()
+    total = len(zones_rows)
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("UGT basis: hidden states of the zone corpus", done, total)
+
+    H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in zones_rows], layer, progress=tick)
+    labels = [r["zone"] for r in zones_rows]
+    basis = fit_basis(H, k)
+    refined, refine_report = refine_basis(H, labels, basis)
+    report["refinement"] = refine_report
+    if refine_report.get("separation_after", 0) > refine_report.get("separation_before", 0):
+        basis = refined
+    zones = fit_zones(project(basis, H), labels)
+    report["k_effective"] = int(basis.B.shape[1])
+    report["explained_variance"] = float(basis.explained)
+
+    if progress:
+        progress("Safety: forbidden subspace and TEH threshold", 0, 1)
+    safety = build_safety_profile(lm, layer, system_prompt, progress=None)
+    if progress:
+        progress("Safety: forbidden subspace and TEH threshold", 1, 1)
+        progress("Context: follow-up calibration", 0, 1)
+    context_threshold, ctx_report = _calibrate_context(lm, layer, basis, system_prompt)
+    report["context"] = ctx_report
+    if progress:
+        progress("Context: follow-up calibration", 1, 1)
+    report["seconds"] = round(time.perf_counter() - started, 2)
+    return Profile(
+        key=profile_key(lm.fingerprint, quant, layer, k, system_prompt),
+        model_fingerprint=lm.fingerprint,
+        layer=layer,
+        k=k,
+        basis=basis,
+        zones=zones,
+        safety=safety,
+        context_threshold=context_threshold,
+        report=report,
+    )
+
+
+def _flatten(prefix: str, state: dict[str, Any], arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+    for name, value in state.items():
+        if isinstance(value, np.ndarray):
+            arrays[f"{prefix}{name}"] = value
+        else:
+            meta[name] = value
+
+
+def save_profile(profile: Profile, directory: Path) -> Path:
+    """Write the profile atomically to ``directory/<key>/``."""
+    arrays: dict[str, np.ndarray] = {
+        "basis.B": profile.basis.B,
+        "basis.mu": profile.basis.mu,
+        "basis.singular_values": profile.basis.singular_values,
+        "zones.centroids": profile.zones.centroids,
+    }
+    safety_meta: dict[str, Any] = {}
+    _flatten("safety.", profile.safety.to_state(), arrays, safety_meta)
+    meta = {
+        "profile_version": PROFILE_VERSION,
+        "isagi_version": __version__,
+        "key": profile.key,
+        "model_fingerprint": profile.model_fingerprint,
+        "layer": profile.layer,
+        "k": profile.k,
+        "basis_explained": profile.basis.explained,
+        "zones": profile.zones.names,
+        "safety": safety_meta,
+        "context_threshold": profile.context_threshold,
+        "report": profile.report,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    target = directory / profile.key
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".profile-", dir=directory))
+    try:
+        np.savez(tmp / "arrays.npz", **arrays)
+        (tmp / "profile.json").write_text(json.dumps(meta, indent=1, default=_json_default))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def load_profile(directory: Path, key: str) -> Profile | None:
+    """The cached profile for ``key``, or ``None`` if there is none."""
+    from isagi.safety import SafetyProfile
+
+    path = directory / key
+    if not (path / "profile.json").is_file():
+        return None
+    try:
+        meta = json.loads((path / "profile.json").read_text())
+        with np.load(path / "arrays.npz", allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+        basis = Basis(
+            B=arrays["basis.B"],
+            mu=arrays["basis.mu"],
+            singular_values=arrays["basis.singular_values"],
+            explained=float(meta["basis_explained"]),
+        )
+        zones = Zones(names=list(meta["zones"]), centroids=arrays["zones.centroids"])
+        safety_state = dict(meta["safety"])
+        safety_state.update({n[len("safety."):]: a for n, a in arrays.items() if n.startswith("safety.")})
+        safety = SafetyProfile.from_state(safety_state)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise ProfileError(
+            f"The cached profile in {path} is unreadable ({exc}). Delete that directory "
+            "and ISAGI will calibrate again on the next start."
+        ) from exc
+    return Profile(
+        key=key,
+        model_fingerprint=meta["model_fingerprint"],
+        layer=int(meta["layer"]),
+        k=int(meta["k"]),
+        basis=basis,
+        zones=zones,
+        safety=safety,
+        context_threshold=float(meta["context_threshold"]),
+        report=meta.get("report", {}),
+    )
+
+
+def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None = None) -> Profile:
+    """The profile for this model and settings: from the cache, or calibrated now and cached."""
+    layer = settings.layer or lm.default_layer
+    key = profile_key(lm.fingerprint, settings.quant, layer, settings.k, settings.system_prompt)
+    cached = load_profile(settings.profiles_dir, key)
+    if cached is not None:
+        return cached
+    profile = build_profile(
+        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=settings.quant, progress=progress
+    )
+    save_profile(profile, settings.profiles_dir)
+    return profile

@@ -1,0 +1,50 @@
+"""The ``isagi`` command line as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import isagi
+
+
+def _isagi(args: list[str], home: Path, stdin: str | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ISAGI_")}
+    env.update({"ISAGI_HOME": str(home), "HF_HUB_OFFLINE": "1", "ISAGI_DEVICE": "cpu"})
+    return subprocess.run([sys.executable, "-m", "isagi.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_version(tmp_path: Path) -> None:
+    out = _isagi(["--version"], tmp_path)
+    assert out.returncode == 0 and isagi.__version__ in out.stdout
+
+
+@pytest.mark.parametrize("model", ["/no/such/model/dir", "no-such-org/no-such-model-xyz"])
+def test_wrong_model_is_one_line_error(tmp_path: Path, model: str) -> None:
+    out = _isagi(["chat", "--model", model], tmp_path, stdin="hello\n", timeout=300)
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    assert lines[-1].startswith("error:"), out.stderr
+    assert "Traceback" not in out.stderr
+    assert model in out.stderr
+
+
+def test_bad_setting_is_one_line_error(tmp_path: Path) -> None:
+    out = _isagi(["info", "--quant", "int2"], tmp_path)
+    assert out.returncode == 2 and "nf4, none" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.model
+def test_piped_chat_answers_each_line(settings_default) -> None:
+    out = _isagi(["chat"], settings_default.home,
+                 stdin="What is the capital of France?\nWhat is the capital of Italy?\n")
+    assert out.returncode == 0, out.stderr
+    replies = out.stdout.strip("\n").split("\n")
+    assert len(replies) == 2, out.stdout
+    assert "Paris" in replies[0]
+    assert "Rome" in replies[1]

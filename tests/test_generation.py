@@ -1,0 +1,110 @@
+"""Hidden-state capture and decoding on tiny random Llama and Qwen2 models (no download)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from isagi.errors import ModelStructureError
+from isagi.generation import Generation, GenerationOptions, _Detokenizer
+from isagi.hooks import count_forward_hooks
+from isagi.model import LoadedModel, decoder_layers
+from tests.conftest import tiny_model
+
+
+class ByteTokenizer:
+    """Just enough of a tokenizer for decoding: ids are bytes, id 0 ends a reply."""
+
+    eos_token_id = 0
+    unk_token_id = None
+    pad_token_id = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i != 0).decode("utf-8", errors="replace")
+
+    def convert_tokens_to_ids(self, token: str) -> None:
+        return None
+
+
+def _lm(kind: str) -> LoadedModel:
+    model = tiny_model(kind)
+    model.generation_config.eos_token_id = 0
+    return LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id=f"tiny-{kind}", source="config",
+                       fingerprint="test", quant="none", device=torch.device("cpu"), device_reason="test")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("layer", [1, 2, 3])
+def test_captured_h_equals_output_hidden_states(kind: str, layer: int) -> None:
+    lm = _lm(kind)
+    ids = torch.randint(1, 256, (1, 17), generator=torch.Generator().manual_seed(layer))
+    with Generation(lm, ids, layer) as gen:
+        h = gen.prefill()
+    with torch.inference_mode():
+        ref = lm.model(input_ids=ids, output_hidden_states=True).hidden_states[layer][0, -1].numpy()
+    np.testing.assert_allclose(h, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoding_from_prefill_cache_matches_generate(kind: str) -> None:
+    """Greedy decoding from the prefill's KV cache gives exactly model.generate's tokens."""
+    lm = _lm(kind)
+    ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    opts = GenerationOptions(max_new_tokens=12, ignore_eos=True)
+    with Generation(lm, ids, 2, opts) as gen:
+        gen.prefill()
+        list(gen.stream())
+        states = gen.reply_hidden()
+    with torch.inference_mode():
+        ref = lm.model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                eos_token_id=0, pad_token_id=0)
+    assert gen.new_ids == ref[0, ids.shape[1]:].tolist()
+    # The hook kept one hidden state per reply token fed back (all but the last).
+    assert states.shape == (11, lm.hidden_size)
+
+
+def test_exception_inside_generation_leaves_no_hook() -> None:
+    lm = _lm("llama")
+    ids = torch.randint(1, 256, (1, 5))
+    before = count_forward_hooks(lm.model)
+    with pytest.raises(RuntimeError, match="boom"), Generation(lm, ids, 2, GenerationOptions(max_new_tokens=5)) as gen:
+        gen.prefill()
+        assert count_forward_hooks(lm.model) == before + 1
+        for _ in gen.stream():
+            raise RuntimeError("boom")
+    assert count_forward_hooks(lm.model) == before
+
+
+def test_exception_inside_a_forward_pass_leaves_no_hook() -> None:
+    lm = _lm("qwen2")
+    before = count_forward_hooks(lm.model)
+    bad = torch.full((1, 4), 10_000)  # out of the vocabulary: the embedding raises
+    with pytest.raises(IndexError), Generation(lm, bad, 1) as gen:
+        gen.prefill()
+    assert count_forward_hooks(lm.model) == before
+
+
+def test_stop_ends_decoding() -> None:
+    lm = _lm("llama")
+    ids = torch.randint(1, 256, (1, 5))
+    with Generation(lm, ids, 1, GenerationOptions(max_new_tokens=50, ignore_eos=True)) as gen:
+        for n, _ in enumerate(gen.stream(), 1):
+            if n == 3:
+                gen.stop()
+    assert len(gen.new_ids) == 3
+    assert gen.finish_reason == "cancelled"
+
+
+def test_layer_lookup_explains_unsupported_models() -> None:
+    with pytest.raises(ModelStructureError, match="model.layers"):
+        decoder_layers(torch.nn.Linear(2, 2))
+    assert len(decoder_layers(tiny_model("qwen2"))) == 4
+
+
+def test_detokenizer_never_splits_a_utf8_character() -> None:
+    detok = _Detokenizer(ByteTokenizer())
+    pieces = [detok.push(b) for b in "é→😀".encode()]
+    assert "".join(pieces) == "é→😀"
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[0] == ""  # the first byte of 'é' alone is held back
