@@ -1,0 +1,566 @@
+"""The SQL history store: every session and every turn, queryable later.
+
+This module owns the history database: the SQLAlchemy 2.x models of
+``sessions`` and ``turns``, opening a database from a URL (SQLite file under
+``ISAGI_HOME`` by default, PostgreSQL or any SQLAlchemy URL by setting),
+migrating it to the newest Alembic revision on open, and the queries the CLI
+and the web app need (record a turn, list, search, export, delete). It knows
+nothing about models or geometry: a turn arrives as a :class:`TurnRecord` of
+plain numbers and texts.
+
+One exchange is two rows in ``turns`` (``seq`` counts rows within a session
+from 0): the user row (seq 2n) carries the query-side figures (tier, distance,
+nearest query, zone, TEH of the prompt, prompt tokens) and the assistant row
+(seq 2n+1) the reply-side ones (TEH of the reply, latency, new tokens, metric
+growth); both carry the turn's tier and verdict. Both rows are written in one
+transaction that first locks the session (``BEGIN IMMEDIATE`` on SQLite,
+``SELECT ... FOR UPDATE`` elsewhere), so concurrent writers never interleave
+or reuse sequence numbers; a unique index on (session_id, seq) enforces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    delete,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from isagi.errors import StorageError
+
+TITLE_MAX = 80
+ROLES = ("user", "assistant")
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the history schema (its metadata is what Alembic builds)."""
+
+
+class SessionModel(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    title: Mapped[str | None] = mapped_column(String(200))
+    model_id: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
+    miku_path: Mapped[str | None] = mapped_column(Text)
+
+
+class TurnModel(Base):
+    __tablename__ = "turns"
+    __table_args__ = (UniqueConstraint("session_id", "seq", name="uq_turns_session_seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("sessions.id", ondelete="CASCADE", name="fk_turns_session_id")
+    )
+    seq: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(String(16))
+    text: Mapped[str] = mapped_column(Text)
+    tier: Mapped[str | None] = mapped_column(String(16))
+    distance: Mapped[float | None] = mapped_column(Float)
+    nearest_query: Mapped[str | None] = mapped_column(Text)
+    zone: Mapped[str | None] = mapped_column(String(32))
+    teh_prompt: Mapped[float | None] = mapped_column(Float)
+    teh_reply: Mapped[float | None] = mapped_column(Float)
+    verdict: Mapped[str] = mapped_column(String(16), default="ok")
+    latency_s: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    new_tokens: Mapped[int | None] = mapped_column(Integer)
+    metric_growth: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+# --------------------------------------------------------------------------- value types
+
+
+@dataclass
+class TurnRecord:
+    """One exchange as the turn pipeline reports it."""
+
+    user_text: str
+    reply_text: str
+    tier: str | None = None
+    distance: float | None = None
+    nearest_query: str | None = None
+    zone: str | None = None
+    teh_prompt: float | None = None
+    teh_reply: float | None = None
+    verdict: str = "ok"
+    latency_s: float | None = None
+    prompt_tokens: int | None = None
+    new_tokens: int | None = None
+    metric_growth: float | None = None
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    id: str
+    title: str | None
+    model_id: str
+    created_at: _dt.datetime
+    updated_at: _dt.datetime
+    turns: int  # exchanges (user messages)
+    miku_path: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnRow:
+    """One stored message (a user or an assistant row) with its figures."""
+
+    seq: int
+    role: str
+    text: str
+    tier: str | None
+    distance: float | None
+    nearest_query: str | None
+    zone: str | None
+    teh_prompt: float | None
+    teh_reply: float | None
+    verdict: str
+    latency_s: float | None
+    prompt_tokens: int | None
+    new_tokens: int | None
+    metric_growth: float | None
+    created_at: _dt.datetime
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    session_id: str
+    session_title: str | None
+    seq: int
+    role: str
+    text: str
+    created_at: _dt.datetime
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.UTC)
+
+
+def _utc(t: _dt.datetime) -> _dt.datetime:
+    """SQLite returns naive datetimes; everything stored is UTC."""
+    return t.replace(tzinfo=_dt.UTC) if t.tzinfo is None else t.astimezone(_dt.UTC)
+
+
+def make_title(text: str, limit: int = TITLE_MAX) -> str:
+    """A one-line title from a first message: whitespace collapsed, cut at ``limit``."""
+    line = " ".join(text.split())
+    if len(line) <= limit:
+        return line or "(empty)"
+    return line[: limit - 1].rstrip() + "…"
+
+
+def _safe_url(url: URL) -> str:
+    return url.render_as_string(hide_password=True)
+
+
+def _fold(s: str | None) -> str | None:
+    return None if s is None else s.casefold()
+
+
+def _row(t: TurnModel) -> TurnRow:
+    return TurnRow(
+        seq=t.seq,
+        role=t.role,
+        text=t.text,
+        tier=t.tier,
+        distance=t.distance,
+        nearest_query=t.nearest_query,
+        zone=t.zone,
+        teh_prompt=t.teh_prompt,
+        teh_reply=t.teh_reply,
+        verdict=t.verdict,
+        latency_s=t.latency_s,
+        prompt_tokens=t.prompt_tokens,
+        new_tokens=t.new_tokens,
+        metric_growth=t.metric_growth,
+        created_at=_utc(t.created_at),
+    )
+
+
+def _engine_for(url: URL) -> Engine:
+    if url.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True, future=True)
+    memory = url.database in (None, "", ":memory:") or "mode=memory" in str(url)
+    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+    if memory:
+        kwargs["poolclass"] = StaticPool
+    else:
+        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Autocommit at the driver level so that SQLAlchemy's "begin" below
+        # decides how transactions start (pysqlite's own BEGIN is deferred).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        if not memory:
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+        dbapi_conn.create_function("isagi_fold", 1, _fold, deterministic=True)
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        # Take the write lock at the start: read-then-write transactions
+        # (next seq number) cannot deadlock or upgrade-fail under concurrency.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+# --------------------------------------------------------------------------- store
+
+
+class HistoryStore:
+    """Sessions and turns in a SQL database, migrated to the newest schema on open."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            self.url = make_url(url)
+        except Exception as exc:
+            raise StorageError(
+                f"The history database URL {url!r} is not valid ({exc}). "
+                "Use e.g. sqlite:////path/history.db or postgresql+psycopg://user:pw@host/db "
+                "(setting ISAGI_DATABASE_URL)."
+            ) from None
+        where = _safe_url(self.url)
+        try:
+            self.engine = _engine_for(self.url)
+        except (ImportError, SQLAlchemyError, OSError) as exc:
+            raise StorageError(
+                f"Cannot open the history database {where}: {exc}. "
+                "Check the URL and that its database driver is installed."
+            ) from None
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        try:
+            from storage.migrations import upgrade_to_head
+
+            with self.engine.begin() as conn:
+                upgrade_to_head(conn)
+        except SQLAlchemyError as exc:
+            self.engine.dispose()
+            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            raise StorageError(
+                f"Cannot open the history database {where}: {reason}. "
+                "Check that the server is running and the URL (ISAGI_DATABASE_URL) is right."
+            ) from None
+        except OSError as exc:
+            self.engine.dispose()
+            raise StorageError(f"Cannot open the history database {where}: {exc}") from None
+
+    # -- plumbing
+
+    @contextlib.contextmanager
+    def _tx(self, what: str) -> Iterator[Any]:
+        try:
+            with self._sessions.begin() as db:
+                yield db
+        except StorageError:
+            raise
+        except SQLAlchemyError as exc:
+            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            raise StorageError(
+                f"History database error while trying to {what} ({_safe_url(self.url)}): {reason}"
+            ) from None
+
+    def _is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    def _get_session(self, db: Any, session_id: str, *, lock: bool = False) -> SessionModel:
+        q = select(SessionModel).where(SessionModel.id == session_id)
+        if lock and not self._is_sqlite():
+            q = q.with_for_update()
+        s = db.execute(q).scalar_one_or_none()
+        if s is None:
+            raise StorageError(
+                f"No session {session_id!r} in the history; `isagi sessions list` shows the ids."
+            )
+        return s
+
+    # -- writing
+
+    def ensure_session(self, session_id: str, *, model_id: str, title: str | None = None) -> None:
+        """Create the session if it does not exist (an existing one is left as it is,
+        except that a given ``title`` replaces a missing one)."""
+        if not session_id or len(session_id) > 64:
+            raise StorageError(f"Session id {session_id!r} must be 1 to 64 characters long.")
+        now = _now()
+        for attempt in range(2):
+            try:
+                with self._tx("create a session") as db:
+                    s = db.get(SessionModel, session_id)
+                    if s is None:
+                        db.add(
+                            SessionModel(
+                                id=session_id,
+                                title=make_title(title) if title else None,
+                                model_id=model_id,
+                                created_at=now,
+                                updated_at=now,
+                            )
+                        )
+                    elif title and not s.title:
+                        s.title = make_title(title)
+                return
+            except StorageError as exc:
+                # A concurrent writer created it between our read and insert.
+                if attempt or not isinstance(exc.__context__, IntegrityError):
+                    raise
+
+    def record_turn(self, session_id: str, record: TurnRecord) -> int:
+        """Store one exchange (user row + assistant row) in one transaction.
+
+        Returns the exchange's number within the session, from 1.
+        """
+        if not isinstance(record.user_text, str) or not isinstance(record.reply_text, str):
+            raise StorageError("A turn's user and reply texts must be strings.")
+        with self._tx("record a turn") as db:
+            s = self._get_session(db, session_id, lock=True)
+            last = db.execute(
+                select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
+            ).scalar_one()
+            seq = 0 if last is None else last + 1
+            seq += seq % 2  # a user row always starts at an even seq
+            now = _now()
+            r = record
+            db.add_all(
+                [
+                    TurnModel(
+                        session_id=session_id,
+                        seq=seq,
+                        role="user",
+                        text=r.user_text,
+                        tier=r.tier,
+                        distance=r.distance,
+                        nearest_query=r.nearest_query,
+                        zone=r.zone,
+                        teh_prompt=r.teh_prompt,
+                        verdict=r.verdict,
+                        prompt_tokens=r.prompt_tokens,
+                        created_at=now,
+                    ),
+                    TurnModel(
+                        session_id=session_id,
+                        seq=seq + 1,
+                        role="assistant",
+                        text=r.reply_text,
+                        tier=r.tier,
+                        teh_reply=r.teh_reply,
+                        verdict=r.verdict,
+                        latency_s=r.latency_s,
+                        new_tokens=r.new_tokens,
+                        metric_growth=r.metric_growth,
+                        created_at=now,
+                    ),
+                ]
+            )
+            s.updated_at = now
+            if not s.title:
+                s.title = make_title(r.user_text)
+        return seq // 2 + 1
+
+    def set_miku_path(self, session_id: str, path: str | Path | None) -> None:
+        """Remember where the session's ``.miku`` file is (None forgets it)."""
+        with self._tx("set the session file") as db:
+            self._get_session(db, session_id)
+            db.execute(
+                update(SessionModel)
+                .where(SessionModel.id == session_id)
+                .values(miku_path=None if path is None else str(path))
+            )
+
+    def delete_session(self, session_id: str) -> bool:
+        """Delete a session and its turns; False when there was no such session."""
+        with self._tx("delete a session") as db:
+            if db.get(SessionModel, session_id) is None:
+                return False
+            db.execute(delete(TurnModel).where(TurnModel.session_id == session_id))
+            db.execute(delete(SessionModel).where(SessionModel.id == session_id))
+        return True
+
+    # -- reading
+
+    def list_sessions(self, limit: int = 50, offset: int = 0) -> list[SessionSummary]:
+        """Sessions, most recently updated first."""
+        counts = (
+            select(TurnModel.session_id, func.count().label("n"))
+            .where(TurnModel.role == "user")
+            .group_by(TurnModel.session_id)
+            .subquery()
+        )
+        q = (
+            select(SessionModel, func.coalesce(counts.c.n, 0))
+            .outerjoin(counts, counts.c.session_id == SessionModel.id)
+            .order_by(SessionModel.updated_at.desc(), SessionModel.id)
+            .limit(max(0, limit))
+            .offset(max(0, offset))
+        )
+        with self._tx("list sessions") as db:
+            return [
+                SessionSummary(
+                    id=s.id,
+                    title=s.title,
+                    model_id=s.model_id,
+                    created_at=_utc(s.created_at),
+                    updated_at=_utc(s.updated_at),
+                    turns=int(n),
+                    miku_path=s.miku_path,
+                )
+                for s, n in db.execute(q).all()
+            ]
+
+    def get_session(self, session_id: str) -> SessionSummary:
+        """One session's summary; StorageError when it does not exist."""
+        with self._tx("read a session") as db:
+            s = self._get_session(db, session_id)
+            n = db.execute(
+                select(func.count())
+                .select_from(TurnModel)
+                .where(TurnModel.session_id == session_id, TurnModel.role == "user")
+            ).scalar_one()
+            return SessionSummary(
+                id=s.id,
+                title=s.title,
+                model_id=s.model_id,
+                created_at=_utc(s.created_at),
+                updated_at=_utc(s.updated_at),
+                turns=int(n),
+                miku_path=s.miku_path,
+            )
+
+    def get_turns(self, session_id: str) -> list[TurnRow]:
+        """All stored messages of a session in order; StorageError when unknown."""
+        with self._tx("read turns") as db:
+            self._get_session(db, session_id)
+            rows = db.execute(
+                select(TurnModel).where(TurnModel.session_id == session_id).order_by(TurnModel.seq)
+            ).scalars()
+            return [_row(t) for t in rows]
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Messages containing ``text`` (case-insensitive substring), newest first."""
+        if not text:
+            return []
+        if self._is_sqlite():
+            cond = func.instr(func.isagi_fold(TurnModel.text), text.casefold()) > 0
+        else:
+            cond = TurnModel.text.icontains(text, autoescape=True)
+        q = (
+            select(TurnModel, SessionModel.title)
+            .join(SessionModel, SessionModel.id == TurnModel.session_id)
+            .where(cond)
+            .order_by(TurnModel.created_at.desc(), TurnModel.id.desc())
+            .limit(max(0, limit))
+        )
+        with self._tx("search the history") as db:
+            return [
+                SearchHit(
+                    session_id=t.session_id,
+                    session_title=title,
+                    seq=t.seq,
+                    role=t.role,
+                    text=t.text,
+                    created_at=_utc(t.created_at),
+                )
+                for t, title in db.execute(q).all()
+            ]
+
+    def export(self, session_id: str, fmt: Literal["json", "markdown"] = "json") -> str:
+        """A whole session as JSON or Markdown text."""
+        if fmt not in ("json", "markdown"):
+            raise StorageError(f"Unknown export format {fmt!r}: use json or markdown.")
+        info = self.get_session(session_id)
+        turns = self.get_turns(session_id)
+        if fmt == "json":
+            doc = {
+                "session": {
+                    **asdict(info),
+                    "created_at": info.created_at.isoformat(),
+                    "updated_at": info.updated_at.isoformat(),
+                },
+                "messages": [{**asdict(t), "created_at": t.created_at.isoformat()} for t in turns],
+            }
+            return json.dumps(doc, ensure_ascii=False, indent=2)
+        return _markdown(info, turns)
+
+    def close(self) -> None:
+        """Release all connections."""
+        self.engine.dispose()
+
+    def __enter__(self) -> HistoryStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _markdown(info: SessionSummary, turns: list[TurnRow]) -> str:
+    lines = [
+        f"# {info.title or info.id}",
+        "",
+        f"- Session: `{info.id}`",
+        f"- Model: `{info.model_id}`",
+        f"- Created: {info.created_at.isoformat(timespec='seconds')}",
+        f"- Updated: {info.updated_at.isoformat(timespec='seconds')}",
+        f"- Turns: {info.turns}",
+        "",
+    ]
+    for t in turns:
+        if t.role == "user":
+            lines += [
+                f"## Turn {t.seq // 2 + 1}",
+                "",
+                f"**User** · tier {t.tier or '–'} · distance {_fmt(t.distance)} · "
+                f"TEH {_fmt(t.teh_prompt)} · zone {t.zone or '–'}",
+                "",
+                t.text,
+                "",
+            ]
+        else:
+            lines += [
+                f"**Assistant** · verdict {t.verdict} · TEH {_fmt(t.teh_reply)} · "
+                f"latency {_fmt(t.latency_s, 2)} s · tokens {t.new_tokens if t.new_tokens is not None else '–'}",
+                "",
+                t.text,
+                "",
+            ]
+    return "\n".join(lines).rstrip() + "\n"
