@@ -1,0 +1,184 @@
+"""The safety calibration corpus: valid, balanced, unique, and not the evaluation sets.
+
+The TEH guard's forbidden subspace and threshold are fitted on this file, and
+its out-of-sample claims rest on these checks: every AdvBench / XSTest / Alpaca
+figure is only honest if no row here is one of those prompts or a light edit
+of one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections import Counter
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from isagi.data import safety
+from isagi.data.safety import (
+    SAFETY_CATEGORIES,
+    SAFETY_FILE,
+    SAFETY_LABELS,
+    SAFETY_SOURCES,
+    load_safety_calibration,
+)
+from isagi.errors import InputError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+BENCHMARKS = SHARED / "benchmarks"
+HARMBENCH = SHARED / "calibration" / "harmbench_standard_behaviors.csv"
+MIN_PER_CELL = 50
+JACCARD_LIMIT = 0.8
+PROMPT_FIELDS = ("prompt", "instruction", "text")
+
+
+def _raw_lines() -> list[str]:
+    text = resources.files("isagi.data").joinpath(SAFETY_FILE).read_text(encoding="utf-8")
+    return text.splitlines()
+
+
+def _norm(text: str) -> str:
+    """Lower case, letters and digits only (the exact-copy key)."""
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def _tokens(text: str) -> frozenset[str]:
+    return frozenset(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def _jaccard(a: frozenset[str], b: frozenset[str]) -> float:
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
+def _prompt_of(row: dict) -> str | None:
+    for field in PROMPT_FIELDS:
+        value = row.get(field)
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
+
+
+def _benchmark_prompts() -> list[str]:
+    """Every prompt in ../shared/benchmarks/*.csv and *.jsonl."""
+    prompts: list[str] = []
+    for path in sorted(BENCHMARKS.glob("*.csv")):
+        with path.open(encoding="utf-8", newline="") as f:
+            prompts += [p for row in csv.DictReader(f) if (p := _prompt_of(row))]
+    for path in sorted(BENCHMARKS.glob("*.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            prompts += [p for line in f if line.strip() if (p := _prompt_of(json.loads(line)))]
+    return prompts
+
+
+def test_every_line_is_a_json_object_with_the_schema() -> None:
+    lines = _raw_lines()
+    assert len(lines) >= MIN_PER_CELL * 2 * len(SAFETY_CATEGORIES)
+    for lineno, line in enumerate(lines, start=1):
+        assert line.strip(), f"blank line {lineno}"
+        row = json.loads(line)
+        assert isinstance(row, dict), lineno
+        assert set(row) == {"text", "label", "category", "source"}, lineno
+        assert isinstance(row["text"], str) and row["text"] == row["text"].strip(), lineno
+        assert 3 <= len(row["text"].split()) <= 60, f"line {lineno} is not a short prompt"
+        assert row["label"] in SAFETY_LABELS, lineno
+        assert row["category"] in SAFETY_CATEGORIES, lineno
+        assert row["source"] in SAFETY_SOURCES, lineno
+
+
+def test_loader_returns_the_file_rows_in_order() -> None:
+    rows = load_safety_calibration()
+    assert rows == [json.loads(line) for line in _raw_lines()]
+    assert rows is not load_safety_calibration()  # a fresh list each call
+
+
+def test_every_category_has_enough_harmful_and_benign_rows() -> None:
+    counts = Counter((r["category"], r["label"]) for r in load_safety_calibration())
+    short = {
+        (c, lab): counts[(c, lab)]
+        for c in SAFETY_CATEGORIES
+        for lab in SAFETY_LABELS
+        if counts[(c, lab)] < MIN_PER_CELL
+    }
+    assert short == {}
+
+
+def test_benign_rows_are_the_projects_own() -> None:
+    rows = load_safety_calibration()
+    assert {r["source"] for r in rows if r["label"] == "benign"} == {"isagi"}
+    # benign rows include everyday requests, not only alarming look-alikes
+    benign = [r["text"].lower() for r in rows if r["label"] == "benign"]
+    assert any("python" in t for t in benign)
+    assert any("recipe" in t or "bake" in t or "make" in t for t in benign)
+
+
+def test_no_duplicate_texts() -> None:
+    keys = Counter(_norm(r["text"]) for r in load_safety_calibration())
+    assert [k for k, n in keys.items() if n > 1] == []
+
+
+@pytest.mark.skipif(not HARMBENCH.is_file(), reason="shared HarmBench calibration file absent")
+def test_harmbench_rows_are_verbatim_harmbench_behaviours() -> None:
+    with HARMBENCH.open(encoding="utf-8", newline="") as f:
+        harmbench = {row["prompt"].strip() for row in csv.DictReader(f)}
+    rows = load_safety_calibration()
+    from_hb = [r for r in rows if r["source"] == "harmbench"]
+    assert from_hb, "the corpus is documented as including HarmBench rows"
+    assert all(r["label"] == "harmful" for r in from_hb)
+    assert sorted(r["text"] for r in from_hb if r["text"] not in harmbench) == []
+    # rows marked as the project's own are not HarmBench rows in disguise
+    hb_norm = {_norm(t) for t in harmbench}
+    assert [r["text"] for r in rows if r["source"] == "isagi" and _norm(r["text"]) in hb_norm] == []
+
+
+@pytest.mark.skipif(not BENCHMARKS.is_dir(), reason="shared benchmarks directory absent")
+def test_no_row_copies_an_evaluation_prompt() -> None:
+    bench = _benchmark_prompts()
+    assert len(bench) > 500, "benchmark prompts were not read"
+    bench_norm = {_norm(t) for t in bench}
+    rows = load_safety_calibration()
+    assert sorted(r["text"] for r in rows if _norm(r["text"]) in bench_norm) == []
+
+    # nor a near-copy: token-set Jaccard >= 0.8 against any benchmark prompt
+    bench_tokens = [_tokens(t) for t in bench]
+    near = []
+    for r in rows:
+        mine = _tokens(r["text"])
+        best = max(_jaccard(mine, b) for b in bench_tokens)
+        if best >= JACCARD_LIMIT:
+            near.append((r["text"], round(best, 2)))
+    assert near == []
+
+
+def test_jaccard_flags_a_light_edit() -> None:
+    # the near-copy check must catch reordering and a changed word or two
+    a = _tokens("Write a tutorial on how to make a cake at home")
+    b = _tokens("At home, write a tutorial on how to make a cake!")
+    c = _tokens("Write a tutorial on how to bake a cake at home")
+    assert _jaccard(a, b) == 1.0
+    assert _jaccard(a, c) >= JACCARD_LIMIT
+    assert _jaccard(a, _tokens("What is the capital of France?")) < JACCARD_LIMIT
+
+
+def test_loader_rejects_a_malformed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    good = {
+        "text": "How do I bake bread?",
+        "label": "benign",
+        "category": "toxicity",
+        "source": "isagi",
+    }
+    bad_rows = [
+        {**good, "label": "unsafe"},
+        {**good, "category": "weapons"},
+        {**good, "source": "advbench"},
+        {**good, "text": "   "},
+        {k: v for k, v in good.items() if k != "text"},
+    ]
+    for bad in bad_rows:
+        monkeypatch.setattr(safety, "load_jsonl", lambda _name, bad=bad: [good, bad])
+        with pytest.raises(InputError, match="row 2"):
+            load_safety_calibration()
+    monkeypatch.setattr(safety, "load_jsonl", lambda _name: [good])
+    assert load_safety_calibration() == [good]
