@@ -1,0 +1,278 @@
+"""10,000 damaged .miku files: every one must end in MikuError, nothing else.
+
+Three kinds of damage, all seeded:
+
+* byte level: random bit flips anywhere (prefix, checksum record, payload),
+  truncations, garbage appended or inserted;
+* structural, re-checksummed: the payload is decoded, one constrained node is
+  replaced by a value of another type, an absurd shape, an unknown dtype, an
+  out-of-range index, a missing or unknown key..., then packed again with a
+  *correct* checksum, so the validation behind the checksum is what must
+  catch it;
+* hostile msgpack, re-checksummed: declared lengths of 2**32-1 with no data,
+  very deep nesting, ext types, non-string map keys.
+
+Decoding goes through ``decode_miku`` (what ``read_miku`` runs on the file's
+bytes); every 100th case also goes through a real file and ``read_miku``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import resource
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from isagi.errors import MikuError
+from storage import miku
+from storage.miku import decode_miku, encode_miku, read_miku
+from tests.test_miku import make_state
+
+N_CASES = 10_000
+JUNK: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63 - 1,
+    -(2**63),
+    1.5,
+    float("nan"),
+    "",
+    "x" * 300,
+    b"",
+    b"\x00\xff",
+    [],
+    [1, "a"],
+    {},
+    {"a": 1},
+]
+
+
+def _frame(payload: bytes, algo: str = "blake2b") -> bytes:
+    record = msgpack.packb({"algo": algo, "digest": hashlib.new(algo, payload).digest()})
+    return miku._PREFIX.pack(miku.MAGIC, miku.FORMAT_VERSION, len(record)) + record + payload
+
+
+def _constrained_paths(node: Any, path: tuple = ()) -> list[tuple]:
+    """Paths of nodes whose type the format fixes (free-form values excluded)."""
+    out = [path]
+    if path[:1] == ("extra",) and len(path) >= 2:
+        return []  # anything JSON-like is allowed inside extra
+    if path[:1] == ("header",) and len(path) == 2 and path[1] not in miku._HEADER_REQUIRED:
+        return []  # optional header scalars may be any scalar
+    if len(path) == 5 and path[:2] == ("conversation", "fields") and path[3] == "values":
+        return []  # per-message values may be any scalar
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _constrained_paths(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _constrained_paths(v, (*path, i))
+    return out
+
+
+def _get(node: Any, path: tuple) -> Any:
+    for p in path:
+        node = node[p]
+    return node
+
+
+def _set(root: Any, path: tuple, value: Any) -> None:
+    _get(root, path[:-1])[path[-1]] = value
+
+
+def _tensor_paths(payload: dict) -> list[tuple]:
+    out = [("tensors", k) for k in payload["tensors"]]
+    out += [
+        ("trajectories", "columns", k)
+        for k, v in payload["trajectories"]["columns"].items()
+        if "data" in v
+    ]
+    out += [("conversation", "fields", k, "rows") for k in payload["conversation"]["fields"]]
+    return out
+
+
+def _structural(rng: np.random.Generator, base: dict) -> dict:
+    p = copy.deepcopy(base)
+    kind = int(rng.integers(0, 9))
+    if kind <= 2:  # a constrained node gets a value of another type
+        paths = [q for q in _constrained_paths(p) if q]
+        path = paths[int(rng.integers(len(paths)))]
+        old = _get(p, path)
+        choices = [j for j in JUNK if type(j) is not type(old)]
+        _set(p, path, copy.deepcopy(choices[int(rng.integers(len(choices)))]))
+    elif kind == 3:  # absurd or inconsistent shape
+        tp = _tensor_paths(p)
+        t = _get(p, tp[int(rng.integers(len(tp)))])
+        t["shape"] = [
+            [2**31, 2**31],
+            [2**62],
+            [-1],
+            [1] * 9,
+            [len(t["data"]) + 1],
+            [0],
+            [3, -3],
+            [True],
+            [1.0],
+            [2**64 - 1],
+            ["1"],
+        ][int(rng.integers(11))]
+        if t["shape"] == [0] and len(t["data"]) == 0:
+            t["data"] = b"\x00"
+    elif kind == 4:  # dtype outside the whitelist or data of the wrong length
+        tp = _tensor_paths(p)
+        t = _get(p, tp[int(rng.integers(len(tp)))])
+        if rng.random() < 0.5:
+            t["dtype"] = ["object", "float128", "<U10", "O", "complex64", "uint32", "str", ""][
+                int(rng.integers(8))
+            ]
+        else:
+            t["data"] = (
+                t["data"][: max(0, len(t["data"]) - int(rng.integers(1, 5)))]
+                if t["data"]
+                else b"\x01"
+            )
+    elif kind == 5:  # index or row numbers out of range / not increasing
+        col = p["trajectories"]["columns"]["query_text"]["index"]
+        idx = np.frombuffer(col["data"], "<i4").copy()
+        idx[int(rng.integers(len(idx)))] = [len(p["strings"]), -1, 2**31 - 1][int(rng.integers(3))]
+        col["data"] = idx.tobytes()
+        if rng.random() < 0.5:
+            rows = p["conversation"]["fields"]["created"]["rows"]
+            r = np.frombuffer(rows["data"], "<i8").copy()
+            r[-1] = r[0] if rng.random() < 0.5 else 10**9
+            rows["data"] = r.tobytes()
+            p["trajectories"]["columns"]["query_text"]["index"]["data"] = idx.clip(0, 1).tobytes()
+    elif kind == 6:  # missing or unknown key somewhere constrained
+        maps = [
+            q
+            for q in _constrained_paths(p)
+            if isinstance(_get(p, q), dict)
+            and _get(p, q)
+            and q[:1] != ("extra",)
+            and not (len(q) == 3 and q[:2] == ("trajectories", "columns"))
+            and q
+            not in {
+                ("header",),
+                ("tensors",),
+                ("trajectories", "columns"),
+                ("conversation", "fields"),
+            }
+        ]
+        m = _get(p, maps[int(rng.integers(len(maps)))])
+        if rng.random() < 0.5 or not m:
+            m["unexpected_" + str(int(rng.integers(100)))] = 1
+        else:
+            del m[list(m)[int(rng.integers(len(m)))]]
+    elif kind == 7:  # counts that disagree with the columns
+        if rng.random() < 0.5:
+            p["trajectories"]["n"] += int(rng.choice([-1, 1, 2**40]))
+        else:
+            p["conversation"]["n"] += int(rng.choice([-1, 1, 2**40]))
+    else:  # header values out of range
+        key, val = [
+            ("d", 0),
+            ("k", -5),
+            ("k", 2**40),
+            ("format_version", 1),
+            ("layer", 10**9),
+            ("created", "not a date"),
+            ("d", 7),
+        ][int(rng.integers(7))]
+        p["header"][key] = val
+    return p
+
+
+def _hostile(rng: np.random.Generator, base: dict) -> bytes:
+    """Raw msgpack with lies in it; the frame's checksum is correct."""
+    keys = sorted(base)
+    victim = keys[int(rng.integers(len(keys)))]
+    lie = [
+        b"\xdd\xff\xff\xff\xff",  # array32 of 4 billion items
+        b"\xdf\xff\xff\xff\xff",  # map32 of 4 billion pairs
+        b"\xdb\xff\xff\xff\xffabc",  # str32 of 4 GiB
+        b"\xc6\xff\xff\xff\xff\x00",  # bin32 of 4 GiB
+        b"\x91" * 200_000 + b"\xc0",  # deeply nested arrays
+        b"\x81\x91\x01\x02",  # map with an array as key
+        b"\xc7\x05\x01hello",  # ext type 1
+        b"\xd6\xff\x00\x00\x00\x01",  # timestamp ext
+        b"\xc1",  # never-used byte
+        b"\xcf" + b"\xff" * 8,  # uint64 max
+    ][int(rng.integers(10))]
+    out = bytearray(struct.pack(">B", 0x80 | len(keys)))  # fixmap header
+    for k in keys:
+        out += msgpack.packb(k)
+        out += lie if k == victim else msgpack.packb(base[k])
+    if rng.random() < 0.3:
+        out += b"\x00"  # trailing data after the map
+    return bytes(out)
+
+
+def _byte_level(rng: np.random.Generator, good: bytes) -> bytes:
+    data = bytearray(good)
+    kind = int(rng.integers(0, 4))
+    if kind == 0:
+        for _ in range(int(rng.integers(1, 9))):
+            pos = int(rng.integers(len(data)))
+            data[pos] ^= 1 << int(rng.integers(8))
+    elif kind == 1:
+        data = data[: int(rng.integers(0, len(data)))]
+    elif kind == 2:
+        pos = int(rng.integers(len(data)))
+        data[pos:pos] = rng.bytes(int(rng.integers(1, 64)))
+    else:
+        data += rng.bytes(int(rng.integers(1, 64)))
+    return bytes(data)
+
+
+@pytest.mark.timeout(300)
+def test_ten_thousand_damaged_files_all_raise_mikuerror(tmp_path: Path) -> None:
+    good = encode_miku(make_state(n=6, k=4, d=8))
+    record_len = miku._PREFIX.unpack_from(good)[2]
+    base = msgpack.unpackb(good[miku._PREFIX.size + record_len :])  # the payload as Python data
+    decode_miku(good)  # the base case itself is valid
+    assert decode_miku(_frame(msgpack.packb(base))) is not None
+
+    rng = np.random.default_rng(20240601)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kinds = {"byte": 0, "structural": 0, "hostile": 0}
+    messages: set[str] = set()
+    for i in range(N_CASES):
+        r = rng.random()
+        if r < 0.45:
+            data, kind = _byte_level(rng, good), "byte"
+        elif r < 0.85:
+            data, kind = _frame(msgpack.packb(_structural(rng, base))), "structural"
+        else:
+            data, kind = _frame(_hostile(rng, base)), "hostile"
+        if data == good:
+            continue  # a flip that flipped back; not damage
+        kinds[kind] += 1
+        try:
+            if i % 100 == 0:
+                f = tmp_path / f"case{i}.miku"
+                f.write_bytes(data)
+                read_miku(f)
+            else:
+                decode_miku(data)
+        except MikuError as exc:
+            assert str(exc), "MikuError without a message"
+            messages.add(str(exc).split(":")[1][:40] if ":" in str(exc) else str(exc)[:40])
+            continue
+        except Exception as exc:  # pragma: no cover - this is the failure being looked for
+            pytest.fail(f"case {i} ({kind}) raised {type(exc).__name__}: {exc}")
+        pytest.fail(f"case {i} ({kind}) was accepted as a valid .miku file")
+    assert sum(kinds.values()) >= N_CASES - 5
+    assert min(kinds.values()) > 1000  # every kind of damage was exercised
+    assert len(messages) > 20  # the messages name many distinct problems
+    # bounded allocation: declared 4 GiB lengths never got allocated
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert (rss_after - rss_before) * 1024 < 512 * 1024**2
