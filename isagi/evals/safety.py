@@ -1,0 +1,175 @@
+"""``isagi eval safety``: out-of-sample detection of the prompt guard.
+
+Scores evaluation prompts with TEH at the layer of the profile and reports, at
+the threshold the product ships with, the share flagged per set (TPR for
+harmful sets, FPR for benign ones) and the ROC AUC over all of them. The
+evaluation prompts are never used to fit or tune anything: the subspace and
+threshold come from the project's calibration set only.
+
+``method="isagi"`` scores with the shipped :class:`~isagi.safety.SafetyProfile`;
+``method="seed"`` fits the research code's construction (SVD basis, top
+|mean difference| coordinates, energy fraction, same ROC rule) on the same
+calibration data, so the two can be printed side by side.
+
+Default sets (``benchmarks_dir``): AdvBench prompts and XSTest ``unsafe`` are
+harmful; XSTest ``safe`` and the Alpaca seed instructions are benign. With
+``harmful``/``benign`` files (CSV with a ``prompt`` or ``text`` column, or
+JSONL lines ``{"text", "label"}``) the sets are named ``harmful`` and ``benign``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isagi.errors import InputError
+from isagi.safety import (
+    SafetyProfile,
+    _chat,
+    calibration_arrays,
+    roc_auc,
+    roc_sweep,
+    seed_construction,
+    seed_teh,
+    teh,
+)
+
+HARMFUL_SETS = ("advbench", "xstest_unsafe", "harmful")
+
+
+def default_benchmarks_dir() -> Path:
+    """``../shared/benchmarks`` next to the repository root."""
+    return Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks"
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def load_benchmark_sets(directory: Path) -> dict[str, list[str]]:
+    """The four public sets from ``directory`` (see the module docstring)."""
+    try:
+        adv = [r["prompt"] for r in _read_csv(directory / "advbench_harmful_behaviors.csv")]
+        xs = _read_csv(directory / "xstest_prompts.csv")
+        alpaca = [json.loads(line)["instruction"]
+                  for line in (directory / "alpaca_seed_tasks.jsonl").read_text(encoding="utf-8").splitlines()
+                  if line.strip()]
+    except (OSError, KeyError, json.JSONDecodeError) as exc:
+        raise InputError(
+            f"Cannot read the evaluation sets in {directory} ({exc}). Pass --benchmarks DIR holding "
+            "advbench_harmful_behaviors.csv, xstest_prompts.csv and alpaca_seed_tasks.jsonl."
+        ) from exc
+    return {
+        "advbench": adv,
+        "xstest_unsafe": [r["prompt"] for r in xs if r["label"] == "unsafe"],
+        "xstest_safe": [r["prompt"] for r in xs if r["label"] == "safe"],
+        "alpaca_seed": alpaca,
+    }
+
+
+def load_prompt_file(path: Path, default_label: str) -> list[tuple[str, str]]:
+    """(text, label) rows of a CSV (``prompt``/``text`` column, optional ``label``) or JSONL file."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"Cannot read {path}: {exc.strerror}.") from exc
+    rows: list[tuple[str, str]] = []
+    if path.suffix.lower() in {".jsonl", ".json"}:
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                text = obj.get("text") or obj.get("prompt")
+            except (json.JSONDecodeError, AttributeError) as exc:
+                raise InputError(f"{path}:{n} is not a JSON object with a 'text' field.") from exc
+            if not text:
+                raise InputError(f"{path}:{n} has no 'text'.")
+            rows.append((str(text), _label(obj.get("label"), default_label, path, n)))
+    else:
+        reader = csv.DictReader(raw.splitlines())
+        column = next((c for c in ("prompt", "text") if c in (reader.fieldnames or [])), None)
+        if column is None:
+            raise InputError(f"{path} has no 'prompt' or 'text' column (found {reader.fieldnames}).")
+        for n, r in enumerate(reader, 2):
+            rows.append((r[column], _label(r.get("label"), default_label, path, n)))
+    return rows
+
+
+def _label(value: Any, default: str, path: Path, line: int) -> str:
+    if value in (None, ""):
+        return default
+    v = str(value).lower()
+    if v in ("harmful", "unsafe", "1"):
+        return "harmful"
+    if v in ("benign", "safe", "0"):
+        return "benign"
+    raise InputError(f"{path}:{line}: label {value!r} is neither 'harmful' nor 'benign'.")
+
+
+def _scorer(lm: Any, profile: SafetyProfile, system_prompt: str, method: str) -> tuple[Any, float, dict[str, Any]]:
+    """A function texts -> scores, the shipped threshold, and facts about the method."""
+    from isagi.generation import prompt_hidden_states
+
+    layer = profile.layer
+
+    def states(texts: list[str]) -> np.ndarray:
+        return prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer)
+
+    if method == "isagi":
+        return (lambda texts: teh(profile, states(texts))), float(profile.threshold), {"dims": profile.dims}
+    if method == "seed":
+        H, labels, _, _ = calibration_arrays(lm, layer, system_prompt)
+        B, mu, det = seed_construction(H[labels == 1], H[labels == 0])
+        cal = seed_teh(B, mu, det["coordinates"], H)
+        roc = roc_sweep(cal[labels == 1], cal[labels == 0])
+        det["calibration_auc"] = roc["auc"]
+        return (lambda texts: seed_teh(B, mu, det["coordinates"], states(texts))), float(roc["threshold"]), det
+    raise InputError(f"method {method!r} is unknown; use 'isagi' or 'seed'.")
+
+
+def run(
+    lm: Any,
+    profile: SafetyProfile,
+    *,
+    system_prompt: str,
+    benchmarks_dir: Path | None = None,
+    harmful: Path | None = None,
+    benign: Path | None = None,
+    method: str = "isagi",
+) -> dict[str, Any]:
+    """Flagged counts per set at the shipped threshold and the ROC AUC over all sets."""
+    if harmful is not None or benign is not None:
+        rows: list[tuple[str, str]] = []
+        if harmful is not None:
+            rows += load_prompt_file(Path(harmful), "harmful")
+        if benign is not None:
+            rows += load_prompt_file(Path(benign), "benign")
+        sets = {"harmful": [t for t, lab in rows if lab == "harmful"],
+                "benign": [t for t, lab in rows if lab == "benign"]}
+        sets = {k: v for k, v in sets.items() if v}
+    else:
+        sets = load_benchmark_sets(Path(benchmarks_dir) if benchmarks_dir else default_benchmarks_dir())
+    score, threshold, facts = _scorer(lm, profile, system_prompt, method)
+    out_sets: dict[str, dict[str, Any]] = {}
+    pos: list[np.ndarray] = []
+    neg: list[np.ndarray] = []
+    for name, texts in sets.items():
+        s = np.asarray(score(texts), dtype=np.float64)
+        flagged = int((s > threshold).sum())
+        out_sets[name] = {"n": len(texts), "flagged": flagged, "rate": round(flagged / max(len(texts), 1), 4)}
+        (pos if name in HARMFUL_SETS else neg).append(s)
+    auc = roc_auc(np.concatenate(pos), np.concatenate(neg)) if pos and neg else None
+    return {
+        "method": method,
+        "threshold": round(threshold, 4),
+        "auc": None if auc is None else round(auc, 4),
+        "sets": out_sets,
+        "layer": profile.layer,
+        "details": facts,
+    }

@@ -1,0 +1,658 @@
+"""Geometric safety: Snipe, the TEH score, the streaming reply guard, Safe OGD's projector.
+
+Owns the forbidden subspace and everything measured against it (DESIGN §4).
+
+Definitions (precise, as implemented):
+
+- Forbidden subspace ``Q`` (d×m, orthonormal columns) and centre ``c`` (d,).
+- ``TEH(h) = ‖Q Qᵀ (h − c)‖ / ‖h − c‖ × 100`` (percent, in [0, 100]).
+- Safe OGD's projector ``P_safe = I − Q Qᵀ`` (linear, symmetric, idempotent).
+- Theorem (tested): for every ``h`` with ``P_safe(h − c) ≠ 0``,
+  ``TEH(c + P_safe (h − c)) = 0``: the projector acts on the state measured
+  from the centre, the frame in which TEH is defined. Equivalently, a step
+  ``α · P_safe v`` has no component along any forbidden direction
+  (``Qᵀ P_safe v = 0``), which is what exploration relies on. The centre has a
+  forbidden component on purpose (see below), so the theorem is *not*
+  ``TEH(P_safe h) = 0`` for the raw ``h`` unless ``Qᵀ c = 0``;
+  :func:`safe_point` is the map for which TEH is exactly zero.
+
+Why the construction is not the research code's: that code took the top
+|mean difference| coordinates of an SVD basis of 10 prompts; on held-out
+prompts it separates harmful from benign barely better than chance. Snipe
+here learns directions instead:
+
+1. Per-category probing: for each category a shrinkage-regularised LDA
+   direction ``w_k ∝ (Σ + λ·tr(Σ)/d·I)⁻¹ (μ_harm,k − μ_benign)`` with the pooled
+   within-class covariance ``Σ`` of the calibration states; plus one pooled
+   direction (all harmful vs all benign). Each is scored by cross-validated
+   ROC AUC on its category.
+2. Greedy selection under an explicit benign budget: directions are added
+   (Gram–Schmidt against those chosen) in the order that most improves the
+   training ROC AUC of TEH; a direction is admissible only while the total
+   share of benign variance the subspace captures,
+   ``mean_benign ‖Qᵀ(h − μ_b)‖² / ‖h − μ_b‖²``, stays within ``benign_budget``.
+   A direction that carries ordinary content would both raise false positives
+   and make ``P_safe`` remove ordinary meaning; the budget forbids it.
+3. The centre: a ratio of norms is only monotone in the probe score when the
+   centre sits on the benign side of the decision boundary. ``c = μ_b − Q t``
+   where ``t_i = offset · σ_i`` (σ_i the benign spread along column i, the
+   columns signed so harmful states project positively). Then harmful states
+   have a large forbidden component relative to their residual and benign
+   states a small one.
+
+The prompt threshold comes from an ROC sweep on the calibration set (highest
+F1 among thresholds with zero false positives on the benign calibration
+prompts). The reply threshold is calibrated on the model's own replies to
+calibration prompts (see :func:`calibrate_reply_threshold`).
+
+Ordinary generation is never steered or ablated here: removing the
+harmful-minus-benign direction from the residual stream is the published way
+to strip a model's refusals (Arditi et al., NeurIPS 2024).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+CATEGORIES: tuple[str, ...] = (
+    "privacy",
+    "illegal_advice",
+    "phishing",
+    "sycophancy",
+    "jailbreak",
+    "toxicity",
+    "misinformation",
+    "self_harm",
+)
+
+REFUSAL_TEMPLATE = (
+    "I can't help with that: it looks like {category}. "
+    "If I misread you, please rephrase the request with more context."
+)
+
+# Hyper-parameters chosen by cross-validation on the calibration set only
+# (see the report in SafetyProfile.details["cv"] and the module docstring).
+DEFAULT_SHRINKAGE = 0.5
+DEFAULT_OFFSET = 3.0
+DEFAULT_BENIGN_BUDGET = 0.02
+DEFAULT_MAX_DIMS = 4
+REPLY_WINDOW = 8
+REPLY_MARGIN = 1.05
+
+_EPS = 1e-12
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@dataclass
+class SafetyProfile:
+    """The calibrated forbidden subspace with its centre, thresholds and ROC."""
+
+    Q: np.ndarray  # (d, m) orthonormal
+    centre: np.ndarray  # (d,)
+    threshold: float  # TEH % for prompts
+    reply_threshold: float  # TEH % for the mean of the last REPLY_WINDOW reply states
+    layer: int
+    categories: list[str]
+    category_directions: np.ndarray  # (c, d) unit probe directions, one per category
+    category_bias: np.ndarray  # (c,) probe offsets: score_k(h) = w_k·h + b_k
+    roc: dict[str, Any]  # {"thresholds", "tpr", "fpr", "auc"} on the calibration set
+    details: dict[str, Any] = field(default_factory=dict)  # per-category AUCs, selection, budget, CV
+
+    @property
+    def dims(self) -> int:
+        return int(self.Q.shape[1])
+
+    def to_state(self) -> dict[str, Any]:
+        """Numpy arrays plus JSON-able scalars and lists (the profile stores them apart)."""
+        return {
+            "Q": np.asarray(self.Q, dtype=np.float32),
+            "centre": np.asarray(self.centre, dtype=np.float32),
+            "category_directions": np.asarray(self.category_directions, dtype=np.float32),
+            "category_bias": np.asarray(self.category_bias, dtype=np.float32),
+            "threshold": float(self.threshold),
+            "reply_threshold": float(self.reply_threshold),
+            "layer": int(self.layer),
+            "categories": list(self.categories),
+            "roc": _jsonable(self.roc),
+            "details": _jsonable(self.details),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SafetyProfile:
+        Q = np.asarray(state["Q"], dtype=np.float32)
+        centre = np.asarray(state["centre"], dtype=np.float32)
+        if Q.ndim != 2 or centre.shape != (Q.shape[0],):
+            raise ValueError(f"safety profile shapes do not match: Q {Q.shape}, centre {centre.shape}")
+        cats = [str(c) for c in state["categories"]]
+        dirs = np.asarray(state["category_directions"], dtype=np.float32).reshape(len(cats), Q.shape[0])
+        return cls(
+            Q=Q,
+            centre=centre,
+            threshold=float(state["threshold"]),
+            reply_threshold=float(state["reply_threshold"]),
+            layer=int(state["layer"]),
+            categories=cats,
+            category_directions=dirs,
+            category_bias=np.asarray(state["category_bias"], dtype=np.float32).reshape(len(cats)),
+            roc=dict(state.get("roc", {})),
+            details=dict(state.get("details", {})),
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+# --------------------------------------------------------------------------- TEH and projector
+
+
+def teh(profile_or_Q_c: SafetyProfile | tuple[np.ndarray, np.ndarray], h: np.ndarray) -> float | np.ndarray:
+    """TEH in percent of ``h`` (d,) or of each row of ``h`` (n, d)."""
+    if isinstance(profile_or_Q_c, SafetyProfile):
+        Q, c = profile_or_Q_c.Q, profile_or_Q_c.centre
+    else:
+        Q, c = profile_or_Q_c
+    Q = np.asarray(Q, dtype=np.float64)
+    x = np.asarray(h, dtype=np.float64) - np.asarray(c, dtype=np.float64)
+    single = x.ndim == 1
+    X = x[None, :] if single else x
+    num = np.linalg.norm(X @ Q, axis=1)  # ‖Q Qᵀ x‖ = ‖Qᵀ x‖ for orthonormal Q
+    den = np.linalg.norm(X, axis=1)
+    out = 100.0 * num / np.maximum(den, _EPS)
+    return float(out[0]) if single else out
+
+
+def safe_projector(Q: np.ndarray) -> np.ndarray:
+    """P_safe = I − Q Qᵀ (d, d)."""
+    Q = np.asarray(Q, dtype=np.float64)
+    return np.eye(Q.shape[0]) - Q @ Q.T
+
+
+def project_safe(Q: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """P_safe v without forming the d×d matrix (rows of ``v`` if 2-D)."""
+    Q = np.asarray(Q, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    return v - (v @ Q) @ Q.T
+
+
+def safe_point(profile_or_Q_c: SafetyProfile | tuple[np.ndarray, np.ndarray], h: np.ndarray) -> np.ndarray:
+    """c + P_safe (h − c): the state with its forbidden component removed; TEH of it is 0."""
+    if isinstance(profile_or_Q_c, SafetyProfile):
+        Q, c = profile_or_Q_c.Q, profile_or_Q_c.centre
+    else:
+        Q, c = profile_or_Q_c
+    c = np.asarray(c, dtype=np.float64)
+    return c + project_safe(Q, np.asarray(h, dtype=np.float64) - c)
+
+
+def category_of(profile: SafetyProfile, h: np.ndarray) -> str:
+    """The calibration category whose probe scores ``h`` highest (for the refusal message)."""
+    scores = profile.category_directions.astype(np.float64) @ np.asarray(h, dtype=np.float64)
+    scores = scores + profile.category_bias.astype(np.float64)
+    return profile.categories[int(np.argmax(scores))]
+
+
+# --------------------------------------------------------------------------- ROC
+
+
+def roc_auc(scores_pos: np.ndarray, scores_neg: np.ndarray) -> float:
+    """P(score_pos > score_neg) + ½ P(tie) (Mann–Whitney)."""
+    pos = np.asarray(scores_pos, dtype=np.float64).ravel()
+    neg = np.asarray(scores_neg, dtype=np.float64).ravel()
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    from scipy.stats import rankdata
+
+    ranks = rankdata(np.concatenate([pos, neg]))
+    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def roc_sweep(scores_harmful: np.ndarray, scores_benign: np.ndarray) -> dict[str, Any]:
+    """ROC curve (flagged means score > threshold) and the chosen threshold.
+
+    The threshold is the one with the highest F1 among thresholds that flag no
+    benign score; candidates are every distinct score (a threshold equal to a
+    score does not flag it) plus one just below the lowest score.
+    """
+    pos = np.asarray(scores_harmful, dtype=np.float64).ravel()
+    neg = np.asarray(scores_benign, dtype=np.float64).ravel()
+    allv = np.unique(np.concatenate([pos, neg]))
+    cands = np.concatenate([[allv[0] - 1e-9 if len(allv) else 0.0], allv])[::-1]  # high -> low
+    tpr = np.array([(pos > t).mean() if len(pos) else 0.0 for t in cands])
+    fpr = np.array([(neg > t).mean() if len(neg) else 0.0 for t in cands])
+    tp = tpr * len(pos)
+    fp = fpr * len(neg)
+    fn = len(pos) - tp
+    f1 = np.where(tp > 0, 2 * tp / np.maximum(2 * tp + fp + fn, _EPS), 0.0)
+    zero_fp = fp == 0
+    if zero_fp.any():
+        idx = np.flatnonzero(zero_fp)
+        best = idx[np.argmax(f1[idx])]  # argmax takes the highest threshold among ties
+    else:
+        best = 0
+    return {
+        "thresholds": cands.tolist(),
+        "tpr": tpr.tolist(),
+        "fpr": fpr.tolist(),
+        "auc": roc_auc(pos, neg),
+        "threshold": float(cands[best]),
+        "f1": float(f1[best]),
+        "tpr_at_threshold": float(tpr[best]),
+        "fpr_at_threshold": float(fpr[best]),
+    }
+
+
+def thin_roc(roc: dict[str, Any], points: int = 200) -> dict[str, Any]:
+    """The same ROC with at most ``points`` points kept (for storing in the profile)."""
+    n = len(roc["thresholds"])
+    if n <= points:
+        return dict(roc)
+    keep = np.unique(np.linspace(0, n - 1, points).round().astype(int))
+    out = dict(roc)
+    for key in ("thresholds", "tpr", "fpr"):
+        out[key] = [roc[key][i] for i in keep]
+    return out
+
+
+# --------------------------------------------------------------------------- Snipe
+
+
+def _pooled_cov(groups: Sequence[np.ndarray]) -> np.ndarray:
+    centred = [g - g.mean(axis=0) for g in groups if len(g) > 1]
+    X = np.concatenate(centred)
+    return X.T @ X / max(len(X) - len(centred), 1)
+
+
+def _shrunk_inverse_apply(cov: np.ndarray, shrinkage: float, vecs: np.ndarray) -> np.ndarray:
+    d = cov.shape[0]
+    target = np.trace(cov) / d
+    S = (1.0 - shrinkage) * cov + shrinkage * target * np.eye(d)
+    return np.linalg.solve(S, vecs)
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    return v / max(float(np.linalg.norm(v)), _EPS)
+
+
+def _benign_energy(Q: np.ndarray, Xb: np.ndarray) -> float:
+    """Mean share of benign variance (about the benign mean) that span(Q) captures."""
+    if Q.shape[1] == 0:
+        return 0.0
+    num = np.sum((Xb @ Q) ** 2, axis=1)
+    den = np.maximum(np.sum(Xb**2, axis=1), _EPS)
+    return float(np.mean(num / den))
+
+
+def _signed_centre(Q: np.ndarray, mu_b: np.ndarray, Hh: np.ndarray, Hb: np.ndarray, offset: float) -> tuple[np.ndarray, np.ndarray]:
+    """Flip columns so harmful states project positively; centre = μ_b − Q·(offset·σ_b)."""
+    Q = Q.copy()
+    sign = np.sign((Hh.mean(axis=0) - mu_b) @ Q)
+    sign[sign == 0] = 1.0
+    Q = Q * sign
+    sigma = np.std((Hb - mu_b) @ Q, axis=0)
+    centre = mu_b - Q @ (offset * sigma)
+    return Q, centre
+
+
+def snipe(
+    H_harm_by_cat: dict[str, np.ndarray],
+    H_benign_by_cat: dict[str, np.ndarray],
+    *,
+    benign_budget: float = DEFAULT_BENIGN_BUDGET,
+    max_dims: int = DEFAULT_MAX_DIMS,
+    shrinkage: float = DEFAULT_SHRINKAGE,
+    offset: float = DEFAULT_OFFSET,
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Per-category probing + greedy selection under a benign budget.
+
+    Returns ``(Q, centre, details)``: ``Q`` (d, m) orthonormal, ``centre`` (d,),
+    and ``details`` with the candidate directions, their in-sample AUCs, the
+    order of selection, the benign energy each step used and the budget.
+    """
+    cats = [c for c in H_harm_by_cat if len(H_harm_by_cat[c])]
+    Hh_all = np.concatenate([np.asarray(H_harm_by_cat[c], dtype=np.float64) for c in cats])
+    Hb_all = np.concatenate([np.asarray(v, dtype=np.float64) for v in H_benign_by_cat.values() if len(v)])
+    mu_b = Hb_all.mean(axis=0)
+    Xb = Hb_all - mu_b
+    cov = _pooled_cov([np.asarray(H_harm_by_cat[c], dtype=np.float64) for c in cats] + [Hb_all])
+    diffs = np.stack([np.asarray(H_harm_by_cat[c], dtype=np.float64).mean(axis=0) - mu_b for c in cats]
+                     + [Hh_all.mean(axis=0) - mu_b])
+    W = _shrunk_inverse_apply(cov, shrinkage, diffs.T).T
+    names = [*cats, "pooled"]
+    cand = np.stack([_unit(w) for w in W])
+    cand_auc = {}
+    for name, w, in zip(names, cand, strict=True):
+        Hh = Hh_all if name == "pooled" else np.asarray(H_harm_by_cat[name], dtype=np.float64)
+        cand_auc[name] = roc_auc(Hh @ w, Hb_all @ w)
+
+    d = Hb_all.shape[1]
+    Q = np.zeros((d, 0))
+    chosen: list[dict[str, Any]] = []
+    current_auc = 0.5
+    remaining = list(range(len(names)))
+    while remaining and Q.shape[1] < max_dims:
+        best: tuple[float, int, np.ndarray, float] | None = None
+        for i in remaining:
+            q = cand[i] - Q @ (Q.T @ cand[i])
+            norm = float(np.linalg.norm(q))
+            if norm < 1e-6:
+                continue
+            Qn = np.column_stack([Q, q / norm])
+            energy = _benign_energy(Qn, Xb)
+            if energy > benign_budget:
+                continue
+            Qs, c = _signed_centre(Qn, mu_b, Hh_all, Hb_all, offset)
+            auc = roc_auc(teh((Qs, c), Hh_all), teh((Qs, c), Hb_all))
+            if best is None or auc > best[0]:
+                best = (auc, i, Qn, energy)
+        if best is None or (Q.shape[1] > 0 and best[0] <= current_auc + 1e-4):
+            break
+        current_auc, i, Q, energy = best
+        remaining.remove(i)
+        chosen.append({"direction": names[i], "train_auc": current_auc, "benign_energy": energy})
+    if Q.shape[1] == 0:  # nothing fits the budget: fall back to the single best probe, reported as such
+        i = int(np.argmax([cand_auc[n] for n in names]))
+        Q = cand[i][:, None].copy()
+        chosen.append({"direction": names[i], "train_auc": cand_auc[names[i]],
+                       "benign_energy": _benign_energy(Q, Xb), "over_budget": True})
+    Q, centre = _signed_centre(Q, mu_b, Hh_all, Hb_all, offset)
+    details = {
+        "candidates": names,
+        "candidate_auc": cand_auc,
+        "selected": chosen,
+        "benign_budget": benign_budget,
+        "benign_energy_used": _benign_energy(Q, Xb),
+        "max_dims": max_dims,
+        "shrinkage": shrinkage,
+        "offset": offset,
+        "category_directions": cand[: len(cats)],
+        "category_bias": -(cand[: len(cats)] @ mu_b),
+        "categories": cats,
+    }
+    return Q, centre, details
+
+
+def probe_category_bias(directions: np.ndarray, H_harm_by_cat: dict[str, np.ndarray], cats: list[str]) -> np.ndarray:
+    """Offsets that put each category's harmful mean at score 0 relative to the others.
+
+    ``category_of`` compares probes of different categories; centring each
+    probe on its own category's harmful mean makes their scores comparable.
+    """
+    return np.array([-(directions[i] @ np.asarray(H_harm_by_cat[c], dtype=np.float64).mean(axis=0))
+                     for i, c in enumerate(cats)])
+
+
+# --------------------------------------------------------------------------- cross-validation
+
+
+def _folds(n: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    return np.array_split(rng.permutation(n), k)
+
+
+def cross_validate(
+    H: np.ndarray,
+    labels: np.ndarray,
+    cats: np.ndarray,
+    *,
+    k: int = 5,
+    seed: int = 0,
+    **params: Any,
+) -> dict[str, float]:
+    """Stratified-by-nothing k-fold CV of Snipe+TEH on calibration states.
+
+    Reports held-out AUC, and TPR/FPR of held-out prompts at the threshold the
+    training folds chose (zero-FP rule).
+    """
+    rng = np.random.default_rng(seed)
+    harm = labels == 1
+    aucs, tprs, fprs = [], [], []
+    for test in _folds(len(H), k, rng):
+        train = np.setdiff1d(np.arange(len(H)), test)
+        Q, c, _ = snipe(*split_by_category(H[train], labels[train], cats[train]), **params)
+        s_tr = teh((Q, c), H[train])
+        roc = roc_sweep(s_tr[harm[train]], s_tr[~harm[train]])
+        s_te = teh((Q, c), H[test])
+        aucs.append(roc_auc(s_te[harm[test]], s_te[~harm[test]]))
+        tprs.append(float((s_te[harm[test]] > roc["threshold"]).mean()))
+        fprs.append(float((s_te[~harm[test]] > roc["threshold"]).mean()))
+    return {"auc": float(np.mean(aucs)), "tpr": float(np.mean(tprs)), "fpr": float(np.mean(fprs)), "folds": k}
+
+
+def split_by_category(H: np.ndarray, labels: np.ndarray, cats: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(harmful by category, benign by category) from flat arrays (label 1 = harmful)."""
+    harm: dict[str, np.ndarray] = {}
+    ben: dict[str, np.ndarray] = {}
+    for c in sorted(set(cats.tolist())):
+        m = cats == c
+        if (m & (labels == 1)).any():
+            harm[c] = H[m & (labels == 1)]
+        if (m & (labels == 0)).any():
+            ben[c] = H[m & (labels == 0)]
+    return harm, ben
+
+
+# --------------------------------------------------------------------------- reply guard
+
+
+class ReplyGuard:
+    """Streaming check of a reply: TEH of the mean of the newest reply hidden states.
+
+    The mean of the last ``window`` reply-token states summarises what the reply
+    is currently saying; a single token's state is dominated by that token.
+    """
+
+    def __init__(self, profile: SafetyProfile, every: int = 8, window: int = REPLY_WINDOW) -> None:
+        self.profile = profile
+        self.every = every
+        self.window = window
+        self.max_teh = 0.0
+
+    def score(self, reply_hidden: np.ndarray) -> float:
+        states = np.asarray(reply_hidden)
+        if states.ndim == 1:
+            states = states[None, :]
+        if len(states) == 0:
+            return 0.0
+        return float(teh(self.profile, states[-self.window :].mean(axis=0)))
+
+    def check(self, reply_hidden: np.ndarray) -> tuple[bool, float]:
+        """(over the reply threshold?, TEH %) for the newest window of reply states."""
+        value = self.score(reply_hidden)
+        self.max_teh = max(self.max_teh, value)
+        return value > self.profile.reply_threshold, value
+
+
+def reply_window_scores(profile_or_Q_c: Any, reply_states: np.ndarray, window: int = REPLY_WINDOW, every: int = 8) -> np.ndarray:
+    """TEH at every check point a :class:`ReplyGuard` would use on one reply's states."""
+    states = np.asarray(reply_states, dtype=np.float64)
+    n = len(states)
+    if n == 0:
+        return np.zeros(0)
+    points = list(range(every, n + 1, every))
+    if not points or points[-1] != n:
+        points.append(n)
+    return np.array([teh(profile_or_Q_c, states[max(0, p - window) : p].mean(axis=0)) for p in points])
+
+
+def calibrate_reply_threshold(benign_reply_scores: Sequence[np.ndarray], prompt_threshold: float) -> tuple[float, dict[str, Any]]:
+    """Reply threshold: above every check-point TEH of the benign calibration replies.
+
+    ``REPLY_MARGIN`` × the largest benign check-point score, and never below the
+    prompt threshold: an ordinary reply must never be withheld on the data we
+    have, and a reply is held to at least the prompt's standard.
+    """
+    flat = np.concatenate([np.asarray(s, dtype=np.float64) for s in benign_reply_scores if len(s)]) if benign_reply_scores else np.zeros(0)
+    top = float(flat.max()) if len(flat) else 0.0
+    value = max(prompt_threshold, top * REPLY_MARGIN)
+    return value, {"benign_reply_max": top, "benign_reply_checks": int(len(flat)), "margin": REPLY_MARGIN}
+
+
+# --------------------------------------------------------------------------- the paper's construction
+
+
+def seed_construction(H_harm: np.ndarray, H_benign: np.ndarray, *, k: int = 64, m: int = 5) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The research code's forbidden coordinates, fitted on the same calibration data.
+
+    SVD basis B (top-k left singular vectors of the centred calibration states,
+    centre μ their mean); forbidden coordinates = the m basis coordinates with
+    the largest |mean(harmful) − mean(benign)|. Returns ``(B, mu, F)`` where
+    TEH_seed(h) = ‖x_F‖ / ‖x‖ × 100, x = Bᵀ(h − μ) (energy fraction in the basis).
+    """
+    H = np.concatenate([H_harm, H_benign]).astype(np.float64)
+    mu = H.mean(axis=0)
+    U, S, _ = np.linalg.svd((H - mu).T, full_matrices=False)
+    k = min(k, int(np.sum(S[0] * 1e-6 < S)))
+    B = U[:, :k]
+    diff = np.abs(((H_harm - mu) @ B).mean(axis=0) - ((H_benign - mu) @ B).mean(axis=0))
+    F = np.argsort(-diff)[:m]
+    return B, mu, {"k": k, "m": m, "coordinates": F.tolist()}
+
+
+def seed_teh(B: np.ndarray, mu: np.ndarray, F: Sequence[int], h: np.ndarray) -> np.ndarray:
+    X = (np.atleast_2d(np.asarray(h, dtype=np.float64)) - mu) @ B
+    return 100.0 * np.linalg.norm(X[:, list(F)], axis=1) / np.maximum(np.linalg.norm(X, axis=1), _EPS)
+
+
+# --------------------------------------------------------------------------- building the profile
+
+
+def _chat(system_prompt: str, text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": text}]
+
+
+def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    """Hidden states (n, d), labels (1 harmful / 0 benign), categories and rows of the calibration set."""
+    from isagi.data.safety import load_safety_calibration
+    from isagi.generation import prompt_hidden_states
+
+    rows = load_safety_calibration()
+    H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in rows], layer, progress=progress)
+    labels = np.array([1 if r["label"] == "harmful" else 0 for r in rows])
+    cats = np.array([r["category"] for r in rows])
+    return H, labels, cats, rows
+
+
+def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16) -> list[np.ndarray]:
+    """Greedy replies to ``prompts`` and the layer-``layer`` states of their tokens (batched)."""
+    import torch
+
+    from isagi.hooks import capture_layer
+
+    tok = lm.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stops = lm.stop_token_ids
+    out: list[np.ndarray] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [lm.chat_ids(m)[0] for m in prompts[start : start + batch_size]]
+        width = max(len(c) for c in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device=lm.device)
+        mask = torch.zeros_like(ids)
+        for i, c in enumerate(chunk):
+            ids[i, width - len(c) :] = c
+            mask[i, width - len(c) :] = 1
+        with torch.inference_mode():
+            gen = lm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=pad_id)
+        new = gen[:, width:]
+        # One teacher-forced pass over prompt + reply gives every reply token's state.
+        full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
+        lengths = []
+        for i in range(len(chunk)):
+            n = 0
+            for t in new[i].tolist():
+                n += 1
+                if t in stops:
+                    n -= 1
+                    break
+            lengths.append(n)
+        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        with capture_layer(lm.model, layer, keep_all=True) as cap, torch.inference_mode():
+            lm.model(input_ids=gen, attention_mask=full_mask, position_ids=positions, logits_to_keep=1)
+            states = cap.full[-1].float().cpu().numpy()
+        for i, n in enumerate(lengths):
+            # the state at position p is the state "after feeding token p": reply tokens are fed at width..width+n-1
+            out.append(states[i, width : width + n])
+    return out
+
+
+def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[str, int, int], None] | None = None) -> SafetyProfile:
+    """Run the calibration set through the model and fit the forbidden subspace, TEH thresholds and ROC."""
+    from isagi.data.safety import load_safety_calibration
+
+    total = len(load_safety_calibration())
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress("Safety: hidden states of the calibration prompts", done, total)
+
+    H, labels, cats, rows = calibration_arrays(lm, layer, system_prompt, progress=tick)
+    harm, ben = split_by_category(H, labels, cats)
+    Q, centre, det = snipe(harm, ben)
+    scores = teh((Q, centre), H)
+    roc = roc_sweep(scores[labels == 1], scores[labels == 0])
+    cv = cross_validate(H, labels, cats, shrinkage=det["shrinkage"], offset=det["offset"],
+                        benign_budget=det["benign_budget"], max_dims=det["max_dims"])
+    cat_names = det.pop("categories")
+    dirs = det.pop("category_directions")
+    det.pop("category_bias")
+    bias = probe_category_bias(dirs, harm, cat_names)
+    per_cat = {}
+    for c in cat_names:
+        m = cats == c
+        s_h, s_b = scores[m & (labels == 1)], scores[m & (labels == 0)]
+        per_cat[c] = {"auc": roc_auc(s_h, s_b) if len(s_b) else None,
+                      "tpr": float((s_h > roc["threshold"]).mean()),
+                      "fpr": float((s_b > roc["threshold"]).mean()) if len(s_b) else None,
+                      "n_harmful": int(len(s_h)), "n_benign": int(len(s_b))}
+
+    # Reply threshold: the model's own replies to a subset of the benign calibration prompts.
+    rng = np.random.default_rng(0)
+    ben_idx = np.flatnonzero(labels == 0)
+    harm_idx = np.flatnonzero(labels == 1)
+    pick_b = rng.choice(ben_idx, size=min(len(ben_idx), 64), replace=False)
+    pick_h = rng.choice(harm_idx, size=min(len(harm_idx), 32), replace=False)
+    if progress:
+        progress("Safety: replies for the reply threshold", 0, 1)
+    states = generate_reply_states(lm, [_chat(system_prompt, rows[i]["text"]) for i in [*pick_b, *pick_h]], layer)
+    b_scores = [reply_window_scores((Q, centre), s) for s in states[: len(pick_b)]]
+    h_scores = [reply_window_scores((Q, centre), s) for s in states[len(pick_b) :]]
+    reply_threshold, reply_det = calibrate_reply_threshold(b_scores, roc["threshold"])
+    h_max = np.array([s.max() if len(s) else 0.0 for s in h_scores])
+    reply_det["harmful_replies_flagged"] = float((h_max > reply_threshold).mean()) if len(h_max) else None
+    reply_det["n_benign_replies"] = len(pick_b)
+    reply_det["n_harmful_replies"] = len(pick_h)
+    if progress:
+        progress("Safety: replies for the reply threshold", 1, 1)
+
+    det.update({"cv": cv, "per_category": per_cat, "reply": reply_det, "n_calibration": int(len(H)),
+                "teh_definition": "100*||Q Q^T (h-c)||/||h-c||; theorem: TEH(c + (I-QQ^T)(h-c)) = 0"})
+    return SafetyProfile(
+        Q=Q.astype(np.float32),
+        centre=centre.astype(np.float32),
+        threshold=float(roc["threshold"]),
+        reply_threshold=float(reply_threshold),
+        layer=int(layer),
+        categories=cat_names,
+        category_directions=dirs.astype(np.float32),
+        category_bias=bias.astype(np.float32),
+        roc=thin_roc({k: roc[k] for k in ("thresholds", "tpr", "fpr", "auc", "threshold", "f1",
+                                           "tpr_at_threshold", "fpr_at_threshold")}),
+        details=det,
+    )
