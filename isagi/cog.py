@@ -109,6 +109,7 @@ class Metric:
             if np.linalg.eigvalsh(M)[0] <= 0:
                 raise ValueError("M must be positive definite")
         self._M = M
+        self._lmin_lb = float(np.linalg.eigvalsh(M)[0])  # lower bound of λ_min(M)
         self.version = 0
         self.updates = 0
         self.floor_events = 0
@@ -213,9 +214,16 @@ class Metric:
         before = self.growth
         M = self._M + (weight * self.eta / sq) * np.outer(x, x)
         M = 0.5 * (M + M.T)
-        if np.linalg.eigvalsh(M)[0] < self.eig_floor:
-            M = M + self.eig_floor * np.eye(self.k)
-            self.floor_events += 1
+        # Adding a PSD term never lowers the smallest eigenvalue, so the
+        # eigen-decomposition is needed only while the last known lower
+        # bound is under the floor.
+        if self._lmin_lb < self.eig_floor:
+            lmin = float(np.linalg.eigvalsh(M)[0])
+            if lmin < self.eig_floor:
+                M = M + self.eig_floor * np.eye(self.k)
+                lmin += self.eig_floor
+                self.floor_events += 1
+            self._lmin_lb = lmin
         self._M = M
         self.version += 1
         self.updates += 1

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import faiss
 import numpy as np
-from scipy.linalg import solve_triangular
 
 from isagi.cog import Metric
 
@@ -111,6 +110,9 @@ class TrajectoryMemory:
         self._index: faiss.Index | None = None
         self._index_kind = ""
         self._frame_L: np.ndarray | None = None
+        self._frame_Linv: np.ndarray | None = None
+        self._frame_metric: Metric | None = None
+        self._frame_version = -1
         self._drift_key: tuple[Metric, int] | None = None
         self._drift = 0.0
         self._cur_ef = -1
@@ -305,36 +307,56 @@ class TrajectoryMemory:
         self._index = index
         self._index_kind = kind
         self._frame_L = L
+        self._frame_Linv = np.linalg.inv(L)
+        self._frame_metric = metric
+        self._frame_version = metric.version
         self._drift_key = (metric, metric.version)
         self._drift = 0.0
         self._cur_ef = -1
         self.rebuilds += 1
 
     def frame_drift(self, metric: Metric) -> float:
-        """``λ_max/λ_min − 1`` of ``L⁻¹ M L⁻ᵀ`` (0 if no index has been built yet)."""
-        if self._frame_L is None:
+        """Exact drift ``λ_max/λ_min − 1`` of ``R = L⁻¹ M L⁻ᵀ`` (0 before any build)."""
+        if self._frame_Linv is None:
             return 0.0
+        Li = self._frame_Linv
+        R = Li @ metric.M @ Li.T
+        ev = np.linalg.eigvalsh(0.5 * (R + R.T))
+        return max(0.0, float(ev[-1] / ev[0] - 1.0)) if ev[0] > 0 else float("inf")
+
+    def _drift_estimate(self, metric: Metric, bound: float) -> float:
+        """An upper bound of the drift, exact only when the cheap bound exceeds ``bound``.
+
+        With ``f = ‖R − I‖_F`` every eigenvalue of ``R`` lies in ``[1 − f, 1 + f]``,
+        so ``drift ≤ 2f/(1 − f)``. For the metric the index was built with,
+        ``M`` only ever grows by PSD terms (``Metric.update``), so ``R ⪰ I`` and
+        ``drift ≤ f``. A 64 × 64 eigendecomposition is paid only past ``bound``.
+        """
         key = self._drift_key
         if key is not None and key[0] is metric and key[1] == metric.version:
             return self._drift
-        L = self._frame_L
-        A = solve_triangular(L, metric.M, lower=True)
-        R = solve_triangular(L, A.T, lower=True)
-        ev = np.linalg.eigvalsh(0.5 * (R + R.T))
-        drift = float(ev[-1] / ev[0] - 1.0) if ev[0] > 0 else float("inf")
+        Li = self._frame_Linv
+        R = Li @ metric.M @ Li.T
+        f = float(np.linalg.norm(R - np.eye(self.k)))
+        if self._frame_metric is metric and metric.version >= self._frame_version:
+            est = f
+        else:
+            est = 2.0 * f / (1.0 - f) if f < 1.0 else float("inf")
+        if est > bound:
+            est = self.frame_drift(metric)
         self._drift_key = (metric, metric.version)
-        self._drift = max(0.0, drift)
-        return self._drift
+        self._drift = est
+        return est
 
     def _prepare(self, metric: Metric) -> int:
         """Build or rebuild the index as needed; returns the stage-1 candidate count."""
         if self._index is None:
             self._build(metric)
             return self.candidates
-        drift = self.frame_drift(metric)
+        bound = self.rebuild_drift_hnsw if self._index_kind == "hnsw" else self.rebuild_drift_exact
+        drift = self._drift_estimate(metric, bound)
         if drift <= 1e-12:
             return self.candidates
-        bound = self.rebuild_drift_hnsw if self._index_kind == "hnsw" else self.rebuild_drift_exact
         if drift > bound:
             self._build(metric)
             return self.candidates
