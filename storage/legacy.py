@@ -51,6 +51,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,16 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
     try:
         # weights_only=True: a restricted unpickler that only rebuilds tensors
         # and plain containers; any other pickled object is refused, never run.
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # pickle-protocol chatter
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        # torch's message suggests weights_only=False; show only the reason.
+        why = next((ln for ln in lines if "Unsupported" in ln or "GLOBAL" in ln), None)
+        first = (why or (lines[0] if lines else type(exc).__name__))[:200]
+        if "weights_only" in first:
+            first = "it contains pickled objects other than tensors"
         raise MikuError(
             f"{path} was refused: it is not a plain tensor file ({first}). "
             "Legacy tensor files are loaded without running any code they contain."
@@ -128,7 +136,7 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
     for name, t in obj.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise _bad(path, f"entry {str(name)[:40]!r} is not a named tensor")
-        if t.is_complex() or t.dtype == torch.bool:
+        if t.is_complex() or t.is_quantized or t.is_sparse:
             raise _bad(path, f"tensor {name!r} has unsupported dtype {t.dtype}")
         t = t.detach().cpu()
         if t.dtype in (torch.bfloat16,):

@@ -1,0 +1,397 @@
+"""The SQL history store on a SQLite file and on a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from isagi.errors import StorageError
+from storage.history import Base, HistoryStore, TurnRecord, make_title
+from storage.migrations import head_revision, upgrade_to_head
+
+PG_URL = os.environ.get("ISAGI_TEST_POSTGRES_URL")
+
+
+def _fresh_pg_schema() -> tuple[str, str]:
+    """A new, empty PostgreSQL schema and a URL whose connections use it."""
+    schema = "t_" + uuid.uuid4().hex[:12]
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    engine.dispose()
+    url = sa.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+    return schema, url.render_as_string(hide_password=False)
+
+
+def _drop_pg_schema(schema: str) -> None:
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A blank database: a SQLite file (in a directory that does not exist yet)
+    or a fresh schema on the PostgreSQL server named by ISAGI_TEST_POSTGRES_URL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'new-dir' / 'history.db'}"
+        return
+    if not PG_URL:
+        pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
+    schema, url = _fresh_pg_schema()
+    try:
+        yield url
+    finally:
+        _drop_pg_schema(schema)
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[HistoryStore]:
+    s = HistoryStore(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def rec(i: int, **kw) -> TurnRecord:
+    return TurnRecord(user_text=f"question {i}", reply_text=f"answer {i}", **kw)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def _schema(engine: sa.Engine) -> dict:
+    insp = sa.inspect(engine)
+    out = {}
+    for table in sorted(insp.get_table_names()):
+        out[table] = {
+            "columns": {
+                c["name"]: (type(c["type"]).__name__, c["nullable"])
+                for c in insp.get_columns(table)
+            },
+            "pk": insp.get_pk_constraint(table)["constrained_columns"],
+            "fks": sorted(
+                (tuple(f["constrained_columns"]), f["referred_table"])
+                for f in insp.get_foreign_keys(table)
+            ),
+            "unique": sorted(tuple(u["column_names"]) for u in insp.get_unique_constraints(table)),
+            "indexes": sorted(
+                (tuple(i["column_names"]), bool(i["unique"])) for i in insp.get_indexes(table)
+            ),
+        }
+    return out
+
+
+def test_blank_database_migrates_to_exactly_the_models(db_url: str) -> None:
+    HistoryStore(db_url).close()
+    engine = sa.create_engine(db_url)
+    try:
+        schema = _schema(engine)
+        assert set(schema) == {"alembic_version", "sessions", "turns"}
+        for table in Base.metadata.sorted_tables:
+            cols = schema[table.name]["columns"]
+            assert list(cols) == [c.name for c in table.columns], table.name
+            for c in table.columns:
+                assert cols[c.name][1] == c.nullable, (table.name, c.name)
+            assert schema[table.name]["pk"] == [c.name for c in table.primary_key.columns]
+        assert schema["turns"]["fks"] == [(("session_id",), "sessions")]
+        assert ("session_id", "seq") in schema["turns"]["unique"] or (
+            (("session_id", "seq"), True) in schema["turns"]["indexes"]
+        )
+        with engine.connect() as conn:
+            # Alembic's own comparison of the live schema with the models: no difference.
+            diff = compare_metadata(
+                MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata
+            )
+            assert diff == []
+            version = (
+                conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all()
+            )
+        assert version == [head_revision()]
+    finally:
+        engine.dispose()
+
+
+def test_migrating_twice_changes_nothing(db_url: str) -> None:
+    s = HistoryStore(db_url)
+    s.ensure_session("a", model_id="m")
+    s.record_turn("a", rec(0))
+    s.close()
+    engine = sa.create_engine(db_url)
+    try:
+        before = _schema(engine)
+        with engine.begin() as conn:
+            upgrade_to_head(conn)
+        HistoryStore(db_url).close()  # and opening again
+        assert _schema(engine) == before
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
+            assert conn.execute(sa.text("SELECT count(*) FROM turns")).scalar_one() == 2
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_uses_wal_and_foreign_keys(tmp_path: Path) -> None:
+    s = HistoryStore(f"sqlite:///{tmp_path}/h.db")
+    with s.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
+    s.close()
+
+
+# --------------------------------------------------------------------------- behaviour
+
+
+def test_record_and_read_back_a_session(store: HistoryStore) -> None:
+    store.ensure_session("s1", model_id="org/model")
+    full = TurnRecord(
+        user_text="  What is   a manifold?\nTell me.  ",
+        reply_text="A space that looks flat up close.",
+        tier="EXPLORE",
+        distance=1.25,
+        nearest_query="what is a metric",
+        zone="safe",
+        teh_prompt=3.5,
+        teh_reply=1.0,
+        verdict="ok",
+        latency_s=0.42,
+        prompt_tokens=17,
+        new_tokens=33,
+        metric_growth=0.08,
+    )
+    assert store.record_turn("s1", full) == 1
+    assert store.record_turn("s1", rec(2, verdict="refused")) == 2
+    turns = store.get_turns("s1")
+    assert [(t.seq, t.role) for t in turns] == [
+        (0, "user"),
+        (1, "assistant"),
+        (2, "user"),
+        (3, "assistant"),
+    ]
+    u, a = turns[0], turns[1]
+    assert (u.text, u.tier, u.distance, u.nearest_query, u.zone, u.teh_prompt, u.prompt_tokens) == (
+        full.user_text,
+        "EXPLORE",
+        1.25,
+        "what is a metric",
+        "safe",
+        3.5,
+        17,
+    )
+    assert (a.text, a.teh_reply, a.latency_s, a.new_tokens, a.metric_growth, a.verdict) == (
+        full.reply_text,
+        1.0,
+        0.42,
+        33,
+        0.08,
+        "ok",
+    )
+    assert turns[2].verdict == turns[3].verdict == "refused"
+    assert all(t.created_at.tzinfo is not None for t in turns)
+    [summary] = store.list_sessions()
+    assert summary.title == "What is a manifold? Tell me."  # first user message, one line
+    assert summary.turns == 2 and summary.model_id == "org/model"
+    assert summary.updated_at >= summary.created_at
+
+
+def test_titles_are_truncated_and_explicit_titles_win(store: HistoryStore) -> None:
+    store.ensure_session("long", model_id="m")
+    store.record_turn("long", TurnRecord(user_text="word " * 100, reply_text="r"))
+    store.ensure_session("named", model_id="m", title="My title")
+    store.record_turn("named", rec(0))
+    titles = {s.id: s.title for s in store.list_sessions()}
+    assert len(titles["long"]) <= 80 and titles["long"].endswith("…")
+    assert titles["named"] == "My title"
+    assert make_title("short") == "short"
+
+
+def test_list_orders_by_recent_activity_and_pages(store: HistoryStore) -> None:
+    for sid in ("a", "b", "c"):
+        store.ensure_session(sid, model_id="m")
+        store.record_turn(sid, rec(0))
+    store.record_turn("a", rec(1))  # a is now the most recent
+    assert [s.id for s in store.list_sessions()] == ["a", "c", "b"]
+    assert [s.id for s in store.list_sessions(limit=1, offset=1)] == ["c"]
+    assert {s.id: s.turns for s in store.list_sessions()} == {"a": 2, "b": 1, "c": 1}
+
+
+def test_search_is_case_insensitive_substring(store: HistoryStore) -> None:
+    store.ensure_session("s", model_id="m")
+    store.record_turn(
+        "s",
+        TurnRecord(user_text="Tell me about RIEMANN metrics", reply_text="Riemannian geometry…"),
+    )
+    store.record_turn(
+        "s", TurnRecord(user_text="100% sure? use_under_score", reply_text="nothing here")
+    )
+    hits = store.search("riemann")
+    assert sorted((h.seq, h.role) for h in hits) == [(0, "user"), (1, "assistant")]
+    assert all(h.session_id == "s" and h.session_title for h in hits)
+    # LIKE wildcards in the query are literal characters
+    assert [h.text for h in store.search("%")] == ["100% sure? use_under_score"]
+    assert [h.text for h in store.search("e_u")] == ["100% sure? use_under_score"]
+    assert store.search("x_y") == [] and store.search("nomatch") == []
+    assert len(store.search("e", limit=2)) == 2
+
+
+def test_search_folds_unicode_case_on_sqlite(tmp_path: Path) -> None:
+    s = HistoryStore(f"sqlite:///{tmp_path}/h.db")
+    s.ensure_session("u", model_id="m")
+    s.record_turn("u", TurnRecord(user_text="ÜBER Straße", reply_text="ok"))
+    assert [h.text for h in s.search("über")] == ["ÜBER Straße"]
+    assert [h.text for h in s.search("STRASSE")] == ["ÜBER Straße"]
+    s.close()
+
+
+def test_export_json_and_markdown(store: HistoryStore) -> None:
+    store.ensure_session("e", model_id="org/model", title="Export me")
+    store.record_turn(
+        "e",
+        TurnRecord(
+            user_text="Hi 🤖", reply_text="Hello!", tier="RETRIEVE", distance=0.1, teh_reply=2.0
+        ),
+    )
+    doc = json.loads(store.export("e", "json"))
+    assert doc["session"]["id"] == "e" and doc["session"]["title"] == "Export me"
+    assert [(m["role"], m["text"]) for m in doc["messages"]] == [
+        ("user", "Hi 🤖"),
+        ("assistant", "Hello!"),
+    ]
+    assert doc["messages"][0]["tier"] == "RETRIEVE" and doc["messages"][1]["teh_reply"] == 2.0
+    md = store.export("e", "markdown")
+    assert md.startswith("# Export me\n")
+    assert "## Turn 1" in md and "Hi 🤖" in md and "Hello!" in md and "tier RETRIEVE" in md
+    with pytest.raises(StorageError, match="format"):
+        store.export("e", "html")  # type: ignore[arg-type]
+
+
+def test_unknown_session_is_a_clear_error(store: HistoryStore) -> None:
+    for call in (
+        lambda: store.get_turns("nope"),
+        lambda: store.export("nope", "json"),
+        lambda: store.record_turn("nope", rec(0)),
+        lambda: store.set_miku_path("nope", "/x.miku"),
+    ):
+        with pytest.raises(StorageError, match="No session 'nope'.*sessions list"):
+            call()
+    assert store.delete_session("nope") is False
+
+
+def test_delete_removes_session_and_turns(store: HistoryStore) -> None:
+    for sid in ("keep", "drop"):
+        store.ensure_session(sid, model_id="m")
+        store.record_turn(sid, rec(0))
+    assert store.delete_session("drop") is True
+    assert [s.id for s in store.list_sessions()] == ["keep"]
+    assert store.search("question") and all(
+        h.session_id == "keep" for h in store.search("question")
+    )
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM turns")).scalar_one() == 2
+
+
+def test_miku_path_and_ensure_session_is_idempotent(store: HistoryStore) -> None:
+    store.ensure_session("m", model_id="first")
+    store.ensure_session("m", model_id="second")
+    store.set_miku_path("m", "/data/sessions/m.miku")
+    [s] = store.list_sessions()
+    assert s.model_id == "first" and s.miku_path == "/data/sessions/m.miku"
+
+
+def test_reopening_keeps_data(db_url: str) -> None:
+    s = HistoryStore(db_url)
+    s.ensure_session("p", model_id="m")
+    s.record_turn("p", rec(0))
+    s.close()
+    s = HistoryStore(db_url)
+    assert [t.text for t in s.get_turns("p")] == ["question 0", "answer 0"]
+    s.close()
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+@pytest.mark.timeout(300)
+def test_eight_threads_hundred_turns_each(db_url: str) -> None:
+    """8 writers x 100 turns: each to its own session and all to one shared session,
+    through one store and through separate stores (separate engines, like processes)."""
+    stores = [HistoryStore(db_url) for _ in range(3)]
+    for i in range(8):
+        stores[0].ensure_session(f"own{i}", model_id="m")
+    stores[0].ensure_session("shared", model_id="m")
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def writer(i: int) -> None:
+        try:
+            start.wait()
+            mine = stores[i % len(stores)]
+            for j in range(100):
+                mine.record_turn(
+                    f"own{i}", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}")
+                )
+                mine.record_turn(
+                    "shared", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}")
+                )
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = stores[0]
+    for i in range(8):
+        turns = s.get_turns(f"own{i}")
+        assert [t.seq for t in turns] == list(range(200))
+        assert [t.text for t in turns] == [
+            x for j in range(100) for x in (f"u{i}-{j}", f"a{i}-{j}")
+        ]
+    shared = s.get_turns("shared")
+    assert [t.seq for t in shared] == list(range(1600))
+    pairs = [(shared[n].text, shared[n + 1].text) for n in range(0, 1600, 2)]
+    assert all(u[0] == "u" and a == "a" + u[1:] for u, a in pairs)  # exchanges never interleave
+    for i in range(8):  # each writer's turns appear in its own order
+        mine = [u for u, _ in pairs if u.startswith(f"u{i}-")]
+        assert mine == [f"u{i}-{j}" for j in range(100)]
+    assert {x.id: x.turns for x in s.list_sessions(limit=100)}["shared"] == 800
+    for st in stores:
+        st.close()
+
+
+# --------------------------------------------------------------------------- bad URLs
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("not a url", "not valid"),
+        ("nosuchdb://x/y", "Cannot open"),
+        ("postgresql+psycopg://u:secret@127.0.0.1:1/db", "Cannot open.*server is running"),
+    ],
+)
+def test_bad_database_urls_are_storage_errors(url: str, message: str) -> None:
+    with pytest.raises(StorageError, match=message) as info:
+        HistoryStore(url)
+    assert "secret" not in str(info.value)  # passwords are never printed
+
+
+def test_unwritable_sqlite_location_is_a_storage_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError, match="Cannot open"):
+        HistoryStore(f"sqlite:///{blocker}/sub/h.db")
