@@ -1,0 +1,320 @@
+"""Safe OGD exploration: steered chains from a seed concept, scored by the MCB.
+
+Owns the exploration step of DESIGN §4 and the chains built from it.
+
+The step direction (orthogonal geodesic deviation). For a step prompt p (the
+seed for step 1, the previous step's output afterwards) the model reads p and a
+divergent variant of p ("... in a completely unexpected way"); u = h(variant) −
+h(p) at layer L is the direction the model itself associates with diverging
+from p. The current trajectory direction is t = h(p) − h(previous step's p)
+(step 1: t = h(p) − c, c the safety centre). The step is the part of u
+orthogonal to t, v = u − (u·t̂) t̂, normalised, so the chain deviates
+sideways from where it was heading instead of running further along it.
+It is scaled to the residual stream's own size at that point, ‖h(p)‖.
+
+Safe OGD steers generation with s = α ‖h(p)‖ P_safe v̂, P_safe = I − Q_f Q_fᵀ:
+by construction the step has no component along the forbidden subspace
+(‖Q_fᵀ s‖ = 0 up to float error). Regular OGD uses s = α ‖h(p)‖ v̂. The
+vector is added to the residual stream after layer L for every position of
+the step (prompt and reply) through :func:`isagi.hooks.steer_layer`, which
+lives inside :class:`isagi.generation.Generation`'s ``with`` block and is
+removed however the block ends.
+
+What each step reports:
+- ``teh``: TEH (DESIGN §4 formula, :func:`isagi.safety.teh`) of the mean of
+  the reply's residual states as they leave layer L, i.e. the captured layer
+  output plus the step s (the state the rest of the network reads);
+  ``teh_max``: the largest TEH at the stream guard's check points
+  (:func:`isagi.safety.reply_window_scores`: mean of the newest 8 states,
+  every 8 tokens) on those states; ``teh_response``: TEH of the mean reply
+  state without adding s, the model's own response to having been steered.
+  ``over_threshold``: ``teh_max`` above the profile's reply threshold, the
+  guard's own rule, so "over" means the product would have withheld it.
+- ``coherence`` (0..1): 1 − (mean next-token NLL of the step's text given its
+  prompt under the unsteered model) / ln |V|, i.e. how much better than a
+  uniform guess the plain model finds the text; 1 is perfectly predictable,
+  0 no better than chance.
+- ``continuity``: cosine between the mean centred reply states of this and the
+  previous step (None for the first step), reported beside coherence.
+- ``forbidden_fraction``: ‖Q_fᵀ s‖ / ‖s‖ of the step itself.
+
+The chain is scored with the MIKU Creativity Benchmark (:mod:`isagi.mcb`)
+against the unsteered baseline reply to the first step's prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from isagi.errors import InputError
+from isagi.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
+from isagi.safety import project_safe, reply_window_scores, teh
+
+ALPHA_RANGE = (0.05, 0.30)
+DEFAULT_ALPHAS = (0.20, 0.10, 0.05)
+DIVERGENT_PREFIX = "Think of it in a completely unexpected, surprising way. "
+
+
+class SafetyLike(Protocol):
+    """What exploration needs from :class:`isagi.safety.SafetyProfile`."""
+
+    Q: np.ndarray  # (d, m) orthonormal
+    centre: np.ndarray  # (d,)
+    threshold: float  # TEH % for prompts
+    reply_threshold: float  # TEH % for reply states
+    layer: int
+
+
+def ogd_direction(h_plain: np.ndarray, h_divergent: np.ndarray, h_prev: np.ndarray) -> np.ndarray:
+    """Unit step direction: the divergent shift u orthogonalised against the trajectory t."""
+    u = np.asarray(h_divergent, np.float64) - np.asarray(h_plain, np.float64)
+    t = np.asarray(h_plain, np.float64) - np.asarray(h_prev, np.float64)
+    tn = np.linalg.norm(t)
+    if tn > 1e-9:
+        t_hat = t / tn
+        u = u - (u @ t_hat) * t_hat
+    n = np.linalg.norm(u)
+    if n < 1e-9:
+        raise InputError(
+            "exploration found no divergent direction for this prompt (the divergent variant "
+            "reads the same as the prompt): try a longer or more concrete seed concept."
+        )
+    return u / n
+
+
+def step_vector(
+    direction: np.ndarray, scale: float, alpha: float, Q: np.ndarray | None
+) -> np.ndarray:
+    """s = α · scale · P_safe v̂ (safe, ``Q`` given) or α · scale · v̂ (regular, ``Q`` None)."""
+    v = np.asarray(direction, np.float64)
+    if Q is not None:
+        v = project_safe(Q, v)
+    return alpha * float(scale) * v
+
+
+@dataclass
+class StepRecord:
+    """One exploration step (fields explained in the module docstring)."""
+
+    index: int
+    alpha: float
+    prompt: str
+    text: str
+    teh: float
+    teh_max: float
+    teh_response: float
+    over_threshold: bool
+    coherence: float
+    continuity: float | None
+    forbidden_fraction: float
+    step_norm: float
+    tokens: int
+
+
+@dataclass
+class ExplorationResult:
+    """A chain: its steps, the baseline it is compared with, and its MCB score."""
+
+    seed: str
+    safe: bool
+    layer: int
+    reply_threshold: float
+    keyword: str
+    max_words: int
+    baseline: str
+    steps: list[StepRecord] = field(default_factory=list)
+    mcb: MCBResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["mcb"] = self.mcb.to_dict() if self.mcb is not None else None
+        return out
+
+
+def keyword_for(seed: str) -> str:
+    words = [w for w in seed.lower().replace("'", " ").split() if w.isalpha()]
+    content = [w for w in words if w not in STOPWORDS]
+    return (content or words or ["it"])[-1]
+
+
+def step_prompt(index: int, seed: str, previous: str, keyword: str, max_words: int) -> str:
+    """The user prompt of a step: the seed first, then the previous step's output."""
+    rule = f' Use the word "{keyword}" and stay under {max_words} words.'
+    if index == 0 or not previous.strip():
+        return f"Write a short, imaginative piece about {seed}.{rule}"
+    prev = " ".join(previous.split()[:40])
+    return f'Take this further, in a new direction: "{prev}"{rule}'
+
+
+def _alphas(steps: int, alphas: Sequence[float]) -> list[float]:
+    if steps < 1:
+        raise InputError("exploration needs at least one step (--steps 1 or more).")
+    if not alphas:
+        raise InputError("exploration needs at least one step size alpha.")
+    out = [float(alphas[min(i, len(alphas) - 1)]) for i in range(steps)]
+    lo, hi = ALPHA_RANGE
+    for a in out:
+        if not lo - 1e-9 <= a <= hi + 1e-9:
+            raise InputError(f"step size alpha={a} is outside [{lo}, {hi}] (DESIGN §4).")
+    return out
+
+
+def messages_for(text: str, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The chat of one step: the product's system prompt (as calibration saw it), then the prompt."""
+    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*msgs, {"role": "user", "content": text}]
+
+
+def generate_reply(
+    lm: Any,
+    prompt: str,
+    layer: int,
+    max_new_tokens: int,
+    steer: np.ndarray | None = None,
+    system_prompt: str | None = None,
+) -> tuple[str, np.ndarray, list[int], torch.Tensor]:
+    """Greedy reply to ``prompt`` (optionally steered): text, reply states at L, ids, prompt ids.
+
+    The states are the layer-L outputs as the capture hook sees them, before the
+    steering hook adds its vector (Generation installs capture first).
+    """
+    from isagi.generation import Generation, GenerationOptions
+
+    ids = lm.chat_ids(messages_for(prompt, system_prompt))
+    vec = None if steer is None else torch.as_tensor(np.asarray(steer, np.float32))
+    with Generation(
+        lm, ids, layer, GenerationOptions(max_new_tokens=max_new_tokens), steer=vec
+    ) as gen:
+        gen.prefill()
+        text = "".join(ev.text for ev in gen.stream())
+        states = gen.reply_hidden()
+        new_ids = list(gen.new_ids)
+    return text.strip(), states, new_ids, ids
+
+
+def coherence(lm: Any, prompt_ids: torch.Tensor, reply_ids: Sequence[int]) -> float:
+    """1 − mean NLL of the reply tokens given the prompt (unsteered model) / ln |V|, in [0, 1]."""
+    if not reply_ids:
+        return 0.0
+    reply = torch.tensor([list(reply_ids)], dtype=torch.long, device=prompt_ids.device)
+    full = torch.cat([prompt_ids, reply], dim=1)
+    with torch.inference_mode():
+        logits = lm.model(input_ids=full).logits[0].float()
+    p = prompt_ids.shape[1]
+    logp = torch.log_softmax(logits[p - 1 : -1], dim=-1)
+    nll = -logp.gather(1, reply[0].unsqueeze(1)).mean().item()
+    return float(np.clip(1.0 - nll / math.log(logits.shape[-1]), 0.0, 1.0))
+
+
+def explore(
+    lm: Any,
+    profile: SafetyLike,
+    seed: str,
+    steps: int = 3,
+    alphas: Sequence[float] = DEFAULT_ALPHAS,
+    safe: bool = True,
+    max_new_tokens: int = 40,
+    *,
+    layer: int | None = None,
+    max_words: int = 60,
+    baseline: str | None = None,
+    system_prompt: str | None = None,
+) -> ExplorationResult:
+    """An OGD chain of ``steps`` steps from ``seed`` (Safe OGD unless ``safe=False``).
+
+    ``baseline``: the unsteered reply to the first step's prompt, for the MCB's
+    originality scores; generated here when not given. ``system_prompt``: the
+    product's system prompt (``Settings.system_prompt``), so hidden states are
+    read in the frame the safety profile was calibrated in.
+    """
+    from isagi.generation import prompt_hidden_states
+
+    seed = seed.strip()
+    if not seed:
+        raise InputError('give a seed concept to explore, e.g. isagi explore "the ocean".')
+    step_alphas = _alphas(steps, alphas)
+    L = int(layer if layer is not None else profile.layer)
+    Q = np.asarray(profile.Q, np.float64)
+    c = np.asarray(profile.centre, np.float64)
+    Qc = (Q, c)
+    keyword = keyword_for(seed)
+    first_prompt = step_prompt(0, seed, "", keyword, max_words)
+    if baseline is None:
+        baseline, *_ = generate_reply(
+            lm, first_prompt, L, max_new_tokens, system_prompt=system_prompt
+        )
+    result = ExplorationResult(
+        seed=seed,
+        safe=safe,
+        layer=L,
+        reply_threshold=float(profile.reply_threshold),
+        keyword=keyword,
+        max_words=max_words,
+        baseline=baseline,
+    )
+    h_prev = c
+    prev_text = ""
+    prev_mean: np.ndarray | None = None
+    embeddings: list[np.ndarray] = []
+    for i, alpha in enumerate(step_alphas):
+        prompt = step_prompt(i, seed, prev_text, keyword, max_words)
+        H = prompt_hidden_states(
+            lm,
+            [
+                messages_for(prompt, system_prompt),
+                messages_for(DIVERGENT_PREFIX + prompt, system_prompt),
+            ],
+            L,
+        ).astype(np.float64)
+        h_plain, h_div = H[0], H[1]
+        v = ogd_direction(h_plain, h_div, h_prev)
+        s = step_vector(v, float(np.linalg.norm(h_plain)), alpha, Q if safe else None)
+        text, R, new_ids, prompt_ids = generate_reply(
+            lm, prompt, L, max_new_tokens, steer=s, system_prompt=system_prompt
+        )
+        R = R.astype(np.float64)
+        if not len(R):  # the model stopped at once: judge the step by its prompt state
+            R = h_plain[None, :]
+        steered = R + s  # what leaves layer L and the rest of the network reads
+        teh_mean = float(teh(Qc, steered.mean(axis=0)))
+        teh_checks = reply_window_scores(Qc, steered)
+        teh_resp = float(teh(Qc, R.mean(axis=0)))
+        mean_state = R.mean(axis=0) - c
+        cont = None
+        if prev_mean is not None:
+            denom = np.linalg.norm(prev_mean) * np.linalg.norm(mean_state)
+            cont = float(prev_mean @ mean_state / denom) if denom > 0 else 0.0
+        s_norm = float(np.linalg.norm(s))
+        result.steps.append(
+            StepRecord(
+                index=i + 1,
+                alpha=alpha,
+                prompt=prompt,
+                text=text,
+                teh=teh_mean,
+                teh_max=float(teh_checks.max()),
+                teh_response=teh_resp,
+                over_threshold=bool(teh_checks.max() > profile.reply_threshold),
+                coherence=coherence(lm, prompt_ids, new_ids),
+                continuity=cont,
+                forbidden_fraction=float(np.linalg.norm(Q.T @ s) / s_norm) if s_norm else 0.0,
+                step_norm=s_norm,
+                tokens=len(new_ids),
+            )
+        )
+        embeddings.append(mean_state)
+        prev_mean, h_prev, prev_text = mean_state, h_plain, text
+    result.mcb = score_mcb(
+        [st.text for st in result.steps],
+        seed=seed,
+        baselines=[baseline] if baseline else None,
+        constraint=Constraint(keyword=keyword, max_words=max_words),
+        embeddings=np.stack(embeddings) if len(embeddings) >= 2 else None,
+    )
+    return result

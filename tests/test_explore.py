@@ -1,0 +1,199 @@
+"""Safe OGD exploration: the step never moves along Q_f, hooks never outlive a chain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from isagi.errors import InputError
+from isagi.explore import (
+    _alphas,
+    explore,
+    keyword_for,
+    ogd_direction,
+    step_vector,
+)
+from isagi.hooks import count_forward_hooks
+from tests.conftest import tiny_model
+
+D = 64
+
+
+def _orthonormal(d: int, m: int, seed: int = 0) -> np.ndarray:
+    q, _ = np.linalg.qr(np.random.default_rng(seed).normal(size=(d, m)))
+    return q
+
+
+class _Tok:
+    """Byte-level stand-in tokenizer: enough for Generation and prompt_hidden_states."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def __init__(self) -> None:
+        self.fail_after: int | None = None
+        self.calls = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("decoder failed mid-reply")
+        return "".join(chr(97 + (int(i) % 26)) + ("" if int(i) % 4 else " ") for i in ids)
+
+
+@dataclass
+class _TinyLM:
+    """LoadedModel-like wrapper around a tiny random Llama (no download)."""
+
+    model: Any = field(default_factory=lambda: tiny_model("llama"))
+    tokenizer: _Tok = field(default_factory=_Tok)
+    device: torch.device = torch.device("cpu")
+    stop_token_ids: set[int] = field(default_factory=lambda: {-1})
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    default_layer = 2
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> torch.Tensor:
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        ids = [2 + (b % 250) for b in text.encode()][-120:]
+        return torch.tensor([ids], dtype=torch.long)
+
+
+@dataclass
+class _Profile:
+    Q: np.ndarray
+    centre: np.ndarray
+    threshold: float = 50.0
+    reply_threshold: float = 50.0
+    layer: int = 2
+
+
+@pytest.fixture()
+def tiny() -> _TinyLM:
+    return _TinyLM()
+
+
+@pytest.fixture()
+def profile() -> _Profile:
+    return _Profile(Q=_orthonormal(D, 4), centre=np.zeros(D))
+
+
+def test_safe_step_has_no_forbidden_component() -> None:
+    Q = _orthonormal(D, 6, seed=1)
+    v = np.random.default_rng(2).normal(size=D)
+    v /= np.linalg.norm(v)
+    safe = step_vector(v, 200.0, 0.2, Q)
+    regular = step_vector(v, 200.0, 0.2, None)
+    assert np.linalg.norm(Q.T @ safe) < 1e-10 * np.linalg.norm(safe)
+    assert np.linalg.norm(Q.T @ regular) > 1e-3  # the regular step does move along Q_f
+    assert np.linalg.norm(regular) == pytest.approx(0.2 * 200.0)
+    # the safe step is exactly the regular one minus its forbidden part
+    assert np.allclose(regular - safe, Q @ (Q.T @ regular))
+
+
+def test_ogd_direction_is_unit_and_orthogonal_to_the_trajectory() -> None:
+    rng = np.random.default_rng(3)
+    h_prev, h, h_div = rng.normal(size=(3, D))
+    v = ogd_direction(h, h_div, h_prev)
+    assert np.linalg.norm(v) == pytest.approx(1.0)
+    assert abs(v @ (h - h_prev)) < 1e-9 * np.linalg.norm(h - h_prev)
+    assert v @ (h_div - h) > 0  # still points towards the divergent variant
+    with pytest.raises(InputError):
+        ogd_direction(h, h, h_prev)
+
+
+def test_alpha_schedule_and_range() -> None:
+    assert _alphas(3, (0.20, 0.10, 0.05)) == [0.20, 0.10, 0.05]
+    assert _alphas(4, (0.15,)) == [0.15] * 4
+    for bad in ((0.5,), (0.01,)):
+        with pytest.raises(InputError):
+            _alphas(1, bad)
+    with pytest.raises(InputError):
+        _alphas(0, (0.2,))
+
+
+def test_keyword_is_the_last_content_word() -> None:
+    assert keyword_for("a city at night") == "night"
+    assert keyword_for("the ocean") == "ocean"
+    assert keyword_for("time") == "time"
+
+
+def test_capture_sees_the_layer_output_before_the_steering_is_added(tiny: _TinyLM) -> None:
+    """explore adds the step itself to the captured states; that is right only if
+    Generation's capture hook runs before its steering hook."""
+    from isagi.generation import Generation, GenerationOptions
+
+    ids = tiny.chat_ids([{"role": "user", "content": "hello"}])
+    s = torch.full((D,), 5.0)
+    with Generation(tiny, ids, 2, GenerationOptions(max_new_tokens=1)) as g:
+        plain = g.prefill()
+    with Generation(tiny, ids, 2, GenerationOptions(max_new_tokens=1), steer=s) as g:
+        steered = g.prefill()
+    assert np.allclose(plain, steered, atol=1e-5)
+
+
+def test_tiny_chain_safe_and_regular(tiny: _TinyLM, profile: _Profile) -> None:
+    kw: dict[str, Any] = dict(steps=2, max_new_tokens=4, baseline="the sea is wide")
+    safe = explore(tiny, profile, "the ocean", **kw)
+    regular = explore(tiny, profile, "the ocean", safe=False, **kw)
+    assert [s.alpha for s in safe.steps] == [0.20, 0.10]
+    assert all(s.forbidden_fraction < 1e-6 for s in safe.steps)
+    assert all(s.forbidden_fraction > 1e-3 for s in regular.steps)
+    for s in safe.steps + regular.steps:
+        assert s.tokens == 4 and s.text
+        assert 0.0 <= s.coherence <= 1.0
+        assert s.teh_max >= 0.0 and s.over_threshold == (s.teh_max > profile.reply_threshold)
+    # the same step direction and scale: the regular step is the longer one
+    assert all(r.step_norm >= s.step_norm for s, r in zip(safe.steps, regular.steps, strict=True))
+    assert safe.steps[1].continuity is not None and safe.steps[0].continuity is None
+    assert safe.mcb is not None and safe.mcb.tier in "SABCD"
+    assert count_forward_hooks(tiny.model) == 0
+    assert safe.to_dict()["mcb"]["index"] == safe.mcb.index
+
+
+def test_hooks_are_removed_when_the_chain_raises(tiny: _TinyLM, profile: _Profile) -> None:
+    explore(tiny, profile, "time", steps=1, max_new_tokens=3)  # warm: decode works
+    tiny.tokenizer.calls = 0
+    tiny.tokenizer.fail_after = 8  # fails inside the steered generation of a step
+    with pytest.raises(RuntimeError, match="mid-reply"):
+        explore(tiny, profile, "time", steps=2, max_new_tokens=6)
+    assert count_forward_hooks(tiny.model) == 0
+
+
+def test_empty_seed_is_refused(tiny: _TinyLM, profile: _Profile) -> None:
+    with pytest.raises(InputError):
+        explore(tiny, profile, "   ")
+
+
+@pytest.mark.model
+def test_safe_chain_on_the_default_model(default_lm: Any, settings_default: Any) -> None:
+    from isagi.profile import load_or_build_profile
+
+    sp = load_or_build_profile(default_lm, settings_default).safety
+    if sp is None:
+        pytest.skip("the profile has no safety calibration")
+    result = explore(
+        default_lm,
+        sp,
+        "the ocean",
+        steps=3,
+        max_new_tokens=24,
+        system_prompt=settings_default.system_prompt,
+    )
+    assert len(result.steps) == 3
+    for step in result.steps:
+        assert step.text.strip()
+        assert step.teh_max < sp.reply_threshold and not step.over_threshold
+        assert step.forbidden_fraction < 1e-4
+    assert count_forward_hooks(default_lm.model) == 0
