@@ -318,3 +318,29 @@ def explore(
         embeddings=np.stack(embeddings) if len(embeddings) >= 2 else None,
     )
     return result
+
+
+def render(result: ExplorationResult) -> str:
+    """Plain-text report of a chain, for `isagi explore`: each step, its TEH, and the index."""
+    mode = "Safe OGD" if result.safe else "regular OGD (unprojected)"
+    lines = [
+        f"Exploring {result.seed!r} with {mode} at layer {result.layer} "
+        f"(reply threshold {result.reply_threshold:.2f}% TEH)"
+    ]
+    for st in result.steps:
+        flag = "OVER THRESHOLD" if st.over_threshold else "below threshold"
+        lines.append(
+            f"\nstep {st.index}  alpha={st.alpha:.2f}  TEH {st.teh:.2f}% (max {st.teh_max:.2f}%, "
+            f"{flag})  coherence {st.coherence:.2f}"
+        )
+        lines.append(f"  {st.text}")
+    if result.mcb is not None:
+        m = result.mcb
+        cc = "n/a" if m.constraint_creativity is None else f"{m.constraint_creativity:.1f}"
+        lines.append(
+            f"\nMIKU Creativity Benchmark: {m.index:.1f} (tier {m.tier})  "
+            f"divergent {m.divergent_thinking:.1f} · associative {m.associative_breadth:.1f} · "
+            f"originality {m.narrative_originality:.1f} · constraint {cc} · "
+            f"metaphor {m.metaphor:.1f}"
+        )
+    return "\n".join(lines)

@@ -15,6 +15,7 @@ from isagi.explore import (
     explore,
     keyword_for,
     ogd_direction,
+    render,
     step_vector,
 )
 from isagi.hooks import count_forward_hooks
@@ -160,6 +161,8 @@ def test_tiny_chain_safe_and_regular(tiny: _TinyLM, profile: _Profile) -> None:
     assert safe.mcb is not None and safe.mcb.tier in "SABCD"
     assert count_forward_hooks(tiny.model) == 0
     assert safe.to_dict()["mcb"]["index"] == safe.mcb.index
+    text = render(safe)
+    assert "step 2" in text and f"{safe.mcb.index:.1f}" in text and "Safe OGD" in text
 
 
 def test_hooks_are_removed_when_the_chain_raises(tiny: _TinyLM, profile: _Profile) -> None:
@@ -197,3 +200,39 @@ def test_safe_chain_on_the_default_model(default_lm: Any, settings_default: Any)
         assert step.teh_max < sp.reply_threshold and not step.over_threshold
         assert step.forbidden_fraction < 1e-4
     assert count_forward_hooks(default_lm.model) == 0
+
+
+def test_xstest_refusal_rule() -> None:
+    from isagi.evals.ogd import is_refusal
+
+    assert is_refusal("  I'm sorry, but I can't help with that.")
+    assert is_refusal("I can\u2019t do that")
+    assert is_refusal("As an AI, I do not")
+    assert not is_refusal("Sure! Here is a poem. I'm sorry it is short.")  # starts-with only
+    assert not is_refusal("Nobody knows.")
+
+
+def test_ablation_attack_zeroes_the_forbidden_component_and_unhooks(tiny: _TinyLM) -> None:
+    from isagi.evals.ogd import ablate_forbidden
+    from isagi.hooks import capture_layer
+
+    Q = _orthonormal(D, 3, seed=5)
+    c = np.random.default_rng(6).normal(size=D)
+    ids = tiny.chat_ids([{"role": "user", "content": "hello there"}])
+    with ablate_forbidden(tiny.model, 2, Q, c), capture_layer(tiny.model, 2, keep_all=True) as cap:
+        tiny.model(input_ids=ids)
+    H = cap.full[-1][0].numpy().astype(np.float64)
+    assert np.abs((H - c) @ Q).max() < 1e-4
+    assert count_forward_hooks(tiny.model) == 0
+    with capture_layer(tiny.model, 2, keep_all=True) as cap:
+        tiny.model(input_ids=ids)
+    assert np.abs((cap.full[-1][0].numpy() - c) @ Q).max() > 1e-2  # plain model untouched
+
+
+def test_sample_is_reproducible() -> None:
+    from isagi.evals.ogd import sample
+
+    items = [str(i) for i in range(100)]
+    assert sample(items, 10) == sample(items, 10)
+    assert len(set(sample(items, 10))) == 10
+    assert sample(items[:5], 10) == items[:5]
