@@ -26,15 +26,20 @@ Payload map (every key required, no others)::
                                              | {"dtype": "str", "index": TENSOR}}}
     "conversation": {"n": int M, "role": {"dtype": "str", "index": TENSOR},
                      "text": {"dtype": "str", "index": TENSOR},
-                     "fields": {name: {"rows": TENSOR int, "values": [scalar]}}}
+                     "fields": {name: {"rows": nil | TENSOR int,
+                                       "values": TENSOR | {"dtype": "str", "index": ...}
+                                                 | [scalar]}}}
     "extra":        JSON-like dict (scalars, lists, nested dicts; bounded depth)
 
 Texts (trajectory text columns, message roles and texts) live once in the
 string table and are referenced by int32/int64 index tensors: a user message
 and the query of its trajectory are the same string, so it is stored and
-decoded once. Other per-message fields (time, tier, ...) are stored sparsely:
-the rows that have the field and its values in row order, so a message that
-lacks a field reads back without it and one with ``None`` reads back ``None``.
+decoded once. Other per-message fields (time, tier, ...) are stored as
+columns: the rows that have the field (nil when every message has it) and its
+values in row order, as a float64/int64/bool tensor or string-table index when
+they all share that type, else as a list of scalars. A message that lacks a
+field reads back without it, ``None`` reads back ``None``, and every value
+keeps its Python type.
 
     TENSOR = {"dtype": one of DTYPES, "shape": [int, ...], "data": bin}
              (C order, little-endian; bool stored one byte per element, 0 or 1)
@@ -359,15 +364,34 @@ def _encode_conversation(conv: list[dict[str, Any]], table: dict[str, int]) -> d
                 rows, values = fields.setdefault(key, ([], []))
                 rows.append(i)
                 values.append(val)
+    n = len(conv)
     return {
-        "n": len(conv),
+        "n": n,
         "role": {"dtype": "str", "index": _intern(table, [m["role"] for m in conv])},
         "text": {"dtype": "str", "index": _intern(table, [m["text"] for m in conv])},
         "fields": {
-            key: {"rows": _encode_tensor(key, np.asarray(rows, dtype=np.int64)), "values": values}
+            key: {
+                # None: every message has the field (the common case)
+                "rows": None if len(rows) == n else _encode_tensor(key, np.asarray(rows, np.int64)),
+                "values": _encode_values(key, values, table),
+            }
             for key, (rows, values) in fields.items()
         },
     }
+
+
+def _encode_values(key: str, values: list[Any], table: dict[str, int]) -> Any:
+    """Scalars of one message field: a typed column when they share one type."""
+    kinds = set(map(type, values))
+    if kinds == {float}:
+        return _encode_tensor(key, np.asarray(values, dtype=np.float64))
+    if kinds == {bool}:
+        return _encode_tensor(key, np.asarray(values, dtype=np.bool_))
+    if kinds == {str}:
+        return {"dtype": "str", "index": _intern(table, values)}
+    if kinds == {int} and min(values) >= -(2**63) and max(values) < 2**63:
+        return _encode_tensor(key, np.asarray(values, dtype=np.int64))
+    return values  # mixed types (None among numbers, ...): a plain list
 
 
 def encode_miku(state: MikuState, *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
@@ -567,7 +591,7 @@ def _decode_texts(where: str, obj: object, strings: list[str], n: int) -> list[s
         )
     if n and (int(idx.min()) < 0 or int(idx.max()) >= len(strings)):
         raise _fail(where, f"index points outside the string table of {len(strings)} entries")
-    return [strings[i] for i in idx.tolist()]
+    return list(map(strings.__getitem__, idx.tolist()))
 
 
 def _decode_conversation(obj: object, strings: list[str]) -> list[dict[str, Any]]:
@@ -586,24 +610,49 @@ def _decode_conversation(obj: object, strings: list[str]) -> list[dict[str, Any]
         if key in ("role", "text"):
             raise _fail(where, "duplicates a required field")
         col = _check_map(where, col)
-        if set(col) != {"rows", "values"} or not isinstance(col["values"], list):
-            raise _fail(where, "must have exactly rows and a list of values")
-        rows = _decode_tensor(f"{where}.rows", col["rows"])
-        values = col["values"]
-        if rows.dtype.kind not in "iu" or rows.ndim != 1 or rows.shape[0] != len(values):
-            raise _fail(where, "rows must be an integer vector as long as values")
-        if rows.size and (
-            int(rows[0]) < 0
-            or int(rows[-1]) >= n
-            or (rows.size > 1 and bool((np.diff(rows) <= 0).any()))
-        ):
-            raise _fail(where, "rows must be increasing message numbers within the conversation")
-        if not all(type(v) in _SCALAR_TYPES for v in values):
-            bad = next(v for v in values if type(v) not in _SCALAR_TYPES)
-            raise _fail(where, f"values must be scalars, found {type(bad).__name__}")
-        for r, v in zip(rows.tolist(), values, strict=True):
-            conv[r][key] = v
+        if set(col) != {"rows", "values"}:
+            raise _fail(where, "must have exactly rows and values")
+        rows = None
+        if col["rows"] is not None:
+            rows = _decode_tensor(f"{where}.rows", col["rows"])
+            if rows.dtype.kind not in "iu" or rows.ndim != 1:
+                raise _fail(where, "rows must be an integer vector")
+            if rows.size and (
+                int(rows[0]) < 0
+                or int(rows[-1]) >= n
+                or (rows.size > 1 and bool((np.diff(rows) <= 0).any()))
+            ):
+                raise _fail(
+                    where, "rows must be increasing message numbers within the conversation"
+                )
+        count = n if rows is None else int(rows.shape[0])
+        values = _decode_values(where, col["values"], strings, count)
+        if rows is None:
+            for msg, v in zip(conv, values, strict=True):
+                msg[key] = v
+        else:
+            for r, v in zip(rows.tolist(), values, strict=True):
+                conv[r][key] = v
     return conv
+
+
+def _decode_values(where: str, obj: object, strings: list[str], count: int) -> list[Any]:
+    if isinstance(obj, list):
+        if len(obj) != count:
+            raise _fail(where, f"has {len(obj)} values for {count} rows")
+        if not all(type(v) in _SCALAR_TYPES for v in obj):
+            bad = next(v for v in obj if type(v) not in _SCALAR_TYPES)
+            raise _fail(where, f"values must be scalars, found {type(bad).__name__}")
+        return obj
+    if isinstance(obj, dict) and obj.get("dtype") == "str":
+        return _decode_texts(where, obj, strings, count)
+    arr = _decode_tensor(where, obj)
+    if arr.dtype.name not in ("float64", "int64", "bool") or arr.shape != (count,):
+        raise _fail(
+            where,
+            f"values must be a float64/int64/bool vector of {count}, found {arr.dtype} {list(arr.shape)}",
+        )
+    return arr.tolist()
 
 
 def _read_bytes(path: Path) -> bytes:

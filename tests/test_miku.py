@@ -43,7 +43,7 @@ def make_state(n: int = 6, k: int = 4, d: int = 8, seed: int = 0) -> MikuState:
     texts = (TEXTS * (n // len(TEXTS) + 1))[:n]
     a = rng.standard_normal((k, k))
     metric = np.eye(k) + 0.1 * a @ a.T
-    return MikuState(
+    state = MikuState(
         header=new_header(
             model_id="org/model", model_fingerprint="f" * 64, d=d, k=k, layer=3, profile_ref="p1"
         ),
@@ -99,6 +99,14 @@ def make_state(n: int = 6, k: int = 4, d: int = 8, seed: int = 0) -> MikuState:
             "empty": {},
         },
     )
+    return _with_common_fields(state)
+
+
+def _with_common_fields(state: MikuState) -> MikuState:
+    for i, m in enumerate(state.conversation):
+        m["pos"] = i  # every message has it: stored without row numbers
+        m["mixed"] = [None, 1, 2.5, "s", True][i % 5]  # mixed types: a plain list
+    return state
 
 
 def assert_same(a: MikuState, b: MikuState) -> None:

@@ -68,8 +68,13 @@ def _constrained_paths(node: Any, path: tuple = ()) -> list[tuple]:
         return []  # anything JSON-like is allowed inside extra
     if path[:1] == ("header",) and len(path) == 2 and path[1] not in miku._HEADER_REQUIRED:
         return []  # optional header scalars may be any scalar
-    if len(path) == 5 and path[:2] == ("conversation", "fields") and path[3] == "values":
-        return []  # per-message values may be any scalar
+    if (
+        len(path) == 5
+        and path[:2] == ("conversation", "fields")
+        and path[3] == "values"
+        and isinstance(path[4], int)
+    ):
+        return []  # per-message values in a plain list may be any scalar
     if isinstance(node, dict):
         for k, v in node.items():
             out += _constrained_paths(v, (*path, k))
@@ -96,7 +101,12 @@ def _tensor_paths(payload: dict) -> list[tuple]:
         for k, v in payload["trajectories"]["columns"].items()
         if "data" in v
     ]
-    out += [("conversation", "fields", k, "rows") for k in payload["conversation"]["fields"]]
+    for k, f in payload["conversation"]["fields"].items():
+        out += [
+            ("conversation", "fields", k, part)
+            for part in ("rows", "values")
+            if isinstance(f[part], dict) and "data" in f[part]
+        ]
     return out
 
 
