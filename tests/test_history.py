@@ -395,3 +395,25 @@ def test_unwritable_sqlite_location_is_a_storage_error(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(StorageError, match="Cannot open"):
         HistoryStore(f"sqlite:///{blocker}/sub/h.db")
+
+
+def test_migrations_do_not_depend_on_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no alembic.ini, no repository around
+    s = HistoryStore(f"sqlite:///{tmp_path / 'h.db'}")
+    s.ensure_session("x", model_id="m")
+    assert s.record_turn("x", rec(0)) == 1
+    s.close()
+
+
+def test_in_memory_sqlite_works_across_threads() -> None:
+    s = HistoryStore("sqlite://")
+    s.ensure_session("m", model_id="m")
+    t = threading.Thread(target=lambda: s.record_turn("m", rec(0)))
+    t.start()
+    t.join()
+    assert [r.text for r in s.get_turns("m")] == ["question 0", "answer 0"]
+    s.close()

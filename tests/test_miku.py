@@ -427,3 +427,15 @@ def test_sigkill_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
         state = read_miku(path)  # whatever was last renamed in is complete and valid
         assert state.n_trajectories == 20_000
         assert state.trajectories["query_text"][:6] == make_state(n=6).trajectories["query_text"]
+
+
+def test_benchmark_reports_measured_figures_for_both_formats() -> None:
+    from isagi.bench.miku import run
+
+    r = run(turns=300, k=8, d=16, repeats=1)
+    assert r["turns"] == 300
+    for key in ("save_s", "load_s", "legacy_save_s", "legacy_load_s"):
+        assert r[key] > 0
+    assert r["size_bytes"] > 0 and r["legacy_size_bytes"] > 0 and r["raw_bytes"] > 0
+    assert r["size_ratio_vs_raw"] == round(r["size_bytes"] / r["raw_bytes"], 3)
+    assert r["size_bytes"] <= 1.2 * r["raw_bytes"]  # structural: framing overhead is small
