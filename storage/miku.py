@@ -445,9 +445,6 @@ def write_miku(path: str | os.PathLike[str], state: MikuState) -> None:
         tmp = None
         _fsync_dir(parent)
     except OSError as exc:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         hint = ""
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             hint = " The disk is full: free some space and save again."
@@ -457,6 +454,10 @@ def write_miku(path: str | os.PathLike[str], state: MikuState) -> None:
             f"Could not save the session to {path}: {exc.strerror or exc}.{hint} "
             "The previous file (if any) is unchanged."
         ) from exc
+    finally:
+        if tmp is not None:  # failed or interrupted before the rename
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -681,7 +682,7 @@ def _split(data: bytes, path: Path) -> tuple[str, bytes, memoryview]:
         raise MikuError(f"{path} is not a .miku file (only {len(data)} bytes; truncated or empty)")
     magic, version, rec_len = _PREFIX.unpack_from(data)
     if magic != MAGIC:
-        if data[:1] in (b"{", b"[") or data.lstrip()[:1] == b"{":
+        if data[:64].lstrip()[:1] in (b"{", b"["):
             raise MikuError(
                 f"{path} looks like a legacy v1 (JSON) .miku file; convert it with `isagi import-legacy`"
             )

@@ -439,3 +439,21 @@ def test_benchmark_reports_measured_figures_for_both_formats() -> None:
     assert r["size_bytes"] > 0 and r["legacy_size_bytes"] > 0 and r["raw_bytes"] > 0
     assert r["size_ratio_vs_raw"] == round(r["size_bytes"] / r["raw_bytes"], 3)
     assert r["size_bytes"] <= 1.2 * r["raw_bytes"]  # structural: framing overhead is small
+
+
+def test_interrupted_write_removes_its_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "s.miku"
+    write_miku(path, make_state(seed=1))
+    before = path.read_bytes()
+
+    def interrupted(fd: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_miku(path, make_state(seed=2))
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _leftovers(tmp_path) == []
