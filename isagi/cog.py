@@ -38,6 +38,8 @@ import numpy as np
 
 __all__ = ["Tier", "TierThresholds", "Metric"]
 
+_BLOCK = 128  # rows per matmul block in Metric.distances
+
 
 class Tier(StrEnum):
     """What a turn does with its nearest stored trajectory (DESIGN §3)."""
@@ -189,9 +191,16 @@ class Metric:
         nx = float(x @ Mx)
         if nx <= 0.0:
             return np.ones(Y.shape[0])
-        ny = np.einsum("ij,ij->i", Y @ self._M, Y)
+        n = Y.shape[0]
+        if n <= _BLOCK:
+            YM = Y @ self._M
+        else:  # row blocks keep OpenBLAS single-threaded (see isagi.memory)
+            YM = np.empty((n, self.k))
+            for s in range(0, n, _BLOCK):
+                np.matmul(Y[s : s + _BLOCK], self._M, out=YM[s : s + _BLOCK])
+        ny = np.einsum("ij,ij->i", YM, Y)
         den = np.sqrt(np.maximum(ny * nx, 0.0, out=ny), out=ny)
-        cos = np.zeros(Y.shape[0])
+        cos = np.zeros(n)
         np.divide(Y @ Mx, den, out=cos, where=den > 0.0)
         return np.clip(1.0 - cos, 0.0, 2.0)
 

@@ -11,7 +11,10 @@ lookup (two-stage, under the current metric) → tier from
 :class:`~isagi.cog.TierThresholds` → RETRIEVE: count the hit; AUGMENT: count
 the hit and a light update (``weight = 0.25``); EXPAND: full update, store the
 trajectory in the nearest record's cluster; EXPLORE: full update, store it in
-a new cluster. The memory's size cap is enforced by its own eviction.
+a new cluster. The memory's size cap is enforced by its own eviction. The soak
+uses ``cap = 2000`` and ``exact_below = 1024`` by default so that one run goes
+through the flat index, the switch to HNSW, drift rebuilds, eviction and
+compaction (the product default ``exact_below`` is 4096).
 
 Reported: the smallest eigenvalue of ``M`` over the whole run (checked after
 every update) and whether ``M`` stayed exactly symmetric; per 1,000
@@ -24,6 +27,7 @@ the end (``VmRSS``) and its peak.
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -37,15 +41,23 @@ __all__ = ["run"]
 AUGMENT_WEIGHT = 0.25
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float | None:
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024.0
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return None
+
+
+def _rss_mb() -> tuple[float, float]:
+    """(current, peak) resident set size in MiB (``VmRSS``/``VmHWM``, else getrusage)."""
+    peak_ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    cur = _status_mb("VmRSS")
+    peak = _status_mb("VmHWM")
+    return (cur if cur is not None else peak_ru), (peak if peak is not None else peak_ru)
 
 
 class _World:
@@ -157,6 +169,7 @@ def run(
 
     lat_us = lat_ns / 1e3
     w = min(window, interactions)
+    rss_now, rss_peak = _rss_mb()
     return {
         "interactions": int(interactions),
         "k": int(k),
@@ -174,13 +187,14 @@ def run(
         "index_rebuilds": int(memory.rebuilds),
         "metric_updates": int(metric.updates),
         "floor_events": int(metric.floor_events),
-        "rss_mb_end": round(_rss_mb(), 1),
-        "rss_mb_peak": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "rss_mb_end": round(rss_now, 1),
+        "rss_mb_peak": round(rss_peak, 1),
         "p95_us_start": round(float(np.percentile(lat_us[:w], 95)), 2),
         "p95_us_end": round(float(np.percentile(lat_us[-w:], 95)), 2),
         "p50_us_end": round(float(np.percentile(lat_us[-w:], 50)), 2),
         "max_us": round(float(lat_us.max()), 2),
         "wall_s": round(time.perf_counter() - t_run, 2),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         "seed": int(seed),
     }
 
