@@ -1,0 +1,135 @@
+"""Loading the shared engine in the background, with visible progress.
+
+Owns the life cycle *loading → ready | failed* of the one :class:`Engine` the
+web app shares. The server binds at once, so ``/health`` can answer
+``503 {"status": "loading", "stage": ...}`` and the page can show what is
+happening while the first start converts the default model and calibrates its
+profile (minutes on a small CPU); progress is also printed to the terminal.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+class EngineLoading(RuntimeError):
+    """The engine is not ready yet (the message says what it is doing)."""
+
+
+class EngineHolder:
+    """Holds the engine, or the state of its loading.
+
+    ``source`` is either a ready engine or a factory ``factory(progress) ->
+    engine``; a factory runs in a daemon thread started by :meth:`start`.
+    ``on_progress`` (optional) also receives every progress report, e.g. to
+    print it to the terminal.
+    """
+
+    def __init__(self, source: Any, *, on_progress: ProgressFn | None = None) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._engine: Any = None
+        self._factory: Callable[[ProgressFn], Any] | None = None
+        self.error: str | None = None
+        self.stage = "starting"
+        self.done = 0
+        self.total = 0
+        self.started_at = time.monotonic()
+        self.ready_at: float | None = None
+        self._on_progress = on_progress
+        self._thread: threading.Thread | None = None
+        if callable(source) and not hasattr(source, "stream_turn"):
+            self._factory = source
+        else:
+            self._set_engine(source)
+
+    # -- state -------------------------------------------------------------
+    def _set_engine(self, engine: Any) -> None:
+        with self._lock:
+            self._engine = engine
+            self.stage = "ready"
+            self.ready_at = time.monotonic()
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._engine is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def progress(self, stage: str, done: int, total: int) -> None:
+        with self._lock:
+            self.stage, self.done, self.total = stage, int(done), int(total)
+        if self._on_progress is not None:
+            self._on_progress(stage, done, total)
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able summary: status loading | ready | failed, the stage and counts."""
+        with self._lock:
+            if self.error is not None:
+                return {"status": "failed", "error": self.error}
+            if self._engine is not None:
+                return {"status": "ready"}
+            out: dict[str, Any] = {"status": "loading", "stage": self.stage}
+            if self.total:
+                out["done"], out["total"] = self.done, self.total
+            out["elapsed_s"] = round(time.monotonic() - self.started_at, 1)
+            return out
+
+    def describe(self) -> str:
+        """One line for the page: what the loader is doing."""
+        st = self.status()
+        if st["status"] == "failed":
+            return f"The model could not be loaded: {st['error']}"
+        if st["status"] == "ready":
+            return "ready"
+        counts = f" ({st['done']}/{st['total']})" if "total" in st else ""
+        return f"Loading the model: {st['stage']}{counts}, {st['elapsed_s']:.0f} s so far"
+
+    @property
+    def engine(self) -> Any:
+        """The engine; raises :class:`EngineLoading` (with what is happening) until ready."""
+        if self._engine is None:
+            raise EngineLoading(
+                self.describe()
+                + ". The first start converts the model and calibrates it; this page works once it is done."
+            )
+        return self._engine
+
+    # -- loading -----------------------------------------------------------
+    def start(self) -> None:
+        """Start the factory in a background thread (no-op if ready or already started)."""
+        if self._factory is None or self._thread is not None:
+            return
+        factory = self._factory
+
+        def run() -> None:
+            try:
+                engine = factory(self.progress)
+            except Exception as exc:  # shown on the page and by /health
+                msg = str(exc) or type(exc).__name__
+                with self._lock:
+                    self.error = msg
+                    self.stage = "failed"
+                if self._on_progress is not None:
+                    self._on_progress(f"failed: {msg}", 0, 0)
+                self._ready.set()
+                return
+            self._set_engine(engine)
+            if self._on_progress is not None:
+                self._on_progress("ready", 1, 1)
+
+        self._thread = threading.Thread(target=run, name="isagi-engine-loader", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until loading ended (ready or failed); True if ready."""
+        self._ready.wait(timeout)
+        return self.ready

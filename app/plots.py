@@ -1,0 +1,197 @@
+"""The manifold panel's figures (plotly), computed from a Session's own state.
+
+Owns: metric growth over turns, TEH of prompt and reply over turns (with the
+profile's threshold), the 2-D map of the session's stored trajectories (a PCA
+projection of their k-dimensional UGT query coordinates, coloured by tier or
+by cluster, the current query highlighted) and the exploration chart.
+Nothing here touches the model; every function takes plain data and returns a
+``plotly.graph_objects.Figure`` sized for a laptop screen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+TIER_COLOURS = {
+    "RETRIEVE": "#1a9850",
+    "AUGMENT": "#2c7fb8",
+    "EXPAND": "#7b3294",
+    "EXPLORE": "#e66101",
+}
+HEIGHT = 300
+
+
+def _layout(fig: Any, title: str, xaxis: str, yaxis: str) -> Any:
+    fig.update_layout(
+        title={"text": title, "font": {"size": 14}},
+        template="plotly_white",
+        height=HEIGHT,
+        margin={"l": 50, "r": 15, "t": 40, "b": 40},
+        xaxis_title=xaxis,
+        yaxis_title=yaxis,
+        legend={"orientation": "h", "y": -0.25, "font": {"size": 11}},
+        font={"size": 12},
+    )
+    return fig
+
+
+def turn_rows(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The assistant entries of a conversation log, numbered by turn (1-based)."""
+    rows = []
+    turn = 0
+    for m in messages:
+        if m.get("role") == "user":
+            turn += 1
+        elif m.get("role") == "assistant":
+            rows.append({**m, "turn": turn})
+    return rows
+
+
+def growth_figure(messages: list[dict[str, Any]]) -> Any:
+    """‖M − I‖_F after each turn."""
+    import plotly.graph_objects as go
+
+    rows = turn_rows(messages)
+    x = [r["turn"] for r in rows]
+    y = [float(r.get("metric_growth") or 0.0) for r in rows]
+    tiers = [r.get("tier") or r.get("verdict") or "" for r in rows]
+    fig = go.Figure(
+        go.Scatter(
+            x=[0, *x], y=[0.0, *y], mode="lines+markers", name="growth",
+            text=["start", *tiers], hovertemplate="turn %{x}: %{y:.4f} (%{text})<extra></extra>",
+            line={"color": "#2c7fb8"},
+        )
+    )
+    _layout(fig, "Metric growth ‖M − I‖ over turns", "turn", "growth")
+    fig.update_xaxes(dtick=1 if len(x) <= 20 else None, rangemode="tozero")
+    return fig
+
+
+def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -> Any:
+    """TEH of the prompt and of the reply per turn (%), with the refusal threshold."""
+    import plotly.graph_objects as go
+
+    rows = turn_rows(messages)
+    x = [r["turn"] for r in rows]
+    fig = go.Figure()
+    for key, name, colour in (("teh_prompt", "prompt", "#d7301f"), ("teh_reply", "reply", "#fc8d59")):
+        y = [r.get(key) for r in rows]
+        fig.add_trace(
+            go.Scatter(
+                x=x, y=[np.nan if v is None else float(v) for v in y], mode="lines+markers",
+                name=f"TEH {name}", line={"color": colour}, connectgaps=False,
+                hovertemplate=f"turn %{{x}}: {name} %{{y:.2f}}%<extra></extra>",
+            )
+        )
+    if threshold is not None:
+        fig.add_hline(
+            y=float(threshold), line_dash="dash", line_color="#555",
+            annotation_text=f"threshold {float(threshold):.1f}%", annotation_position="top left",
+        )
+    _layout(fig, "TEH over turns", "turn", "TEH (%)")
+    if x:
+        fig.update_xaxes(dtick=1 if len(x) <= 20 else None)
+    return fig
+
+
+def pca_2d(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``X`` (n, k) projected on their first two principal axes; and the
+    fraction of variance each axis explains. Fewer than two axes are padded with 0."""
+    X = np.asarray(X, dtype=np.float64)
+    n = X.shape[0]
+    Y = np.zeros((n, 2))
+    explained = np.zeros(2)
+    if n < 2:
+        return Y, explained
+    C = X - X.mean(axis=0, keepdims=True)
+    U, s, _ = np.linalg.svd(C, full_matrices=False)
+    m = min(2, s.shape[0])
+    Y[:, :m] = U[:, :m] * s[:m]
+    total = float((s**2).sum())
+    if total > 0:
+        explained[:m] = (s[:m] ** 2) / total
+    # A deterministic orientation: the largest |coordinate| of each axis is positive.
+    for j in range(m):
+        if Y[np.argmax(np.abs(Y[:, j])), j] < 0:
+            Y[:, j] = -Y[:, j]
+    return Y, explained
+
+
+def _short(text: str, n: int = 60) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: int | None = None) -> Any:
+    """2-D map of stored trajectories: PCA of ``query_x``; ``highlight`` is a row to mark."""
+    import plotly.graph_objects as go
+
+    qx = np.asarray(columns.get("query_x", np.zeros((0, 2))), dtype=np.float64)
+    n = int(qx.shape[0]) if qx.ndim == 2 else 0
+    fig = go.Figure()
+    if n == 0:
+        fig.add_annotation(
+            text="No stored trajectories yet: ask something new.", showarrow=False,
+            x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 13, "color": "#666"},
+        )
+        _layout(fig, "Trajectory map (0 trajectories)", "PC 1", "PC 2")
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+        return fig
+    Y, explained = pca_2d(qx)
+    texts = [_short(t) for t in columns.get("query_text", [""] * n)]
+    if colour_by == "cluster":
+        groups = [f"cluster {int(c)}" for c in columns.get("cluster", [0] * n)]
+        palette = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
+        keys = sorted(set(groups), key=lambda g: int(g.split()[1]))
+        colours = {g: palette[i % len(palette)] for i, g in enumerate(keys)}
+    else:
+        groups = [str(t) for t in columns.get("tier", ["?"] * n)]
+        keys = [t for t in TIER_COLOURS if t in set(groups)] + sorted(set(groups) - set(TIER_COLOURS))
+        colours = {g: TIER_COLOURS.get(g, "#888888") for g in keys}
+    groups_arr = np.asarray(groups)
+    for g in keys:
+        idx = np.flatnonzero(groups_arr == g)
+        fig.add_trace(
+            go.Scatter(
+                x=Y[idx, 0], y=Y[idx, 1], mode="markers", name=g,
+                marker={"size": 10, "color": colours[g], "line": {"width": 1, "color": "white"}},
+                text=[texts[i] for i in idx], hovertemplate="%{text}<extra>" + g + "</extra>",
+            )
+        )
+    if highlight is not None and 0 <= highlight < n:
+        fig.add_trace(
+            go.Scatter(
+                x=[Y[highlight, 0]], y=[Y[highlight, 1]], mode="markers", name="current query",
+                marker={"size": 20, "symbol": "circle-open", "color": "#111", "line": {"width": 3}},
+                text=[texts[highlight]], hovertemplate="current: %{text}<extra></extra>",
+            )
+        )
+    word = "trajectory" if n == 1 else "trajectories"
+    _layout(
+        fig, f"Trajectory map ({n} {word}, PCA of k-space)",
+        f"PC 1 ({explained[0]:.0%})", f"PC 2 ({explained[1]:.0%})",
+    )
+    return fig
+
+
+def explore_figure(steps: list[dict[str, Any]], threshold: float | None = None) -> Any:
+    """TEH of each exploration step (bars) with the step size α (line, right axis)."""
+    import plotly.graph_objects as go
+
+    x = [int(s.get("step", i + 1)) for i, s in enumerate(steps)]
+    teh = [float(s.get("teh", 0.0) or 0.0) for s in steps]
+    alpha = [s.get("alpha") for s in steps]
+    fig = go.Figure(go.Bar(x=x, y=teh, name="TEH (%)", marker_color="#fc8d59"))
+    if any(a is not None for a in alpha):
+        fig.add_trace(
+            go.Scatter(x=x, y=alpha, name="α", yaxis="y2", mode="lines+markers", line={"color": "#2c7fb8"})
+        )
+        fig.update_layout(yaxis2={"title": "α", "overlaying": "y", "side": "right", "rangemode": "tozero"})
+    if threshold is not None:
+        fig.add_hline(y=float(threshold), line_dash="dash", line_color="#555",
+                      annotation_text=f"threshold {float(threshold):.1f}%")
+    _layout(fig, "Exploration: TEH per step", "step", "TEH (%)")
+    return fig

@@ -1,0 +1,172 @@
+"""The web server: a FastAPI app with ``/health`` and the Gradio page at ``/``.
+
+Owns building the app (:func:`create_app`, nothing happens at import time)
+and running it (:func:`serve`, behind ``isagi web``). The server binds at
+once and loads the engine in a background thread: while it loads, ``/health``
+answers ``503 {"status": "loading", "stage": ...}``, the page shows what is
+happening and the terminal prints the progress, so a first start that
+converts the model and calibrates it never looks frozen. Binds to loopback
+unless told otherwise; optional login from ``settings.auth``; never a public
+share link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from isagi.config import Settings
+from isagi.errors import ConfigError
+
+DEFAULT_IDLE_MINUTES = 30.0
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_auth(spec: str | None) -> list[tuple[str, str]] | None:
+    """``"user:pass,user2:pass2"`` → ``[("user", "pass"), ...]``; ``None``/empty → no login."""
+    if not spec or not spec.strip():
+        return None
+    pairs = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        user, sep, password = item.partition(":")
+        if not sep or not user or not password:
+            raise ConfigError(
+                f"ISAGI_AUTH entry {item.split(':')[0]!r}… is not user:password; "
+                "write it as user:password,user2:password2."
+            )
+        pairs.append((user, password))
+    return pairs or None
+
+
+def default_factory(settings: Settings) -> Callable[[Callable[[str, int, int], None]], Any]:
+    """A factory that loads the real engine (model, profile, history store), reporting progress."""
+
+    def factory(progress: Callable[[str, int, int], None]) -> Any:
+        from isagi.agent import Engine
+
+        progress("Loading the model (the first start converts the default model: a few minutes)", 0, 1)
+        return Engine.start(settings, with_store=True, progress=progress)
+
+    return factory
+
+
+def create_app(
+    engine_or_factory: Any,
+    settings: Settings,
+    *,
+    idle_minutes: float | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+    reaper_interval_s: float = 60.0,
+) -> Any:
+    """The FastAPI app: ``GET /health`` and the Gradio page mounted at ``/``.
+
+    ``engine_or_factory``: a ready :class:`~isagi.agent.Engine`, or a callable
+    ``factory(progress) -> Engine`` run in the background when the app starts.
+    ``idle_minutes``: idle sessions are saved and dropped after this long
+    (default ``settings.web_idle_minutes`` if present, else 30).
+    """
+    import gradio as gr
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from app.loader import EngineHolder
+    from app.sessions import SessionRegistry
+    from app.ui import CSS, WebUI, build_blocks
+
+    if idle_minutes is None:
+        idle_minutes = float(getattr(settings, "web_idle_minutes", DEFAULT_IDLE_MINUTES))
+    auth = parse_auth(settings.auth)
+    holder = EngineHolder(engine_or_factory, on_progress=on_progress)
+    registry = SessionRegistry(lambda: holder.engine, idle_s=idle_minutes * 60.0)
+    ui = WebUI(holder, registry, settings)
+    blocks = build_blocks(ui)
+    blocks.queue(default_concurrency_limit=8)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any):
+        holder.start()
+        registry.start_reaper(reaper_interval_s)
+        try:
+            yield
+        finally:
+            registry.stop_reaper()
+            if holder.ready:
+                registry.save_all()
+
+    app = FastAPI(title="ISAGI", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    def health() -> Any:
+        st = holder.status()
+        if st["status"] == "ready":
+            engine = holder.engine
+            return {
+                "status": "ok",
+                "model": engine.lm.model_id,
+                "sessions": len(registry),
+                "uptime_s": round(time.monotonic() - holder.started_at, 1),
+            }
+        return JSONResponse(status_code=503, content=st)
+
+    app.state.isagi_holder = holder
+    app.state.isagi_registry = registry
+    app.state.isagi_ui = ui
+    return gr.mount_gradio_app(
+        app, blocks, path="/", auth=auth,
+        auth_message="ISAGI: log in with a user of ISAGI_AUTH." if auth else None,
+        css=CSS, footer_links=["api", "settings"], show_error=True, ssr_mode=False,
+        run_history=False, max_file_size="200mb",
+    )
+
+
+class _TerminalProgress:
+    """Prints loading progress to the terminal with rich: each stage, then every ~10 %."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self._last: dict[str, int] = {}
+        self._t0 = time.monotonic()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        step = -1 if total <= 0 else int(10 * done / total)
+        if self._last.get(stage) == step:
+            return
+        self._last[stage] = step
+        elapsed = time.monotonic() - self._t0
+        counts = f" {done}/{total}" if total > 1 else ""
+        if stage == "ready":
+            self.console.print(f"[bold green]✓ model ready[/] after {elapsed:.0f} s")
+        elif stage.startswith("failed"):
+            self.console.print(f"[bold red]✗ {stage}[/]")
+        else:
+            self.console.print(f"[cyan]…[/] {stage}{counts} [dim]({elapsed:.0f} s)[/]")
+
+
+def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None) -> None:
+    """Run the web app with uvicorn until interrupted (``isagi web``)."""
+    import uvicorn
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    progress = _TerminalProgress()
+    app = create_app(default_factory(settings), settings, idle_minutes=idle_minutes, on_progress=progress)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{shown}:{port}/"
+    console.print(f"[bold]ISAGI web[/] on [link={url}]{url}[/link]  (data: {settings.home})")
+    console.print("The page answers at once; it shows the model's loading progress until it is ready.")
+    if host not in LOOPBACK:
+        if settings.auth:
+            console.print(f"[yellow]Listening on {host}: reachable from other machines (login required).[/]")
+        else:
+            console.print(
+                f"[bold yellow]Listening on {host} without a login: anyone who can reach this "
+                "machine can use it. Set ISAGI_AUTH=user:password to require one.[/]"
+            )
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

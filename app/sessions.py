@@ -1,0 +1,358 @@
+"""The per-browser session registry of the web app.
+
+Owns the mapping *session id → live Session* (DESIGN §2: the model and the
+per-model profile are shared, a Session never is). Gradio's ``gr.State`` holds
+only the id string (State values are deep-copied per event, a Session with its
+FAISS index must not be); every handler looks the Session up here.
+
+What it guarantees:
+
+- Isolation: each id maps to its own Session object; an adopted session whose
+  id is already live gets a fresh id, so two browsers never share one.
+- One user of a session at a time: each entry has a plain ``threading.Lock``
+  (not an RLock: a streaming handler takes it in one worker thread and may
+  release it in another), held for the whole of a turn, a save or a load.
+- Stop: each entry has a ``threading.Event`` that the Stop button sets and the
+  turn pipeline polls between tokens.
+- Idle eviction: a session unused for ``idle_s`` seconds is saved to its
+  ``.miku`` (sessions with no turns are not written) and dropped from memory;
+  its id is parked with the file path, and the next use of the id resumes it
+  from the file transparently.
+- Regenerate: a snapshot of the living state (metric, memory, messages) taken
+  before each turn, restored to undo that turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IDLE_S = 30 * 60.0
+
+
+@dataclass
+class Snapshot:
+    """The living state of a session before a turn (for Regenerate)."""
+
+    metric_state: dict[str, Any]
+    memory_columns: dict[str, Any]
+    memory_kwargs: dict[str, Any]
+    n_messages: int
+    title: str | None
+
+
+def take_snapshot(session: Any) -> Snapshot:
+    mem = session.memory
+    return Snapshot(
+        metric_state=session.metric.to_state(),
+        memory_columns=mem.to_columns(),
+        memory_kwargs={"cap": getattr(mem, "cap", 50_000)},
+        n_messages=len(session.messages),
+        title=session.title,
+    )
+
+
+def restore_snapshot(session: Any, snap: Snapshot) -> None:
+    """Put the session back to the state of ``snap`` (metric, memory, messages, title)."""
+    metric_cls = type(session.metric)
+    memory_cls = type(session.memory)
+    k = int(snap.metric_state["k"])
+    session.metric = metric_cls.from_state(snap.metric_state)
+    session.memory = memory_cls.from_columns(snap.memory_columns, k, **snap.memory_kwargs)
+    del session.messages[snap.n_messages :]
+    session.title = snap.title
+
+
+@dataclass
+class Entry:
+    """One live session and what the app keeps beside it."""
+
+    session: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+    last_used: float = 0.0
+    undo: Snapshot | None = None
+    last_x: Any = None  # UGT coordinates of the latest query, when known
+
+
+class SessionBusy(RuntimeError):
+    """The session is in use by another event of the same browser (e.g. a turn)."""
+
+
+class SessionRegistry:
+    """Live sessions by id, with idle eviction.
+
+    ``get_engine`` returns the shared engine (it is called lazily, so the
+    registry can exist while the model is still loading). ``save(engine,
+    session, path)`` and ``load(engine, path)`` default to
+    :mod:`isagi.session_io`'s; tests pass their own and a fake ``clock``.
+    """
+
+    def __init__(
+        self,
+        get_engine: Callable[[], Any],
+        *,
+        idle_s: float = DEFAULT_IDLE_S,
+        save: Callable[[Any, Any, Path], None] | None = None,
+        load: Callable[[Any, Path], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._get_engine = get_engine
+        self.idle_s = float(idle_s)
+        self._save = save
+        self._load = load
+        self._clock = clock
+        self._entries: dict[str, Entry] = {}
+        self._parked: dict[str, Path | None] = {}
+        self._guard = threading.Lock()  # protects the two dicts, never held during I/O
+        self._reaper: threading.Thread | None = None
+        self._reaper_stop = threading.Event()
+        self.evicted_total = 0
+
+    # -- helpers ---------------------------------------------------------------
+    @property
+    def engine(self) -> Any:
+        return self._get_engine()
+
+    def _save_fn(self) -> Callable[[Any, Any, Path], None]:
+        if self._save is None:
+            from isagi.session_io import save_session
+
+            self._save = save_session
+        return self._save
+
+    def _load_fn(self) -> Callable[[Any, Path], Any]:
+        if self._load is None:
+            from isagi.session_io import load_session
+
+            self._load = load_session
+        return self._load
+
+    def _autosave_path(self, sid: str) -> Path:
+        return Path(self.engine.settings.sessions_dir) / f"{sid}.miku"
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._entries)
+
+    def __contains__(self, sid: object) -> bool:
+        with self._guard:
+            return sid in self._entries
+
+    def live_ids(self) -> list[str]:
+        with self._guard:
+            return list(self._entries)
+
+    # -- creating and adopting -------------------------------------------------
+    def create(self) -> str:
+        """A new empty session (autosaving under the sessions directory); returns its id."""
+        session = self.engine.new_session()
+        with self._guard:
+            while session.id in self._entries or session.id in self._parked:
+                session = self.engine.new_session()
+            self._entries[session.id] = Entry(session, last_used=self._clock())
+        return session.id
+
+    def adopt(self, session: Any, *, fresh_id: bool = False) -> str:
+        """Make a loaded or resumed session live; returns its id.
+
+        An id that is live or parked (another browser holds it) is replaced by
+        a fresh one, so two browsers never share a session: the loaded copy is
+        a fork. ``fresh_id=True`` always forks (an uploaded file: continuing
+        it must not overwrite the autosave of the session it was saved from).
+        The session autosaves to ``sessions_dir/<id>.miku`` from then on.
+        """
+        with self._guard:
+            if fresh_id:
+                session.id = ""
+            while not session.id or session.id in self._entries or session.id in self._parked:
+                session.id = uuid.uuid4().hex[:12]
+            session.miku_path = self._autosave_path(session.id)
+            self._entries[session.id] = Entry(session, last_used=self._clock())
+        return session.id
+
+    # -- using -------------------------------------------------------------------
+    def entry(self, sid: str | None) -> Entry:
+        """The live entry for ``sid``, resuming a parked (evicted) session from its file.
+
+        An id that is unknown (``None``, or from before a restart without a
+        file) raises ``KeyError``.
+        """
+        if not sid:
+            raise KeyError("no session")
+        with self._guard:
+            entry = self._entries.get(sid)
+            if entry is not None:
+                entry.last_used = self._clock()
+                return entry
+            if sid not in self._parked:
+                raise KeyError(sid)
+            path = self._parked[sid]
+        # Resume outside the guard (file I/O); another thread may race us: first one wins.
+        if path is not None and Path(path).exists():
+            session = self._load_fn()(self.engine, Path(path))
+            session.id = sid
+            session.miku_path = Path(path)
+        else:
+            session = self.engine.new_session(session_id=sid)
+        with self._guard:
+            entry = self._entries.get(sid)
+            if entry is None:
+                entry = Entry(session, last_used=self._clock())
+                self._entries[sid] = entry
+                self._parked.pop(sid, None)
+            entry.last_used = self._clock()
+            return entry
+
+    def ensure(self, sid: str | None) -> tuple[str, Entry]:
+        """The entry for ``sid``, or a brand-new session when ``sid`` is unknown."""
+        try:
+            return sid, self.entry(sid)  # type: ignore[return-value]
+        except KeyError:
+            new = self.create()
+            return new, self.entry(new)
+
+    @contextmanager
+    def using(self, sid: str, *, timeout: float = 30.0) -> Iterator[Entry]:
+        """Hold the session's lock (one event at a time); raise :class:`SessionBusy` on timeout."""
+        entry = self.entry(sid)
+        if not entry.lock.acquire(timeout=timeout):
+            raise SessionBusy("This chat is busy with another request; try again in a moment.")
+        try:
+            entry.last_used = self._clock()
+            yield entry
+        finally:
+            entry.last_used = self._clock()
+            entry.lock.release()
+
+    def request_stop(self, sid: str | None) -> bool:
+        """Ask the running turn of ``sid`` (if any) to stop after its current token."""
+        with self._guard:
+            entry = self._entries.get(sid or "")
+        if entry is None:
+            return False
+        entry.stop.set()
+        return entry.lock.locked()
+
+    def wait_until_free(self, sid: str | None, timeout: float) -> bool:
+        """Wait until no event holds the session (True) or ``timeout`` passes (False)."""
+        with self._guard:
+            entry = self._entries.get(sid or "")
+        if entry is None:
+            return True
+        if entry.lock.acquire(timeout=timeout):
+            entry.lock.release()
+            return True
+        return False
+
+    # -- saving and dropping -----------------------------------------------------
+    def _persist(self, entry: Entry) -> Path | None:
+        session = entry.session
+        if not session.messages:
+            return None  # nothing to keep: an empty chat is not written
+        path = session.miku_path or self._autosave_path(session.id)
+        self._save_fn()(self.engine, session, Path(path))
+        return Path(path)
+
+    def release(self, sid: str | None, *, park: bool = False) -> bool:
+        """Save (if it has turns) and drop ``sid`` now.
+
+        ``park=True`` keeps the id resumable by its holder (as idle eviction
+        does); the default forgets it: the browser that held it has moved on
+        (New chat, a loaded file, a closed tab), so resuming it from the
+        history later keeps its id instead of forking it.
+        """
+        with self._guard:
+            entry = self._entries.get(sid or "")
+        if entry is None or not entry.lock.acquire(timeout=10):
+            return False  # busy: idle eviction will save and drop it later
+        try:
+            path = self._persist(entry)
+            with self._guard:
+                self._entries.pop(entry.session.id, None)
+                if park:
+                    self._parked[entry.session.id] = path
+        finally:
+            entry.lock.release()
+        return True
+
+    def evict_idle(self, now: float | None = None) -> list[str]:
+        """Save and drop every session idle for longer than ``idle_s``; returns their ids.
+
+        A session in use (its lock held) is never evicted. A failed save keeps
+        the session in memory (nothing is lost) and is logged.
+        """
+        now = self._clock() if now is None else now
+        with self._guard:
+            candidates = [
+                (sid, e) for sid, e in self._entries.items() if now - e.last_used > self.idle_s
+            ]
+        evicted: list[str] = []
+        for sid, entry in candidates:
+            if not entry.lock.acquire(blocking=False):
+                continue
+            try:
+                if now - entry.last_used <= self.idle_s:
+                    continue  # used meanwhile
+                try:
+                    path = self._persist(entry)
+                except Exception as exc:  # keep it live: dropping would lose it
+                    log.warning("could not save idle session %s (%s); kept in memory", sid, exc)
+                    continue
+                with self._guard:
+                    if self._entries.get(sid) is entry:
+                        del self._entries[sid]
+                        self._parked[sid] = path
+                        evicted.append(sid)
+            finally:
+                entry.lock.release()
+        self.evicted_total += len(evicted)
+        return evicted
+
+    def start_reaper(self, interval_s: float = 60.0) -> None:
+        """Run :meth:`evict_idle` every ``interval_s`` seconds in a daemon thread."""
+        if self._reaper is not None:
+            return
+        self._reaper_stop.clear()
+
+        def loop() -> None:
+            while not self._reaper_stop.wait(interval_s):
+                try:
+                    self.evict_idle()
+                except Exception as exc:  # the reaper must survive a bad session
+                    log.warning("idle eviction failed: %s", exc)
+
+        self._reaper = threading.Thread(target=loop, name="isagi-session-reaper", daemon=True)
+        self._reaper.start()
+
+    def stop_reaper(self) -> None:
+        self._reaper_stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        self._reaper = None
+
+    def save_all(self) -> int:
+        """Save every live session that has turns (on shutdown); returns how many."""
+        n = 0
+        for sid in self.live_ids():
+            with self._guard:
+                entry = self._entries.get(sid)
+            if entry is None or not entry.lock.acquire(timeout=5):
+                continue
+            try:
+                if self._persist(entry) is not None:
+                    n += 1
+            except Exception as exc:
+                log.warning("could not save session %s on shutdown: %s", sid, exc)
+            finally:
+                entry.lock.release()
+        return n

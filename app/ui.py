@@ -1,0 +1,747 @@
+"""The Gradio page: chat, the manifold panel, sessions and exploration.
+
+Owns the layout and the event handlers. Handlers get the browser's session
+*id* from ``gr.State`` and look the Session up in the
+:class:`~app.sessions.SessionRegistry`; the Session itself never enters
+Gradio's state. The server-side Session is the single source of truth: the
+chat display is re-rendered from ``session.messages`` (raw text, rendered as
+markdown only on the page) and is never read back from the browser.
+
+Model work (a turn, Regenerate, an exploration) runs in one Gradio
+concurrency group of size 1 (``concurrency_id="model"``), so generation on
+the device is serialised and a waiting browser sees its queue position; the
+engine's own ``generation_lock`` serialises it again for any other caller.
+Stop sets the session's stop event (the turn loop ends after the current
+token and the turn is recorded as ``cancelled``) and cancels the Gradio event.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import random
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from app import plots
+from app.loader import EngineHolder, EngineLoading
+from app.sessions import Entry, SessionBusy, SessionRegistry, restore_snapshot, take_snapshot
+
+log = logging.getLogger(__name__)
+
+STREAM_INTERVAL_S = 0.04  # at most ~25 display updates per second while streaming
+STOP_WAIT_S = 10.0
+
+CSS = """
+.isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
+.isagi-tier { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff;
+  font-weight: 600; font-size: 0.85em; letter-spacing: 0.03em; margin-right: 4px; }
+.isagi-tier-retrieve { background: #1a9850; }
+.isagi-tier-augment { background: #2c7fb8; }
+.isagi-tier-expand { background: #7b3294; }
+.isagi-tier-explore { background: #e66101; }
+.isagi-tier-refused, .isagi-tier-withheld { background: #b2182b; }
+.isagi-tier-cancelled { background: #777; }
+.isagi-tier-pending { background: #999; }
+#isagi-alert p { color: #b2182b; font-weight: 600; }
+#isagi-status p { font-size: 0.95em; }
+"""
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _fmt(v: Any, digits: int = 3, suffix: str = "") -> str:
+    if v is None:
+        return "–"
+    try:
+        return f"{float(v):.{digits}f}{suffix}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _short(text: str | None, n: int = 70) -> str:
+    t = " ".join(str(text or "").split())
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+def badge_label(m: dict[str, Any]) -> str:
+    """The badge of an assistant entry: its tier, or its verdict when not ok."""
+    verdict = m.get("verdict") or "ok"
+    if verdict in ("refused", "withheld"):
+        return verdict.upper()
+    return str(m.get("tier") or verdict).upper()
+
+
+def info_html(m: dict[str, Any]) -> str:
+    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens."""
+    label = badge_label(m)
+    parts = [f'<span class="isagi-tier isagi-tier-{label.lower()}">{html.escape(label)}</span>']
+    if m.get("verdict") == "cancelled":
+        parts.append('<span class="isagi-tier isagi-tier-cancelled">STOPPED</span>')
+    if m.get("distance") is not None:
+        near = m.get("nearest_query")
+        near_txt = f' to “{html.escape(_short(near, 60))}”' if near else ""
+        parts.append(f"d = {_fmt(m['distance'], 4)}{near_txt}")
+    if m.get("zone"):
+        parts.append(f"zone {html.escape(str(m['zone']))}")
+    parts.append(f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}")
+    if m.get("latency_s") is not None:
+        parts.append(f"{_fmt(m['latency_s'], 2)} s")
+    toks = m.get("new_tokens")
+    if toks is not None:
+        pt = m.get("prompt_tokens")
+        parts.append(f"{pt} + {toks} tokens" if pt is not None else f"{toks} tokens")
+    head, rest = parts[0], " · ".join(parts[1:])
+    return f'<div class="isagi-info">{head} {rest}</div>'
+
+
+def pending_html(tier: str | None, distance: float | None) -> str:
+    label = (tier or "pending").upper()
+    d = f" d = {_fmt(distance, 4)} ·" if distance is not None else ""
+    return (
+        f'<div class="isagi-info"><span class="isagi-tier isagi-tier-{label.lower()}">'
+        f"{html.escape(label)}</span>{d} generating…</div>"
+    )
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Session log → Chatbot messages (each reply followed by its info line)."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        if m.get("role") == "user":
+            out.append({"role": "user", "content": str(m.get("text", ""))})
+        elif m.get("role") == "assistant":
+            out.append({"role": "assistant", "content": str(m.get("text", "")) or "*(empty reply)*"})
+            out.append({"role": "assistant", "content": info_html(m)})
+    return out
+
+
+def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
+    """The Turn panel: every figure of the latest turn."""
+    if m is None:
+        return "*No turn yet. Ask something: the panel shows what the manifold did with it.*"
+    thr = getattr(safety, "threshold", None)
+    rthr = getattr(safety, "reply_threshold", None)
+    rows = [
+        ("Tier", f"**{badge_label(m)}**" + (f" ({m.get('category')})" if m.get("category") else "")),
+        ("Verdict", m.get("verdict") or "ok"),
+        ("Distance", _fmt(m.get("distance"), 4)),
+        ("Nearest stored query", html.escape(_short(m.get("nearest_query"), 90)) or "–"),
+        ("Zone", m.get("zone") or "–"),
+        ("TEH prompt", _fmt(m.get("teh_prompt"), 2, "%") + (f" (threshold {thr:.2f}%)" if thr is not None else "")),
+        ("TEH reply", _fmt(m.get("teh_reply"), 2, "%") + (f" (threshold {rthr:.2f}%)" if rthr is not None else "")),
+        ("Latency", _fmt(m.get("latency_s"), 3, " s")),
+        ("Tokens", f"prompt {m.get('prompt_tokens', '–')}, reply {m.get('new_tokens', '–')}"),
+        ("Metric growth ‖M − I‖", _fmt(m.get("metric_growth"), 4)),
+    ]
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return "| Latest turn | |\n|---|---|\n" + body
+
+
+def manifold_summary(session: Any) -> str:
+    mem = session.memory
+    n = len(mem)
+    clusters = len(getattr(mem, "clusters", {}) or {})
+    return (
+        f"Trajectories: **{n}** · clusters: **{clusters}** · "
+        f"metric growth: **{session.metric.growth:.4f}** · turns: **{session.turns}** · "
+        f"session `{session.id}`"
+    )
+
+
+def highlight_row(session: Any, columns: dict[str, Any]) -> int | None:
+    """The stored trajectory of the latest query: itself if stored, else its nearest."""
+    last_user = next((m for m in reversed(session.messages) if m.get("role") == "user"), None)
+    last_bot = next((m for m in reversed(session.messages) if m.get("role") == "assistant"), None)
+    texts = list(columns.get("query_text", []))
+    if not texts or last_user is None:
+        return None
+    for target in (last_user.get("text"), (last_bot or {}).get("nearest_query")):
+        if target:
+            for i in range(len(texts) - 1, -1, -1):
+                if texts[i] == target:
+                    return i
+    return None
+
+
+def _slug(text: str | None, fallback: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-").lower()[:40]
+    return s or fallback
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class WebUI:
+    """Handlers bound to one engine holder and one registry (testable without a browser)."""
+
+    def __init__(self, holder: EngineHolder, registry: SessionRegistry, settings: Any) -> None:
+        self.holder = holder
+        self.registry = registry
+        self.settings = settings
+        self._tmp = Path(tempfile.gettempdir()) / "isagi-web"
+
+    # -- helpers -----------------------------------------------------------
+    @property
+    def engine(self) -> Any:
+        return self.holder.engine
+
+    def _safety(self) -> Any:
+        try:
+            return self.engine.profile.safety
+        except Exception:
+            return None
+
+    def _download_dir(self) -> Path:
+        d = Path(tempfile.mkdtemp(prefix="dl-", dir=self._ensure_tmp()))
+        return d
+
+    def _ensure_tmp(self) -> Path:
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        return self._tmp
+
+    def view(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        """(chat, turn panel, summary, map, growth, TEH) of a session, from its live state."""
+        try:
+            entry = self.registry.entry(sid)
+        except (KeyError, EngineLoading):
+            empty: list[dict[str, Any]] = []
+            return ([], turn_markdown(None), "Trajectories: **0**", plots.map_figure({}),
+                    plots.growth_figure(empty), plots.teh_figure(empty))
+        return self._view_of(entry.session, colour_by)
+
+    def _view_of(self, session: Any, colour_by: str) -> tuple[Any, ...]:
+        msgs = session.messages
+        last_bot = next((m for m in reversed(msgs) if m.get("role") == "assistant"), None)
+        cols = session.memory.to_columns()
+        safety = self._safety()
+        return (
+            chat_messages(msgs),
+            turn_markdown(last_bot, safety),
+            manifold_summary(session),
+            plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols)),
+            plots.growth_figure(msgs),
+            plots.teh_figure(msgs, getattr(safety, "threshold", None)),
+        )
+
+    def status_line(self) -> str:
+        h = self.holder
+        if h.ready:
+            e = self.engine
+            lm = e.lm
+            return (
+                f"Model **{lm.model_id}** ({lm.quant}, {lm.device}) · layer {e.layer} · "
+                f"k = {e.profile.basis.B.shape[1]} · {len(self.registry)} live session(s)"
+            )
+        if h.failed:
+            return f"**The model could not be loaded:** {h.error}"
+        return f"⏳ **{h.describe()}.** The first start converts the model and calibrates it; this page works once it is done."
+
+    # -- page load and loading banner --------------------------------------
+    def on_load(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        if self.holder.ready:
+            sid, _ = self.registry.ensure(sid)
+        return (sid, self.status_line(), *self.view(sid, colour_by))
+
+    def on_tick(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        """While loading: refresh the banner; once ready: create the session and stop the timer."""
+        import gradio as gr
+
+        if not (self.holder.ready or self.holder.failed):
+            return (sid, self.status_line(), *(gr.skip(),) * 6, gr.Timer(active=True))
+        return (*self.on_load(sid, colour_by), gr.Timer(active=False))
+
+    # -- chat ----------------------------------------------------------------
+    def _options(self, max_tokens: float | None, sample: bool, temperature: float | None, *, seed: int | None = None) -> Any:
+        from isagi.generation import GenerationOptions
+
+        n = int(max_tokens or self.settings.max_new_tokens)
+        return GenerationOptions(
+            max_new_tokens=max(1, n), do_sample=bool(sample),
+            temperature=float(temperature or 0.7), seed=seed,
+        )
+
+    def _warn(self, msg: str) -> str:
+        import gradio as gr
+
+        gr.Warning(msg)
+        return f"⚠️ {msg}"
+
+    def send(
+        self, message: str, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier",
+    ) -> Iterator[tuple[Any, ...]]:
+        """Run a turn, streaming: yields (state, chat, textbox, alert, turn, summary, map, growth, teh)."""
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+
+        try:
+            engine = self.engine
+            sid, entry = self.registry.ensure(sid)
+        except EngineLoading as exc:
+            yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
+            return
+        try:
+            text = engine.validate(message)
+        except IsagiError as exc:
+            yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
+            return
+        options = self._options(max_tokens, sample, temperature)
+        yield from self._turn(sid, entry, text, options, colour_by, textbox="")
+
+    def regenerate(
+        self, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier",
+    ) -> Iterator[tuple[Any, ...]]:
+        """Undo the last turn (metric, memory, messages) and run its question again, sampling."""
+        import gradio as gr
+
+        try:
+            entry = self.registry.entry(sid)
+        except (KeyError, EngineLoading) as exc:
+            msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
+            yield (sid, gr.skip(), gr.skip(), self._warn(msg), *(gr.skip(),) * 5)
+            return
+        session = entry.session
+        snap = entry.undo
+        if snap is None or len(session.messages) != snap.n_messages + 2:
+            yield (sid, gr.skip(), gr.skip(), self._warn("Nothing to regenerate: send a message first."),
+                   *(gr.skip(),) * 5)
+            return
+        text = session.messages[snap.n_messages]["text"]
+        options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
+        yield from self._turn(sid, entry, text, options, colour_by, textbox=gr.skip(), undo=True)
+
+    def _turn(
+        self, sid: str, entry: Entry, text: str, options: Any, colour_by: str, *,
+        textbox: Any, undo: bool = False,
+    ) -> Iterator[tuple[Any, ...]]:
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+
+        skip = gr.skip()
+        try:
+            ctx = self.registry.using(sid, timeout=STOP_WAIT_S)
+            entry = ctx.__enter__()
+        except SessionBusy as exc:
+            yield (sid, skip, skip, self._warn(str(exc)), *(skip,) * 5)
+            return
+        try:
+            session = entry.session
+            if undo and entry.undo is not None:
+                restore_snapshot(session, entry.undo)
+            entry.stop.clear()
+            entry.undo = take_snapshot(session)
+            history = chat_messages(session.messages)
+            user = {"role": "user", "content": text}
+            reply, info = "", pending_html(None, None)
+            yield (sid, [*history, user, {"role": "assistant", "content": info}], textbox, "", *(skip,) * 5)
+            events = self.engine.stream_turn(session, text, options=options, stop=entry.stop)
+            finished = False
+            last = 0.0
+            try:
+                for ev in events:
+                    if ev.kind == "decision":
+                        info = pending_html(ev.tier, ev.distance)
+                    elif ev.kind == "token":
+                        reply += ev.text
+                        now = time.monotonic()
+                        if now - last < STREAM_INTERVAL_S:
+                            continue
+                        last = now
+                    elif ev.kind == "done":
+                        finished = True
+                        res = ev.result
+                        if session.messages and session.messages[-1].get("role") == "assistant":
+                            session.messages[-1].setdefault("prompt_tokens", res.prompt_tokens)
+                            if res.category:
+                                session.messages[-1].setdefault("category", res.category)
+                        continue
+                    shown = [*history, user]
+                    if reply:
+                        shown.append({"role": "assistant", "content": reply})
+                    shown.append({"role": "assistant", "content": info})
+                    yield (sid, shown, skip, skip, *(skip,) * 5)
+            except IsagiError as exc:
+                yield (sid, chat_messages(session.messages), skip, self._warn(str(exc)), *(skip,) * 5)
+                return
+            finally:
+                if not finished:
+                    # Closed by Stop's cancel or a lost client: end the model work now and let the
+                    # turn be recorded (as cancelled) instead of holding the model.
+                    entry.stop.set()
+                    try:
+                        for _ in events:
+                            pass
+                    except Exception as exc:  # never mask the close
+                        log.warning("draining a cancelled turn failed: %s", exc)
+            alert = ""
+            last_bot = session.messages[-1] if session.messages else {}
+            if last_bot.get("verdict") == "refused":
+                alert = "⚠️ This request was refused by the geometric safety layer (TEH over the threshold): nothing was generated."
+            elif last_bot.get("verdict") == "withheld":
+                alert = "⚠️ The reply was withheld: its TEH went over the threshold while it streamed."
+            elif last_bot.get("verdict") == "cancelled":
+                alert = "Stopped: the generation was ended; the partial reply is kept."
+            chat, *panels = self._view_of(session, colour_by)
+            yield (sid, chat, skip, alert, *panels)
+        finally:
+            ctx.__exit__(None, None, None)
+
+    def stop(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        """Ask the running turn to stop, wait until it has, and show the final state."""
+        import gradio as gr
+
+        self.registry.request_stop(sid)
+        if not self.registry.wait_until_free(sid, STOP_WAIT_S):
+            return (gr.skip(), "The model is still finishing a step; it will stop shortly.", *(gr.skip(),) * 5)
+        chat, turn, summary, mp, growth, teh = self.view(sid, colour_by)
+        return (chat, gr.skip(), turn, summary, mp, growth, teh)
+
+    def new_chat(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        try:
+            self.engine  # noqa: B018 - raises while loading
+        except EngineLoading as exc:
+            return (sid, self._warn(str(exc)), *self.view(sid, colour_by))
+        self.registry.release(sid)
+        new = self.registry.create()
+        return (new, "", *self.view(new, colour_by))
+
+    def recolour(self, sid: str | None, colour_by: str) -> Any:
+        try:
+            session = self.registry.entry(sid).session
+        except (KeyError, EngineLoading):
+            return plots.map_figure({})
+        cols = session.memory.to_columns()
+        return plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols))
+
+    # -- files ---------------------------------------------------------------
+    def save_miku(self, sid: str | None) -> tuple[Any, str]:
+        """Write the open session's living state to a ``.miku`` for download."""
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+        from isagi.session_io import save_session
+
+        try:
+            with self.registry.using(sid) as entry:
+                s = entry.session
+                path = self._download_dir() / f"isagi-{_slug(s.title, 'session')}-{s.id}.miku"
+                save_session(self.engine, s, path)
+        except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
+            msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
+            return gr.skip(), self._warn(msg)
+        return str(path), f"Saved {len(s.memory)} trajectories and {s.turns} turns to `{path.name}`."
+
+    def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        """Open an uploaded ``.miku`` (a fork with a fresh id); errors leave the open session as it is."""
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+        from isagi.session_io import load_session
+
+        path = getattr(file, "name", file)
+        if not path:
+            return (sid, gr.skip(), *(gr.skip(),) * 6)
+        try:
+            session = load_session(self.engine, Path(path))
+        except (IsagiError, EngineLoading) as exc:
+            return (sid, self._warn(f"Could not load that file: {exc} Your open session is unchanged."),
+                    *(gr.skip(),) * 6)
+        except Exception as exc:  # a reader bug must not take the page down
+            log.exception("loading %s failed", path)
+            return (sid, self._warn(f"Could not load that file ({type(exc).__name__}: {exc}). "
+                                    "Your open session is unchanged."), *(gr.skip(),) * 6)
+        self.registry.release(sid)
+        new = self.registry.adopt(session, fresh_id=True)
+        gr.Info(f"Loaded {len(session.memory)} trajectories and {session.turns} turns.")
+        return (new, f"Loaded `{Path(path).name}`: {len(session.memory)} trajectories, {session.turns} turns.",
+                *self.view(new, colour_by))
+
+    # -- sessions tab ------------------------------------------------------------
+    def list_sessions(self, query: str = "") -> tuple[Any, str]:
+        """Rows (id, title, turns, updated, file) of the history store, optionally searched."""
+        store = getattr(self.holder._engine, "store", None) if self.holder.ready else None
+        if store is None:
+            msg = "The history store is not available yet." if not self.holder.ready else "No history store is configured."
+            return [], msg
+        try:
+            if query and query.strip():
+                hits = store.search(query.strip(), limit=200)
+                seen: list[str] = []
+                for h in hits:
+                    if h.session_id not in seen:
+                        seen.append(h.session_id)
+                summaries = [store.get_session(i) for i in seen[:100]]
+                note = f"{len(summaries)} session(s) with messages containing “{query.strip()}”."
+            else:
+                summaries = store.list_sessions(limit=100)
+                note = f"{len(summaries)} most recent session(s)."
+        except Exception as exc:
+            return [], self._warn(f"Could not read the history: {exc}")
+        live = set(self.registry.live_ids())
+        rows = [
+            [s.id, s.title or "(untitled)", s.turns, s.updated_at.strftime("%Y-%m-%d %H:%M"),
+             "live" if s.id in live else ("saved" if s.miku_path else "history only")]
+            for s in summaries
+        ]
+        return rows, note
+
+    @staticmethod
+    def select_row(evt: Any, rows: Any) -> str:
+        """The session id of the clicked row."""
+        try:
+            r = evt.index[0] if isinstance(evt.index, list | tuple) else evt.index
+            data = rows.values.tolist() if hasattr(rows, "values") else rows
+            return str(data[r][0])
+        except Exception:
+            return ""
+
+    def resume(self, chosen: str, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+        """Open a past session's saved living state (its autosaved ``.miku``)."""
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+        from isagi.session_io import load_session
+
+        chosen = (chosen or "").strip()
+        keep = (sid, gr.skip(), *(gr.skip(),) * 6, gr.skip())
+        if not chosen:
+            return (sid, self._warn("Pick a session in the table first."), *keep[2:])
+        if chosen == sid:
+            return (sid, "That session is already open.", *self.view(sid, colour_by), gr.Tabs(selected="chat"))
+        try:
+            engine = self.engine
+            path = None
+            if engine.store is not None:
+                summary = engine.store.get_session(chosen)
+                path = summary.miku_path
+            path = Path(path) if path else Path(self.settings.sessions_dir) / f"{chosen}.miku"
+            if not path.exists():
+                return (sid, self._warn(f"Session {chosen} has no saved living state (no {path.name}); "
+                                        "export its history instead."), *keep[2:])
+            session = load_session(engine, path)
+        except (IsagiError, EngineLoading) as exc:
+            return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
+        session.id = chosen
+        self.registry.release(sid)
+        new = self.registry.adopt(session)
+        note = f"Resumed “{session.title or chosen}” ({session.turns} turns, {len(session.memory)} trajectories)."
+        if new != chosen:
+            note += f" It is open in another browser, so this is a copy with id {new}."
+        return (new, note, *self.view(new, colour_by), gr.Tabs(selected="chat"))
+
+    def export(self, chosen: str, sid: str | None, fmt: str) -> tuple[Any, str]:
+        """The chosen (or the open) session's history as Markdown or JSON, for download."""
+        import gradio as gr
+
+        target = (chosen or "").strip() or (sid or "")
+        try:
+            store = self.engine.store
+            if store is None:
+                return gr.skip(), self._warn("No history store is configured.")
+            text = store.export(target, "markdown" if fmt == "markdown" else "json")
+        except Exception as exc:
+            return gr.skip(), self._warn(f"Could not export session {target or '(none)'}: {exc}")
+        ext = "md" if fmt == "markdown" else "json"
+        path = self._download_dir() / f"isagi-{target}.{ext}"
+        path.write_text(text, encoding="utf-8")
+        return str(path), f"Exported session {target} as {ext.upper()}."
+
+    def delete(self, chosen: str, sid: str | None) -> tuple[Any, str]:
+        chosen = (chosen or "").strip()
+        if not chosen:
+            return gr_skip(), self._warn("Pick a session in the table first.")
+        if chosen in self.registry.live_ids():
+            return gr_skip(), self._warn("That session is open in a browser; close it there first.")
+        try:
+            ok = self.engine.store.delete_session(chosen)
+        except Exception as exc:
+            return gr_skip(), self._warn(f"Could not delete {chosen}: {exc}")
+        rows, _ = self.list_sessions("")
+        return rows, (f"Deleted session {chosen} from the history." if ok else f"No session {chosen}.")
+
+    # -- explore ---------------------------------------------------------------
+    def explore(self, seed: str, steps: float, max_tokens: float) -> tuple[str, Any, str]:
+        """Safe OGD exploration from a seed: steps with TEH, and the MIKU creativity index."""
+        import gradio as gr
+
+        try:
+            from isagi.explore import explore as run_explore
+        except ImportError as exc:
+            return self._warn(f"Exploration is not available in this build ({exc})."), gr.skip(), ""
+        from isagi.errors import IsagiError
+
+        try:
+            engine = self.engine
+            with engine.generation_lock:
+                result = run_explore(engine.lm, engine.profile.safety, seed or "", steps=int(steps),
+                                     max_new_tokens=int(max_tokens))
+        except (IsagiError, EngineLoading, ValueError) as exc:
+            return self._warn(str(exc)), gr.skip(), ""
+        data = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+        steps_out = data.get("steps", [])
+        lines = ["| step | α | TEH mean / max | coherence | text |", "|---|---|---|---|---|"]
+        for i, st in enumerate(steps_out, 1):
+            txt = html.escape(_short(st.get("text", ""), 160)).replace("|", "\\|")
+            flag = " ⚠" if st.get("over_threshold") else ""
+            lines.append(
+                f"| {st.get('index', i)} | {_fmt(st.get('alpha'), 2)} | {_fmt(st.get('teh'), 2, '%')} / "
+                f"{_fmt(st.get('teh_max'), 2, '%')}{flag} | {_fmt(st.get('coherence'), 2)} | {txt} |"
+            )
+        rows = [{"step": st.get("index", i), "teh": st.get("teh"), "alpha": st.get("alpha")}
+                for i, st in enumerate(steps_out, 1)]
+        fig = plots.explore_figure(rows, data.get("reply_threshold"))
+        mcb = data.get("mcb") or {}
+        dims = ", ".join(
+            f"{k.replace('_', ' ')} {_fmt(v, 1)}" for k, v in mcb.items() if k not in ("index", "tier")
+        )
+        mode = "Safe OGD (steps projected off the forbidden subspace)" if data.get("safe", True) else "regular OGD"
+        mcb_md = (
+            f"### MIKU creativity index: **{_fmt(mcb.get('index'), 1)}** (tier {mcb.get('tier', '–')})\n\n"
+            f"{dims}\n\n{mode}; baseline (unsteered): “{html.escape(_short(data.get('baseline'), 200))}”"
+        )
+        return "\n".join(lines), fig, mcb_md
+
+
+def gr_skip() -> Any:
+    import gradio as gr
+
+    return gr.skip()
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def build_blocks(ui: WebUI) -> Any:
+    """The page. Call inside ``create_app`` only (never at import time)."""
+    import gradio as gr
+
+    s = ui.settings
+    model_q = {"concurrency_id": "model", "concurrency_limit": 1}
+    light_q = {"concurrency_limit": 8}
+    with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False) as demo:
+        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid) if sid else None)
+        gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
+        status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
+        timer = gr.Timer(2.0, active=not ui.holder.ready)
+        with gr.Tabs(selected="chat") as tabs:
+            with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
+                with gr.Column(scale=5, min_width=420):
+                    chat = gr.Chatbot(
+                        label="Conversation", elem_id="isagi-chat", height=520,
+                        render_markdown=True, sanitize_html=True, buttons=["copy"],
+                        feedback_options=None, layout="bubble",
+                        placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
+                    )
+                    alert = gr.Markdown("", elem_id="isagi-alert")
+                    with gr.Row():
+                        msg = gr.Textbox(
+                            placeholder=f"Message (up to {s.max_message_chars:,} characters) — Enter sends",
+                            show_label=False, lines=1, max_lines=8, scale=8, elem_id="isagi-input",
+                            autofocus=True,
+                        )
+                        send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send")
+                    with gr.Row():
+                        stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
+                        regen = gr.Button("Regenerate", elem_id="isagi-regen")
+                        new = gr.Button("New chat", elem_id="isagi-new")
+                    with gr.Accordion("Generation settings", open=False):
+                        max_tokens = gr.Slider(8, 2048, value=s.max_new_tokens, step=8,
+                                               label="Max new tokens", elem_id="isagi-max-tokens")
+                        sample = gr.Checkbox(False, label="Sample (otherwise greedy)")
+                        temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="Temperature")
+                with gr.Column(scale=4, min_width=380):
+                    turn = gr.Markdown(turn_markdown(None), elem_id="isagi-turn")
+                    summary = gr.Markdown("Trajectories: **0**", elem_id="isagi-manifold-summary")
+                    colour_by = gr.Radio(["tier", "cluster"], value="tier", label="Colour the map by",
+                                         elem_id="isagi-colour")
+                    map_plot = gr.Plot(label="Trajectory map", elem_id="isagi-map")
+                    growth_plot = gr.Plot(label="Metric growth", elem_id="isagi-growth")
+                    teh_plot = gr.Plot(label="TEH", elem_id="isagi-teh")
+            with gr.Tab("Sessions", id="sessions"):
+                gr.Markdown("Past sessions from the history store. Every session autosaves its living "
+                            "state; resume one to continue it with its memory and metric.")
+                with gr.Row():
+                    query = gr.Textbox(placeholder="Search message text…", show_label=False, scale=6,
+                                       elem_id="isagi-search")
+                    refresh = gr.Button("Search / refresh", scale=1, elem_id="isagi-refresh")
+                table = gr.Dataframe(headers=["id", "title", "turns", "updated (UTC)", "state"],
+                                     interactive=False, wrap=True, elem_id="isagi-sessions")
+                sessions_note = gr.Markdown("")
+                chosen = gr.Textbox(label="Selected session id", elem_id="isagi-chosen")
+                with gr.Row():
+                    resume = gr.Button("Resume", variant="primary", elem_id="isagi-resume")
+                    export_md = gr.Button("Export Markdown", elem_id="isagi-export-md")
+                    export_js = gr.Button("Export JSON", elem_id="isagi-export-json")
+                    delete = gr.Button("Delete from history", variant="stop", elem_id="isagi-delete")
+                gr.Markdown("### The open session's living state (`.miku`)")
+                with gr.Row():
+                    save = gr.Button("Save .miku", elem_id="isagi-save")
+                    upload = gr.File(label="Load a .miku", file_types=[".miku"], file_count="single",
+                                     elem_id="isagi-upload", height=120)
+                download = gr.File(label="Download", interactive=False, elem_id="isagi-download")
+                files_note = gr.Markdown("", elem_id="isagi-files-note")
+            with gr.Tab("Explore", id="explore"):
+                gr.Markdown(
+                    "Safe OGD concept exploration: a chain of steps from a seed, each steered by "
+                    "α·P_safe·v (never along a forbidden direction), with the TEH of every step and "
+                    "the MIKU creativity index of the chain. Uses the model: it waits its turn in the queue."
+                )
+                with gr.Row():
+                    seed = gr.Textbox(label="Seed concept", placeholder="e.g. the ocean", scale=4,
+                                      elem_id="isagi-seed")
+                    steps = gr.Slider(1, 6, value=3, step=1, label="Steps", scale=2)
+                    ex_tokens = gr.Slider(16, 128, value=40, step=8, label="Tokens per step", scale=2)
+                    run_ex = gr.Button("Explore", variant="primary", scale=1, elem_id="isagi-explore")
+                mcb_md = gr.Markdown("", elem_id="isagi-mcb")
+                ex_plot = gr.Plot(label="TEH per step")
+                ex_steps = gr.Markdown("", elem_id="isagi-steps")
+
+        view_out = [chat, turn, summary, map_plot, growth_plot, teh_plot]
+        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot]
+        gen_in = [max_tokens, sample, temperature, colour_by]
+
+        demo.load(ui.on_load, [state, colour_by], [state, status, *view_out], **light_q)
+        timer.tick(ui.on_tick, [state, colour_by], [state, status, *view_out, timer],
+                   show_progress="hidden", **light_q)
+        ev_send = send.click(ui.send, [msg, state, *gen_in], turn_out, show_progress="minimal",
+                             api_name="send", **model_q)
+        ev_submit = msg.submit(ui.send, [msg, state, *gen_in], turn_out, show_progress="minimal",
+                               api_name=False, **model_q)
+        ev_regen = regen.click(ui.regenerate, [state, *gen_in], turn_out, show_progress="minimal",
+                               api_name="regenerate", **model_q)
+        stop.click(ui.stop, [state, colour_by], [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
+                   cancels=[ev_send, ev_submit, ev_regen], show_progress="hidden", api_name="stop",
+                   concurrency_id="control", concurrency_limit=None)
+        new.click(ui.new_chat, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
+        chat.clear(ui.new_chat, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
+        colour_by.change(ui.recolour, [state, colour_by], map_plot, api_name=False, **light_q)
+
+        refresh.click(ui.list_sessions, query, [table, sessions_note], api_name="list_sessions", **light_q)
+        query.submit(ui.list_sessions, query, [table, sessions_note], api_name=False, **light_q)
+        def on_select(evt: Any, rows: Any) -> str:
+            return ui.select_row(evt, rows)
+
+        on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any, "return": str}
+        table.select(on_select, [table], chosen, api_name=False, **light_q)
+        resume.click(ui.resume, [chosen, state, colour_by], [state, sessions_note, *view_out, tabs],
+                     api_name="resume", **light_q)
+        export_md.click(lambda c, sid: ui.export(c, sid, "markdown"), [chosen, state], [download, files_note],
+                        api_name="export_markdown", **light_q)
+        export_js.click(lambda c, sid: ui.export(c, sid, "json"), [chosen, state], [download, files_note],
+                        api_name="export_json", **light_q)
+        delete.click(ui.delete, [chosen, state], [table, sessions_note], api_name=False, **light_q)
+        save.click(ui.save_miku, state, [download, files_note], api_name="save_miku", **light_q)
+        upload.upload(ui.load_miku, [upload, state, colour_by], [state, files_note, *view_out],
+                      api_name="load_miku", **light_q)
+        run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
+                     **model_q)
+    return demo

@@ -1,0 +1,104 @@
+"""The web server: /health while loading and when ready, login from ISAGI_AUTH,
+nothing built at import time. A fake engine; FastAPI's test client (no socket)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from app.server import create_app, parse_auth
+from isagi.config import load_settings
+from isagi.errors import ConfigError
+from tests.test_app_fakes import FakeEngine
+
+
+def test_parse_auth():
+    assert parse_auth(None) is None
+    assert parse_auth("  ") is None
+    assert parse_auth("ann:secret, bob:p:w") == [("ann", "secret"), ("bob", "p:w")]
+    for bad in ("ann", "ann:", ":pw"):
+        with pytest.raises(ConfigError):
+            parse_auth(bad)
+
+
+def test_health_ready(tmp_path):
+    from fastapi.testclient import TestClient
+
+    settings = load_settings(environ={}, home=tmp_path)
+    app = create_app(FakeEngine(settings), settings)
+    with TestClient(app) as client:
+        r = client.get("/health")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["status"] == "ok" and body["model"] == "fake/echo-model" and body["sessions"] == 0
+        app.state.isagi_registry.create()
+        assert client.get("/health").json()["sessions"] == 1
+        page = client.get("/")
+        assert page.status_code == 200 and "<html" in page.text.lower()
+
+
+def test_health_while_loading_then_ready(tmp_path):
+    from fastapi.testclient import TestClient
+
+    settings = load_settings(environ={}, home=tmp_path)
+    gate = threading.Event()
+
+    def factory(progress):
+        progress("Calibrating the profile", 3, 10)
+        gate.wait(30)
+        return FakeEngine(settings)
+
+    app = create_app(factory, settings)
+    with TestClient(app) as client:
+        r = client.get("/health")
+        assert r.status_code == 503
+        body = r.json()
+        assert body["status"] == "loading" and body["stage"] == "Calibrating the profile"
+        assert (body["done"], body["total"]) == (3, 10)
+        assert client.get("/").status_code == 200  # the page answers while loading
+        gate.set()
+        assert app.state.isagi_holder.wait(30)
+        assert client.get("/health").json()["status"] == "ok"
+
+
+def test_health_reports_a_failed_load(tmp_path):
+    from fastapi.testclient import TestClient
+
+    settings = load_settings(environ={}, home=tmp_path)
+
+    def factory(progress):
+        raise ConfigError("model 'nope' does not exist")
+
+    app = create_app(factory, settings)
+    with TestClient(app) as client:
+        app.state.isagi_holder.wait(30)
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "failed", "error": "model 'nope' does not exist"}
+
+
+def test_login_required_when_auth_is_set(tmp_path):
+    from fastapi.testclient import TestClient
+
+    settings = load_settings(environ={}, home=tmp_path, auth="ann:secret")
+    app = create_app(FakeEngine(settings), settings)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200  # the container's check needs no login
+        cfg = client.get("/config")
+        assert cfg.status_code in (401, 403) or "auth_required" in cfg.text
+        bad = client.post("/login", data={"username": "ann", "password": "wrong"})
+        assert bad.status_code >= 400
+        ok = client.post("/login", data={"username": "ann", "password": "secret"})
+        assert ok.status_code == 200
+        assert client.get("/config").status_code == 200
+
+
+def test_importing_the_app_builds_nothing():
+    code = (
+        "import sys; import app.server, app.ui, app.sessions, app.plots, app.loader; "
+        "print('gradio' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -1,0 +1,206 @@
+"""The web app's session registry: isolation, idle eviction (save then drop), resume,
+forks on adoption, and the Regenerate snapshot. Fast: a fake engine, real .miku files."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from app.sessions import SessionRegistry, restore_snapshot, take_snapshot
+from isagi.config import load_settings
+from isagi.session_io import load_session
+from tests.test_app_fakes import FakeEngine
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def engine(tmp_path):
+    return FakeEngine(load_settings(environ={}, home=tmp_path))
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def registry(engine, clock):
+    return SessionRegistry(lambda: engine, idle_s=60, clock=clock)
+
+
+def _turn(engine, session, text):
+    return [ev for ev in engine.stream_turn(session, text) if ev.kind == "done"][0].result
+
+
+def test_sessions_are_isolated(registry, engine):
+    a, b = registry.create(), registry.create()
+    assert a != b
+    sa, sb = registry.entry(a).session, registry.entry(b).session
+    assert sa is not sb and sa.memory is not sb.memory and sa.metric is not sb.metric
+    _turn(engine, sa, "what is a manifold?")
+    assert len(sa.memory) == 1 and len(sb.memory) == 0
+    assert sb.metric.growth == 0.0 and sa.metric.growth > 0
+    # b asking the same question is not answered from a's memory
+    res = _turn(engine, sb, "what is a manifold?")
+    assert res.tier != "RETRIEVE"
+    assert len(registry) == 2
+
+
+def test_unknown_id_raises_and_ensure_creates(registry):
+    with pytest.raises(KeyError):
+        registry.entry("nope")
+    with pytest.raises(KeyError):
+        registry.entry(None)
+    sid, entry = registry.ensure(None)
+    assert sid in registry and entry.session.id == sid
+
+
+def test_idle_eviction_saves_drops_and_resumes(registry, engine, clock):
+    sid = registry.create()
+    s = registry.entry(sid).session
+    _turn(engine, s, "first question")
+    _turn(engine, s, "second question")
+    path = s.miku_path
+    path.unlink()  # prove that eviction itself writes the file
+    clock.t += 61
+    assert registry.evict_idle() == [sid]
+    assert sid not in registry and len(registry) == 0
+    assert path.exists()
+    saved = load_session(engine, path)
+    assert [m["text"] for m in saved.messages] == [m["text"] for m in s.messages]
+    # the next use resumes it from the file, transparently
+    again = registry.entry(sid).session
+    assert again is not s
+    assert len(again.memory) == 2
+    np.testing.assert_allclose(again.metric.M, s.metric.M)
+    assert again.miku_path == path
+    assert _turn(engine, again, "first question").tier == "RETRIEVE"
+
+
+def test_recently_used_and_busy_sessions_are_not_evicted(registry, engine, clock):
+    idle, busy, fresh = registry.create(), registry.create(), registry.create()
+    for sid in (idle, busy):
+        _turn(engine, registry.entry(sid).session, f"hello from {sid}")
+    clock.t += 61
+    registry.entry(fresh)  # touched just now
+    entry = registry.entry(busy)
+    clock.t += 1
+    entry.last_used -= 100  # idle by the clock, but a turn holds it
+    assert entry.lock.acquire(blocking=False)
+    try:
+        evicted = registry.evict_idle()
+    finally:
+        entry.lock.release()
+    assert idle in evicted and busy not in evicted and fresh not in evicted
+    assert busy in registry and fresh in registry
+
+
+def test_empty_sessions_are_dropped_without_a_file(registry, engine, clock):
+    sid = registry.create()
+    path = registry.entry(sid).session.miku_path
+    clock.t += 61
+    assert registry.evict_idle() == [sid]
+    assert not path.exists()
+    assert registry.entry(sid).session.messages == []  # resumes as a fresh, empty session
+
+
+def test_failed_save_keeps_the_session(engine, clock):
+    def broken_save(*_args):
+        raise OSError("disk full")
+
+    reg = SessionRegistry(lambda: engine, idle_s=60, clock=clock, save=broken_save)
+    sid = reg.create()
+    _turn(engine, reg.entry(sid).session, "keep me")
+    clock.t += 61
+    assert reg.evict_idle() == []
+    assert sid in reg and len(reg.entry(sid).session.memory) == 1
+
+
+def test_release_saves_and_forgets(registry, engine):
+    sid = registry.create()
+    s = registry.entry(sid).session
+    _turn(engine, s, "to be saved")
+    s.miku_path.unlink()
+    assert registry.release(sid)
+    assert s.miku_path.exists()
+    assert sid not in registry
+    with pytest.raises(KeyError):
+        registry.entry(sid)  # forgotten: the browser moved on
+
+
+def test_adopt_never_shares_a_live_id(registry, engine):
+    sid = registry.create()
+    copy = engine.new_session(session_id=sid)
+    new = registry.adopt(copy)
+    assert new != sid and registry.entry(new).session is copy
+    assert registry.entry(sid).session is not copy
+    assert copy.miku_path.name == f"{new}.miku"
+    other = engine.new_session(session_id="abc123")
+    assert registry.adopt(other) == "abc123"  # a free id is kept (resume)
+    third = engine.new_session(session_id="zzz999")
+    assert registry.adopt(third, fresh_id=True) != "zzz999"  # uploads always fork
+
+
+def test_stop_event_reaches_the_running_turn(tmp_path):
+    engine = FakeEngine(load_settings(environ={}, home=tmp_path), token_delay=0.01)
+    reg = SessionRegistry(lambda: engine, idle_s=60)
+    sid = reg.create()
+    entry = reg.entry(sid)
+    results = []
+
+    def run():
+        with reg.using(sid) as e:
+            for ev in engine.stream_turn(e.session, "a long answer please", stop=e.stop):
+                if ev.kind == "done":
+                    results.append(ev.result)
+
+    t = threading.Thread(target=run)
+    t.start()
+    while not entry.lock.locked():
+        pass
+    assert reg.request_stop(sid) is True
+    assert reg.wait_until_free(sid, timeout=30)
+    t.join(30)
+    assert results and results[0].verdict == "cancelled"
+    assert results[0].new_tokens < 64
+
+
+def test_snapshot_restores_metric_memory_and_messages(registry, engine):
+    sid = registry.create()
+    s = registry.entry(sid).session
+    _turn(engine, s, "one")
+    snap = take_snapshot(s)
+    M0 = s.metric.M.copy()
+    _turn(engine, s, "two")
+    assert len(s.memory) == 2 and len(s.messages) == 4
+    restore_snapshot(s, snap)
+    assert len(s.memory) == 1 and len(s.messages) == 2
+    np.testing.assert_allclose(s.metric.M, M0)
+    assert s.memory.to_columns()["query_text"] == ["one"]
+    assert _turn(engine, s, "one").tier == "RETRIEVE"  # the restored memory still answers
+
+
+def test_reaper_thread_evicts(engine):
+    import time
+
+    reg = SessionRegistry(lambda: engine, idle_s=0.05)
+    sid = reg.create()
+    _turn(engine, reg.entry(sid).session, "bye")
+    reg.start_reaper(0.02)
+    try:
+        deadline = time.monotonic() + 10
+        while sid in reg and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        reg.stop_reaper()
+    assert sid not in reg
+    assert reg.evicted_total >= 1

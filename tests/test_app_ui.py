@@ -1,0 +1,230 @@
+"""The web app's handlers without a browser: streaming, badges, per-browser isolation,
+Stop (the model work really ends and the turn is recorded), Regenerate, input errors,
+.miku save / load / corrupted upload, and the plots. A fake engine, real .miku files."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app import plots
+from app.loader import EngineHolder
+from app.sessions import SessionRegistry
+from app.ui import WebUI, chat_messages, info_html
+from isagi.config import load_settings
+from tests.test_app_fakes import FakeEngine
+
+# send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh)
+STATE, CHAT, TEXTBOX, ALERT, TURN, SUMMARY, MAP = range(7)
+
+
+def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, FakeEngine]:
+    settings = load_settings(environ={}, home=tmp_path, max_new_tokens=8)
+    engine = FakeEngine(settings, **engine_kw)
+    holder = EngineHolder(engine)
+    registry = SessionRegistry(lambda: holder.engine, idle_s=600)
+    return WebUI(holder, registry, settings), engine
+
+
+def run(gen):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gr.Warning outside a request falls back to warnings
+        return list(gen)
+
+
+def badges(chat: list[dict]) -> list[str]:
+    import re
+
+    return [m for c in chat for m in re.findall(r"isagi-tier-(\w+)", c["content"])]
+
+
+@pytest.fixture
+def ui(tmp_path):
+    return make_ui(tmp_path)[0]
+
+
+def test_reply_streams_and_gets_a_badge(ui):
+    sid = ui.on_load(None)[0]
+    outs = run(ui.send("tell me something", sid, 8))
+    chats = [o[CHAT] for o in outs if isinstance(o[CHAT], list)]
+    replies = [c[-2]["content"] for c in chats if len(c) >= 3 and c[-2]["role"] == "assistant"]
+    assert len(replies) >= 2, "the reply must arrive in several updates"
+    assert all(b.startswith(a) for a, b in zip(replies, replies[1:], strict=False))
+    final = outs[-1]
+    assert badges(final[CHAT]) == ["explore"]
+    assert final[TEXTBOX] is not None
+    assert "Trajectories: **1**" in final[SUMMARY]
+    assert "EXPLORE" in final[TURN]
+    # the stored text stays raw; the info line is display only
+    s = ui.registry.entry(sid).session
+    assert s.messages[-1]["text"] == "w0 w1 w2 w3 w4 w5 w6 w7"
+
+
+def test_same_question_retrieves_but_never_across_browsers(ui):
+    a = ui.on_load(None)[0]
+    b = ui.on_load(None)[0]
+    assert a != b
+    run(ui.send("what is the capital of France?", a, 8))
+    again = run(ui.send("what is the capital of France?", a, 8))[-1]
+    assert badges(again[CHAT])[-1] == "retrieve"
+    other = run(ui.send("what is the capital of France?", b, 8))[-1]
+    assert badges(other[CHAT]) == ["explore"], "browser b must not see a's memory"
+    assert len(ui.registry.entry(b).session.memory) == 1
+
+
+@pytest.mark.parametrize("message, needle", [("   ", "empty"), ("x" * 9000, "8,000")])
+def test_bad_input_is_explained_and_runs_nothing(tmp_path, message, needle):
+    ui, engine = make_ui(tmp_path)
+    sid = ui.on_load(None)[0]
+    outs = run(ui.send(message, sid, 8))
+    assert len(outs) == 1 and needle in outs[0][ALERT]
+    assert engine.turns_run == 0
+    assert ui.registry.entry(sid).session.messages == []
+
+
+def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
+    """Stop's cancel closes the handler: the engine must end, release its lock and record the turn."""
+    ui, engine = make_ui(tmp_path)
+    sid = ui.on_load(None)[0]
+    gen = ui.send("long answer please", sid, 500)
+    for _ in range(3):
+        next(gen)
+    gen.close()
+    entry = ui.registry.entry(sid)
+    assert not entry.lock.locked() and not engine.generation_lock.locked()
+    last = entry.session.messages[-1]
+    assert last["verdict"] == "cancelled" and last["new_tokens"] < 500
+
+
+def test_stop_button_ends_generation_and_shows_it(tmp_path):
+    ui, engine = make_ui(tmp_path, token_delay=0.005)
+    sid = ui.on_load(None)[0]
+    outs: list = []
+    t = threading.Thread(target=lambda: outs.extend(run(ui.send("go on and on", sid, 100000))))
+    t.start()
+    entry = ui.registry.entry(sid)
+    while not engine.generation_lock.locked():
+        pass
+    stopped = ui.stop(sid)
+    t.join(30)
+    assert not t.is_alive()
+    assert entry.session.messages[-1]["verdict"] == "cancelled"
+    assert entry.session.messages[-1]["new_tokens"] < 100000
+    assert "cancelled" in badges(stopped[0])
+    assert "stopped" in outs[-1][ALERT].lower()
+    # the engine is free again: the next turn runs
+    assert badges(run(ui.send("next", sid, 4))[-1][CHAT])[-1] == "explore"
+
+
+def test_regenerate_undoes_the_last_turn(ui):
+    sid = ui.on_load(None)[0]
+    run(ui.send("first", sid, 4))
+    run(ui.send("second", sid, 4))
+    s = ui.registry.entry(sid).session
+    growth_before = s.metric.growth
+    out = run(ui.regenerate(sid, 4))[-1]
+    s = ui.registry.entry(sid).session
+    assert [m["text"] for m in s.messages if m["role"] == "user"] == ["first", "second"]
+    assert len(s.memory) == 2, "the undone turn's trajectory must not stay twice"
+    assert s.metric.growth == pytest.approx(growth_before)
+    assert badges(out[CHAT])[-1] != "retrieve"
+
+
+def test_regenerate_without_a_turn_warns(ui):
+    sid = ui.on_load(None)[0]
+    out = run(ui.regenerate(sid, 4))
+    assert len(out) == 1 and "Nothing to regenerate" in out[0][ALERT]
+
+
+def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
+    sid = ui.on_load(None)[0]
+    for q in ("alpha", "beta", "gamma"):
+        run(ui.send(q, sid, 4))
+    path, note = ui.save_miku(sid)
+    assert Path(path).exists() and "3 trajectories" in note
+    # a corrupted upload: an error, the open session untouched
+    bad = tmp_path / "bad.miku"
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ui.load_miku(str(bad), sid)
+    assert out[0] == sid and "Could not load" in out[1]
+    assert len(ui.registry.entry(sid).session.memory) == 3
+    # a fresh browser loads the good file: same trajectories, its own id
+    other = ui.on_load(None)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ui.load_miku(path, other)
+    new = out[0]
+    assert new not in (sid, other)
+    loaded = ui.registry.entry(new).session
+    orig = ui.registry.entry(sid).session
+    assert loaded is not orig
+    np.testing.assert_array_equal(loaded.memory.to_columns()["query_x"], orig.memory.to_columns()["query_x"])
+    assert "Trajectories: **3**" in out[4]
+    assert badges(run(ui.send("beta", new, 4))[-1][CHAT])[-1] == "retrieve"
+
+
+def test_new_chat_starts_empty_and_saves_the_old(ui):
+    sid = ui.on_load(None)[0]
+    run(ui.send("remember me", sid, 4))
+    path = ui.registry.entry(sid).session.miku_path
+    new = ui.new_chat(sid)[0]
+    assert new != sid and path.exists()
+    assert ui.registry.entry(new).session.messages == []
+
+
+def test_loading_engine_is_reported_not_crashed(tmp_path):
+    settings = load_settings(environ={}, home=tmp_path)
+    gate = threading.Event()
+    holder = EngineHolder(lambda progress: (progress("converting", 1, 4), gate.wait(30), FakeEngine(settings))[2])
+    reg = SessionRegistry(lambda: holder.engine)
+    ui = WebUI(holder, reg, settings)
+    holder.start()
+    out = run(ui.send("hello", None, 4))
+    assert "Loading the model" in out[0][ALERT]
+    assert "converting" in ui.status_line()
+    gate.set()
+    assert holder.wait(30)
+    sid = ui.on_load(None)[0]
+    assert sid and badges(run(ui.send("hello", sid, 4))[-1][CHAT]) == ["explore"]
+
+
+def test_info_line_and_chat_messages():
+    m = {"role": "assistant", "text": "**bold** reply", "tier": "AUGMENT", "distance": 0.123456,
+         "nearest_query": "<script>x</script>", "zone": "science", "teh_prompt": 1.5, "teh_reply": 2.25,
+         "verdict": "ok", "latency_s": 0.5, "new_tokens": 12, "prompt_tokens": 30}
+    html_ = info_html(m)
+    for part in ("AUGMENT", "0.1235", "science", "1.5%", "2.2%", "0.50 s", "30 + 12 tokens"):
+        assert part in html_
+    assert "<script>" not in html_
+    chat = chat_messages([{"role": "user", "text": "hi"}, m])
+    assert chat[1]["content"] == "**bold** reply"  # raw markdown, rendered by the page
+    refused = info_html({"verdict": "refused", "tier": None, "teh_prompt": 80.0})
+    assert "REFUSED" in refused
+
+
+def test_pca_map_counts_and_highlight():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((5, 8))
+    Y, explained = plots.pca_2d(X)
+    assert Y.shape == (5, 2) and 0 < explained[1] <= explained[0] <= 1
+    # the projection preserves the centred data's top-2 variance
+    C = X - X.mean(0)
+    s = np.linalg.svd(C, compute_uv=False)
+    np.testing.assert_allclose((Y**2).sum(0), s[:2] ** 2, rtol=1e-9)
+    cols = {"query_x": X, "query_text": list("abcde"), "tier": ["EXPAND", "EXPLORE", "EXPAND", "AUGMENT", "EXPLORE"],
+            "cluster": [0, 1, 0, 2, 1]}
+    fig = plots.map_figure(cols, highlight=4)
+    assert sum(len(t.x) for t in fig.data if t.name != "current query") == 5
+    assert [t for t in fig.data if t.name == "current query"][0].text == ("e",)
+    by_cluster = plots.map_figure(cols, colour_by="cluster")
+    assert {t.name for t in by_cluster.data} == {"cluster 0", "cluster 1", "cluster 2"}
+    assert len(plots.map_figure({}).data) == 0
+    assert plots.pca_2d(X[:1])[0].tolist() == [[0.0, 0.0]]
