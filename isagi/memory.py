@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import faiss
@@ -56,6 +58,20 @@ __all__ = ["Hit", "TrajectoryMemory"]
 
 _BLOCK = 128
 _TEXT_COLUMNS = ("query_text", "reply_text", "tier", "context_key", "content_key")
+
+
+@contextmanager
+def _faiss_threads(n: int) -> Iterator[None]:
+    """Run FAISS with ``n`` OpenMP threads in this block (a per-thread setting)."""
+    before = faiss.omp_get_max_threads()
+    if before == n:
+        yield
+        return
+    faiss.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
 
 
 @dataclass
@@ -220,7 +236,8 @@ class TrajectoryMemory:
         self._id2slot[rid] = s
         self._next_cluster = max(self._next_cluster, int(cluster) + 1)
         if self._index is not None:
-            self._index.add(self._frame(q[None, :], self._frame_L))
+            with _faiss_threads(1):
+                self._index.add(self._frame(q[None, :], self._frame_L))
             if self._index_kind == "flat" and self._alive_count > self.exact_below:
                 self._index = None  # switch to HNSW at the next search
         return rid
@@ -316,15 +333,9 @@ class TrajectoryMemory:
         else:
             index = faiss.IndexFlatIP(self.k)
             kind = "flat"
-        threads = faiss.omp_get_max_threads()
-        small = Z.shape[0] < 20_000  # small builds: threads cost more than they save
-        if small and threads != 1:
-            faiss.omp_set_num_threads(1)
-        try:
+        # small builds: OpenMP threads cost more than they save on a shared CPU
+        with _faiss_threads(1 if Z.shape[0] < 20_000 else faiss.omp_get_max_threads()):
             index.add(Z)
-        finally:
-            if small and threads != 1:
-                faiss.omp_set_num_threads(threads)
         self._index = index
         self._index_kind = kind
         self._frame_L = L
@@ -417,14 +428,8 @@ class TrajectoryMemory:
                 if ef != self._cur_ef:
                     self._index.hnsw.efSearch = ef
                     self._cur_ef = ef
-            threads = faiss.omp_get_max_threads()  # per-thread OpenMP setting
-            if threads != 1:
-                faiss.omp_set_num_threads(1)  # one query never gains from more
-            try:
+            with _faiss_threads(1):  # one query never gains from more threads
                 _, labels = self._index.search(q, ks)
-            finally:
-                if threads != 1:
-                    faiss.omp_set_num_threads(threads)
             rows = labels[0]
             rows = rows[rows >= 0]
             if dead:
