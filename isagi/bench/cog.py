@@ -191,6 +191,7 @@ def run(
         "rss_mb_peak": round(rss_peak, 1),
         "p95_us_start": round(float(np.percentile(lat_us[:w], 95)), 2),
         "p95_us_end": round(float(np.percentile(lat_us[-w:], 95)), 2),
+        "p50_us_start": round(float(np.percentile(lat_us[:w], 50)), 2),
         "p50_us_end": round(float(np.percentile(lat_us[-w:], 50)), 2),
         "max_us": round(float(lat_us.max()), 2),
         "wall_s": round(time.perf_counter() - t_run, 2),
