@@ -199,10 +199,15 @@ class Metric:
             for s in range(0, n, _BLOCK):
                 np.matmul(Y[s : s + _BLOCK], self._M, out=YM[s : s + _BLOCK])
         ny = np.einsum("ij,ij->i", YM, Y)
-        den = np.sqrt(np.maximum(ny * nx, 0.0, out=ny), out=ny)
-        cos = np.zeros(n)
-        np.divide(Y @ Mx, den, out=cos, where=den > 0.0)
-        return np.clip(1.0 - cos, 0.0, 2.0)
+        ny *= nx
+        num = Y @ Mx
+        if ny.min() > 0.0:  # the common case: no zero rows
+            d = 1.0 - num / np.sqrt(ny, out=ny)
+        else:
+            ok = ny > 0.0
+            d = np.ones(n)
+            d[ok] = 1.0 - num[ok] / np.sqrt(ny[ok])
+        return np.clip(d, 0.0, 2.0, out=d)
 
     # -- update ------------------------------------------------------------
     def update(self, x: np.ndarray, weight: float = 1.0) -> None:
