@@ -18,8 +18,8 @@ Behind ``isagi bench lookup --n N --k K --json`` (issue 3, item 7). One run:
    ratio of median per-query times (medians are robust to a shared CPU
    preempting either side; ``mean_us`` is reported too):
    ``speedup_vs_bruteforce`` uses the *strong* brute force (stored points
-   pre-transformed into the metric frame once, then one float32 matrix-vector
-   product and an argmin per query); ``speedup_vs_naive_bruteforce`` the
+   pre-transformed into the metric frame once, then a float32 matrix-vector
+   scan in 4096-row blocks and an argmax per query); ``speedup_vs_naive_bruteforce`` the
    plain one (``Metric.distances`` over all ``n`` points, i.e. applying ``M``
    to every stored vector per query).
 """
@@ -81,6 +81,22 @@ def _ground_truth(Xf: np.ndarray, Q: np.ndarray, L: np.ndarray, chunk: int = 64)
     return np.clip(best, 0.0, 2.0)
 
 
+def _blocked_argmax(Z: np.ndarray, z: np.ndarray, block: int = 4096) -> int:
+    """``argmax(Z @ z)`` scanned in row blocks.
+
+    Measured here, 4096-row blocks are the fastest exact scan: they stay
+    cache-resident and keep OpenBLAS on one thread (its threaded GEMV was
+    3-10x slower on the shared 2-core machine), so the baseline is strong.
+    """
+    best, best_i = -np.inf, -1
+    for s in range(0, Z.shape[0], block):
+        v = Z[s : s + block] @ z
+        i = int(v.argmax())
+        if v[i] > best:
+            best, best_i = float(v[i]), s + i
+    return best_i
+
+
 def run(
     n: int = 100_000,
     k: int = 64,
@@ -139,7 +155,7 @@ def run(
         t0 = time.perf_counter_ns()
         z = q @ L
         z = (z / np.linalg.norm(z)).astype(np.float32)
-        int(np.argmax(Z @ z))
+        _blocked_argmax(Z, z)
         bf[i] = time.perf_counter_ns() - t0
     del Z
 
