@@ -136,7 +136,7 @@ def build_profile(lm: Any, *, layer: int, k: int, system_prompt: str, quant: str
 
     if progress:
         progress("Safety: forbidden subspace and TEH threshold", 0, 1)
-    safety = build_safety_profile(lm, layer, system_prompt, progress=None)
+    safety = build_safety_profile(lm, layer, system_prompt, progress=progress)
     if progress:
         progress("Safety: forbidden subspace and TEH threshold", 1, 1)
         progress("Context: follow-up calibration", 0, 1)

@@ -51,3 +51,16 @@ def tiny_model(kind: str = "llama", seed: int = 0):
     )
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="session")
+def default_engine(settings_default: Settings, default_lm, tmp_path_factory: pytest.TempPathFactory):
+    """An Engine on the real default model and its profile, with a history store in a temp dir."""
+    from isagi.agent import Engine
+    from isagi.profile import load_or_build_profile
+    from storage.history import HistoryStore
+
+    profile = load_or_build_profile(default_lm, settings_default)
+    db = tmp_path_factory.mktemp("history") / "history.sqlite3"
+    settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("engine-home"))
+    return Engine(settings, default_lm, profile, HistoryStore(f"sqlite:///{db}"))
