@@ -263,6 +263,9 @@ def load_model(settings: Settings) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # bitsandbytes' CPU backend logs a warning when its optional hub kernel is
+    # absent; ISAGI never downloads kernels, so the fallback is the expected path.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     device, reason = choose_device(settings.device)
     model_id, source, fingerprint = resolve_source(settings)
     quant_config = _quant_config(settings.quant, device)
