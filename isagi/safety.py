@@ -603,8 +603,27 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
             progress("Safety: hidden states of the calibration prompts", done, total)
 
     H, labels, cats, rows = calibration_arrays(lm, layer, system_prompt, progress=tick)
+    return fit_safety_profile(H, labels, cats, layer, reply_states=lambda idx: generate_reply_states(
+        lm, [_chat(system_prompt, rows[i]["text"]) for i in idx], layer), progress=progress)
+
+
+def fit_safety_profile(
+    H: np.ndarray,
+    labels: np.ndarray,
+    cats: np.ndarray,
+    layer: int,
+    *,
+    reply_states: Callable[[list[int]], list[np.ndarray]] | None = None,
+    n_reply_benign: int = 48,
+    n_reply_harmful: int = 16,
+    progress: Callable[[str, int, int], None] | None = None,
+    **snipe_params: Any,
+) -> SafetyProfile:
+    """Fit the profile from calibration states (label 1 = harmful); ``reply_states(indices)``
+    returns the reply-token states of the model's replies to those calibration rows."""
+    H = np.asarray(H, dtype=np.float64)
     harm, ben = split_by_category(H, labels, cats)
-    Q, centre, det = snipe(harm, ben)
+    Q, centre, det = snipe(harm, ben, **snipe_params)
     scores = teh((Q, centre), H)
     roc = roc_sweep(scores[labels == 1], scores[labels == 0])
     cv = cross_validate(H, labels, cats, shrinkage=det["shrinkage"], offset=det["offset"],
@@ -622,24 +641,29 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
                       "fpr": float((s_b > roc["threshold"]).mean()) if len(s_b) else None,
                       "n_harmful": int(len(s_h)), "n_benign": int(len(s_b))}
 
-    # Reply threshold: the model's own replies to a subset of the benign calibration prompts.
-    rng = np.random.default_rng(0)
-    ben_idx = np.flatnonzero(labels == 0)
-    harm_idx = np.flatnonzero(labels == 1)
-    pick_b = rng.choice(ben_idx, size=min(len(ben_idx), 64), replace=False)
-    pick_h = rng.choice(harm_idx, size=min(len(harm_idx), 32), replace=False)
-    if progress:
-        progress("Safety: replies for the reply threshold", 0, 1)
-    states = generate_reply_states(lm, [_chat(system_prompt, rows[i]["text"]) for i in [*pick_b, *pick_h]], layer)
-    b_scores = [reply_window_scores((Q, centre), s) for s in states[: len(pick_b)]]
-    h_scores = [reply_window_scores((Q, centre), s) for s in states[len(pick_b) :]]
-    reply_threshold, reply_det = calibrate_reply_threshold(b_scores, roc["threshold"])
-    h_max = np.array([s.max() if len(s) else 0.0 for s in h_scores])
-    reply_det["harmful_replies_flagged"] = float((h_max > reply_threshold).mean()) if len(h_max) else None
-    reply_det["n_benign_replies"] = len(pick_b)
-    reply_det["n_harmful_replies"] = len(pick_h)
-    if progress:
-        progress("Safety: replies for the reply threshold", 1, 1)
+    # Reply threshold: the model's own replies to a subset of the calibration prompts.
+    reply_threshold, reply_det = roc["threshold"], {"calibrated": False}
+    if reply_states is not None:
+        rng = np.random.default_rng(0)
+        ben_idx = np.flatnonzero(labels == 0)
+        harm_idx = np.flatnonzero(labels == 1)
+        pick_b = rng.choice(ben_idx, size=min(len(ben_idx), n_reply_benign), replace=False).tolist()
+        pick_h = rng.choice(harm_idx, size=min(len(harm_idx), n_reply_harmful), replace=False).tolist()
+        if progress:
+            progress("Safety: replies for the reply threshold", 0, 1)
+        states = reply_states([*pick_b, *pick_h])
+        b_scores = [reply_window_scores((Q, centre), s) for s in states[: len(pick_b)]]
+        h_scores = [reply_window_scores((Q, centre), s) for s in states[len(pick_b) :]]
+        reply_threshold, reply_det = calibrate_reply_threshold(b_scores, roc["threshold"])
+        h_max = np.array([s.max() if len(s) else 0.0 for s in h_scores])
+        reply_det.update({
+            "calibrated": True,
+            "harmful_replies_flagged": float((h_max > reply_threshold).mean()) if len(h_max) else None,
+            "n_benign_replies": len(pick_b),
+            "n_harmful_replies": len(pick_h),
+        })
+        if progress:
+            progress("Safety: replies for the reply threshold", 1, 1)
 
     det.update({"cv": cv, "per_category": per_cat, "reply": reply_det, "n_calibration": int(len(H)),
                 "teh_definition": "100*||Q Q^T (h-c)||/||h-c||; theorem: TEH(c + (I-QQ^T)(h-c)) = 0"})

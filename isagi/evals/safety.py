@@ -30,7 +30,6 @@ from isagi.errors import InputError
 from isagi.safety import (
     SafetyProfile,
     _chat,
-    calibration_arrays,
     roc_auc,
     roc_sweep,
     seed_construction,
@@ -39,6 +38,17 @@ from isagi.safety import (
 )
 
 HARMFUL_SETS = ("advbench", "xstest_unsafe", "harmful")
+_CACHE: dict[tuple[Any, ...], np.ndarray] = {}  # hidden states per (model, layer, prompt, texts), one process
+
+
+def _states(lm: Any, system_prompt: str, layer: int, texts: list[str]) -> np.ndarray:
+    """Hidden states of ``texts``; both methods of one run share them."""
+    from isagi.generation import prompt_hidden_states
+
+    key = (lm.fingerprint, layer, system_prompt, tuple(texts))
+    if key not in _CACHE:
+        _CACHE[key] = prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer)
+    return _CACHE[key]
 
 
 def default_benchmarks_dir() -> Path:
@@ -114,17 +124,19 @@ def _label(value: Any, default: str, path: Path, line: int) -> str:
 
 def _scorer(lm: Any, profile: SafetyProfile, system_prompt: str, method: str) -> tuple[Any, float, dict[str, Any]]:
     """A function texts -> scores, the shipped threshold, and facts about the method."""
-    from isagi.generation import prompt_hidden_states
-
     layer = profile.layer
 
     def states(texts: list[str]) -> np.ndarray:
-        return prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer)
+        return _states(lm, system_prompt, layer, texts)
 
     if method == "isagi":
         return (lambda texts: teh(profile, states(texts))), float(profile.threshold), {"dims": profile.dims}
     if method == "seed":
-        H, labels, _, _ = calibration_arrays(lm, layer, system_prompt)
+        from isagi.data.safety import load_safety_calibration
+
+        rows = load_safety_calibration()
+        H = states([r["text"] for r in rows])
+        labels = np.array([1 if r["label"] == "harmful" else 0 for r in rows])
         B, mu, det = seed_construction(H[labels == 1], H[labels == 0])
         cal = seed_teh(B, mu, det["coordinates"], H)
         roc = roc_sweep(cal[labels == 1], cal[labels == 0])
