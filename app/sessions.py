@@ -81,7 +81,8 @@ class Entry:
     stop: threading.Event = field(default_factory=threading.Event)
     last_used: float = 0.0
     undo: Snapshot | None = None
-    last_x: Any = None  # UGT coordinates of the latest query, when known
+    stop_requested_at: float | None = None  # monotonic time Stop reached the server
+    stop_latency_s: float | None = None  # from then until the turn had ended
 
 
 class SessionBusy(RuntimeError):
@@ -240,6 +241,8 @@ class SessionRegistry:
             entry = self._entries.get(sid or "")
         if entry is None:
             return False
+        if not entry.stop.is_set():
+            entry.stop_requested_at = time.monotonic()
         entry.stop.set()
         return entry.lock.locked()
 

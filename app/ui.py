@@ -33,7 +33,7 @@ from app.sessions import Entry, SessionBusy, SessionRegistry, restore_snapshot, 
 
 log = logging.getLogger(__name__)
 
-STREAM_INTERVAL_S = 0.04  # at most ~25 display updates per second while streaming
+STREAM_INTERVAL_S = 0.1  # at most 10 display updates per second while streaming (a browser keeps up)
 STOP_WAIT_S = 10.0
 
 CSS = """
@@ -338,6 +338,7 @@ class WebUI:
             if undo and entry.undo is not None:
                 restore_snapshot(session, entry.undo)
             entry.stop.clear()
+            entry.stop_requested_at = entry.stop_latency_s = None
             entry.undo = take_snapshot(session)
             history = chat_messages(session.messages)
             user = {"role": "user", "content": text}
@@ -376,12 +377,16 @@ class WebUI:
                 if not finished:
                     # Closed by Stop's cancel or a lost client: end the model work now and let the
                     # turn be recorded (as cancelled) instead of holding the model.
+                    if not entry.stop.is_set():
+                        entry.stop_requested_at = time.monotonic()
                     entry.stop.set()
                     try:
                         for _ in events:
                             pass
                     except Exception as exc:  # never mask the close
                         log.warning("draining a cancelled turn failed: %s", exc)
+                if entry.stop_requested_at is not None:
+                    entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
             alert = ""
             last_bot = session.messages[-1] if session.messages else {}
             if last_bot.get("verdict") == "refused":
@@ -402,8 +407,19 @@ class WebUI:
         self.registry.request_stop(sid)
         if not self.registry.wait_until_free(sid, STOP_WAIT_S):
             return (gr.skip(), "The model is still finishing a step; it will stop shortly.", *(gr.skip(),) * 5)
-        chat, turn, summary, mp, growth, teh = self.view(sid, colour_by)
-        return (chat, gr.skip(), turn, summary, mp, growth, teh)
+        try:
+            session = self.registry.entry(sid).session
+        except (KeyError, EngineLoading):
+            return (gr.skip(),) * 7
+        last_bot = next((m for m in reversed(session.messages) if m.get("role") == "assistant"), None)
+        # A stopped turn stores no trajectory and does not move the metric: the plots stay.
+        took = getattr(self.registry.entry(sid), "stop_latency_s", None)
+        if last_bot is not None and last_bot.get("verdict") == "cancelled" and took is not None:
+            note = f"Stopped: the turn ended {took:.2f} s after Stop reached the server; the partial reply is kept."
+        else:
+            note = "Nothing was generating."
+        return (chat_messages(session.messages), note,
+                turn_markdown(last_bot, self._safety()), manifold_summary(session), gr.skip(), gr.skip(), gr.skip())
 
     def new_chat(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
         try:
@@ -720,7 +736,7 @@ def build_blocks(ui: WebUI) -> Any:
                                api_name="regenerate", **model_q)
         stop.click(ui.stop, [state, colour_by], [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
                    cancels=[ev_send, ev_submit, ev_regen], show_progress="hidden", api_name="stop",
-                   concurrency_id="control", concurrency_limit=None)
+                   queue=False)
         new.click(ui.new_chat, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
         chat.clear(ui.new_chat, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
         colour_by.change(ui.recolour, [state, colour_by], map_plot, api_name=False, **light_q)

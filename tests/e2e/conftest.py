@@ -1,0 +1,136 @@
+"""Fixtures for the end-to-end browser tests: a live ``isagi web`` and Debian's Chromium.
+
+The server is the real command line (``python -m isagi.cli web --port FREE``) on
+the default model, with ``ISAGI_HOME`` on a temporary directory, or on
+``ISAGI_TEST_HOME`` to reuse a converted model and a calibrated profile between
+runs (the first start converts and calibrates: minutes on a small CPU).
+``ISAGI_E2E_URL`` points the tests at a server that is already running instead.
+Chromium is ``/usr/bin/chromium`` (``.ci/browser.sh`` installs it), or
+``ISAGI_CHROMIUM``. Screenshots go to ``artifacts/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+START_TIMEOUT_S = float(os.environ.get("ISAGI_E2E_START_TIMEOUT", "2400"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url + "health", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="session")
+def base_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL (ending in /) of a live, ready ``isagi web`` server."""
+    if url := os.environ.get("ISAGI_E2E_URL"):
+        yield url.rstrip("/") + "/"
+        return
+    home = Path(os.environ["ISAGI_TEST_HOME"]) if os.environ.get("ISAGI_TEST_HOME") else tmp_path_factory.mktemp("isagi-home")
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("isagi-web-log") / "server.log"
+    env = {**os.environ, "ISAGI_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    env.pop("ISAGI_AUTH", None)
+    log = open(log_path, "w")  # noqa: SIM115 - closed in the teardown
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isagi.cli", "web", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"isagi web exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                code, body = _health(url)
+                if code == 200 and body.get("status") == "ok":
+                    break
+                if body.get("status") == "failed":
+                    pytest.fail(f"isagi web could not load the model: {body}")
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"isagi web was not ready after {START_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    exe = os.environ.get("ISAGI_CHROMIUM", "/usr/bin/chromium")
+    if not (Path(exe).exists() or shutil.which(exe)):
+        pytest.skip(f"no Chromium at {exe}: run `bash .ci/browser.sh` (installs Debian's chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def new_page(browser, base_url):
+    """A factory of pages, each in its own browser context (its own cookies: its own session)."""
+    contexts = []
+
+    def make():
+        ctx = browser.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
+        contexts.append(ctx)
+        page = ctx.new_page()
+        page.set_default_timeout(120_000)
+        page.goto(base_url)
+        page.wait_for_selector("#isagi-input textarea")
+        page.wait_for_function(
+            "() => { const e = document.querySelector('#isagi-manifold-summary'); "
+            "return !!e && e.innerText.includes('session'); }"
+        )
+        return page
+
+    yield make
+    for ctx in contexts:
+        ctx.close()
+
+
+@pytest.fixture(scope="session")
+def screenshot_dir() -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    return SCREENSHOTS
