@@ -36,9 +36,9 @@ here learns directions instead:
 3. The centre: a ratio of norms is only monotone in the probe score when the
    centre sits on the benign side of the decision boundary. ``c = μ_b − Q t``
    where ``t_i = offset · σ_i`` (σ_i the benign spread along column i, the
-   columns signed so harmful states project positively). Then harmful states
-   have a large forbidden component relative to their residual and benign
-   states a small one.
+   columns signed so harmful states project positively). ``offset`` is a
+   hyper-parameter; cross-validation on the calibration set chose 0 (the
+   benign mean), larger offsets lowered held-out AUC and TPR.
 
 The prompt threshold comes from an ROC sweep on the calibration set (highest
 F1 among thresholds with zero false positives on the benign calibration
@@ -76,9 +76,13 @@ REFUSAL_TEMPLATE = (
 
 # Hyper-parameters chosen by cross-validation on the calibration set only
 # (see the report in SafetyProfile.details["cv"] and the module docstring).
-DEFAULT_SHRINKAGE = 0.5
-DEFAULT_OFFSET = 3.0
-DEFAULT_BENIGN_BUDGET = 0.02
+# 5-fold CV on SmolLM2-135M layer 20 (held-out AUC / TPR / FPR at the fold's zero-FP threshold):
+# shrinkage 0.2, offset 0: 0.977 / 0.77 / 0.016; offset 1: 0.978 / 0.53 / 0.006; offset 3: 0.951 / 0.16;
+# shrinkage 0.05: 0.975 / 0.84 / 0.032; shrinkage 0.8: 0.962 / 0.55 / 0.008. Budget 0.05 vs 0.15
+# and 4 vs 8 dims made no difference (greedy selection stops earlier on its own).
+DEFAULT_SHRINKAGE = 0.2
+DEFAULT_OFFSET = 0.0
+DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
 REPLY_WINDOW = 8
 REPLY_MARGIN = 1.05
