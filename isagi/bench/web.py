@@ -96,6 +96,8 @@ def _finished(chat: Any) -> bool:
         return False
     last = chat[-1]
     content = last.get("content") if isinstance(last, dict) else None
+    if isinstance(content, list):  # gradio_client gives [{"type": "text", "text": ...}, ...]
+        content = " ".join(str(c.get("text", "")) for c in content if isinstance(c, dict))
     return isinstance(content, str) and bool(_FINISHED.search(content)) and "generating" not in content
 
 
@@ -129,7 +131,8 @@ def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[st
         out["latency"].append(done - t0)
         out["queue_wait"].append((started or done) - t0)
         final = outputs[-1] if outputs else None
-        chat = final[1] if isinstance(final, list | tuple) and len(final) > 1 else None
+        # the client leaves out the State output: the chat is the first output
+        chat = final[0] if isinstance(final, list | tuple) and final else None
         if _finished(chat):
             out["answered"].append(1)
         else:
