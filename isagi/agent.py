@@ -14,10 +14,13 @@ update the metric and memory; record the turn and autosave the ``.miku``.
 
 The lookup embedding is the query *alone* (system prompt + message), so a
 repeated question is recognised whatever came before it. Context is handled by
-a second, measured check: on a later turn the hidden state of the query *in
-its conversation* is compared with the one alone; a query whose meaning moves
-with its context ("And Germany?") is only answered from memory when it was
-stored under the same context.
+a separate, exact check: a message that needs its conversation to be
+understood ("And Germany?", see :func:`isagi.sameness.depends_on_context`) is
+stored with the key of the message before it, and is only answered from
+memory under that same context. (Measured first: the hidden-state shift
+between a message alone and in context does not separate follow-ups from
+self-contained questions on SmolLM2-135M; the profile report keeps that
+measurement under "context".)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,7 @@ from isagi.config import Settings
 from isagi.errors import InputError
 from isagi.generation import Generation, GenerationOptions
 from isagi.memory import TrajectoryMemory
-from isagi.sameness import content_key
+from isagi.sameness import content_key, depends_on_context
 from isagi.ugt import Basis, project, route
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
@@ -267,13 +270,7 @@ class Engine:
                 return finish(reply, zone=zone, teh_prompt=teh_prompt, verdict="refused",
                               category=category, prompt_tokens=gen.prompt_tokens)
 
-            def in_context() -> np.ndarray | None:
-                # The conversation's prefill, kept open: it is the one we decode from.
-                if not history:
-                    return None
-                return project(session.basis, slot.open(self._prompt(session, text, None)).prefill())
-
-            tier, record, hit, distance, dependent = self._decide(session, text, x, in_context)
+            tier, record, hit, distance, dependent = self._decide(session, text, x)
             yield TurnEvent("decision", tier=tier.value, distance=distance if record else None)
             nearest = record["query_text"] if record is not None else None
             common = dict(tier=tier.value, distance=distance if record is not None else None,
@@ -288,7 +285,7 @@ class Engine:
             # Generate, from a prefill already computed whenever the prompt is the same one.
             if tier is Tier.AUGMENT:
                 gen = slot.open(self._prompt(session, text, record))
-            elif history and slot.messages != self._prompt(session, text, None):
+            elif history:
                 gen = slot.open(self._prompt(session, text, None))
             else:
                 gen = slot.current
@@ -328,26 +325,17 @@ class Engine:
                       new_tokens=new_tokens, generated=True, cluster=cluster, **common)
 
     def _decide(
-        self, session: Session, text: str, x: np.ndarray, in_context: Callable[[], np.ndarray | None]
+        self, session: Session, text: str, x: np.ndarray
     ) -> tuple[Tier, dict[str, Any] | None, Any, float, bool]:
-        """Lookup, tier, and the exact checks: (tier, record, hit, distance, context dependent).
-
-        ``in_context()`` gives the query's coordinates inside its conversation
-        (``None`` on a first turn); it is called only when a RETRIEVE is possible.
-        """
+        """Lookup, tier, and the exact checks: (tier, record, hit, distance, context dependent)."""
+        dependent = depends_on_context(text)
         hits = session.memory.search(x, session.metric, top=1) if len(session.memory) else []
         if not hits:
-            return Tier.EXPLORE, None, None, 1.0, False
+            return Tier.EXPLORE, None, None, 1.0, dependent
         hit = hits[0]
         record = session.memory.get(hit.id)
         distance = float(hit.distance)
         tier = self.thresholds.classify(distance)
-        dependent = False
-        if tier is Tier.RETRIEVE and content_key(text) == record["content_key"]:
-            x_ctx = in_context()
-            if x_ctx is not None:
-                cos = float(x @ x_ctx / (np.linalg.norm(x) * np.linalg.norm(x_ctx) + 1e-12))
-                dependent = (1.0 - cos) > self.profile.context_threshold
         if tier is Tier.RETRIEVE and not self._same_question(text, record, session.last_user_key(), dependent):
             tier = Tier.AUGMENT  # a near miss: related, but not the same question
         return tier, record, hit, distance, dependent
@@ -359,16 +347,11 @@ class Engine:
             H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
         return project(basis, H[0])
 
-    def _context_fn(self, session: Session, text: str) -> Callable[[], np.ndarray | None]:
-        if not session.chat_history():
-            return lambda: None
-        return lambda: self._coords(self._prompt(session, text, None), session.basis)
-
     def classify(self, session: Session, message: str) -> dict[str, Any]:
         """The tier a message would get, without generating or changing the session."""
         text = self.validate(message)
         x = self._coords(self._prompt(session, text, None, with_history=False), session.basis)
-        tier, record, _hit, distance, dependent = self._decide(session, text, x, self._context_fn(session, text))
+        tier, record, _hit, distance, dependent = self._decide(session, text, x)
         return {
             "tier": tier.value,
             "distance": distance if record is not None else None,
@@ -380,7 +363,7 @@ class Engine:
         """Store an exchange in the session's memory as a generated turn would (for evaluations)."""
         text = self.validate(message)
         x = self._coords(self._prompt(session, text, None, with_history=False), session.basis)
-        tier, record, _hit, _d, dependent = self._decide(session, text, x, self._context_fn(session, text))
+        tier, record, _hit, _d, dependent = self._decide(session, text, x)
         context_key = session.last_user_key()
         self._learn(session, text, reply, x, np.zeros((0, x.shape[0])), tier, record, context_key, dependent)
         session.messages.append({"role": "user", "text": text, "time": time.time()})

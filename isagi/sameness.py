@@ -231,3 +231,43 @@ def same_content(a: str, b: str) -> bool:
     """True when two queries may share a cached reply (equal, non-empty content keys)."""
     ka, kb = content_key(a), content_key(b)
     return bool(ka) and ka == kb
+
+
+# -- context dependence ---------------------------------------------------------
+
+_CONNECTORS = (  # openers that continue the previous message, whatever the length
+    "and", "or", "but", "also", "then", "now", "so", "what about", "how about", "same",
+    "another", "again", "instead", "make it", "do it", "do that", "why not", "ok", "okay",
+)
+_PREPOSITIONS = frozenset("in on for to of with without into from at by".split())
+_ANAPHORA = frozenset(
+    "it its it's itself this that these those they them their theirs he him his she her hers "
+    "former latter one ones same".split()
+)
+SHORT = 5  # a message of at most this many words is a fragment if it opens with a preposition or refers back
+_WORD = re.compile(r"[a-z0-9']+")
+
+
+def depends_on_context(text: str) -> bool:
+    """Whether a message probably needs the conversation to be understood ("And Germany?").
+
+    A message counts as context-dependent when it is at most two words
+    ("When?"), opens with a connector ("and …", "what about …", "now …"), or is
+    short (at most ``SHORT`` words) and opens with a preposition ("in water?")
+    or refers back with a pronoun or "one"/"same" ("who wrote it?"). Longer
+    messages carry their own subject ("Is it rude to not tip in Japan?"). The rule errs towards "dependent": a self-contained
+    question it flags only loses the chance of being answered from memory in
+    another context, while a missed follow-up could be answered with another
+    context's reply. Measured on the project's follow-up corpus by
+    ``tests/test_sameness.py``.
+    """
+    norm = unicodedata.normalize("NFKC", text).lower().replace("\u2019", "'")
+    words = _WORD.findall(norm)
+    if len(words) <= 2:
+        return True
+    opening = " ".join(words[:2])
+    if any(opening == c or words[0] == c for c in _CONNECTORS):
+        return True
+    if len(words) > SHORT:
+        return False
+    return words[0] in _PREPOSITIONS or any(w in _ANAPHORA for w in words)

@@ -118,3 +118,21 @@ def test_empty_keys_are_never_the_same() -> None:
 def test_rejects_non_strings() -> None:
     with pytest.raises(TypeError):
         content_key(None)  # type: ignore[arg-type]
+
+
+def test_context_dependence_on_the_follow_up_corpus() -> None:
+    """Follow-ups must be caught (the unsafe side); self-contained questions should pass."""
+    from isagi.data import load_followups, load_pairs
+    from isagi.sameness import depends_on_context
+
+    rows = load_followups()
+    dependent = [r["followup"] for r in rows if not r["self_contained"]]
+    standalone = [r["followup"] for r in rows if r["self_contained"]]
+    caught = sum(map(depends_on_context, dependent))
+    assert caught >= 0.95 * len(dependent)
+    assert not any(map(depends_on_context, standalone))
+    for name in ("calibration", "test"):
+        dups = [p["second"] for p in load_pairs(name) if p["relation"] == "duplicate"]
+        assert sum(map(depends_on_context, dups)) <= 0.02 * len(dups)
+    assert depends_on_context("And Germany?") and depends_on_context("Who wrote it?")
+    assert not depends_on_context("What is the capital of France?")
