@@ -37,6 +37,7 @@ import numpy as np
 
 from isagi.cog import Metric, Tier, TierThresholds
 from isagi.config import Settings
+from isagi.distance_scale import SEED as SEED_SCALE
 from isagi.errors import InputError
 from isagi.generation import Generation, GenerationOptions
 from isagi.memory import TrajectoryMemory
@@ -44,6 +45,7 @@ from isagi.sameness import content_key, depends_on_context
 from isagi.ugt import Basis, project, route
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
+RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
 
 
 @dataclass
@@ -327,17 +329,29 @@ class Engine:
     def _decide(
         self, session: Session, text: str, x: np.ndarray
     ) -> tuple[Tier, dict[str, Any] | None, Any, float, bool]:
-        """Lookup, tier, and the exact checks: (tier, record, hit, distance, context dependent)."""
+        """Lookup, tier, and the exact checks: (tier, record, hit, distance, context dependent).
+
+        RETRIEVE needs the exact sameness check (same content words, same
+        context where the message depends on it) on one of the nearest
+        records, within the profile's retrieve cap. Otherwise the nearest
+        record's rescaled distance gives AUGMENT, EXPAND or EXPLORE.
+        """
         dependent = depends_on_context(text)
-        hits = session.memory.search(x, session.metric, top=1) if len(session.memory) else []
+        hits = session.memory.search(x, session.metric, top=RETRIEVE_CANDIDATES) if len(session.memory) else []
         if not hits:
             return Tier.EXPLORE, None, None, 1.0, dependent
+        scale = self.profile.distance_scale or SEED_SCALE
+        context_key = session.last_user_key()
+        for hit in hits:
+            record = session.memory.get(hit.id)
+            if hit.distance <= scale.retrieve_cap and self._same_question(text, record, context_key, dependent):
+                return Tier.RETRIEVE, record, hit, float(hit.distance), dependent
         hit = hits[0]
         record = session.memory.get(hit.id)
         distance = float(hit.distance)
-        tier = self.thresholds.classify(distance)
-        if tier is Tier.RETRIEVE and not self._same_question(text, record, session.last_user_key(), dependent):
-            tier = Tier.AUGMENT  # a near miss: related, but not the same question
+        tier = self.thresholds.classify(scale.rescale(distance))
+        if tier is Tier.RETRIEVE:
+            tier = Tier.AUGMENT  # close, but not the same question: a near miss
         return tier, record, hit, distance, dependent
 
     def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:

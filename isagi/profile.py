@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from isagi import __version__
+from isagi.distance_scale import DistanceScale
 from isagi.errors import ProfileError
 from isagi.ugt import Basis, Zones, fit_basis, fit_zones, project, refine_basis
 
@@ -44,8 +45,9 @@ class Profile:
     basis: Basis
     zones: Zones
     safety: Any  # isagi.safety.SafetyProfile
-    context_threshold: float  # cosine distance (UGT frame) above which a query depends on its context
+    context_threshold: float  # measured context shift (kept for the report; see agent.py)
     report: dict[str, Any] = field(default_factory=dict)
+    distance_scale: Any = None  # isagi.distance_scale.DistanceScale
 
 
 def _corpus_digest() -> str:
@@ -56,9 +58,22 @@ def _corpus_digest() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _code_digest() -> str:
+    """The calibration code itself: a changed method must not reuse an old profile."""
+    import importlib.util
+
+    h = hashlib.sha256()
+    for module in ("isagi.ugt", "isagi.safety", "isagi.distance_scale", "isagi.profile", "isagi.generation"):
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin:
+            h.update(Path(spec.origin).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str) -> str:
     """The cache key: any input that changes the calibration changes the key."""
-    parts = [fingerprint, quant, str(layer), str(k), system_prompt, _corpus_digest(), str(PROFILE_VERSION)]
+    parts = [fingerprint, quant, str(layer), str(k), system_prompt, _corpus_digest(), _code_digest(),
+             str(PROFILE_VERSION)]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
 
 
@@ -144,8 +159,12 @@ def build_profile(lm: Any, *, layer: int, k: int, system_prompt: str, quant: str
     report["context"] = ctx_report
     if progress:
         progress("Context: follow-up calibration", 1, 1)
+    from isagi.distance_scale import calibrate_on_pairs
+
+    scale = calibrate_on_pairs(lm, layer, basis, system_prompt)
     report["seconds"] = round(time.perf_counter() - started, 2)
     return Profile(
+        distance_scale=scale,
         key=profile_key(lm.fingerprint, quant, layer, k, system_prompt),
         model_fingerprint=lm.fingerprint,
         layer=layer,
@@ -187,6 +206,7 @@ def save_profile(profile: Profile, directory: Path) -> Path:
         "zones": profile.zones.names,
         "safety": safety_meta,
         "context_threshold": profile.context_threshold,
+        "distance_scale": profile.distance_scale.to_state() if profile.distance_scale else None,
         "report": profile.report,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -248,6 +268,7 @@ def load_profile(directory: Path, key: str) -> Profile | None:
         safety=safety,
         context_threshold=float(meta["context_threshold"]),
         report=meta.get("report", {}),
+        distance_scale=DistanceScale.from_state(meta["distance_scale"]) if meta.get("distance_scale") else None,
     )
 
 
@@ -257,6 +278,13 @@ def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None =
     key = profile_key(lm.fingerprint, settings.quant, layer, settings.k, settings.system_prompt)
     cached = load_profile(settings.profiles_dir, key)
     if cached is not None:
+        if cached.distance_scale is None:  # a profile cached before the scale existed
+            from isagi.distance_scale import calibrate_on_pairs
+
+            if progress:
+                progress("Distance scale: calibration pairs", 0, 1)
+            cached.distance_scale = calibrate_on_pairs(lm, layer, cached.basis, settings.system_prompt)
+            save_profile(cached, settings.profiles_dir)
         return cached
     profile = build_profile(
         lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=settings.quant, progress=progress
