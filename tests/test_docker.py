@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -577,6 +578,12 @@ def test_image_command_serves_a_healthy_app(tmp_path: Path) -> None:
     argv[argv.index("--port") + 1] = str(port)
 
     home = tmp_path / "data"
+    if shared := os.environ.get("ISAGI_TEST_HOME"):
+        # Reuse the converted model and calibrated profile of this test run (a copy:
+        # the server still writes only under its own temporary ISAGI_HOME).
+        for sub in ("models", "profiles"):
+            if (Path(shared) / sub).is_dir():
+                shutil.copytree(Path(shared) / sub, home / sub)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ISAGI_")}
     env.update({k: v for k, v in _image_env(stages, "cpu").items() if k != "PATH"})
     env.update(
