@@ -58,16 +58,7 @@ from typing import Any
 
 import numpy as np
 
-CATEGORIES: tuple[str, ...] = (
-    "privacy",
-    "illegal_advice",
-    "phishing",
-    "sycophancy",
-    "jailbreak",
-    "toxicity",
-    "misinformation",
-    "self_harm",
-)
+from isagi.data.safety import SAFETY_CATEGORIES as CATEGORIES  # noqa: F401 - re-exported; one list of categories
 
 REFUSAL_TEMPLATE = (
     "I can't help with that: it looks like {category}. "
