@@ -436,7 +436,9 @@ def _report(data: dict[str, Any], as_json: bool) -> None:
 
 
 def _default_benchmarks() -> Path:
-    return Path.cwd().parent / "shared" / "benchmarks"
+    from isagi.evals.safety import default_benchmarks_dir
+
+    return default_benchmarks_dir()
 
 
 @eval_app.command("tiers")

@@ -216,6 +216,28 @@ class Generation:
             logits = out.logits[:, -1, :]
 
 
+def pad_id(lm: LoadedModel) -> int:
+    tok = lm.tokenizer
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def left_padded(lm: LoadedModel, chats: list[list[dict[str, str]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask (batch, width) of ``chats``, padded on the left."""
+    rows = [lm.chat_ids(m)[0] for m in chats]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id(lm), dtype=torch.long, device=lm.device)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that ignore left padding, so a padded prompt matches the prompt alone."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def prompt_hidden_states(
     lm: LoadedModel,
     prompts: list[list[dict[str, str]]],
@@ -229,21 +251,13 @@ def prompt_hidden_states(
     Positions are computed from the attention mask so a padded prompt gets the
     same hidden state as the prompt alone (up to float tolerance).
     """
-    tok = lm.tokenizer
     out: list[np.ndarray] = []
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     with capture_layer(lm.model, layer) as cap, torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
-            chunk = [lm.chat_ids(m)[0] for m in prompts[start : start + batch_size]]
-            width = max(len(c) for c in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device=lm.device)
-            mask = torch.zeros_like(ids)
-            for i, c in enumerate(chunk):
-                ids[i, width - len(c) :] = c
-                mask[i, width - len(c) :] = 1
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            chunk = prompts[start : start + batch_size]
+            ids, mask = left_padded(lm, chunk)
             cap.clear()
-            lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+            lm.model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask), logits_to_keep=1)
             out.append(cap.last[-1].cpu().numpy())
             if progress is not None:
                 progress(len(chunk))

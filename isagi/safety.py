@@ -545,23 +545,18 @@ def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: i
     """Greedy replies to ``prompts`` and the layer-``layer`` states of their tokens (batched)."""
     import torch
 
+    from isagi.generation import left_padded, mask_positions, pad_id
     from isagi.hooks import capture_layer
 
-    tok = lm.tokenizer
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stops = lm.stop_token_ids
     out: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = [lm.chat_ids(m)[0] for m in prompts[start : start + batch_size]]
-        width = max(len(c) for c in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long, device=lm.device)
-        mask = torch.zeros_like(ids)
-        for i, c in enumerate(chunk):
-            ids[i, width - len(c) :] = c
-            mask[i, width - len(c) :] = 1
+        chunk = prompts[start : start + batch_size]
+        ids, mask = left_padded(lm, chunk)
+        width = ids.shape[1]
         with torch.inference_mode():
             gen = lm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=pad_id)
+                                    do_sample=False, pad_token_id=pad_id(lm))
         new = gen[:, width:]
         # One teacher-forced pass over prompt + reply gives every reply token's state.
         full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
@@ -574,7 +569,7 @@ def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: i
                     n -= 1
                     break
             lengths.append(n)
-        positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = mask_positions(full_mask)
         with capture_layer(lm.model, layer, keep_all=True) as cap, torch.inference_mode():
             lm.model(input_ids=gen, attention_mask=full_mask, position_ids=positions, logits_to_keep=1)
             states = cap.full[-1].float().cpu().numpy()

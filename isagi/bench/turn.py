@@ -59,7 +59,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
         plain()  # warm-up
-        gen_t, turn_t, ret_t, gen_speedup = [], [], [], []
+        gen_t, turn_t, ret_t = [], [], []
         same = True
         result = None
         for i in range(repeats):
@@ -74,7 +74,6 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             start = time.perf_counter()
             again = engine.turn(session, QUESTION, options=options)
             ret_t.append(time.perf_counter() - start)
-            gen_speedup.append(turn_t[-1] / ret_t[-1])
             assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
         with Generation(lm, ids, engine.layer, options) as gen:
             h = gen.prefill()
