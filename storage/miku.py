@@ -1,4 +1,4 @@
-"""The ``.miku`` v2 session file: one self-describing, checksummed, msgpack file.
+"""The ``.miku`` v2 session file: one self-describing, checksummed file.
 
 This module owns the on-disk format of a saved session and nothing else: it
 knows about headers, typed tensors, column-wise trajectories, a conversation
@@ -7,21 +7,38 @@ research code pickled a PyTorch blob next to a JSON file (anyone who handed a
 user a file could run code on their machine) and wrote it in place; this
 format cannot execute code, is written atomically and is read strictly.
 
-Layout (all integers little-endian)::
+Frame (all integers little-endian)::
 
     offset 0   8 bytes   MAGIC = b"\\x89MIKU\\r\\n\\x1a"
-    offset 8   uint32    format version (2)
+    offset 8   uint16    format version, major (2)
+    offset 10  uint16    format version, minor (1 written; 0 and 1 read)
     offset 12  uint32    length L of the checksum record
-    offset 16  L bytes   msgpack map {"algo": "blake2b" | "sha256", "digest": bin}
-    offset 16+L ...EOF   payload: one msgpack map, the checksum covers exactly it
+    offset 16  L bytes   msgpack map {"algo": "crc32" | "blake2b" | "sha256", "digest": bin}
+    offset 16+L ...EOF   payload; the checksum covers exactly it
 
-Payload map (every key required, no others)::
+(Version 2.0 files stored the version as one uint32 = 2, which reads as major
+2, minor 0, so both are told apart by the same 4 bytes.)
 
-    "header":       {format_version: int, created: ISO-8601 str, isagi_version: str,
+Payload of v2.1 (written by this version)::
+
+    uint32 M | M bytes: the meta, one msgpack map | the data area, to EOF
+
+Every array lives in the data area as raw little-endian bytes; the meta says
+where (TENSOR below). Every byte of the data area belongs to exactly one
+tensor, and tensors are stored back to back, so a reader reads each one
+straight into its final array, in one pass, hashing as it goes.
+
+Payload of v2.0 (read only): one msgpack map with the same sections, tensors
+carrying their bytes inline ({"dtype", "shape", "data": bin}) and "strings" a
+plain msgpack list of str.
+
+Meta map (every key required, no others)::
+
+    "header":       {format_version: int (2), created: ISO-8601 str, isagi_version: str,
                      model_id: str, model_fingerprint: str, d: int, k: int,
                      layer: int, + optional extra scalar fields}
     "tensors":      {name: TENSOR}
-    "strings":      [str, ...]  the string table: every distinct text once
+    "strings":      {"n": int, "groups": [GROUP, ...]}  the string table
     "trajectories": {"n": int N, "columns": {name: TENSOR with shape[0] == N
                                              | {"dtype": "str", "index": TENSOR}}}
     "conversation": {"n": int M, "role": {"dtype": "str", "index": TENSOR},
@@ -31,24 +48,42 @@ Payload map (every key required, no others)::
                                                  | [scalar]}}}
     "extra":        JSON-like dict (scalars, lists, nested dicts; bounded depth)
 
+    TENSOR = {"dtype": one of DTYPES, "shape": [int, ...], "offset": int}
+             bytes [offset, offset + size) of the data area, C order,
+             little-endian; bool one byte per element, 0 or 1
+    GROUP  = {"encoding": "latin-1" | "utf-8", "count": int, "sep": str | nil,
+              "lengths": nil | TENSOR int, "data": TENSOR uint8}
+
 Texts (trajectory text columns, message roles and texts) live once in the
 string table and are referenced by int32/int64 index tensors: a user message
 and the query of its trajectory are the same string, so it is stored and
-decoded once. Other per-message fields (time, tier, ...) are stored as
-columns: the rows that have the field (nil when every message has it) and its
-values in row order, as a float64/int64/bool tensor or string-table index when
-they all share that type, else as a list of scalars. A message that lacks a
-field reads back without it, ``None`` reads back ``None``, and every value
-keeps its Python type.
+decoded once. The table is stored in groups by the widest character of each
+text (Latin-1 only, up to U+FFFF, beyond), so that each group decodes in one
+call into one Python string of one width and is cut into its ``count`` texts
+by a separator character that occurs in none of them (``sep``), or, when every
+candidate occurs, by the texts' lengths in characters (``lengths``). Latin-1
+texts are stored as Latin-1 (one byte per character), the others as UTF-8.
+Decoding texts one by one from UTF-8 was most of the v2.0 load time.
 
-    TENSOR = {"dtype": one of DTYPES, "shape": [int, ...], "data": bin}
-             (C order, little-endian; bool stored one byte per element, 0 or 1)
+Other per-message fields (time, tier, ...) are stored as columns: the rows
+that have the field (nil when every message has it) and its values in row
+order, as a float64/int64/bool tensor or string-table index when they all
+share that type, else as a list of scalars. A message that lacks a field reads
+back without it, ``None`` reads back ``None``, and every value keeps its
+Python type.
 
-Reading validates every field, bounds every size (file size, string and list
-lengths, tensor elements, nesting depth) before allocating, never unpickles,
-and raises exactly one exception type, :class:`isagi.errors.MikuError`, whose
-message says what is wrong. Writing validates the same way first, so a file
-this module writes is always one it can read back.
+The checksum guards against accidental damage (bit rot, truncation, a torn
+copy); it is not a signature. CRC-32 (zlib) is the default: it detects every
+error burst up to 32 bits and any other damage with probability 1 - 2**-32,
+and costs a fifth of SHA-256 here; blake2b and sha256 files are read too.
+
+Reading validates every field, bounds every size (file size, list lengths,
+tensor elements, nesting depth; every allocation is bounded by the file's own
+size) before allocating, never unpickles, verifies the checksum before any
+text is decoded, and raises exactly one exception type,
+:class:`isagi.errors.MikuError`, whose message says what is wrong. Writing
+validates the same way first, so a file this module writes is always one it
+can read back.
 """
 
 from __future__ import annotations
@@ -58,15 +93,17 @@ import datetime as _dt
 import errno
 import gc
 import hashlib
+import io
 import math
 import os
 import struct
+import sys
 import tempfile
-import threading
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 import numpy as np
@@ -74,12 +111,14 @@ import numpy as np
 from isagi.errors import MikuError, StorageError
 
 MAGIC = b"\x89MIKU\r\n\x1a"
-FORMAT_VERSION = 2
-_PREFIX = struct.Struct("<8sII")  # magic, format version, checksum record length
+FORMAT_VERSION = 2  # major: the header's format_version
+FORMAT_MINOR = 1  # written; minors 0 and 1 are read
+_PREFIX = struct.Struct("<8sHHI")  # magic, major, minor, checksum record length
+_META_LEN = struct.Struct("<I")
 
 # Named checksum algorithms a reader accepts (name -> digest size in bytes).
-CHECKSUM_ALGOS: dict[str, int] = {"blake2b": 64, "sha256": 32}
-DEFAULT_CHECKSUM = "blake2b"
+CHECKSUM_ALGOS: dict[str, int] = {"crc32": 4, "blake2b": 64, "sha256": 32}
+DEFAULT_CHECKSUM = "crc32"
 
 # dtype name -> little-endian numpy dtype. Nothing else is ever decoded.
 DTYPES: dict[str, np.dtype] = {
@@ -93,18 +132,26 @@ DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("u1"),
     "bool": np.dtype("?"),
 }
+_NATIVE_LE = sys.byteorder == "little"
 
 # Bounds. A reader refuses anything larger before allocating for it.
 MAX_FILE_BYTES = 4 * 1024**3  # 4 GiB
-MAX_STR_BYTES = 4 * 1024**2  # one text (a message, a query) at most 4 MiB
-MAX_LIST_LEN = 20_000_000  # trajectories, messages, shape entries
+MAX_STR_BYTES = 4 * 1024**2  # v2.0: one text (a message, a query) at most 4 MiB
+MAX_LIST_LEN = 20_000_000  # trajectories, messages, strings, shape entries
 MAX_MAP_LEN = 10_000  # keys in one map (tensor names, header fields, settings)
 MAX_TENSOR_ELEMENTS = 2**31
 MAX_NDIM = 8
 MAX_NAME_LEN = 256
 MAX_EXTRA_DEPTH = 8
+MAX_RECORD_LEN = 1024
 _WRITE_CHUNK = 8 * 1024**2
-_THREADED_HASH_BYTES = 1024**2
+_READ_CHUNK = 8 * 1024**2
+_HASH_CHUNK = 512 * 1024  # read and hash in pieces that fit in L2
+
+# Text groups: (largest code point, encoding). Separators are tried in order.
+_TEXT_GROUPS = ((0xFF, "latin-1"), (0xFFFF, "utf-8"), (0x10FFFF, "utf-8"))
+_ENCODINGS = frozenset(enc for _, enc in _TEXT_GROUPS)
+_SEPARATORS = tuple(map(chr, range(32)))
 
 _HEADER_REQUIRED: dict[str, type] = {
     "format_version": int,
@@ -117,6 +164,8 @@ _HEADER_REQUIRED: dict[str, type] = {
     "layer": int,
 }
 _PAYLOAD_KEYS = frozenset({"header", "strings", "tensors", "trajectories", "conversation", "extra"})
+_TENSOR_KEYS = frozenset({"dtype", "shape", "offset"})
+_GROUP_KEYS = frozenset({"encoding", "count", "sep", "lengths", "data"})
 _SCALARS = (str, int, float, bool, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
 
@@ -289,31 +338,61 @@ def _check_shape_against_header(name: str, arr: np.ndarray, header: dict, n: int
 # --------------------------------------------------------------------------- encode
 
 
-def _encode_tensor(where: str, arr: object) -> dict[str, Any]:
-    if not isinstance(arr, np.ndarray):
-        raise _fail(where, f"expected a numpy array, found {type(arr).__name__}")
-    name = arr.dtype.name
-    if name not in DTYPES or arr.dtype.kind not in "fiub":
-        raise _fail(where, f"dtype {arr.dtype} is not supported (allowed: {', '.join(DTYPES)})")
-    if arr.ndim > MAX_NDIM:
-        raise _fail(where, f"{arr.ndim} dimensions, more than {MAX_NDIM}")
-    data = np.ascontiguousarray(arr, dtype=DTYPES[name])
-    return {"dtype": name, "shape": list(arr.shape), "data": data.tobytes()}
+class _Hasher:
+    """One interface over zlib.crc32 and hashlib (update with buffers, then digest)."""
+
+    def __init__(self, algo: str) -> None:
+        self.algo = algo
+        self._crc = 0
+        self._h = None if algo == "crc32" else hashlib.new(algo)
+
+    def update(self, data: Any) -> None:
+        if self._h is None:
+            self._crc = zlib.crc32(data, self._crc)
+        else:
+            self._h.update(data)
+
+    def digest(self) -> bytes:
+        if self._h is None:
+            return self._crc.to_bytes(4, "big")
+        return self._h.digest()
 
 
-def _encode_payload(state: MikuState) -> dict[str, Any]:
+class _DataArea:
+    """The v2.1 data area being written: tensors back to back, meta gets offsets."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+
+    def tensor(self, where: str, arr: object) -> dict[str, Any]:
+        if not isinstance(arr, np.ndarray):
+            raise _fail(where, f"expected a numpy array, found {type(arr).__name__}")
+        name = arr.dtype.name
+        if name not in DTYPES or arr.dtype.kind not in "fiub":
+            raise _fail(where, f"dtype {arr.dtype} is not supported (allowed: {', '.join(DTYPES)})")
+        if arr.ndim > MAX_NDIM:
+            raise _fail(where, f"{arr.ndim} dimensions, more than {MAX_NDIM}")
+        # a copy: the file's bytes are a snapshot even if the caller's array changes
+        data = np.ascontiguousarray(arr, dtype=DTYPES[name]).tobytes()
+        desc = {"dtype": name, "shape": list(arr.shape), "offset": self.size}
+        self.chunks.append(data)
+        self.size += len(data)
+        return desc
+
+
+def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
+    """The v2.1 meta for ``state``; arrays go to ``area``. Validates everything first."""
     if not isinstance(state, MikuState):
         raise _fail("state", f"expected a MikuState, found {type(state).__name__}")
     header = _check_header(dict(state.header))
-    tensors = {}
     for name, arr in _check_map("tensors", state.tensors).items():
         _check_name("tensors", name)
         if isinstance(arr, np.ndarray):
             _check_shape_against_header(name, arr, header, None)
-        tensors[name] = _encode_tensor(f"tensors[{name!r}]", arr)
     n = state.n_trajectories
     table: dict[str, int] = {}
-    columns: dict[str, Any] = {}
+    text_cols: dict[str, np.ndarray] = {}  # column name -> table indices (before grouping)
     for name, col in _check_map("trajectories", state.trajectories).items():
         _check_name("trajectories", name)
         where = f"trajectories[{name!r}]"
@@ -323,14 +402,13 @@ def _encode_payload(state: MikuState) -> dict[str, Any]:
                     where, f"has {col.shape[0] if col.ndim else 0} rows, other columns have {n}"
                 )
             _check_shape_against_header(name, col, header, n)
-            columns[name] = _encode_tensor(where, col)
         elif isinstance(col, list | tuple):
             if len(col) != n:
                 raise _fail(where, f"has {len(col)} rows, other columns have {n}")
             for i, s in enumerate(col):
                 if not isinstance(s, str):
                     raise _fail(where, f"row {i} must be a string, found {type(s).__name__}")
-            columns[name] = {"dtype": "str", "index": _intern(table, col)}
+            text_cols[name] = _intern(table, col)
         else:
             raise _fail(
                 where, f"expected a numpy array or a list of strings, found {type(col).__name__}"
@@ -338,25 +416,51 @@ def _encode_payload(state: MikuState) -> dict[str, Any]:
     conversation = _check_conversation(list(state.conversation))
     extra = _check_map("extra", state.extra)
     _check_extra(extra, "extra")
-    conv = _encode_conversation(conversation, table)
+    conv = _conversation_columns(conversation, table)
+
+    strings, remap = _encode_strings(list(table), area)
+
+    def index(idx: np.ndarray) -> dict[str, Any]:
+        dtype = np.int32 if len(table) < 2**31 else np.int64
+        return {"dtype": "str", "index": area.tensor("string index", remap[idx].astype(dtype))}
+
+    tensors = {name: area.tensor(f"tensors[{name!r}]", arr) for name, arr in state.tensors.items()}
+    columns = {
+        name: index(text_cols[name])
+        if name in text_cols
+        else area.tensor(f"trajectories[{name!r}]", col)
+        for name, col in state.trajectories.items()
+    }
+    fields = {}
+    for key, (rows, kind, values) in conv["fields"].items():
+        if kind == "str":
+            encoded: Any = index(values)
+        elif kind == "tensor":
+            encoded = area.tensor(key, values)
+        else:
+            encoded = values  # mixed types: a plain list of scalars
+        fields[key] = {"rows": None if rows is None else area.tensor(key, rows), "values": encoded}
     return {
         "header": header,
-        "strings": list(table),
+        "strings": strings,
         "tensors": tensors,
         "trajectories": {"n": n, "columns": columns},
-        "conversation": conv,
+        "conversation": {
+            "n": conv["n"],
+            "role": index(conv["role"]),
+            "text": index(conv["text"]),
+            "fields": fields,
+        },
         "extra": extra,
     }
 
 
-def _intern(table: dict[str, int], texts: list[str]) -> dict[str, Any]:
+def _intern(table: dict[str, int], texts: list[str]) -> np.ndarray:
     setdefault = table.setdefault
-    idx = [setdefault(t, len(table)) for t in texts]
-    dtype = np.int32 if len(table) < 2**31 else np.int64
-    return _encode_tensor("string index", np.asarray(idx, dtype=dtype).reshape(len(texts)))
+    return np.fromiter((setdefault(t, len(table)) for t in texts), dtype=np.int64, count=len(texts))
 
 
-def _encode_conversation(conv: list[dict[str, Any]], table: dict[str, int]) -> dict[str, Any]:
+def _conversation_columns(conv: list[dict[str, Any]], table: dict[str, int]) -> dict[str, Any]:
     fields: dict[str, tuple[list[int], list[Any]]] = {}
     for i, msg in enumerate(conv):
         for key, val in msg.items():
@@ -365,48 +469,109 @@ def _encode_conversation(conv: list[dict[str, Any]], table: dict[str, int]) -> d
                 rows.append(i)
                 values.append(val)
     n = len(conv)
-    return {
+    out: dict[str, Any] = {
         "n": n,
-        "role": {"dtype": "str", "index": _intern(table, [m["role"] for m in conv])},
-        "text": {"dtype": "str", "index": _intern(table, [m["text"] for m in conv])},
-        "fields": {
-            key: {
-                # None: every message has the field (the common case)
-                "rows": None if len(rows) == n else _encode_tensor(key, np.asarray(rows, np.int64)),
-                "values": _encode_values(key, values, table),
-            }
-            for key, (rows, values) in fields.items()
-        },
+        "role": _intern(table, [m["role"] for m in conv]),
+        "text": _intern(table, [m["text"] for m in conv]),
+        "fields": {},
     }
+    for key, (rows, values) in fields.items():
+        # None: every message has the field (the common case)
+        row_arr = None if len(rows) == n else np.asarray(rows, np.int64)
+        kinds = set(map(type, values))
+        col: Any = values  # mixed types (None among numbers, ...): a plain list
+        kind = "list"
+        if kinds == {str}:
+            kind, col = "str", _intern(table, values)
+        elif kinds == {float}:
+            kind, col = "tensor", np.asarray(values, dtype=np.float64)
+        elif kinds == {bool}:
+            kind, col = "tensor", np.asarray(values, dtype=np.bool_)
+        elif kinds == {int} and min(values) >= -(2**63) and max(values) < 2**63:
+            kind, col = "tensor", np.asarray(values, dtype=np.int64)
+        out["fields"][key] = (row_arr, kind, col)
+    return out
 
 
-def _encode_values(key: str, values: list[Any], table: dict[str, int]) -> Any:
-    """Scalars of one message field: a typed column when they share one type."""
-    kinds = set(map(type, values))
-    if kinds == {float}:
-        return _encode_tensor(key, np.asarray(values, dtype=np.float64))
-    if kinds == {bool}:
-        return _encode_tensor(key, np.asarray(values, dtype=np.bool_))
-    if kinds == {str}:
-        return {"dtype": "str", "index": _intern(table, values)}
-    if kinds == {int} and min(values) >= -(2**63) and max(values) < 2**63:
-        return _encode_tensor(key, np.asarray(values, dtype=np.int64))
-    return values  # mixed types (None among numbers, ...): a plain list
+def _widest_chars(strings: list[str]) -> np.ndarray:
+    """The largest code point of each string (0 for empty ones), vectorised."""
+    out = np.zeros(len(strings), np.uint32)
+    wide = [i for i, s in enumerate(strings) if not s.isascii()]
+    if wide:
+        texts = [strings[i] for i in wide]
+        lens = np.fromiter(map(len, texts), np.int64, len(texts))
+        # surrogatepass: a lone surrogate is classified here and refused by the encoder
+        code = np.frombuffer("".join(texts).encode("utf-32-le", "surrogatepass"), "<u4")
+        starts = np.cumsum(lens) - lens
+        out[wide] = np.maximum.reduceat(code, starts)  # non-ASCII texts are never empty
+    ascii_ = np.ones(len(strings), bool)
+    ascii_[wide] = False
+    if ascii_.any():
+        out[ascii_] = 0x7F
+    return out
 
 
-def encode_miku(state: MikuState, *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
-    """The complete bytes of a ``.miku`` v2 file for ``state`` (validated first)."""
+def _encode_strings(strings: list[str], area: _DataArea) -> tuple[dict[str, Any], np.ndarray]:
+    """Group the string table by character width; return its meta and old -> new positions."""
+    widest = _widest_chars(strings)
+    group_of = np.searchsorted(np.array([lim for lim, _ in _TEXT_GROUPS]), widest)
+    order = np.argsort(group_of, kind="stable")
+    remap = np.empty(len(strings), np.int64)
+    remap[order] = np.arange(len(strings), dtype=np.int64)
+    counts = np.bincount(group_of, minlength=len(_TEXT_GROUPS))
+    groups = []
+    start = 0
+    for (_, encoding), count in zip(_TEXT_GROUPS, counts.tolist(), strict=True):
+        if not count:
+            continue
+        texts = [strings[i] for i in order[start : start + count].tolist()]
+        start += count
+        joined = "".join(texts)
+        sep = next((c for c in _SEPARATORS if c not in joined), None)
+        lengths = None
+        if sep is not None:
+            joined = sep.join(texts)
+        else:  # every candidate separator occurs: cut by lengths instead
+            lengths = np.fromiter(map(len, texts), np.int64, count)
+        try:
+            data = joined.encode(encoding)
+        except UnicodeEncodeError as exc:
+            raise _fail("strings", f"session cannot be encoded: {exc}") from None
+        groups.append(
+            {
+                "encoding": encoding,
+                "count": count,
+                "sep": sep,
+                "lengths": None if lengths is None else area.tensor("lengths", lengths),
+                "data": area.tensor("text", np.frombuffer(data, np.uint8)),
+            }
+        )
+    return {"n": len(strings), "groups": groups}, remap
+
+
+def _encode_parts(state: MikuState, checksum: str) -> list[bytes]:
+    """The file as a list of byte strings (prefix + record, meta, data area chunks)."""
     if checksum not in CHECKSUM_ALGOS:
         raise MikuError(
             f"checksum algorithm {checksum!r} is not supported (use one of {sorted(CHECKSUM_ALGOS)})"
         )
+    area = _DataArea()
+    meta = _encode_payload(state, area)
     try:
-        payload = msgpack.packb(_encode_payload(state), use_bin_type=True)
+        meta_bytes = msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MikuError(f"session cannot be encoded: {exc}") from None
-    digest = hashlib.new(checksum, payload).digest()
-    record = msgpack.packb({"algo": checksum, "digest": digest}, use_bin_type=True)
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(record)) + record + payload
+    parts = [_META_LEN.pack(len(meta_bytes)) + meta_bytes, *area.chunks]
+    hasher = _Hasher(checksum)
+    for part in parts:
+        hasher.update(part)
+    record = msgpack.packb({"algo": checksum, "digest": hasher.digest()}, use_bin_type=True)
+    return [_PREFIX.pack(MAGIC, FORMAT_VERSION, FORMAT_MINOR, len(record)) + record, *parts]
+
+
+def encode_miku(state: MikuState, *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
+    """The complete bytes of a ``.miku`` v2.1 file for ``state`` (validated first)."""
+    return b"".join(_encode_parts(state, checksum))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -418,7 +583,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_miku(path: str | os.PathLike[str], state: MikuState) -> None:
+def write_miku(
+    path: str | os.PathLike[str], state: MikuState, *, checksum: str = DEFAULT_CHECKSUM
+) -> None:
     """Save ``state`` to ``path`` atomically.
 
     The bytes go to a temporary file in the same directory, which is fsynced
@@ -428,7 +595,7 @@ def write_miku(path: str | os.PathLike[str], state: MikuState) -> None:
     untouched, and :class:`StorageError` says what happened.
     """
     path = Path(path)
-    blob = encode_miku(state)
+    parts = _encode_parts(state, checksum)
     parent = path.parent if str(path.parent) else Path(".")
     tmp: str | None = None
     try:
@@ -437,7 +604,8 @@ def write_miku(path: str | os.PathLike[str], state: MikuState) -> None:
         try:
             with contextlib.suppress(OSError):
                 os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o600)
-            _write_all(fd, blob)
+            for part in parts:
+                _write_all(fd, part)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -492,13 +660,15 @@ def _unpack(buf: bytes | memoryview, where: str) -> Any:
         raise _fail(where, f"not valid msgpack ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
-def _decode_tensor(where: str, obj: object) -> np.ndarray:
+def _check_descriptor(where: str, obj: object, keys: frozenset) -> tuple[np.dtype, list[int]]:
+    """Validate a tensor's dtype and shape (and its key set); return (dtype, shape)."""
     obj = _check_map(where, obj)
-    if set(obj) != {"dtype", "shape", "data"}:
+    if obj.keys() != keys:
         raise _fail(
-            where, f"tensor fields must be dtype, shape, data; found {sorted(map(str, obj))}"
+            where,
+            f"tensor fields must be {', '.join(sorted(keys))}; found {sorted(map(str, obj))}",
         )
-    dtype_name, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    dtype_name, shape = obj["dtype"], obj["shape"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise _fail(where, f"dtype {str(dtype_name)[:40]!r} is not one of {', '.join(DTYPES)}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
@@ -510,23 +680,116 @@ def _decode_tensor(where: str, obj: object) -> np.ndarray:
         count *= s
     if count > MAX_TENSOR_ELEMENTS:
         raise _fail(where, f"shape {shape} has {count} elements, more than {MAX_TENSOR_ELEMENTS}")
-    dtype = DTYPES[dtype_name]
-    if not isinstance(data, bytes):
-        raise _fail(where, f"data must be bytes, found {type(data).__name__}")
-    if len(data) != count * dtype.itemsize:
-        raise _fail(
-            where,
-            f"data is {len(data)} bytes, shape {shape} of {dtype_name} needs {count * dtype.itemsize}",
-        )
-    if dtype_name == "bool":
-        raw = np.frombuffer(data, dtype=np.uint8)
-        if raw.size and raw.max() > 1:
-            raise _fail(where, "bool tensor holds bytes other than 0 and 1")
-    arr = np.frombuffer(data, dtype=dtype).reshape(shape)
-    return arr.astype(dtype.newbyteorder("="), copy=True)
+    return DTYPES[dtype_name], shape
 
 
-def _decode_payload(payload: object) -> MikuState:
+def _check_bool(where: str, arr: np.ndarray) -> None:
+    if arr.dtype == np.bool_ and arr.size and int(arr.view(np.uint8).max()) > 1:
+        raise _fail(where, "bool tensor holds bytes other than 0 and 1")
+
+
+class _Inline:
+    """v2.0: tensors carry their bytes in the msgpack payload; strings are a msgpack list."""
+
+    _KEYS = frozenset({"dtype", "shape", "data"})
+
+    def tensor(self, where: str, obj: object) -> np.ndarray:
+        dtype, shape = _check_descriptor(where, obj, self._KEYS)
+        data = obj["data"]  # type: ignore[index]
+        count = math.prod(shape)
+        if not isinstance(data, bytes):
+            raise _fail(where, f"data must be bytes, found {type(data).__name__}")
+        if len(data) != count * dtype.itemsize:
+            raise _fail(
+                where,
+                f"data is {len(data)} bytes, shape {shape} of {dtype.name} needs {count * dtype.itemsize}",
+            )
+        arr = np.frombuffer(data, dtype=dtype).reshape(shape)
+        _check_bool(where, arr)
+        return arr.astype(dtype.newbyteorder("="), copy=True)
+
+    def strings(self, obj: object) -> list[str]:
+        if not isinstance(obj, list):
+            raise _fail("strings", f"expected a list of strings, found {type(obj).__name__}")
+        if not all(type(t) is str for t in obj):
+            bad = next(i for i, t in enumerate(obj) if type(t) is not str)
+            raise _fail("strings", f"entry {bad} is a {type(obj[bad]).__name__}, not a string")
+        return obj
+
+
+class _Loaded:
+    """v2.1: tensors were read from the data area (keyed by their descriptor)."""
+
+    def __init__(self, arrays: dict[int, np.ndarray]) -> None:
+        self.arrays = arrays
+
+    def tensor(self, where: str, obj: object) -> np.ndarray:
+        _check_descriptor(where, obj, _TENSOR_KEYS)
+        arr = self.arrays.get(id(obj))
+        if arr is None:  # pragma: no cover - every descriptor of these sections is planned
+            raise _fail(where, "tensor is not in the data area")
+        _check_bool(where, arr)
+        return arr
+
+    def strings(self, obj: object) -> list[str]:
+        obj = _check_map("strings", obj)
+        if obj.keys() != {"n", "groups"}:
+            raise _fail("strings", "fields must be n and groups")
+        n, groups = obj["n"], obj["groups"]
+        if not _is_int(n) or not 0 <= n <= MAX_LIST_LEN:
+            raise _fail("strings", f"string count {str(n)[:40]} is invalid")
+        if not isinstance(groups, list):
+            raise _fail("strings", f"groups must be a list, found {type(groups).__name__}")
+        out: list[str] = []
+        for i, group in enumerate(groups):
+            out += self._group(f"strings.groups[{i}]", group, n - len(out))
+        if len(out) != n:
+            raise _fail("strings", f"groups hold {len(out)} strings, the table declares {n}")
+        return out
+
+    def _group(self, where: str, group: object, room: int) -> list[str]:
+        group = _check_map(where, group)
+        if group.keys() != _GROUP_KEYS:
+            raise _fail(where, f"fields must be {', '.join(sorted(_GROUP_KEYS))}")
+        encoding, count, sep = group["encoding"], group["count"], group["sep"]
+        if not isinstance(encoding, str) or encoding not in _ENCODINGS:
+            raise _fail(
+                where, f"encoding {str(encoding)[:40]!r} is not one of {sorted(_ENCODINGS)}"
+            )
+        if not _is_int(count) or not 0 <= count <= room:
+            raise _fail(where, f"count {str(count)[:40]} is invalid")
+        if (sep is None) == (group["lengths"] is None):
+            raise _fail(where, "exactly one of sep and lengths must be given")
+        if sep is not None and (not isinstance(sep, str) or len(sep) != 1):
+            raise _fail(where, "sep must be one character")
+        data = self.tensor(f"{where}.data", group["data"])
+        if data.dtype != np.uint8 or data.ndim != 1:
+            raise _fail(where, "data must be a uint8 vector")
+        try:
+            text = str(data, encoding)
+        except UnicodeDecodeError as exc:
+            raise _fail(where, f"texts are not valid {encoding} ({exc.reason})") from None
+        if sep is not None:
+            parts = [] if count == 0 and not text else text.split(sep, count)
+            if len(parts) != count:
+                raise _fail(where, f"holds {len(parts)} texts, expected {count}")
+            return parts
+        lengths = self.tensor(f"{where}.lengths", group["lengths"])
+        if lengths.dtype.kind not in "iu" or lengths.shape != (count,):
+            raise _fail(where, f"lengths must be an integer vector of {count}")
+        ends = np.cumsum(lengths, dtype=np.int64)
+        if count and (int(lengths.min()) < 0 or int(ends[-1]) != len(text)):
+            raise _fail(where, "lengths do not add up to the group's text")
+        if not count and text:
+            raise _fail(where, "holds text but no strings")
+        starts = ends - lengths
+        return list(map(text.__getitem__, map(slice, starts.tolist(), ends.tolist())))
+
+
+_Decoder = _Inline | _Loaded
+
+
+def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
     payload = _check_map("payload", payload)
     keys = set(payload)
     if keys != _PAYLOAD_KEYS:
@@ -536,16 +799,14 @@ def _decode_payload(payload: object) -> MikuState:
             f"missing sections {sorted(missing)}, unknown sections {sorted(map(str, unknown))}",
         )
     header = _check_header(payload["header"])
-    strings = payload["strings"]
-    if not isinstance(strings, list):
-        raise _fail("strings", f"expected a list of strings, found {type(strings).__name__}")
-    if not all(type(t) is str for t in strings):
-        bad = next(i for i, t in enumerate(strings) if type(t) is not str)
-        raise _fail("strings", f"entry {bad} is a {type(strings[bad]).__name__}, not a string")
+    table = dec.strings(payload["strings"])
+    # an object array: a text column is then one fancy-indexing call
+    strings = np.empty(len(table), dtype=object)
+    strings[:] = table
     tensors = {}
     for name, obj in _check_map("tensors", payload["tensors"]).items():
         _check_name("tensors", name)
-        arr = _decode_tensor(f"tensors[{name!r}]", obj)
+        arr = dec.tensor(f"tensors[{name!r}]", obj)
         _check_shape_against_header(name, arr, header, None)
         tensors[name] = arr
     traj = _check_map("trajectories", payload["trajectories"])
@@ -559,16 +820,16 @@ def _decode_payload(payload: object) -> MikuState:
         _check_name("trajectories", name)
         where = f"trajectories[{name!r}]"
         if isinstance(obj, dict) and obj.get("dtype") == "str":
-            trajectories[name] = _decode_texts(where, obj, strings, n)
+            trajectories[name] = _decode_texts(where, obj, strings, n, dec)
         else:
-            arr = _decode_tensor(where, obj)
+            arr = dec.tensor(where, obj)
             if arr.ndim == 0 or arr.shape[0] != n:
                 raise _fail(where, f"has {arr.shape[0] if arr.ndim else 0} rows, expected {n}")
             _check_shape_against_header(name, arr, header, n)
             trajectories[name] = arr
     if not trajectories and n != 0:
         raise _fail("trajectories", f"declares {n} rows but has no columns")
-    conversation = _decode_conversation(payload["conversation"], strings)
+    conversation = _decode_conversation(payload["conversation"], strings, dec)
     extra = _check_map("extra", payload["extra"])
     _check_extra(extra, "extra")
     return MikuState(
@@ -580,11 +841,11 @@ def _decode_payload(payload: object) -> MikuState:
     )
 
 
-def _decode_texts(where: str, obj: object, strings: list[str], n: int) -> list[str]:
+def _decode_texts(where: str, obj: object, strings: np.ndarray, n: int, dec: _Decoder) -> list[str]:
     obj = _check_map(where, obj)
     if set(obj) != {"dtype", "index"} or obj["dtype"] != "str":
         raise _fail(where, "a text column must have exactly dtype='str' and an index tensor")
-    idx = _decode_tensor(f"{where}.index", obj["index"])
+    idx = dec.tensor(f"{where}.index", obj["index"])
     if idx.dtype.kind not in "iu" or idx.shape != (n,):
         raise _fail(
             where,
@@ -592,19 +853,19 @@ def _decode_texts(where: str, obj: object, strings: list[str], n: int) -> list[s
         )
     if n and (int(idx.min()) < 0 or int(idx.max()) >= len(strings)):
         raise _fail(where, f"index points outside the string table of {len(strings)} entries")
-    return list(map(strings.__getitem__, idx.tolist()))
+    return strings[idx].tolist()
 
 
-def _decode_conversation(obj: object, strings: list[str]) -> list[dict[str, Any]]:
+def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> list[dict[str, Any]]:
     obj = _check_map("conversation", obj)
     if set(obj) != {"n", "role", "text", "fields"}:
         raise _fail("conversation", "fields must be n, role, text and fields")
     n = obj["n"]
     if not _is_int(n) or not 0 <= n <= MAX_LIST_LEN:
         raise _fail("conversation", f"message count {str(n)[:40]} is invalid")
-    roles = _decode_texts("conversation.role", obj["role"], strings, n)
-    texts = _decode_texts("conversation.text", obj["text"], strings, n)
-    conv = [{"role": r, "text": t} for r, t in zip(roles, texts, strict=True)]
+    roles = _decode_texts("conversation.role", obj["role"], strings, n, dec)
+    texts = _decode_texts("conversation.text", obj["text"], strings, n, dec)
+    columns: list[tuple[str, list[int] | None, list[Any]]] = []
     for key, col in _check_map("conversation.fields", obj["fields"]).items():
         _check_name("conversation.fields", key)
         where = f"conversation.fields[{key!r}]"
@@ -615,7 +876,7 @@ def _decode_conversation(obj: object, strings: list[str]) -> list[dict[str, Any]
             raise _fail(where, "must have exactly rows and values")
         rows = None
         if col["rows"] is not None:
-            rows = _decode_tensor(f"{where}.rows", col["rows"])
+            rows = dec.tensor(f"{where}.rows", col["rows"])
             if rows.dtype.kind not in "iu" or rows.ndim != 1:
                 raise _fail(where, "rows must be an integer vector")
             if rows.size and (
@@ -627,17 +888,32 @@ def _decode_conversation(obj: object, strings: list[str]) -> list[dict[str, Any]
                     where, "rows must be increasing message numbers within the conversation"
                 )
         count = n if rows is None else int(rows.shape[0])
-        values = _decode_values(where, col["values"], strings, count)
+        values = _decode_values(where, col["values"], strings, count, dec)
+        columns.append((key, None if rows is None else rows.tolist(), values))
+    # one pass builds each message with the first field every message has (the
+    # dicts are too many to stay in cache for a second pass); the rest are added
+    full = next((c for c in columns if c[1] is None), None)
+    if full is None:
+        conv = [{"role": r, "text": t} for r, t in zip(roles, texts, strict=True)]
+    else:
+        key = full[0]
+        conv = [
+            {"role": r, "text": t, key: v} for r, t, v in zip(roles, texts, full[2], strict=True)
+        ]
+    for key, rows, values in columns:
         if rows is None:
-            for msg, v in zip(conv, values, strict=True):
-                msg[key] = v
+            if key != full[0]:  # type: ignore[index]
+                for msg, v in zip(conv, values, strict=True):
+                    msg[key] = v
         else:
-            for r, v in zip(rows.tolist(), values, strict=True):
+            for r, v in zip(rows, values, strict=True):
                 conv[r][key] = v
     return conv
 
 
-def _decode_values(where: str, obj: object, strings: list[str], count: int) -> list[Any]:
+def _decode_values(
+    where: str, obj: object, strings: np.ndarray, count: int, dec: _Decoder
+) -> list[Any]:
     if isinstance(obj, list):
         if len(obj) != count:
             raise _fail(where, f"has {len(obj)} values for {count} rows")
@@ -646,8 +922,8 @@ def _decode_values(where: str, obj: object, strings: list[str], count: int) -> l
             raise _fail(where, f"values must be scalars, found {type(bad).__name__}")
         return obj
     if isinstance(obj, dict) and obj.get("dtype") == "str":
-        return _decode_texts(where, obj, strings, count)
-    arr = _decode_tensor(where, obj)
+        return _decode_texts(where, obj, strings, count, dec)
+    arr = dec.tensor(where, obj)
     if arr.dtype.name not in ("float64", "int64", "bool") or arr.shape != (count,):
         raise _fail(
             where,
@@ -656,45 +932,132 @@ def _decode_values(where: str, obj: object, strings: list[str], count: int) -> l
     return arr.tolist()
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_FILE_BYTES:
-                raise MikuError(
-                    f"{path} is {size} bytes, larger than the limit of {MAX_FILE_BYTES}: not a session file"
-                )
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise MikuError(f"{path} does not exist") from None
-    except IsADirectoryError:
-        raise MikuError(f"{path} is a directory, not a .miku file") from None
-    except OSError as exc:
-        raise MikuError(f"{path} cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise MikuError(f"{path} is larger than the limit of {MAX_FILE_BYTES} bytes")
+# --------------------------------------------------------------------------- reading a file
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n) if n else b""
+    if len(data) != n:
+        raise MikuError(f"is truncated ({what} ends after {len(data)} of {n} bytes)")
     return data
 
 
-def _split(data: bytes, path: Path) -> tuple[str, bytes, memoryview]:
-    """Check magic and version; return (algo, digest, payload view)."""
-    if len(data) < _PREFIX.size:
-        raise MikuError(f"{path} is not a .miku file (only {len(data)} bytes; truncated or empty)")
-    magic, version, rec_len = _PREFIX.unpack_from(data)
+def _read_into(f: BinaryIO, buf: memoryview, hasher: _Hasher) -> None:
+    """Fill ``buf`` from ``f``, hashing each chunk while it is still in cache.
+
+    What was read is hashed even when the file ends early.
+    """
+    got, size = 0, len(buf)
+    while got < size:
+        n = f.readinto(buf[got : min(size, got + _HASH_CHUNK)])
+        if not n:
+            raise MikuError(f"is truncated (the data area ends {size - got} bytes early)")
+        hasher.update(buf[got : got + n])
+        got += n
+
+
+def _hash_rest(f: BinaryIO, hasher: _Hasher) -> None:
+    while chunk := f.read(_READ_CHUNK):
+        hasher.update(chunk)
+
+
+def _plan(meta: object, data_len: int) -> list[tuple[int, int, dict, np.dtype, list[int]]]:
+    """Find and validate every tensor descriptor of the v2.1 meta; check they tile the data area.
+
+    Returns (offset, nbytes, descriptor, dtype, shape) in file order. Nothing is
+    allocated here: sizes are checked against the data area's real length first.
+    """
+    meta = _check_map("meta", meta)
+    spans: list[tuple[int, int, dict, np.dtype, list[int]]] = []
+
+    def walk(node: Any, where: str, depth: int) -> None:
+        if depth > MAX_EXTRA_DEPTH:
+            return  # nothing legitimate is this deep; the structural check refuses it
+        if type(node) is dict:
+            if node.keys() == _TENSOR_KEYS:
+                dtype, shape = _check_descriptor(where, node, _TENSOR_KEYS)
+                offset = node["offset"]
+                if not _is_int(offset) or not 0 <= offset <= data_len:
+                    raise _fail(where, f"offset {str(offset)[:40]} is outside the data area")
+                spans.append((offset, math.prod(shape) * dtype.itemsize, node, dtype, shape))
+                return
+            for key, value in node.items():
+                if type(value) is dict or type(value) is list:
+                    walk(value, f"{where}.{key}", depth + 1)
+        else:
+            for i, value in enumerate(node):
+                if type(value) is dict:
+                    walk(value, f"{where}[{i}]", depth + 1)
+
+    for section in ("tensors", "strings", "trajectories", "conversation"):
+        node = meta.get(section)
+        if type(node) is dict or type(node) is list:
+            walk(node, section, 0)
+    spans.sort(key=lambda s: (s[0], s[1]))
+    pos = 0
+    for offset, nbytes, _, _, _ in spans:
+        if offset != pos:
+            raise _fail(
+                "data area", f"a tensor starts at byte {offset}, the previous one ends at {pos}"
+            )
+        pos += nbytes
+        if pos > data_len:
+            raise _fail("data area", f"tensors need more than its {data_len} bytes")
+    if pos != data_len:
+        raise _fail("data area", f"{data_len} bytes, but the tensors cover {pos}")
+    return spans
+
+
+def _read_spans(
+    f: BinaryIO, spans: list[tuple[int, int, dict, np.dtype, list[int]]], hasher: _Hasher
+) -> dict[int, np.ndarray]:
+    """Read each tensor of the data area straight into its own (writable) array."""
+    arrays: dict[int, np.ndarray] = {}
+    for _, nbytes, desc, dtype, shape in spans:
+        arr = np.empty(shape, dtype=dtype)
+        if nbytes:
+            _read_into(f, memoryview(arr.reshape(-1).view(np.uint8)), hasher)
+        if not _NATIVE_LE and dtype.itemsize > 1:  # pragma: no cover - big-endian hosts
+            arr = arr.astype(dtype.newbyteorder("="))
+        arrays[id(desc)] = arr
+    return arrays
+
+
+def _version_text(major: int, minor: int) -> str:
+    return f"{major}" if minor == 0 else f"{major}.{minor}"
+
+
+def _load(
+    f: BinaryIO, size: int, path: Path, *, verify: bool = True
+) -> tuple[MikuState, str, bool]:
+    """Read a whole .miku from ``f`` (``size`` bytes): (state, checksum algo, checksum ok).
+
+    With ``verify`` a checksum mismatch raises; without it (``inspect``) the
+    state is still returned when the contents parse.
+    """
+    head = f.read(_PREFIX.size)
+    if len(head) < _PREFIX.size:
+        raise MikuError(f"{path} is not a .miku file (only {len(head)} bytes; truncated or empty)")
+    magic, major, minor, rec_len = _PREFIX.unpack(head)
     if magic != MAGIC:
-        if data[:64].lstrip()[:1] in (b"{", b"["):
+        if (head + f.read(48)).lstrip()[:1] in (b"{", b"["):
             raise MikuError(
                 f"{path} looks like a legacy v1 (JSON) .miku file; convert it with `isagi import-legacy`"
             )
         raise MikuError(f"{path} is not a .miku file (wrong magic bytes)")
-    if version != FORMAT_VERSION:
+    if major != FORMAT_VERSION:
         raise MikuError(
-            f"{path} has format version {version}; this ISAGI reads version {FORMAT_VERSION}"
+            f"{path} has format version {_version_text(major, minor)}; "
+            f"this ISAGI reads version {FORMAT_VERSION}"
         )
-    if rec_len > 1024 or _PREFIX.size + rec_len > len(data):
+    if minor > FORMAT_MINOR:
+        raise MikuError(
+            f"{path} has format version {major}.{minor}, newer than this ISAGI reads "
+            f"({FORMAT_VERSION}.{FORMAT_MINOR}); update ISAGI to open it"
+        )
+    if rec_len > MAX_RECORD_LEN or _PREFIX.size + rec_len > size:
         raise MikuError(f"{path} is truncated or corrupted (checksum record length {rec_len})")
-    view = memoryview(data)
-    record = _unpack(view[_PREFIX.size : _PREFIX.size + rec_len], f"{path}: checksum record")
+    record = _unpack(f.read(rec_len), f"{path}: checksum record")
     if not isinstance(record, dict) or set(record) != {"algo", "digest"}:
         raise MikuError(f"{path}: checksum record must have exactly algo and digest")
     algo, digest = record["algo"], record["digest"]
@@ -702,43 +1065,85 @@ def _split(data: bytes, path: Path) -> tuple[str, bytes, memoryview]:
         raise MikuError(f"{path}: checksum algorithm {str(algo)[:40]!r} is not supported")
     if not isinstance(digest, bytes) or len(digest) != CHECKSUM_ALGOS[algo]:
         raise MikuError(f"{path}: checksum digest has the wrong type or length for {algo}")
-    return algo, digest, view[_PREFIX.size + rec_len :]
+    payload_len = size - _PREFIX.size - rec_len
+    hasher = _Hasher(algo)
+    mismatch = MikuError(f"{path} is corrupted: the {algo} checksum does not match its contents")
 
+    def invalid(exc: Exception, ok: bool) -> MikuError:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        status = "" if verify else f" (checksum {'ok' if ok else 'mismatch'})"
+        return MikuError(f"{path} is invalid{status}: {why}")
 
-def decode_miku(data: bytes, *, path: str | os.PathLike[str] = "<bytes>") -> MikuState:
-    """Parse and validate the bytes of a ``.miku`` v2 file."""
-    path = Path(path)
-    algo, digest, payload = _split(data, path)
-    # Large payloads are hashed on a second thread (hashlib releases the GIL)
-    # while the main thread decodes; decoding is strict on its own, so doing
-    # it before the checksum verdict is safe. A mismatch always wins.
-    computed: list[bytes] = []
-    hasher = threading.Thread(target=lambda: computed.append(hashlib.new(algo, payload).digest()))
-    threaded = len(payload) >= _THREADED_HASH_BYTES
-    if threaded:
-        hasher.start()
-    else:
-        hasher.run()
-    error: MikuError | None = None
-    state = None
+    dec: _Decoder
+    try:
+        if minor == 0:
+            payload = f.read(payload_len)
+            hasher.update(payload)
+            meta: Any = _unpack(payload, "payload")
+            dec = _Inline()
+        else:
+            meta_len = _META_LEN.unpack(_read_exact(f, _META_LEN.size, "the meta length"))[0]
+            if meta_len > payload_len - _META_LEN.size:
+                raise MikuError(f"is truncated (meta of {meta_len} bytes does not fit)")
+            meta_bytes = _read_exact(f, meta_len, "the meta")
+            hasher.update(_META_LEN.pack(meta_len))
+            hasher.update(meta_bytes)
+            meta = _unpack(meta_bytes, "meta")
+            spans = _plan(meta, payload_len - _META_LEN.size - meta_len)
+            dec = _Loaded(_read_spans(f, spans, hasher))
+    except (MikuError, RecursionError) as exc:
+        _hash_rest(f, hasher)
+        ok = hasher.digest() == digest
+        if verify and not ok:
+            raise mismatch from None
+        raise invalid(exc, ok) from None
+    ok = hasher.digest() == digest
+    if verify and not ok:
+        raise mismatch
     gc_was_enabled = gc.isenabled()
     gc.disable()  # tens of thousands of new objects; nothing cyclic to collect
     try:
-        state = _decode_payload(_unpack(payload, "payload"))
-    except MikuError as exc:
-        error = MikuError(f"{path} is invalid: {exc}")
-    except RecursionError:
-        error = MikuError(f"{path} is invalid: nested too deeply")
+        state = _decode_payload(meta, dec)
+    except (MikuError, RecursionError) as exc:
+        raise invalid(exc, ok) from None
     finally:
         if gc_was_enabled:
             gc.enable()
-        if threaded:
-            hasher.join()
-    if computed != [digest]:
-        raise MikuError(f"{path} is corrupted: the {algo} checksum does not match its contents")
-    if error is not None:
-        raise error
-    return state
+    return state, algo, ok
+
+
+def _open(path: Path) -> tuple[BinaryIO, int]:
+    try:
+        f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
+    except FileNotFoundError:
+        raise MikuError(f"{path} does not exist") from None
+    except IsADirectoryError:
+        raise MikuError(f"{path} is a directory, not a .miku file") from None
+    except OSError as exc:
+        raise MikuError(f"{path} cannot be read: {exc.strerror or exc}") from None
+    size = os.fstat(f.fileno()).st_size
+    if size > MAX_FILE_BYTES:
+        f.close()
+        raise MikuError(
+            f"{path} is {size} bytes, larger than the limit of {MAX_FILE_BYTES}: not a session file"
+        )
+    return f, size
+
+
+def _load_path(path: Path, *, verify: bool) -> tuple[MikuState, str, bool, int]:
+    f, size = _open(path)
+    try:
+        with f:
+            return (*_load(f, size, path, verify=verify), size)
+    except OSError as exc:
+        raise MikuError(f"{path} cannot be read: {exc.strerror or exc}") from None
+
+
+def decode_miku(data: bytes, *, path: str | os.PathLike[str] = "<bytes>") -> MikuState:
+    """Parse and validate the bytes of a ``.miku`` v2 file (v2.0 or v2.1)."""
+    if len(data) > MAX_FILE_BYTES:
+        raise MikuError(f"{path} is larger than the limit of {MAX_FILE_BYTES} bytes")
+    return _load(io.BytesIO(data), len(data), Path(path))[0]
 
 
 def read_miku(
@@ -747,14 +1152,14 @@ def read_miku(
     expected_fingerprint: str | None = None,
     allow_other_model: bool = False,
 ) -> MikuState:
-    """Load a ``.miku`` v2 file, strictly.
+    """Load a ``.miku`` v2 file (v2.0 or v2.1), strictly.
 
     If ``expected_fingerprint`` is given and the file was saved with another
     model, raise :class:`MikuError` unless ``allow_other_model`` is set, in
     which case a :class:`UserWarning` is issued and the state returned.
     """
     path = Path(path)
-    state = decode_miku(_read_bytes(path), path=path)
+    state = _load_path(path, verify=True)[0]
     got = state.header["model_fingerprint"]
     if expected_fingerprint is not None and got != expected_fingerprint:
         msg = (
@@ -772,26 +1177,29 @@ def read_miku(
     return state
 
 
+def file_version(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(major, minor) format version of a ``.miku`` file, from its first 16 bytes."""
+    path = Path(path)
+    f, _ = _open(path)
+    with f:
+        head = f.read(_PREFIX.size)
+    if len(head) < _PREFIX.size or head[:8] != MAGIC:
+        raise MikuError(f"{path} is not a .miku v2 file")
+    return _PREFIX.unpack(head)[1:3]
+
+
 def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A summary of a ``.miku`` file for ``isagi inspect``.
 
-    Returns header, file size, checksum algorithm and status ("ok" or
-    "mismatch"), tensor shapes/dtypes, trajectory count and columns, message
-    count, and ``metric_growth`` = ||M - I||_F when a square "metric" tensor is
-    present. A file whose checksum does not match is still summarised when its
-    payload parses; anything unreadable raises :class:`MikuError`.
+    Returns header, format version (major and minor), file size, checksum
+    algorithm and status ("ok" or "mismatch"), tensor shapes/dtypes,
+    trajectory count and columns, message count, and ``metric_growth`` =
+    ||M - I||_F when a square "metric" tensor is present. A file whose
+    checksum does not match is still summarised when its contents parse;
+    anything unreadable raises :class:`MikuError`.
     """
     path = Path(path)
-    data = _read_bytes(path)
-    algo, digest, payload = _split(data, path)
-    ok = hashlib.new(algo, payload).digest() == digest
-    try:
-        state = _decode_payload(_unpack(payload, "payload"))
-    except MikuError as exc:
-        status = "ok" if ok else "mismatch"
-        raise MikuError(f"{path} is invalid (checksum {status}): {exc}") from None
-    except RecursionError:
-        raise MikuError(f"{path} is invalid: nested too deeply") from None
+    state, algo, ok, size = _load_path(path, verify=False)
     growth = None
     metric = state.tensors.get("metric")
     if metric is not None and metric.ndim == 2 and metric.shape[0] == metric.shape[1]:
@@ -800,7 +1208,8 @@ def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {
         "path": str(path),
         "format_version": FORMAT_VERSION,
-        "size_bytes": len(data),
+        "format_minor": file_version(path)[1],
+        "size_bytes": size,
         "checksum": {"algo": algo, "status": "ok" if ok else "mismatch"},
         "header": dict(state.header),
         "tensors": {
