@@ -291,3 +291,115 @@ def test_cog_soak_small_run_keeps_the_metric_spd_and_the_memory_under_cap() -> N
     assert r["growth"] == sorted(r["growth"])  # M only grows
     for key in ("rss_mb_end", "p95_us_start", "p95_us_end"):
         assert r[key] > 0
+
+
+# -- stage 2 under the current metric: the cached frame must never go stale --
+
+
+def _assert_exact_distances(mem: TrajectoryMemory, m: Metric, X: np.ndarray, Q: np.ndarray) -> None:
+    for q in Q:
+        for h in mem.search(q, m, top=4):
+            assert h.distance == pytest.approx(m.distance(q, X[h.id]), abs=1e-12)
+
+
+@pytest.mark.parametrize("exact_below", [4096, 300])  # flat and HNSW index
+def test_metric_update_invalidates_the_cached_frame(exact_below: int) -> None:
+    """After an update below the rebuild bound, distances follow the new M.
+
+    Before the update the memory uses the index frame (stage 1's ``Lᵀx`` and
+    the stored ``1/‖Lᵀy‖``); a cache that outlived the update would return
+    distances under the old M.
+    """
+    X = _points(800, seed=11)
+    mem = TrajectoryMemory(K, exact_below=exact_below)
+    _fill(mem, X)
+    m = _metric()
+    Q = _queries(X, 20, seed=12)
+    _assert_exact_distances(mem, m, X, Q)  # builds the frame and fills the cache
+    assert mem._query_frame(m)[1] is True
+    built = mem.rebuilds
+    old = Metric(K, M=m.M.copy())
+    m.update(np.random.default_rng(13).standard_normal(K) * np.geomspace(3.0, 0.1, K))
+    assert mem.rebuilds == built
+    assert mem._query_frame(m)[1] is False
+    _assert_exact_distances(mem, m, X, Q)
+    assert mem.rebuilds == built  # no rebuild: the exactness came from stage 2
+    # the update really moved the distances (else the test would prove nothing)
+    moved = max(abs(m.distance(q, X[0]) - old.distance(q, X[0])) for q in Q)
+    assert moved > 1e-6
+
+
+def test_another_metric_at_the_same_version_is_not_served_the_frame() -> None:
+    X = _points(600, seed=14)
+    mem = TrajectoryMemory(K, exact_below=200)
+    _fill(mem, X)
+    m1 = _metric(seed=0)
+    m2 = Metric.from_state(_metric(seed=3).to_state())  # other M, maybe same version
+    m2.version = m1.version
+    Q = _queries(X, 15, seed=15)
+    _assert_exact_distances(mem, m1, X, Q)
+    _assert_exact_distances(mem, m2, X, Q)
+    _assert_exact_distances(mem, m1, X, Q)
+
+
+def test_records_added_after_the_build_are_rescored_exactly() -> None:
+    X = _points(900, seed=16)
+    mem = TrajectoryMemory(K, exact_below=300)
+    m = _metric()
+    ids = _fill(mem, X[:600])
+    mem.search(X[0], m)
+    assert mem._index_kind == "hnsw"
+    ids += _fill(mem, X[600:], start=600)
+    for i in (600, 750, 899):
+        hit = mem.search(X[i], m)[0]
+        assert hit.id == ids[i] and hit.distance == pytest.approx(0.0, abs=1e-12)
+    _assert_exact_distances(mem, m, X, _queries(X, 20, seed=17))
+
+
+def test_zero_vectors_are_at_distance_one_on_the_index_path() -> None:
+    X = _points(700, seed=18)
+    X[5] = 0.0
+    mem = TrajectoryMemory(K, exact_below=200)
+    _fill(mem, X)
+    m = _metric()
+    mem.search(X[1], m)
+    assert mem._query_frame(m)[1] is True
+    hit = [h for h in mem.search(X[6], m, top=len(X)) if h.id == 5]
+    assert hit and hit[0].distance == 1.0
+    assert all(h.distance == 1.0 for h in mem.search(np.zeros(K), m, top=3))
+
+
+@pytest.mark.parametrize("storage", ["sq8", "flat"])
+def test_hnsw_storage_kinds_have_exact_results_and_recall(storage: str) -> None:
+    X = _points(3000, seed=19)
+    mem = TrajectoryMemory(K, exact_below=500, hnsw_storage=storage)
+    _fill(mem, X)
+    m = _metric()
+    Q = _queries(X, 120, seed=20)
+    assert _recall(mem, m, Q) >= 0.98
+    assert mem._index_kind == "hnsw"
+    kind = "IndexHNSWSQ" if storage == "sq8" else "IndexHNSWFlat"
+    assert type(mem._index).__name__ == kind
+    _assert_exact_distances(mem, m, X, Q[:10])
+
+
+def test_bad_hnsw_storage_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        TrajectoryMemory(K, hnsw_storage="pq")
+
+
+def test_every_drift_estimate_stage_bounds_the_exact_drift() -> None:
+    """The O(k²) bound, the ‖R − I‖_F bound and the exact check, each forced."""
+    X = _points(600, seed=21)
+    for exact_below in (4096, 200):
+        mem = TrajectoryMemory(K, exact_below=exact_below)
+        _fill(mem, X)
+        m = Metric(K)
+        mem.search(X[0], m)
+        rng = np.random.default_rng(22)
+        for _ in range(30):
+            m.update(rng.standard_normal(K))
+            exact = mem.frame_drift(m)
+            for bound in (1e9, 0.05, 0.0):
+                mem._drift_key = None  # recompute at this bound
+                assert mem._drift_estimate(m, bound) >= exact - 1e-12
