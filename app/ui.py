@@ -373,6 +373,17 @@ class WebUI:
             except IsagiError as exc:
                 yield (sid, chat_messages(session.messages), skip, self._warn(str(exc)), *(skip,) * 5)
                 return
+            except Exception as exc:
+                # A bug, not bad input: log it, put the session back as it was before
+                # this turn, and say so, instead of leaving the reply "generating…".
+                log.exception("turn failed in session %s", sid)
+                finished = True
+                restore_snapshot(session, entry.undo)
+                yield (sid, chat_messages(session.messages), skip,
+                       self._warn(f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it "
+                                  "was before it; try again, and report the error if it repeats."),
+                       *(skip,) * 5)
+                return
             finally:
                 if not finished:
                     # Closed by Stop's cancel or a lost client: end the model work now and let the

@@ -126,7 +126,6 @@ class Generation:
         self._capture = self._stack.enter_context(capture_layer(self.lm.model, self.layer))
         if self.steer is not None:
             self._stack.enter_context(steer_layer(self.lm.model, self.layer, self.steer))
-        self._stack.enter_context(torch.inference_mode())
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -151,9 +150,10 @@ class Generation:
 
         assert self._capture is not None, "use Generation inside a with block"
         self._cache = DynamicCache()
-        out = self.lm.model(
-            input_ids=self.input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1
-        )
+        with torch.inference_mode():
+            out = self.lm.model(
+                input_ids=self.input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+            )
         self._logits = out.logits[:, -1, :]
         return self._capture.last[-1][0].cpu().numpy()
 
@@ -169,6 +169,18 @@ class Generation:
         if not states:
             return np.zeros((0, self.lm.hidden_size), dtype=np.float32)
         return torch.cat(states).cpu().numpy()
+
+    def _next_token(self, procs: Any, all_ids: torch.Tensor, logits: torch.Tensor, generator: Any) -> torch.Tensor:
+        """The next token from the last logits: processors, then argmax or a sample."""
+        opts = self.options
+        scores = procs(all_ids, logits.float()) if len(procs) else logits
+        if opts.ignore_eos:
+            scores = scores.clone()
+            scores[:, list(self.lm.stop_token_ids)] = float("-inf")
+        if opts.do_sample:
+            probs = torch.softmax(scores.float(), dim=-1)
+            return torch.multinomial(probs, 1, generator=generator)[0, 0]
+        return torch.argmax(scores, dim=-1)[0]
 
     def stream(self) -> Iterator[TokenEvent]:
         """Decode from the prefill's cache, one token at a time, until a stop condition."""
@@ -190,15 +202,8 @@ class Generation:
             if len(self.new_ids) >= opts.max_new_tokens:
                 self.finish_reason = "length"
                 return
-            scores = procs(all_ids, logits.float()) if len(procs) else logits
-            if opts.ignore_eos:
-                scores = scores.clone()
-                scores[:, list(self.lm.stop_token_ids)] = float("-inf")
-            if opts.do_sample:
-                probs = torch.softmax(scores.float(), dim=-1)
-                token = torch.multinomial(probs, 1, generator=generator)[0, 0]
-            else:
-                token = torch.argmax(scores, dim=-1)[0]
+            with torch.inference_mode():
+                token = self._next_token(procs, all_ids, logits, generator)
             token_id = int(token)
             if token_id in stop_ids:
                 self.finish_reason = "stop"
@@ -210,9 +215,13 @@ class Generation:
             yield TokenEvent(self._detok.push(token_id), token_id)
             if len(self.new_ids) >= opts.max_new_tokens or self._stop.is_set():
                 continue  # no forward pass for a token that will not be continued
-            out = self.lm.model(
-                input_ids=next_input, past_key_values=self._cache, use_cache=True, logits_to_keep=1
-            )
+            # Inference mode per forward pass, never around a ``yield``: grad mode is
+            # thread-local, and a web server may run each step of this generator
+            # on a different worker thread.
+            with torch.inference_mode():
+                out = self.lm.model(
+                    input_ids=next_input, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+                )
             logits = out.logits[:, -1, :]
 
 

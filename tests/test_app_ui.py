@@ -228,3 +228,33 @@ def test_pca_map_counts_and_highlight():
     assert {t.name for t in by_cluster.data} == {"cluster 0", "cluster 1", "cluster 2"}
     assert len(plots.map_figure({}).data) == 0
     assert plots.pca_2d(X[:1])[0].tolist() == [[0.0, 0.0]]
+
+
+def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
+    """An unexpected error mid-stream (a bug, not bad input) ends with a warning and the
+    session as it was before the turn — never a reply stuck at "generating…"."""
+    ui, engine = make_ui(tmp_path)
+    sid = ui.on_load(None)[0]
+    run(ui.send("first question", sid, 8))
+    session = ui.registry.entry(sid).session
+    before = (len(session.messages), len(session.memory), session.metric.growth)
+    real = engine.stream_turn
+
+    def crashing(session, message, **kw):
+        events = real(session, message, **kw)
+        try:
+            yield next(events)  # the decision, then the model fails
+            session.metric.update(np.ones(session.metric.k))  # half-done work the turn must not leave behind
+            raise RuntimeError("simulated failure in the forward pass")
+        finally:
+            events.close()  # as a real failure would: the engine's lock is released
+
+    engine.stream_turn = crashing
+    outs = run(ui.send("second question", sid, 8))
+    final = outs[-1]
+    assert "This turn failed" in final[ALERT] and "simulated failure" in final[ALERT]
+    assert not any("generating" in m["content"] for m in final[CHAT])
+    assert (len(session.messages), len(session.memory), session.metric.growth) == before
+    engine.stream_turn = real
+    after = run(ui.send("third question", sid, 8))[-1]
+    assert badges(after[CHAT])[-1] in ("explore", "expand"), "the session keeps working after the failure"

@@ -108,3 +108,39 @@ def test_detokenizer_never_splits_a_utf8_character() -> None:
     assert "".join(pieces) == "é→😀"
     assert all("\ufffd" not in p for p in pieces)
     assert pieces[0] == ""  # the first byte of 'é' alone is held back
+
+
+def test_each_decoding_step_may_run_on_another_thread() -> None:
+    """A web server's worker pool advances a streaming generator from whichever
+    thread is free; grad mode is thread-local, so inference mode must be entered
+    around each forward pass, not once around the whole generation."""
+    import threading
+
+    lm = _lm("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    opts = GenerationOptions(max_new_tokens=6, ignore_eos=True)
+    with Generation(lm, ids, 2, opts) as same_thread:
+        same_thread.prefill()
+        expected = [e.token_id for e in same_thread.stream()]
+    with Generation(lm, ids, 2, opts) as gen:
+        gen.prefill()
+        steps = gen.stream()
+        got: list[int] = [next(steps).token_id]  # the first step on the thread that opened it
+        errors: list[BaseException] = []
+
+        def one_step() -> None:
+            try:
+                got.append(next(steps).token_id)
+            except StopIteration:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+                errors.append(exc)
+
+        for _ in range(8):
+            worker = threading.Thread(target=one_step)  # a fresh thread: grad mode at its default (on)
+            worker.start()
+            worker.join()
+        assert not errors, errors
+    assert torch.is_grad_enabled(), "the generation must not leave grad mode changed on this thread"
+    assert got == expected
+    assert count_forward_hooks(lm.model) == 0

@@ -29,15 +29,31 @@ def wait_text(page, selector: str, text: str, timeout_ms: int = 120_000) -> None
     )
 
 
-def set_max_tokens(page, n: int) -> None:
-    if not page.locator("#isagi-max-tokens").is_visible():
-        page.get_by_text("Generation settings").click()
+def set_max_tokens(page, n: int, attempts: int = 4) -> None:
+    """Open the settings accordion and set "Max new tokens" to ``n``.
+
+    Retried: on a loaded machine the accordion may still be opening, or the
+    slider may not have taken the typed value yet, when the first try runs.
+    """
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     box = page.locator("#isagi-max-tokens input[type=number]")
-    box.fill(str(n))
-    box.press("Enter")
-    page.wait_for_function(
-        f"document.querySelector('#isagi-max-tokens input[type=range]').value == '{n}'"
-    )
+    for attempt in range(attempts):
+        if not box.is_visible():
+            page.get_by_text("Generation settings").click()
+            box.wait_for(state="visible", timeout=30_000)
+        box.fill(str(n))
+        box.press("Enter")
+        box.blur()
+        try:
+            page.wait_for_function(
+                f"document.querySelector('#isagi-max-tokens input[type=range]').value == '{n}'",
+                timeout=15_000,
+            )
+            return
+        except PlaywrightTimeout:
+            if attempt == attempts - 1:
+                raise
 
 
 def reply_count(page) -> int:
