@@ -103,7 +103,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import msgpack
 import numpy as np
@@ -152,6 +152,7 @@ _HASH_CHUNK = 512 * 1024  # read and hash in pieces that fit in L2
 _TEXT_GROUPS = ((0xFF, "latin-1"), (0xFFFF, "utf-8"), (0x10FFFF, "utf-8"))
 _ENCODINGS = frozenset(enc for _, enc in _TEXT_GROUPS)
 _SEPARATORS = tuple(map(chr, range(32)))
+_TEXT_BATCH = 256 * 1024  # characters per text group (see _batches)
 
 _HEADER_REQUIRED: dict[str, type] = {
     "format_version": int,
@@ -418,19 +419,20 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
     _check_extra(extra, "extra")
     conv = _conversation_columns(conversation, table)
 
+    # the session's own arrays first, then what only rebuilds texts and messages
+    tensors = {name: area.tensor(f"tensors[{name!r}]", arr) for name, arr in state.tensors.items()}
+    columns: dict[str, Any] = {
+        name: None if name in text_cols else area.tensor(f"trajectories[{name!r}]", col)
+        for name, col in state.trajectories.items()
+    }
     strings, remap = _encode_strings(list(table), area)
 
     def index(idx: np.ndarray) -> dict[str, Any]:
         dtype = np.int32 if len(table) < 2**31 else np.int64
         return {"dtype": "str", "index": area.tensor("string index", remap[idx].astype(dtype))}
 
-    tensors = {name: area.tensor(f"tensors[{name!r}]", arr) for name, arr in state.tensors.items()}
-    columns = {
-        name: index(text_cols[name])
-        if name in text_cols
-        else area.tensor(f"trajectories[{name!r}]", col)
-        for name, col in state.trajectories.items()
-    }
+    for name, idx in text_cols.items():
+        columns[name] = index(idx)
     fields = {}
     for key, (rows, kind, values) in conv["fields"].items():
         if kind == "str":
@@ -522,31 +524,50 @@ def _encode_strings(strings: list[str], area: _DataArea) -> tuple[dict[str, Any]
     groups = []
     start = 0
     for (_, encoding), count in zip(_TEXT_GROUPS, counts.tolist(), strict=True):
-        if not count:
-            continue
         texts = [strings[i] for i in order[start : start + count].tolist()]
         start += count
-        joined = "".join(texts)
-        sep = next((c for c in _SEPARATORS if c not in joined), None)
-        lengths = None
-        if sep is not None:
-            joined = sep.join(texts)
-        else:  # every candidate separator occurs: cut by lengths instead
-            lengths = np.fromiter(map(len, texts), np.int64, count)
-        try:
-            data = joined.encode(encoding)
-        except UnicodeEncodeError as exc:
-            raise _fail("strings", f"session cannot be encoded: {exc}") from None
-        groups.append(
-            {
-                "encoding": encoding,
-                "count": count,
-                "sep": sep,
-                "lengths": None if lengths is None else area.tensor("lengths", lengths),
-                "data": area.tensor("text", np.frombuffer(data, np.uint8)),
-            }
-        )
+        for batch in _batches(texts):
+            groups.append(_encode_group(batch, encoding, area))
     return {"n": len(strings), "groups": groups}, remap
+
+
+def _batches(texts: list[str]) -> list[list[str]]:
+    """Consecutive runs of about _TEXT_BATCH characters (a longer text is a run of its own).
+
+    Decoding a group makes one string of all its texts and cuts it; a group
+    small enough for that string to stay in cache decodes markedly faster.
+    """
+    out: list[list[str]] = []
+    begin, size = 0, 0
+    for i, n in enumerate(map(len, texts)):
+        if size and size + n > _TEXT_BATCH:
+            out.append(texts[begin:i])
+            begin, size = i, 0
+        size += n + 1
+    if begin < len(texts):
+        out.append(texts[begin:])
+    return out
+
+
+def _encode_group(texts: list[str], encoding: str, area: _DataArea) -> dict[str, Any]:
+    joined = "".join(texts)
+    sep = next((c for c in _SEPARATORS if c not in joined), None)
+    lengths = None
+    if sep is not None:
+        joined = sep.join(texts)
+    else:  # every candidate separator occurs: cut by lengths instead
+        lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+    try:
+        data = joined.encode(encoding)
+    except UnicodeEncodeError as exc:
+        raise _fail("strings", f"session cannot be encoded: {exc}") from None
+    return {
+        "encoding": encoding,
+        "count": len(texts),
+        "sep": sep,
+        "lengths": None if lengths is None else area.tensor("lengths", lengths),
+        "data": area.tensor("text", np.frombuffer(data, np.uint8)),
+    }
 
 
 def _encode_parts(state: MikuState, checksum: str) -> list[bytes]:
@@ -756,7 +777,7 @@ class _Loaded:
             raise _fail(
                 where, f"encoding {str(encoding)[:40]!r} is not one of {sorted(_ENCODINGS)}"
             )
-        if not _is_int(count) or not 0 <= count <= room:
+        if not _is_int(count) or not 1 <= count <= room:
             raise _fail(where, f"count {str(count)[:40]} is invalid")
         if (sep is None) == (group["lengths"] is None):
             raise _fail(where, "exactly one of sep and lengths must be given")
@@ -770,23 +791,29 @@ class _Loaded:
         except UnicodeDecodeError as exc:
             raise _fail(where, f"texts are not valid {encoding} ({exc.reason})") from None
         if sep is not None:
-            parts = [] if count == 0 and not text else text.split(sep, count)
+            parts = text.split(sep, count)
             if len(parts) != count:
                 raise _fail(where, f"holds {len(parts)} texts, expected {count}")
             return parts
         lengths = self.tensor(f"{where}.lengths", group["lengths"])
-        if lengths.dtype.kind not in "iu" or lengths.shape != (count,):
-            raise _fail(where, f"lengths must be an integer vector of {count}")
+        if lengths.dtype.kind != "i" or lengths.shape != (count,):
+            raise _fail(where, f"lengths must be a signed integer vector of {count}")
+        # each in 0..len(text) first: the sum cannot overflow, the cuts never overlap
+        if int(lengths.min()) < 0 or int(lengths.max()) > len(text):
+            raise _fail(where, "a length is outside the group's text")
         ends = np.cumsum(lengths, dtype=np.int64)
-        if count and (int(lengths.min()) < 0 or int(ends[-1]) != len(text)):
+        if int(ends[-1]) != len(text):
             raise _fail(where, "lengths do not add up to the group's text")
-        if not count and text:
-            raise _fail(where, "holds text but no strings")
         starts = ends - lengths
         return list(map(text.__getitem__, map(slice, starts.tolist(), ends.tolist())))
 
 
 _Decoder = _Inline | _Loaded
+
+
+def _own(arr: np.ndarray) -> np.ndarray:
+    """The array itself if it owns its memory, else a copy (never a view of a file buffer)."""
+    return arr if arr.flags.owndata else arr.copy()
 
 
 def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
@@ -808,7 +835,7 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
         _check_name("tensors", name)
         arr = dec.tensor(f"tensors[{name!r}]", obj)
         _check_shape_against_header(name, arr, header, None)
-        tensors[name] = arr
+        tensors[name] = _own(arr)
     traj = _check_map("trajectories", payload["trajectories"])
     if set(traj) != {"n", "columns"}:
         raise _fail("trajectories", "fields must be n and columns")
@@ -826,7 +853,7 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
             if arr.ndim == 0 or arr.shape[0] != n:
                 raise _fail(where, f"has {arr.shape[0] if arr.ndim else 0} rows, expected {n}")
             _check_shape_against_header(name, arr, header, n)
-            trajectories[name] = arr
+            trajectories[name] = _own(arr)
     if not trajectories and n != 0:
         raise _fail("trajectories", f"declares {n} rows but has no columns")
     conversation = _decode_conversation(payload["conversation"], strings, dec)
@@ -842,6 +869,11 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
 
 
 def _decode_texts(where: str, obj: object, strings: np.ndarray, n: int, dec: _Decoder) -> list[str]:
+    return _text_array(where, obj, strings, n, dec).tolist()
+
+
+def _text_array(where: str, obj: object, strings: np.ndarray, n: int, dec: _Decoder) -> np.ndarray:
+    """A text column as an object array of the string table's own str objects."""
     obj = _check_map(where, obj)
     if set(obj) != {"dtype", "index"} or obj["dtype"] != "str":
         raise _fail(where, "a text column must have exactly dtype='str' and an index tensor")
@@ -853,7 +885,7 @@ def _decode_texts(where: str, obj: object, strings: np.ndarray, n: int, dec: _De
         )
     if n and (int(idx.min()) < 0 or int(idx.max()) >= len(strings)):
         raise _fail(where, f"index points outside the string table of {len(strings)} entries")
-    return strings[idx].tolist()
+    return strings[idx]
 
 
 def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> list[dict[str, Any]]:
@@ -863,8 +895,8 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
     n = obj["n"]
     if not _is_int(n) or not 0 <= n <= MAX_LIST_LEN:
         raise _fail("conversation", f"message count {str(n)[:40]} is invalid")
-    roles = _decode_texts("conversation.role", obj["role"], strings, n, dec)
-    texts = _decode_texts("conversation.text", obj["text"], strings, n, dec)
+    roles = _text_array("conversation.role", obj["role"], strings, n, dec)
+    texts = _text_array("conversation.text", obj["text"], strings, n, dec)
     columns: list[tuple[str, list[int] | None, list[Any]]] = []
     for key, col in _check_map("conversation.fields", obj["fields"]).items():
         _check_name("conversation.fields", key)
@@ -942,17 +974,19 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def _read_into(f: BinaryIO, buf: memoryview, hasher: _Hasher) -> None:
+def _read_into(f: BinaryIO, buf: memoryview, hasher: _Hasher | None) -> None:
     """Fill ``buf`` from ``f``, hashing each chunk while it is still in cache.
 
     What was read is hashed even when the file ends early.
     """
     got, size = 0, len(buf)
+    step = _HASH_CHUNK if hasher is not None else size
     while got < size:
-        n = f.readinto(buf[got : min(size, got + _HASH_CHUNK)])
+        n = f.readinto(buf[got : min(size, got + step)])
         if not n:
             raise MikuError(f"is truncated (the data area ends {size - got} bytes early)")
-        hasher.update(buf[got : got + n])
+        if hasher is not None:
+            hasher.update(buf[got : got + n])
         got += n
 
 
@@ -961,14 +995,22 @@ def _hash_rest(f: BinaryIO, hasher: _Hasher) -> None:
         hasher.update(chunk)
 
 
-def _plan(meta: object, data_len: int) -> list[tuple[int, int, dict, np.dtype, list[int]]]:
+class _Span(NamedTuple):
+    offset: int
+    nbytes: int
+    desc: dict
+    dtype: np.dtype
+    shape: list[int]
+
+
+def _plan(meta: object, data_len: int) -> list[_Span]:
     """Find and validate every tensor descriptor of the v2.1 meta; check they tile the data area.
 
-    Returns (offset, nbytes, descriptor, dtype, shape) in file order. Nothing is
-    allocated here: sizes are checked against the data area's real length first.
+    Returns the spans in file order. Nothing is allocated here: sizes are
+    checked against the data area's real length first.
     """
     meta = _check_map("meta", meta)
-    spans: list[tuple[int, int, dict, np.dtype, list[int]]] = []
+    spans: list[_Span] = []
 
     def walk(node: Any, where: str, depth: int) -> None:
         if depth > MAX_EXTRA_DEPTH:
@@ -979,7 +1021,8 @@ def _plan(meta: object, data_len: int) -> list[tuple[int, int, dict, np.dtype, l
                 offset = node["offset"]
                 if not _is_int(offset) or not 0 <= offset <= data_len:
                     raise _fail(where, f"offset {str(offset)[:40]} is outside the data area")
-                spans.append((offset, math.prod(shape) * dtype.itemsize, node, dtype, shape))
+                nbytes = math.prod(shape) * dtype.itemsize
+                spans.append(_Span(offset, nbytes, node, dtype, shape))
                 return
             for key, value in node.items():
                 if type(value) is dict or type(value) is list:
@@ -993,14 +1036,15 @@ def _plan(meta: object, data_len: int) -> list[tuple[int, int, dict, np.dtype, l
         node = meta.get(section)
         if type(node) is dict or type(node) is list:
             walk(node, section, 0)
-    spans.sort(key=lambda s: (s[0], s[1]))
+    spans.sort(key=lambda s: (s.offset, s.nbytes))
     pos = 0
-    for offset, nbytes, _, _, _ in spans:
-        if offset != pos:
+    for span in spans:
+        if span.offset != pos:
             raise _fail(
-                "data area", f"a tensor starts at byte {offset}, the previous one ends at {pos}"
+                "data area",
+                f"a tensor starts at byte {span.offset}, the previous one ends at {pos}",
             )
-        pos += nbytes
+        pos += span.nbytes
         if pos > data_len:
             raise _fail("data area", f"tensors need more than its {data_len} bytes")
     if pos != data_len:
@@ -1008,18 +1052,16 @@ def _plan(meta: object, data_len: int) -> list[tuple[int, int, dict, np.dtype, l
     return spans
 
 
-def _read_spans(
-    f: BinaryIO, spans: list[tuple[int, int, dict, np.dtype, list[int]]], hasher: _Hasher
-) -> dict[int, np.ndarray]:
+def _read_spans(f: BinaryIO, spans: list[_Span], hasher: _Hasher) -> dict[int, np.ndarray]:
     """Read each tensor of the data area straight into its own (writable) array."""
     arrays: dict[int, np.ndarray] = {}
-    for _, nbytes, desc, dtype, shape in spans:
-        arr = np.empty(shape, dtype=dtype)
-        if nbytes:
+    for span in spans:
+        arr = np.empty(span.shape, dtype=span.dtype)
+        if span.nbytes:
             _read_into(f, memoryview(arr.reshape(-1).view(np.uint8)), hasher)
-        if not _NATIVE_LE and dtype.itemsize > 1:  # pragma: no cover - big-endian hosts
-            arr = arr.astype(dtype.newbyteorder("="))
-        arrays[id(desc)] = arr
+        if not _NATIVE_LE and span.dtype.itemsize > 1:  # pragma: no cover - big-endian hosts
+            arr = arr.astype(span.dtype.newbyteorder("="))
+        arrays[id(span.desc)] = arr
     return arrays
 
 

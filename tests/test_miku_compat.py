@@ -189,17 +189,43 @@ def test_every_named_checksum_is_written_and_verified(algo: str, tmp_path: Path)
         read_miku(path)
 
 
+def big_state(n: int = 4000) -> miku.MikuState:
+    """Thousands of distinct texts of every width (several MiB of text)."""
+    rng = np.random.default_rng(5)
+    words = ["plain", "ascii", "Über", "café", "意味", "🤖", "line\nbreak", "tab\t"]
+    texts = [" ".join(rng.choice(words, 60)) + f" #{i}" for i in range(n)]
+    state = make_state()
+    state.trajectories = {
+        "id": np.arange(n, dtype=np.int64),
+        "query_x": rng.standard_normal((n, 4)).astype(np.float32),
+        "query_text": texts,
+        "reply_text": [t[::-1] for t in texts],
+    }
+    state.conversation = [
+        {"role": "user", "text": t, "created": float(i)} for i, t in enumerate(texts)
+    ]
+    return state
+
+
+def test_many_texts_of_every_width_round_trip() -> None:
+    state = big_state()
+    assert_same(state, decode_miku(encode_miku(state)))
+
+
 def test_checksum_is_verified_before_any_text_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = bytearray(encode_miku(make_state()))
-    data[data.index(b"plain ascii")] = ord("P")
+    good = encode_miku(make_state())
+    _, meta, area = split_v21(good)
+    group = next(g for g in meta["strings"]["groups"] if g["encoding"] == "utf-8")
+    bad = bytearray(good)
+    bad[len(good) - len(area) + group["data"]["offset"] + 1] = 0xFF  # invalid UTF-8, bad checksum
     calls = []
     real = miku._Loaded.strings
     monkeypatch.setattr(
         miku._Loaded, "strings", lambda self, obj: calls.append(1) or real(self, obj)
     )
     with pytest.raises(MikuError, match="checksum does not match"):
-        decode_miku(bytes(data))
-    assert calls == []
+        decode_miku(bytes(bad))
+    assert calls == []  # damage is reported as damage, and nothing was decoded from it
 
 
 def _tensor_nodes(node, path=()):
