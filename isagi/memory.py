@@ -196,7 +196,15 @@ class TrajectoryMemory:
         self._finv = np.zeros(capacity, np.float64)  # 1/‖Lᵀy‖ in the index frame (0: zero row)
 
     _NUMERIC = (
-        "_ids", "_qx", "_rx", "_cluster", "_created", "_last_hit", "_hits", "_alive", "_finv"
+        "_ids",
+        "_qx",
+        "_rx",
+        "_cluster",
+        "_created",
+        "_last_hit",
+        "_hits",
+        "_alive",
+        "_finv",
     )
 
     def _grow(self, need: int) -> None:
