@@ -921,7 +921,7 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
                 )
         count = n if rows is None else int(rows.shape[0])
         values = _decode_values(where, col["values"], strings, count, dec)
-        columns.append((key, None if rows is None else rows.tolist(), values))
+        columns.append((key, rows, values))
     # one pass builds each message with the first field every message has (the
     # dicts are too many to stay in cache for a second pass); the rest are added
     full = next((c for c in columns if c[1] is None), None)
@@ -934,12 +934,16 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
         ]
     for key, rows, values in columns:
         if rows is None:
-            if key != full[0]:  # type: ignore[index]
-                for msg, v in zip(conv, values, strict=True):
-                    msg[key] = v
+            if key == full[0]:  # type: ignore[index]
+                continue
+            targets = conv
+        elif rows.size > 1 and bool((np.diff(rows) == rows[1] - rows[0]).all()):
+            # evenly spaced rows (every assistant message, ...): a slice
+            targets = conv[int(rows[0]) : int(rows[-1]) + 1 : int(rows[1] - rows[0])]
         else:
-            for r, v in zip(rows, values, strict=True):
-                conv[r][key] = v
+            targets = list(map(conv.__getitem__, rows.tolist()))
+        for msg, v in zip(targets, values, strict=True):
+            msg[key] = v
     return conv
 
 

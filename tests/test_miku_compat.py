@@ -212,6 +212,21 @@ def test_many_texts_of_every_width_round_trip() -> None:
     assert_same(state, decode_miku(encode_miku(state)))
 
 
+def test_message_fields_on_any_rows_round_trip() -> None:
+    state = make_state()
+    n = len(state.conversation)
+    for i, msg in enumerate(state.conversation):
+        if i in (0, 1, 5, n - 1):
+            msg["irregular"] = i * 1.5  # uneven rows
+        if i == 3:
+            msg["once"] = "only here"  # a single row
+        if i % 3 == 2:
+            msg["every_third"] = i  # evenly spaced, not from row 0
+    back = decode_miku(encode_miku(state))
+    assert back.conversation == state.conversation
+    assert [sorted(m) for m in back.conversation] == [sorted(m) for m in state.conversation]
+
+
 def test_checksum_is_verified_before_any_text_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
     good = encode_miku(make_state())
     _, meta, area = split_v21(good)
