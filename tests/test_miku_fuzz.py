@@ -1,9 +1,10 @@
 """10,000 damaged .miku files: every one must end in MikuError, nothing else.
 
 The current layout (v2.1: msgpack meta + raw data area) gets the 10,000 cases;
-the v2.0 layout (one msgpack payload, still read for files users saved before
-2.1) gets 3,000 more, built from a real v2.0 file. Three kinds of damage, all
-seeded:
+3,000 more go to a v2.1 file whose texts are cut by their lengths (no free
+separator), and 3,000 to the v2.0 layout (one msgpack payload, still read for
+files users saved before 2.1), built from a real v2.0 file. Three kinds of
+damage, all seeded:
 
 * byte level: random bit flips anywhere (prefix, checksum record, meta,
   data), truncations, garbage appended or inserted;
@@ -42,7 +43,7 @@ from tests.test_miku import make_state
 from tests.test_miku_compat import V20_FILE, frame_v21, split_v21
 
 N_CASES = 10_000
-N_CASES_V20 = 3_000
+N_CASES_EXTRA = 3_000
 JUNK: list[Any] = [
     None,
     True,
@@ -372,4 +373,24 @@ def test_damaged_v20_files_all_raise_mikuerror(tmp_path: Path) -> None:
     def hostile(rng: np.random.Generator) -> bytes:
         return _frame20(_hostile(rng, base))
 
-    _run_cases(tmp_path, N_CASES_V20, 20240602, good, structural, hostile)
+    _run_cases(tmp_path, N_CASES_EXTRA, 20240602, good, structural, hostile)
+
+
+@pytest.mark.timeout(300)
+def test_damaged_files_whose_texts_are_cut_by_length_all_raise_mikuerror(tmp_path: Path) -> None:
+    every = "".join(miku._SEPARATORS)  # no free separator: texts are cut by their lengths
+    state = make_state(n=6, k=4, d=8)
+    state.trajectories["query_text"] = [every, "a" + every, "", "é" + every, "plain", "意" + every]
+    good = encode_miku(state)
+    _, meta, area = split_v21(good)
+    assert any(g["lengths"] is not None for g in meta["strings"]["groups"])
+
+    def structural(rng: np.random.Generator) -> bytes:
+        patched = bytearray(area)
+        mutated = _structural(rng, meta, patched)
+        return _frame21(msgpack.packb(mutated, use_bin_type=True), bytes(patched))
+
+    def hostile(rng: np.random.Generator) -> bytes:
+        return _frame21(_hostile(rng, meta), area)
+
+    _run_cases(tmp_path, N_CASES_EXTRA, 20240603, good, structural, hostile)
