@@ -116,7 +116,7 @@ def load_session(engine: Engine, path: Path, *, allow_other_model: bool = False)
         basis=basis,
         metric=metric,
         memory=memory,
-        messages=[dict(m) for m in state.conversation],
+        messages=state.conversation,  # fresh dicts from the reader, owned by nobody else
         created=created,
         title=str(extra.get("title") or "") or None,
     )
