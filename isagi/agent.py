@@ -6,7 +6,9 @@ on one device) and :class:`Session` (one conversation's living state: its
 messages, its metric M, its trajectory memory). A Session is never shared.
 
 One turn, in order: validate the message; prefill [system, message] once and
-capture h at layer L; project to UGT coordinates; TEH on the prompt (refuse
+capture h at layer L and the safety layer's state (the same forward pass; an
+exact repeat of a prompt already seen in this session reuses its states, a
+deterministic function of the prompt, and skips this prefill); project to UGT coordinates; TEH on the prompt (refuse
 without generating); two-stage lookup under the session's metric; tier;
 RETRIEVE returns the stored reply (only after the exact sameness check),
 otherwise decode from the prefill's KV cache with the streaming reply guard;
@@ -25,9 +27,12 @@ measurement under "context".)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +51,7 @@ from isagi.ugt import Basis, project, route
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
+PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 
 
 @dataclass
@@ -93,6 +99,24 @@ class Session:
     created: float = field(default_factory=time.time)
     title: str | None = None
     miku_path: Path | None = None
+    # Prompt states already computed in this session, keyed by the exact lookup
+    # prompt: an exact repeat skips its prefill (the states are a deterministic
+    # function of the prompt). Derived data: never saved, never shared.
+    prompt_states: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=OrderedDict, repr=False, compare=False
+    )
+
+    def cached_states(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+        states = self.prompt_states.get(key)
+        if states is not None:
+            self.prompt_states.move_to_end(key)
+        return states
+
+    def cache_states(self, key: str, h: np.ndarray, h_safety: np.ndarray) -> None:
+        self.prompt_states[key] = (h, h_safety)
+        self.prompt_states.move_to_end(key)
+        while len(self.prompt_states) > PROMPT_STATE_CACHE:
+            self.prompt_states.popitem(last=False)
 
     @property
     def turns(self) -> int:
@@ -258,14 +282,23 @@ class Engine:
             return TurnResult(latency_s=time.perf_counter() - started, **base)
 
         # At most one Generation (and so one capture hook) is open at a time.
-        with _OpenGeneration(lm, self.layer, options) as slot:
-            gen = slot.open(self._prompt(session, text, None, with_history=False))
-            h = gen.prefill()
+        # The safety layer's states come from the same forward passes (one more hook).
+        with _OpenGeneration(lm, self.layer, options, also_capture=(safety.layer,)) as slot:
+            lookup_prompt = self._prompt(session, text, None, with_history=False)
+            gen = slot.open(lookup_prompt)
+            key = _prompt_key(lookup_prompt)
+            cached = session.cached_states(key)
+            if cached is None:
+                h = gen.prefill()
+                h_safety = gen.prompt_state(safety.layer)
+                session.cache_states(key, h, h_safety)
+            else:  # an exact repeat: same prompt, same states; a generation prefills on demand
+                h, h_safety = cached
             x = project(session.basis, h)
             zone, _ = route(self.profile.zones, x)
-            teh_prompt = float(teh(safety, h))
+            teh_prompt = float(teh(safety, h_safety))
             if teh_prompt > safety.threshold:
-                category = category_of(safety, h)
+                category = category_of(safety, h_safety)
                 reply = REFUSAL_TEMPLATE.format(category=category.replace("_", " "))
                 yield TurnEvent("decision", tier=None)
                 yield TurnEvent("token", text=reply)
@@ -300,7 +333,7 @@ class Engine:
                     gen.stop()
                 if len(gen.new_ids) - checked >= guard.every:
                     checked = len(gen.new_ids)
-                    over, teh_reply = guard.check(gen.reply_hidden())
+                    over, teh_reply = guard.check(gen.reply_hidden(safety.layer))
                     if over:
                         verdict = "withheld"
                         break
@@ -310,11 +343,11 @@ class Engine:
                 verdict = "cancelled"
             reply = gen.text
             if verdict == "ok" and len(gen.new_ids) > checked:
-                over, teh_reply = guard.check(gen.reply_hidden())
+                over, teh_reply = guard.check(gen.reply_hidden(safety.layer))
                 if over:
                     verdict = "withheld"
             if verdict == "withheld":
-                category = category_of(safety, h)
+                category = category_of(safety, h_safety)
                 reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=category.replace("_", " "))
                 yield TurnEvent("token", text="\n\n" + reply)
             reply_states = gen.reply_hidden()
@@ -447,17 +480,24 @@ class Engine:
                 self.store.set_miku_path(session.id, str(session.miku_path))
 
 
+def _prompt_key(messages: list[dict[str, str]]) -> str:
+    """The exact chat (roles and texts) as a short key."""
+    return hashlib.blake2b(json.dumps(messages, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+
+
 class _OpenGeneration:
     """Holds the one open :class:`Generation` of a turn; opening another closes the previous."""
 
-    def __init__(self, lm: Any, layer: int, options: GenerationOptions) -> None:
+    def __init__(self, lm: Any, layer: int, options: GenerationOptions, also_capture: tuple[int, ...] = ()) -> None:
         self.lm, self.layer, self.options = lm, layer, options
+        self.also_capture = also_capture
         self.current: Generation | None = None
         self.messages: list[dict[str, str]] | None = None
 
     def open(self, messages: list[dict[str, str]]) -> Generation:
         self.close()
-        self.current = Generation(self.lm, self.lm.chat_ids(messages), self.layer, self.options)
+        self.current = Generation(self.lm, self.lm.chat_ids(messages), self.layer, self.options,
+                                  also_capture=self.also_capture)
         self.current.__enter__()
         self.messages = messages
         return self.current

@@ -126,6 +126,7 @@ def info(model: ModelOpt = None, quant: QuantOpt = None, device: DeviceOpt = Non
         "layers": lm.num_layers,
         "hidden_size": lm.hidden_size,
         "layer": settings.layer or lm.default_layer,
+        "safety_layer": settings.safety_layer or lm.default_safety_layer,
         "k": settings.k,
         "data_directory": str(settings.home),
         "database": settings.resolved_database_url,

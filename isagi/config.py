@@ -33,6 +33,7 @@ class Settings:
     device: str = "auto"
     database_url: str | None = None
     layer: int | None = None  # None: the model's default (2/3 of its depth)
+    safety_layer: int | None = None  # None: the model's default for safety (4/5 of its depth)
     k: int = 64
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_new_tokens: int = 256
@@ -80,6 +81,8 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"k={s.k} is too small; the UGT basis needs at least 2 dimensions.")
     if s.layer is not None and s.layer < 1:
         raise ConfigError(f"layer={s.layer}: use a decoder layer index >= 1 (0 is the embeddings).")
+    if s.safety_layer is not None and s.safety_layer < 1:
+        raise ConfigError(f"safety_layer={s.safety_layer}: use a decoder layer index >= 1 (0 is the embeddings).")
     if s.max_new_tokens < 1:
         raise ConfigError("max_new_tokens must be at least 1.")
     return s
@@ -101,6 +104,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["database_url"] = v
     if v := env.get("ISAGI_LAYER"):
         values["layer"] = _int("ISAGI_LAYER", v)
+    if v := env.get("ISAGI_SAFETY_LAYER"):
+        values["safety_layer"] = _int("ISAGI_SAFETY_LAYER", v)
     if v := env.get("ISAGI_K"):
         values["k"] = _int("ISAGI_K", v)
     if v := env.get("ISAGI_SYSTEM_PROMPT"):

@@ -107,8 +107,10 @@ class Generation:
         options: GenerationOptions | None = None,
         *,
         steer: torch.Tensor | None = None,
+        also_capture: tuple[int, ...] = (),
     ) -> None:
         self.lm = lm
+        self.also_capture = tuple(sorted({int(x) for x in also_capture} - {int(layer)}))
         self.input_ids = input_ids
         self.layer = layer
         self.options = options or GenerationOptions()
@@ -118,12 +120,16 @@ class Generation:
         self._stop = threading.Event()
         self._stack = ExitStack()
         self._capture: LayerCapture | None = None
+        self._captures: dict[int, LayerCapture] = {}
         self._cache: Any = None
         self._logits: torch.Tensor | None = None
         self._detok = _Detokenizer(lm.tokenizer)
 
     def __enter__(self) -> Generation:
         self._capture = self._stack.enter_context(capture_layer(self.lm.model, self.layer))
+        self._captures = {self.layer: self._capture}
+        for extra in self.also_capture:  # same forward passes, one more hook each: no extra compute
+            self._captures[extra] = self._stack.enter_context(capture_layer(self.lm.model, extra))
         if self.steer is not None:
             self._stack.enter_context(steer_layer(self.lm.model, self.layer, self.steer))
         return self
@@ -162,10 +168,23 @@ class Generation:
         assert self._capture is not None
         return self._capture.last[-1][0].cpu().numpy()
 
-    def reply_hidden(self) -> np.ndarray:
-        """Hidden states (n, d) of the reply tokens fed so far (excludes the prompt)."""
-        assert self._capture is not None
-        states = self._capture.last[1:]
+    def _capture_of(self, layer: int | None) -> LayerCapture:
+        assert self._capture is not None, "use Generation inside a with block"
+        if layer is None or layer == self.layer:
+            return self._capture
+        if layer not in self._captures:
+            raise ValueError(f"layer {layer} is not captured: pass it in also_capture")
+        return self._captures[layer]
+
+    def prompt_state(self, layer: int | None = None) -> np.ndarray:
+        """h (d,) at the last prompt token at ``layer`` (the main layer by default), after prefill."""
+        cap = self._capture_of(layer)
+        assert cap.last, "call prefill() first"
+        return cap.last[0][0].cpu().numpy()
+
+    def reply_hidden(self, layer: int | None = None) -> np.ndarray:
+        """Hidden states (n, d) of the reply tokens fed so far (excludes the prompt), at ``layer``."""
+        states = self._capture_of(layer).last[1:]
         if not states:
             return np.zeros((0, self.lm.hidden_size), dtype=np.float32)
         return torch.cat(states).cpu().numpy()

@@ -64,6 +64,16 @@ class LoadedModel:
         return max(1, round(self.num_layers * 2 / 3))
 
     @property
+    def default_safety_layer(self) -> int:
+        """Four fifths of the depth: layer 24 of 30 for SmolLM2-135M.
+
+        Chosen on the safety calibration set alone (leave-one-category-out
+        cross-validation: held-out ROC AUC 0.924 at layer 24 against 0.906 at
+        layer 20, the memory's layer); see ``isagi profile show``.
+        """
+        return max(1, round(self.num_layers * 4 / 5))
+
+    @property
     def stop_token_ids(self) -> set[int]:
         ids: set[int] = set()
         eos = self.model.generation_config.eos_token_id

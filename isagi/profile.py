@@ -70,9 +70,9 @@ def _code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str) -> str:
+def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str, safety_layer: int | None = None) -> str:
     """The cache key: any input that changes the calibration changes the key."""
-    parts = [fingerprint, quant, str(layer), str(k), system_prompt, _corpus_digest(), _code_digest(),
+    parts = [fingerprint, quant, str(layer), str(safety_layer if safety_layer is not None else layer), str(k), system_prompt, _corpus_digest(), _code_digest(),
              str(PROFILE_VERSION)]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
 
@@ -120,7 +120,10 @@ def _calibrate_context(lm: Any, layer: int, basis: Basis, system_prompt: str) ->
     return float(threshold), report
 
 
-def build_profile(lm: Any, *, layer: int, k: int, system_prompt: str, quant: str, progress: Progress | None = None) -> Profile:
+def build_profile(
+    lm: Any, *, layer: int, k: int, system_prompt: str, quant: str, safety_layer: int | None = None,
+    progress: Progress | None = None,
+) -> Profile:
     """Run the calibration corpora through the model and fit every part of the profile."""
     from isagi.data import load_zones
     from isagi.generation import prompt_hidden_states
@@ -151,7 +154,8 @@ def build_profile(lm: Any, *, layer: int, k: int, system_prompt: str, quant: str
 
     if progress:
         progress("Safety: forbidden subspace and TEH threshold", 0, 1)
-    safety = build_safety_profile(lm, layer, system_prompt, progress=progress)
+    safety_layer = layer if safety_layer is None else safety_layer
+    safety = build_safety_profile(lm, safety_layer, system_prompt, progress=progress)
     if progress:
         progress("Safety: forbidden subspace and TEH threshold", 1, 1)
         progress("Context: follow-up calibration", 0, 1)
@@ -165,7 +169,7 @@ def build_profile(lm: Any, *, layer: int, k: int, system_prompt: str, quant: str
     report["seconds"] = round(time.perf_counter() - started, 2)
     return Profile(
         distance_scale=scale,
-        key=profile_key(lm.fingerprint, quant, layer, k, system_prompt),
+        key=profile_key(lm.fingerprint, quant, layer, k, system_prompt, safety_layer),
         model_fingerprint=lm.fingerprint,
         layer=layer,
         k=k,
@@ -275,7 +279,8 @@ def load_profile(directory: Path, key: str) -> Profile | None:
 def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None = None) -> Profile:
     """The profile for this model and settings: from the cache, or calibrated now and cached."""
     layer = settings.layer or lm.default_layer
-    key = profile_key(lm.fingerprint, settings.quant, layer, settings.k, settings.system_prompt)
+    safety_layer = getattr(settings, "safety_layer", None) or lm.default_safety_layer
+    key = profile_key(lm.fingerprint, settings.quant, layer, settings.k, settings.system_prompt, safety_layer)
     cached = load_profile(settings.profiles_dir, key)
     if cached is not None:
         if cached.distance_scale is None:  # a profile cached before the scale existed
@@ -287,7 +292,8 @@ def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None =
             save_profile(cached, settings.profiles_dir)
         return cached
     profile = build_profile(
-        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=settings.quant, progress=progress
+        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=settings.quant,
+        safety_layer=safety_layer, progress=progress,
     )
     save_profile(profile, settings.profiles_dir)
     return profile

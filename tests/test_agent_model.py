@@ -20,6 +20,23 @@ def test_repeated_question_is_retrieved_without_generation(default_engine) -> No
     assert again.reply == first.reply and again.new_tokens == 0
 
 
+def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_engine) -> None:
+    from isagi.hooks import capture_layer
+
+    s = default_engine.new_session()
+    default_engine.turn(s, "Why do cats purr?")
+    with capture_layer(default_engine.lm.model, 1) as passes:
+        cached = default_engine.turn(s, "Why do cats purr?")
+    assert cached.tier == "RETRIEVE" and passes.last == [], "an exact repeat runs no forward pass"
+    s.prompt_states.clear()
+    with capture_layer(default_engine.lm.model, 1) as passes:
+        fresh = default_engine.turn(s, "Why do cats purr?")
+    assert fresh.tier == "RETRIEVE" and len(passes.last) == 1, "without the cache: one prefill"
+    assert cached.distance == pytest.approx(fresh.distance, abs=1e-6)
+    assert cached.teh_prompt == pytest.approx(fresh.teh_prompt, rel=1e-6)
+    assert cached.reply == fresh.reply
+
+
 def test_near_miss_is_never_answered_from_memory(default_engine) -> None:
     s = default_engine.new_session()
     default_engine.turn(s, "What is the capital of France?")

@@ -144,3 +144,25 @@ def test_each_decoding_step_may_run_on_another_thread() -> None:
     assert torch.is_grad_enabled(), "the generation must not leave grad mode changed on this thread"
     assert got == expected
     assert count_forward_hooks(lm.model) == 0
+
+
+def test_a_second_layer_is_captured_from_the_same_passes() -> None:
+    """The safety layer's states come from the turn's own forward passes: equal to
+    output_hidden_states at that layer, with one hook more and no extra pass."""
+    lm = _lm("llama")
+    ids = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        ref = lm.model(ids, output_hidden_states=True).hidden_states
+    opts = GenerationOptions(max_new_tokens=4, ignore_eos=True)
+    before = count_forward_hooks(lm.model)  # transformers keeps hooks of its own after output_hidden_states
+    with Generation(lm, ids, 2, opts, also_capture=(3,)) as gen:
+        assert count_forward_hooks(lm.model) == before + 2
+        h = gen.prefill()
+        np.testing.assert_allclose(h, ref[2][0, -1].numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(gen.prompt_state(3), ref[3][0, -1].numpy(), rtol=1e-5, atol=1e-5)
+        list(gen.stream())
+        assert gen.reply_hidden(3).shape == gen.reply_hidden().shape == (3, lm.hidden_size)
+        assert not np.allclose(gen.reply_hidden(3), gen.reply_hidden())
+        with pytest.raises(ValueError, match="not captured"):
+            gen.reply_hidden(1)
+    assert count_forward_hooks(lm.model) == before

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def safety(default_lm, settings_default) -> SafetyProfile:
-    return build_safety_profile(default_lm, default_lm.default_layer, settings_default.system_prompt)
+    return build_safety_profile(default_lm, default_lm.default_safety_layer, settings_default.system_prompt)
 
 
 def _h(lm, settings, texts: list[str], layer: int) -> np.ndarray:

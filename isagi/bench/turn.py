@@ -5,7 +5,9 @@ question (``generate_s``); a full ISAGI turn producing the same reply in a
 fresh session, with lookup, TEH on the prompt and on the streaming reply,
 metric update, memory store, history row and ``.miku`` autosave
 (``turn_s``); the same question asked again, answered from memory
-(``retrieve_s``). Medians over ``repeats`` alternating runs. ``teh_share`` is
+(``retrieve_s``: an exact repeat, whose prompt states the session already
+holds, so no forward pass runs), and once more with those cached states
+dropped (``retrieve_prefill_s``: one prefill, as for a re-worded duplicate). Medians over ``repeats`` alternating runs. ``teh_share`` is
 the time spent computing TEH (prompt plus streaming reply checks, replayed on
 the turn's own hidden states) over ``turn_s``.
 """
@@ -59,7 +61,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
         plain()  # warm-up
-        gen_t, turn_t, ret_t = [], [], []
+        gen_t, turn_t, ret_t, ret_u = [], [], [], []
         same = True
         result = None
         for i in range(repeats):
@@ -75,11 +77,18 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             again = engine.turn(session, QUESTION, options=options)
             ret_t.append(time.perf_counter() - start)
             assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
-        with Generation(lm, ids, engine.layer, options) as gen:
-            h = gen.prefill()
+            session.prompt_states.clear()  # as if the states had to be computed again: one prefill
+            start = time.perf_counter()
+            again = engine.turn(session, QUESTION, options=options)
+            ret_u.append(time.perf_counter() - start)
+            assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
+        safety_layer = engine.profile.safety.layer
+        with Generation(lm, ids, engine.layer, options, also_capture=(safety_layer,)) as gen:
+            gen.prefill()
             for _ in gen.stream():
                 pass
-            states = gen.reply_hidden()
+            h = gen.prompt_state(safety_layer)
+            states = gen.reply_hidden(safety_layer)
         teh_s = statistics.median(_teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety).every) for _ in range(repeats))
     med = statistics.median
     return {
@@ -94,6 +103,8 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         "turn_ratio": round(med(turn_t) / med(gen_t), 4),
         "retrieve_s": round(med(ret_t), 5),
         "retrieve_speedup": round(med(turn_t) / med(ret_t), 1),
+        "retrieve_prefill_s": round(med(ret_u), 5),
+        "retrieve_prefill_speedup": round(med(turn_t) / med(ret_u), 1),
         "teh_s": round(teh_s, 5),
         "teh_share": round(teh_s / med(turn_t), 5),
     }
