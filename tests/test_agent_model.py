@@ -101,10 +101,14 @@ def test_save_load_round_trip_gives_the_same_next_turn(default_engine, tmp_path)
     probe = "What is the boiling point of water at sea level?"
     a = default_engine.classify(s, probe)
     b = default_engine.classify(restored, probe)
-    assert a == b
+    # the same decision; the distance up to float rounding (the restored index is
+    # built in bulk, the original one grew record by record)
+    assert a["distance"] == pytest.approx(b["distance"], abs=1e-9)
+    assert {**a, "distance": None} == {**b, "distance": None}
     ra = default_engine.turn(s, probe, record=False)
     rb = default_engine.turn(restored, probe, record=False)
-    assert (ra.tier, ra.distance, ra.teh_prompt, ra.reply) == (rb.tier, rb.distance, rb.teh_prompt, rb.reply)
+    assert (ra.tier, ra.teh_prompt, ra.reply) == (rb.tier, rb.teh_prompt, rb.reply)
+    assert ra.distance == pytest.approx(rb.distance, abs=1e-9)
 
 
 def test_tier_rules_on_the_projects_own_pairs(default_engine) -> None:

@@ -186,6 +186,7 @@ def test_safe_chain_on_the_default_model(default_lm: Any, settings_default: Any)
     sp = load_or_build_profile(default_lm, settings_default).safety
     if sp is None:
         pytest.skip("the profile has no safety calibration")
+    hooks_before = count_forward_hooks(default_lm.model)  # transformers may keep hooks of its own
     result = explore(
         default_lm,
         sp,
@@ -199,7 +200,7 @@ def test_safe_chain_on_the_default_model(default_lm: Any, settings_default: Any)
         assert step.text.strip()
         assert step.teh_max < sp.reply_threshold and not step.over_threshold
         assert step.forbidden_fraction < 1e-4
-    assert count_forward_hooks(default_lm.model) == 0
+    assert count_forward_hooks(default_lm.model) == hooks_before
 
 
 def test_xstest_refusal_rule() -> None:
