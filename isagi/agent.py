@@ -290,7 +290,7 @@ class Engine:
             cached = session.cached_states(key)
             if cached is None:
                 h = gen.prefill()
-                h_safety = gen.prompt_state(safety.layer)
+                h_safety = gen.prompt_state(safety.layer, span=lm.content_span(lookup_prompt))
                 session.cache_states(key, h, h_safety)
             else:  # an exact repeat: same prompt, same states; a generation prefills on demand
                 h, h_safety = cached

@@ -33,7 +33,7 @@ class Settings:
     device: str = "auto"
     database_url: str | None = None
     layer: int | None = None  # None: the model's default (2/3 of its depth)
-    safety_layer: int | None = None  # None: the model's default for safety (4/5 of its depth)
+    safety_layer: int | None = None  # None: the model's default for safety (3/5 of its depth)
     k: int = 64
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_new_tokens: int = 256

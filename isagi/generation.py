@@ -129,7 +129,8 @@ class Generation:
         self._capture = self._stack.enter_context(capture_layer(self.lm.model, self.layer))
         self._captures = {self.layer: self._capture}
         for extra in self.also_capture:  # same forward passes, one more hook each: no extra compute
-            self._captures[extra] = self._stack.enter_context(capture_layer(self.lm.model, extra))
+            # The whole prompt is kept at these layers: the safety state pools over the message.
+            self._captures[extra] = self._stack.enter_context(capture_layer(self.lm.model, extra, keep_prefill=True))
         if self.steer is not None:
             self._stack.enter_context(steer_layer(self.lm.model, self.layer, self.steer))
         return self
@@ -176,11 +177,22 @@ class Generation:
             raise ValueError(f"layer {layer} is not captured: pass it in also_capture")
         return self._captures[layer]
 
-    def prompt_state(self, layer: int | None = None) -> np.ndarray:
-        """h (d,) at the last prompt token at ``layer`` (the main layer by default), after prefill."""
+    def prompt_state(self, layer: int | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
+        """h (d,) of the prompt at ``layer`` (the main layer by default), after prefill.
+
+        Without ``span``: the state at the last prompt token. With ``span``
+        (``[start, end)`` token positions, e.g. :meth:`LoadedModel.content_span`):
+        the mean of the states over those positions; only for ``also_capture``
+        layers, which keep the whole prompt.
+        """
         cap = self._capture_of(layer)
         assert cap.last, "call prefill() first"
-        return cap.last[0][0].cpu().numpy()
+        if span is None:
+            return cap.last[0][0].cpu().numpy()
+        if cap.prefill is None:
+            raise ValueError(f"layer {layer} keeps only the last position: pass it in also_capture")
+        start, end = span
+        return cap.prefill[0, start:end].mean(dim=0).cpu().numpy()
 
     def reply_hidden(self, layer: int | None = None) -> np.ndarray:
         """Hidden states (n, d) of the reply tokens fed so far (excludes the prompt), at ``layer``."""
@@ -273,20 +285,34 @@ def prompt_hidden_states(
     *,
     batch_size: int = 16,
     progress: Any = None,
+    pool: str = "last",
 ) -> np.ndarray:
-    """h (n, d) at the last prompt token of each chat, batched with left padding.
+    """h (n, d) of each chat, batched with left padding.
 
+    ``pool="last"``: the state at the last prompt token (the memory's h).
+    ``pool="content"``: the mean of the states over the last message's tokens
+    (:meth:`LoadedModel.content_span`; the safety state, :mod:`isagi.safety`).
     Positions are computed from the attention mask so a padded prompt gets the
     same hidden state as the prompt alone (up to float tolerance).
     """
+    if pool not in ("last", "content"):
+        raise ValueError(f"pool={pool!r}: use 'last' or 'content'")
     out: list[np.ndarray] = []
-    with capture_layer(lm.model, layer) as cap, torch.inference_mode():
+    with capture_layer(lm.model, layer, keep_all=pool == "content") as cap, torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             ids, mask = left_padded(lm, chunk)
             cap.clear()
             lm.model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask), logits_to_keep=1)
-            out.append(cap.last[-1].cpu().numpy())
+            if pool == "last":
+                out.append(cap.last[-1].cpu().numpy())
+            else:
+                states, width = cap.full[-1], ids.shape[1]
+                lengths = mask.sum(dim=1).tolist()
+                for row, messages in enumerate(chunk):
+                    a, b = lm.content_span(messages)
+                    pad = width - int(lengths[row])
+                    out.append(states[row, pad + a : pad + b].mean(dim=0, keepdim=True).cpu().numpy())
             if progress is not None:
                 progress(len(chunk))
     if not out:

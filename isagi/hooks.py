@@ -38,27 +38,34 @@ def layer_module(model: Any, layer: int) -> torch.nn.Module:
 
 @dataclass
 class LayerCapture:
-    """Hidden states seen at one layer: the last position of each forward call."""
+    """Hidden states seen at one layer: the last position of each forward call;
+    with ``keep_all`` every position of every call; with ``keep_prefill`` every
+    position of the first call only (a generation's prompt)."""
 
     last: list[torch.Tensor] = field(default_factory=list)  # one (batch, d) per call
     keep_all: bool = False
     full: list[torch.Tensor] = field(default_factory=list)  # (batch, T, d) per call
+    keep_prefill: bool = False
+    prefill: torch.Tensor | None = None  # (batch, T, d) of the first call
 
     def clear(self) -> None:
         self.last.clear()
         self.full.clear()
+        self.prefill = None
 
 
 @contextmanager
-def capture_layer(model: Any, layer: int, *, keep_all: bool = False) -> Iterator[LayerCapture]:
+def capture_layer(model: Any, layer: int, *, keep_all: bool = False, keep_prefill: bool = False) -> Iterator[LayerCapture]:
     """Record the output of decoder layer ``layer`` for every forward call in the block."""
-    cap = LayerCapture(keep_all=keep_all)
+    cap = LayerCapture(keep_all=keep_all, keep_prefill=keep_prefill)
 
     def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
         hs = _hidden(output).detach()
         cap.last.append(hs[:, -1, :].float())
         if cap.keep_all:
             cap.full.append(hs.float())
+        if cap.keep_prefill and cap.prefill is None:
+            cap.prefill = hs.float()
 
     handle = layer_module(model, layer).register_forward_hook(hook)
     try:

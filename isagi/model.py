@@ -65,13 +65,14 @@ class LoadedModel:
 
     @property
     def default_safety_layer(self) -> int:
-        """Four fifths of the depth: layer 24 of 30 for SmolLM2-135M.
+        """Three fifths of the depth: layer 18 of 30 for SmolLM2-135M.
 
         Chosen on the safety calibration set alone (leave-one-category-out
-        cross-validation: held-out ROC AUC 0.924 at layer 24 against 0.906 at
-        layer 20, the memory's layer); see ``isagi profile show``.
+        cross-validation of the safety state, the mean over the message's
+        tokens: held-out ROC AUC 0.976 at layers 17 and 18, 0.973 at 20,
+        0.957 at 24); see :mod:`isagi.safety` and ``isagi profile show``.
         """
-        return max(1, round(self.num_layers * 4 / 5))
+        return max(1, round(self.num_layers * 3 / 5))
 
     @property
     def stop_token_ids(self) -> set[int]:
@@ -95,6 +96,26 @@ class LoadedModel:
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
         return encoded["input_ids"].to(self.device)
+
+    def content_span(self, messages: list[dict[str, str]]) -> tuple[int, int]:
+        """Token positions ``[start, end)`` of the last message's text in ``chat_ids(messages)``.
+
+        Found by comparing with the same chat whose last message is empty: what
+        the two share at the front and at the back is the template; the rest is
+        the message. Works for any chat template without parsing it.
+        """
+        full = self.chat_ids(messages)[0].tolist()
+        empty = self.chat_ids([*messages[:-1], {**messages[-1], "content": ""}])[0].tolist()
+        start = 0
+        while start < min(len(full), len(empty)) and full[start] == empty[start]:
+            start += 1
+        back = 0
+        while back < min(len(full), len(empty)) - start and full[-1 - back] == empty[-1 - back]:
+            back += 1
+        end = len(full) - back
+        if end <= start:  # an empty message: the last prompt token stands for it
+            return len(full) - 1, len(full)
+        return start, end
 
     def footprint_bytes(self) -> int:
         return int(self.model.get_memory_footprint())

@@ -16,6 +16,17 @@ Definitions (precise, as implemented):
   ``TEH(P_safe h) = 0`` for the raw ``h`` unless ``Qᵀ c = 0``;
   :func:`safe_point` is the map for which TEH is exactly zero.
 
+The safety state of a prompt is the mean of the safety layer's states over
+the tokens of the user's message (:meth:`isagi.model.LoadedModel.content_span`),
+not the state at the last prompt token. The last token is a template token
+("assistant\\n") that sums up the prompt for the next word; the mean keeps what
+every word of the message contributed. Leave-one-category-out
+cross-validation on the calibration set (train on seven categories, test on
+the eighth) chose it: at the shipped hyper-parameters held-out ROC AUC 0.976
+(layer 18) against 0.969 for the last token at its best layer (24), and
+held-out TPR at the training folds' zero-FP threshold 0.73 against 0.31. The streaming guard scores the mean of the newest reply states, the
+same kind of quantity.
+
 Why the construction is not the research code's: that code took the top
 |mean difference| coordinates of an SVD basis of 10 prompts; on held-out
 prompts it separates harmful from benign barely better than chance. Snipe
@@ -37,8 +48,9 @@ here learns directions instead:
    centre sits on the benign side of the decision boundary. ``c = μ_b − Q t``
    where ``t_i = offset · σ_i`` (σ_i the benign spread along column i, the
    columns signed so harmful states project positively). ``offset`` is a
-   hyper-parameter; cross-validation on the calibration set chose 0 (the
-   benign mean), larger offsets lowered held-out AUC and TPR.
+   hyper-parameter; cross-validation on the calibration set chose 1 (see
+   the table at ``DEFAULT_OFFSET``). Benign prompts far on the benign side of
+   the probe otherwise get a high TEH from a norm that ignores the sign.
 
 The prompt threshold comes from an ROC sweep on the calibration set (highest
 F1 among thresholds with zero false positives on the benign calibration
@@ -67,15 +79,20 @@ REFUSAL_TEMPLATE = (
 
 # Hyper-parameters chosen by cross-validation on the calibration set only
 # (see the report in SafetyProfile.details["cv"] and the module docstring).
-# 5-fold CV on SmolLM2-135M layer 20 (held-out AUC / TPR / FPR at the fold's zero-FP threshold):
-# shrinkage 0.2, offset 0: 0.977 / 0.77 / 0.016; offset 1: 0.978 / 0.53 / 0.006; offset 3: 0.951 / 0.16;
-# shrinkage 0.05: 0.975 / 0.84 / 0.032; shrinkage 0.8: 0.962 / 0.55 / 0.008. Budget 0.05 vs 0.15
-# and 4 vs 8 dims made no difference (greedy selection stops earlier on its own).
+# SmolLM2-135M, safety state = mean over the message's tokens; leave-one-category-out
+# held-out AUC / TPR / FPR at the training folds' zero-FP threshold, then 5-fold AUC:
+#   layer 18, shrinkage 0.2: offset 0: 0.965 / 0.79 / 0.032, 0.982; offset 0.5: 0.974 / 0.76 / 0.025, 0.986;
+#     offset 1: 0.976 / 0.73 / 0.021, 0.987; offset 2: 0.974 / 0.65 / 0.016, 0.985
+#   layer 18, offset 1: shrinkage 0.05: 0.970 / 0.75 / 0.036; shrinkage 0.5: 0.974 / 0.67 / 0.022
+#   layer 17 ties layer 18 (0.976); layer 20: 0.973; layer 24 (offset 0): 0.957.
+# Last-token states (the previous choice), layer 24: offset 0: 0.962 / 0.40; offset 1: 0.969 / 0.31.
+# Budget 0.05 vs 0.15 and 4 vs 8 dims made no difference (greedy selection stops earlier on its own).
 DEFAULT_SHRINKAGE = 0.2
-DEFAULT_OFFSET = 0.0
+DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
 REPLY_WINDOW = 8
+SAFETY_POOL = "content"  # the safety state: mean over the message's tokens (module docstring)
 REPLY_MARGIN = 1.05
 
 _EPS = 1e-12
@@ -535,7 +552,8 @@ def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Cal
     from isagi.generation import prompt_hidden_states
 
     rows = load_safety_calibration()
-    H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in rows], layer, progress=progress)
+    H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in rows], layer, progress=progress,
+                             pool=SAFETY_POOL)
     labels = np.array([1 if r["label"] == "harmful" else 0 for r in rows])
     cats = np.array([r["category"] for r in rows])
     return H, labels, cats, rows

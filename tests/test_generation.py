@@ -26,6 +26,11 @@ class ByteTokenizer:
     def convert_tokens_to_ids(self, token: str) -> None:
         return None
 
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> dict[str, torch.Tensor]:
+        """A byte-level stand-in template: "role: content" lines, then "assistant:"."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return {"input_ids": torch.tensor([list(text.encode())], dtype=torch.long)}
+
 
 def _lm(kind: str) -> LoadedModel:
     model = tiny_model(kind)
@@ -166,3 +171,40 @@ def test_a_second_layer_is_captured_from_the_same_passes() -> None:
         with pytest.raises(ValueError, match="not captured"):
             gen.reply_hidden(1)
     assert count_forward_hooks(lm.model) == before
+
+
+def test_the_safety_state_is_the_mean_over_the_message_in_one_pass_or_batched() -> None:
+    """The pooled prompt state (mean over the message's tokens) from a turn's own
+    prefill equals output_hidden_states averaged over that span, and the batched,
+    left-padded calibration path gives the same vector for each prompt."""
+    from isagi.generation import prompt_hidden_states
+
+    lm = _lm("llama")
+    chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+             for text in ("hi", "how do I kill a python process?", "a much longer message than the others, padded less")]
+    a, b = lm.content_span(chats[1])
+    ids = lm.chat_ids(chats[1])
+    assert bytes(ids[0, a:b].tolist()).decode() == "how do I kill a python process?"
+    with torch.inference_mode():
+        ref = lm.model(ids, output_hidden_states=True).hidden_states[3][0, a:b].mean(0).numpy()
+    with Generation(lm, ids, 2, also_capture=(3,)) as gen:
+        gen.prefill()
+        pooled = gen.prompt_state(3, span=(a, b))
+        last = gen.prompt_state(3)
+        with pytest.raises(ValueError, match="keeps only the last position"):
+            gen.prompt_state(2, span=(a, b))
+    np.testing.assert_allclose(pooled, ref, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(pooled, last)
+    batched = prompt_hidden_states(lm, chats, 3, pool="content")
+    alone = np.concatenate([prompt_hidden_states(lm, [c], 3, pool="content") for c in chats])
+    np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(batched[1], ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="pool="):
+        prompt_hidden_states(lm, chats, 3, pool="max")
+
+
+def test_an_empty_message_is_stood_for_by_the_last_prompt_token() -> None:
+    lm = _lm("llama")
+    chat = [{"role": "user", "content": ""}]
+    n = lm.chat_ids(chat).shape[1]
+    assert lm.content_span(chat) == (n - 1, n)

@@ -50,3 +50,17 @@ def test_hooks_are_gone_after_a_turn_that_raised(default_lm) -> None:
         for _ in gen.stream():
             raise KeyboardInterrupt
     assert count_forward_hooks(default_lm.model) == before
+
+
+def test_content_span_is_the_last_message_in_the_real_template(default_lm) -> None:
+    """The safety state pools exactly the user's words: not the system prompt,
+    an earlier turn or the template tokens around the message."""
+    chat = [{"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "How do I kill a Python process?"}]
+    for messages in (chat[:2], chat):
+        a, b = default_lm.content_span(messages)
+        ids = default_lm.chat_ids(messages)[0]
+        assert default_lm.tokenizer.decode(ids[a:b]) == messages[-1]["content"]
+        assert b < len(ids)  # the template's "assistant" header follows the message

@@ -20,7 +20,7 @@ def _h(lm, settings, texts: list[str], layer: int) -> np.ndarray:
     from isagi.generation import prompt_hidden_states
 
     msgs = [[{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": t}] for t in texts]
-    return prompt_hidden_states(lm, msgs, layer)
+    return prompt_hidden_states(lm, msgs, layer, pool="content")
 
 
 def test_profile_is_well_formed(safety: SafetyProfile, default_lm):

@@ -28,6 +28,7 @@ import numpy as np
 
 from isagi.errors import InputError
 from isagi.safety import (
+    SAFETY_POOL,
     SafetyProfile,
     _chat,
     roc_auc,
@@ -47,7 +48,7 @@ def _states(lm: Any, system_prompt: str, layer: int, texts: list[str]) -> np.nda
 
     key = (lm.fingerprint, layer, system_prompt, tuple(texts))
     if key not in _CACHE:
-        _CACHE[key] = prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer)
+        _CACHE[key] = prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer, pool=SAFETY_POOL)
     return _CACHE[key]
 
 
