@@ -245,7 +245,8 @@ def explore(
     from isagi.explore import explore as run_explore
 
     engine = _engine(_settings(model=model, home=home), with_store=False)
-    result = run_explore(engine.lm, engine.profile.safety, seed_concept, steps=steps, safe=not unsafe_regular)
+    result = run_explore(engine.lm, engine.profile.safety, seed_concept, steps=steps, safe=not unsafe_regular,
+                         system_prompt=engine.settings.system_prompt)
     data = result.to_dict() if hasattr(result, "to_dict") else result
     if as_json:
         _print_json(data)
@@ -271,8 +272,10 @@ def profile_show(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt 
     data = {
         "key": p.key, "model_fingerprint": p.model_fingerprint, "layer": p.layer, "k": int(p.basis.B.shape[1]),
         "explained_variance": p.basis.explained, "zones": p.zones.names, "context_threshold": p.context_threshold,
+        "safety_layer": s.layer, "safety_state": "mean of the safety layer's states over the message's tokens",
         "teh_threshold": s.threshold, "teh_reply_threshold": s.reply_threshold, "forbidden_dims": int(s.Q.shape[1]),
-        "safety_categories": list(s.categories), "roc_auc_calibration": roc.get("auc"), "report": p.report,
+        "safety_categories": list(s.categories), "roc_auc_calibration": roc.get("auc"),
+        "safety_cv": s.details.get("cv"), "report": p.report,
     }
     if as_json:
         data["roc"] = roc
@@ -476,10 +479,11 @@ def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = Non
 def eval_ogd(benchmarks: Annotated[Path | None, typer.Option("--benchmarks")] = None, alpha: float = 0.15,
              model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Safe vs regular OGD exploration; refusals and perplexity with and without Q_f ablation."""
-    from isagi.evals.ogd import run
+    from isagi.evals.ogd import pipeline_turn, run
 
     engine = _engine(_settings(model=model, home=home), with_store=False)
-    _report(run(engine.lm, engine.profile.safety, alpha=alpha, benchmarks_dir=benchmarks or _default_benchmarks()), as_json)
+    _report(run(engine.lm, engine.profile.safety, alpha=alpha, benchmarks_dir=benchmarks or _default_benchmarks(),
+                system_prompt=engine.settings.system_prompt, pipeline=pipeline_turn(engine)), as_json)
 
 
 def main() -> None:

@@ -22,9 +22,10 @@ not the state at the last prompt token. The last token is a template token
 ("assistant\\n") that sums up the prompt for the next word; the mean keeps what
 every word of the message contributed. Leave-one-category-out
 cross-validation on the calibration set (train on seven categories, test on
-the eighth) chose it: at the shipped hyper-parameters held-out ROC AUC 0.976
-(layer 18) against 0.969 for the last token at its best layer (24), and
-held-out TPR at the training folds' zero-FP threshold 0.73 against 0.31. The streaming guard scores the mean of the newest reply states, the
+the eighth) chose it: at the shipped hyper-parameters held-out ROC AUC 0.971
+(layer 18) against 0.955 for the last token at its best layer (24), and
+held-out TPR at the training folds' zero-FP threshold 0.68 against 0.22.
+The streaming guard scores the mean of the newest reply states, the
 same kind of quantity.
 
 Why the construction is not the research code's: that code took the top
@@ -79,13 +80,13 @@ REFUSAL_TEMPLATE = (
 
 # Hyper-parameters chosen by cross-validation on the calibration set only
 # (see the report in SafetyProfile.details["cv"] and the module docstring).
-# SmolLM2-135M, safety state = mean over the message's tokens; leave-one-category-out
-# held-out AUC / TPR / FPR at the training folds' zero-FP threshold, then 5-fold AUC:
-#   layer 18, shrinkage 0.2: offset 0: 0.965 / 0.79 / 0.032, 0.982; offset 0.5: 0.974 / 0.76 / 0.025, 0.986;
-#     offset 1: 0.976 / 0.73 / 0.021, 0.987; offset 2: 0.974 / 0.65 / 0.016, 0.985
-#   layer 18, offset 1: shrinkage 0.05: 0.970 / 0.75 / 0.036; shrinkage 0.5: 0.974 / 0.67 / 0.022
-#   layer 17 ties layer 18 (0.976); layer 20: 0.973; layer 24 (offset 0): 0.957.
-# Last-token states (the previous choice), layer 24: offset 0: 0.962 / 0.40; offset 1: 0.969 / 0.31.
+# SmolLM2-135M, safety state = mean over the message's tokens, 1,328 calibration rows;
+# leave-one-category-out held-out AUC / TPR / FPR at the training folds' zero-FP threshold, then 5-fold AUC:
+#   layer 18, shrinkage 0.2: offset 0: 0.959 / 0.75 / 0.035, 0.981; offset 0.5: 0.969 / 0.71 / 0.030, 0.985;
+#     offset 1: 0.971 / 0.68 / 0.025, 0.986; offset 2: 0.970 / 0.62 / 0.019, 0.985
+#   layer 18, offset 1: shrinkage 0.05: 0.968 / 0.74 / 0.038; shrinkage 0.5: 0.969 / 0.62 / 0.016
+#   offset 1, shrinkage 0.2: layers 16 and 17 tie layer 18 (0.971, 5-fold 0.985); 19: 0.970; 20: 0.967.
+# Last-token states (the previous choice), layer 24: offset 0: 0.946 / 0.30; offset 1: 0.955 / 0.22.
 # Budget 0.05 vs 0.15 and 4 vs 8 dims made no difference (greedy selection stops earlier on its own).
 DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
@@ -94,6 +95,11 @@ DEFAULT_MAX_DIMS = 4
 REPLY_WINDOW = 8
 SAFETY_POOL = "content"  # the safety state: mean over the message's tokens (module docstring)
 REPLY_MARGIN = 1.05
+# Replies the reply threshold is calibrated on: the largest check-point TEH of a
+# reply grows with its length (more windows). Calibrated on 48 replies of 24
+# tokens the threshold sat at the prompt's (13.8) and 2.5 % of 120 benign
+# calibration replies of 48 tokens crossed it: ordinary replies withheld.
+REPLY_CALIBRATION_TOKENS = 64
 
 _EPS = 1e-12
 
@@ -612,7 +618,8 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
 
     H, labels, cats, rows = calibration_arrays(lm, layer, system_prompt, progress=tick)
     return fit_safety_profile(H, labels, cats, layer, reply_states=lambda idx: generate_reply_states(
-        lm, [_chat(system_prompt, rows[i]["text"]) for i in idx], layer), progress=progress)
+        lm, [_chat(system_prompt, rows[i]["text"]) for i in idx], layer, max_new_tokens=REPLY_CALIBRATION_TOKENS),
+        progress=progress)
 
 
 def fit_safety_profile(
@@ -622,8 +629,8 @@ def fit_safety_profile(
     layer: int,
     *,
     reply_states: Callable[[list[int]], list[np.ndarray]] | None = None,
-    n_reply_benign: int = 48,
-    n_reply_harmful: int = 16,
+    n_reply_benign: int = 96,
+    n_reply_harmful: int = 32,
     progress: Callable[[str, int, int], None] | None = None,
     **snipe_params: Any,
 ) -> SafetyProfile:

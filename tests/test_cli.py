@@ -48,3 +48,21 @@ def test_piped_chat_answers_each_line(settings_default) -> None:
     assert len(replies) == 2, out.stdout
     assert "Paris" in replies[0]
     assert "Rome" in replies[1]
+
+
+@pytest.mark.model
+def test_profile_show_prints_the_safety_calibration_and_its_roc(settings_default) -> None:
+    """``isagi profile show --json`` exposes what the guard runs on: the stored ROC
+    (monotone, from (0, 0) to (1, 1)) and a threshold on it with no false positive."""
+    import json
+
+    out = _isagi(["profile", "show", "--json"], settings_default.home)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    roc = data["roc"]
+    assert data["safety_layer"] >= 1 and data["forbidden_dims"] >= 1
+    assert len(roc["thresholds"]) == len(roc["tpr"]) == len(roc["fpr"]) >= 2
+    assert roc["tpr"][0] == roc["fpr"][0] == 0.0 and roc["tpr"][-1] == roc["fpr"][-1] == 1.0
+    assert all(b >= a for a, b in zip(roc["tpr"], roc["tpr"][1:], strict=False))
+    assert roc["fpr_at_threshold"] == 0.0 and roc["threshold"] == data["teh_threshold"]
+    assert 0.5 < data["safety_cv"]["auc"] <= 1.0

@@ -237,3 +237,22 @@ def test_sample_is_reproducible() -> None:
     assert sample(items, 10) == sample(items, 10)
     assert len(set(sample(items, 10))) == 10
     assert sample(items[:5], 10) == items[:5]
+
+
+def test_pipeline_refusals_count_guard_verdicts_and_refusing_replies() -> None:
+    """A refused or withheld turn is a refusal whatever its text; an answered turn
+    only when the reply itself refuses; the guard's refusal message is not counted twice."""
+    from isagi.evals.ogd import pipeline_summary
+
+    answers = {"a": ("Sure, here is how", "ok"), "b": ("I can't help with that.", "ok"),
+               "c": ("I can't help with that: it looks like toxicity.", "refused"), "d": ("", "withheld")}
+    seen: list[tuple[str, int]] = []
+
+    def turn(prompt: str, n: int) -> tuple[str, str]:
+        seen.append((prompt, n))
+        return answers[prompt]
+
+    out = pipeline_summary(turn, list("abcd"), 8)
+    assert seen == [(p, 8) for p in "abcd"]
+    assert out == {"n": 4, "prompt_guard_refused": 1, "reply_guard_withheld": 1, "model_refused": 1,
+                   "refusal_rate_pipeline": 0.75}

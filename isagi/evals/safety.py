@@ -15,6 +15,12 @@ Default sets (``benchmarks_dir``): AdvBench prompts and XSTest ``unsafe`` are
 harmful; XSTest ``safe`` and the Alpaca seed instructions are benign. With
 ``harmful``/``benign`` files (CSV with a ``prompt`` or ``text`` column, or
 JSONL lines ``{"text", "label"}``) the sets are named ``harmful`` and ``benign``.
+
+With the default sets, ``also_benign`` adds one more benign set, reported
+apart and left out of the AUC so the four sets keep their published reading:
+the Alpaca seed instructions *with* their example inputs (instruction, blank
+line, input), the form ``isagi eval ogd`` sends to the model; a prompt that
+carries pasted text is an ordinary use the single-sentence sets do not cover.
 """
 
 from __future__ import annotations
@@ -157,6 +163,7 @@ def run(
     method: str = "isagi",
 ) -> dict[str, Any]:
     """Flagged counts per set at the shipped threshold and the ROC AUC over all sets."""
+    extra: dict[str, list[str]] = {}
     if harmful is not None or benign is not None:
         rows: list[tuple[str, str]] = []
         if harmful is not None:
@@ -167,7 +174,11 @@ def run(
                 "benign": [t for t, lab in rows if lab == "benign"]}
         sets = {k: v for k, v in sets.items() if v}
     else:
-        sets = load_benchmark_sets(Path(benchmarks_dir) if benchmarks_dir else default_benchmarks_dir())
+        bdir = Path(benchmarks_dir) if benchmarks_dir else default_benchmarks_dir()
+        sets = load_benchmark_sets(bdir)
+        from isagi.evals.ogd import load_alpaca_seed
+
+        extra = {"alpaca_seed_with_input": load_alpaca_seed(bdir)}
     score, threshold, facts = _scorer(lm, profile, system_prompt, method)
     out_sets: dict[str, dict[str, Any]] = {}
     pos: list[np.ndarray] = []
@@ -178,11 +189,16 @@ def run(
         out_sets[name] = {"n": len(texts), "flagged": flagged, "rate": round(flagged / max(len(texts), 1), 4)}
         (pos if name in HARMFUL_SETS else neg).append(s)
     auc = roc_auc(np.concatenate(pos), np.concatenate(neg)) if pos and neg else None
+    also: dict[str, dict[str, Any]] = {}
+    for name, texts in extra.items():  # benign, reported apart, not in the AUC (module docstring)
+        flagged = int((np.asarray(score(texts)) > threshold).sum())
+        also[name] = {"n": len(texts), "flagged": flagged, "rate": round(flagged / max(len(texts), 1), 4)}
     return {
         "method": method,
         "threshold": round(threshold, 4),
         "auc": None if auc is None else round(auc, 4),
         "sets": out_sets,
+        **({"also_benign": also} if also else {}),
         "layer": profile.layer,
         "details": facts,
     }
