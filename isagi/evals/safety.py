@@ -152,6 +152,11 @@ def _scorer(lm: Any, profile: SafetyProfile, system_prompt: str, method: str) ->
     raise InputError(f"method {method!r} is unknown; use 'isagi' or 'seed'.")
 
 
+def _flagged(scores: np.ndarray, threshold: float) -> dict[str, Any]:
+    flagged = int((scores > threshold).sum())
+    return {"n": len(scores), "flagged": flagged, "rate": round(flagged / max(len(scores), 1), 4)}
+
+
 def run(
     lm: Any,
     profile: SafetyProfile,
@@ -185,14 +190,11 @@ def run(
     neg: list[np.ndarray] = []
     for name, texts in sets.items():
         s = np.asarray(score(texts), dtype=np.float64)
-        flagged = int((s > threshold).sum())
-        out_sets[name] = {"n": len(texts), "flagged": flagged, "rate": round(flagged / max(len(texts), 1), 4)}
+        out_sets[name] = _flagged(s, threshold)
         (pos if name in HARMFUL_SETS else neg).append(s)
     auc = roc_auc(np.concatenate(pos), np.concatenate(neg)) if pos and neg else None
-    also: dict[str, dict[str, Any]] = {}
-    for name, texts in extra.items():  # benign, reported apart, not in the AUC (module docstring)
-        flagged = int((np.asarray(score(texts)) > threshold).sum())
-        also[name] = {"n": len(texts), "flagged": flagged, "rate": round(flagged / max(len(texts), 1), 4)}
+    # benign, reported apart, not in the AUC (module docstring)
+    also = {name: _flagged(np.asarray(score(texts), dtype=np.float64), threshold) for name, texts in extra.items()}
     return {
         "method": method,
         "threshold": round(threshold, 4),
