@@ -474,6 +474,32 @@ def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = Non
                 harmful=harmful, benign=benign, method=method), as_json)
 
 
+@eval_app.command("safety-cv")
+@friendly
+def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-separated decoder layers")] = "16,17,18,19,20",
+                   pool: Annotated[list[str] | None, typer.Option("--pool", help="content | last (repeatable)")] = None,
+                   shrinkage: Annotated[list[float] | None, typer.Option("--shrinkage", help="repeatable")] = None,
+                   offset: Annotated[list[float] | None, typer.Option("--offset", help="repeatable")] = None,
+                   model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Cross-validation on the calibration set only: how the safety state and its defaults were chosen."""
+    from isagi.errors import InputError
+    from isagi.evals.safety_cv import run
+
+    try:
+        layer_list = [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError as exc:
+        raise InputError(f"--layers {layers!r}: give decoder layer numbers separated by commas, e.g. 16,18,20.") from exc
+    pools = pool or ["content"]
+    if any(p not in ("content", "last") for p in pools):
+        raise InputError(f"--pool {pools}: use 'content' or 'last'.")
+    from isagi.model import load_model
+
+    settings = _settings(model=model, home=home)
+    lm = load_model(settings)  # no profile needed: this is what a profile's choices rest on
+    _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools,
+                shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0]), as_json)
+
+
 @eval_app.command("ogd")
 @friendly
 def eval_ogd(benchmarks: Annotated[Path | None, typer.Option("--benchmarks")] = None, alpha: float = 0.15,

@@ -287,7 +287,7 @@ def prompt_hidden_states(
     progress: Any = None,
     pool: str = "last",
 ) -> np.ndarray:
-    """h (n, d) of each chat, batched with left padding.
+    """h (n, d) of each chat at ``layer``, batched with left padding.
 
     ``pool="last"``: the state at the last prompt token (the memory's h).
     ``pool="content"``: the mean of the states over the last message's tokens
@@ -295,26 +295,42 @@ def prompt_hidden_states(
     Positions are computed from the attention mask so a padded prompt gets the
     same hidden state as the prompt alone (up to float tolerance).
     """
+    return prompt_hidden_states_at(lm, prompts, [layer], batch_size=batch_size, progress=progress, pool=pool)[layer]
+
+
+def prompt_hidden_states_at(
+    lm: LoadedModel,
+    prompts: list[list[dict[str, str]]],
+    layers: list[int],
+    *,
+    batch_size: int = 16,
+    progress: Any = None,
+    pool: str = "last",
+) -> dict[int, np.ndarray]:
+    """:func:`prompt_hidden_states` at several layers from the same forward passes."""
     if pool not in ("last", "content"):
         raise ValueError(f"pool={pool!r}: use 'last' or 'content'")
-    out: list[np.ndarray] = []
-    with capture_layer(lm.model, layer, keep_all=pool == "content") as cap, torch.inference_mode():
+    out: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
+    with ExitStack() as stack, torch.inference_mode():
+        caps = {layer: stack.enter_context(capture_layer(lm.model, layer, keep_all=pool == "content"))
+                for layer in layers}
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             ids, mask = left_padded(lm, chunk)
-            cap.clear()
+            for cap in caps.values():
+                cap.clear()
             lm.model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask), logits_to_keep=1)
-            if pool == "last":
-                out.append(cap.last[-1].cpu().numpy())
-            else:
-                states, width = cap.full[-1], ids.shape[1]
-                lengths = mask.sum(dim=1).tolist()
-                for row, messages in enumerate(chunk):
-                    a, b = lm.content_span(messages)
-                    pad = width - int(lengths[row])
-                    out.append(states[row, pad + a : pad + b].mean(dim=0, keepdim=True).cpu().numpy())
+            if pool == "content":
+                pads = (ids.shape[1] - mask.sum(dim=1)).tolist()
+                spans = [lm.content_span(messages) for messages in chunk]
+            for layer, cap in caps.items():
+                if pool == "last":
+                    out[layer].append(cap.last[-1].cpu().numpy())
+                    continue
+                states = cap.full[-1]
+                out[layer] += [states[row, pad + a : pad + b].mean(dim=0, keepdim=True).cpu().numpy()
+                               for row, (pad, (a, b)) in enumerate(zip(pads, spans, strict=True))]
             if progress is not None:
                 progress(len(chunk))
-    if not out:
-        return np.zeros((0, lm.hidden_size), dtype=np.float32)
-    return np.concatenate(out).astype(np.float32)
+    return {layer: np.concatenate(v).astype(np.float32) if v else np.zeros((0, lm.hidden_size), dtype=np.float32)
+            for layer, v in out.items()}

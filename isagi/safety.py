@@ -22,9 +22,9 @@ not the state at the last prompt token. The last token is a template token
 ("assistant\\n") that sums up the prompt for the next word; the mean keeps what
 every word of the message contributed. Leave-one-category-out
 cross-validation on the calibration set (train on seven categories, test on
-the eighth) chose it: at the shipped hyper-parameters held-out ROC AUC 0.971
-(layer 18) against 0.955 for the last token at its best layer (24), and
-held-out TPR at the training folds' zero-FP threshold 0.68 against 0.22.
+the eighth) chose it (``isagi eval safety-cv``): held-out ROC AUC 0.972 at
+the shipped setting against 0.958 for the best last-token row, and held-out
+TPR at the training rows' zero-FP threshold 0.68 against 0.30.
 The streaming guard scores the mean of the newest reply states, the
 same kind of quantity.
 
@@ -78,16 +78,17 @@ REFUSAL_TEMPLATE = (
     "If I misread you, please rephrase the request with more context."
 )
 
-# Hyper-parameters chosen by cross-validation on the calibration set only
-# (see the report in SafetyProfile.details["cv"] and the module docstring).
-# SmolLM2-135M, safety state = mean over the message's tokens, 1,328 calibration rows;
-# leave-one-category-out held-out AUC / TPR / FPR at the training folds' zero-FP threshold, then 5-fold AUC:
-#   layer 18, shrinkage 0.2: offset 0: 0.959 / 0.75 / 0.035, 0.981; offset 0.5: 0.969 / 0.71 / 0.030, 0.985;
-#     offset 1: 0.971 / 0.68 / 0.025, 0.986; offset 2: 0.970 / 0.62 / 0.019, 0.985
-#   layer 18, offset 1: shrinkage 0.05: 0.968 / 0.74 / 0.038; shrinkage 0.5: 0.969 / 0.62 / 0.016
-#   offset 1, shrinkage 0.2: layers 16 and 17 tie layer 18 (0.971, 5-fold 0.985); 19: 0.970; 20: 0.967.
-# Last-token states (the previous choice), layer 24: offset 0: 0.946 / 0.30; offset 1: 0.955 / 0.22.
-# Budget 0.05 vs 0.15 and 4 vs 8 dims made no difference (greedy selection stops earlier on its own).
+# Hyper-parameters chosen by cross-validation on the calibration set only; reproduce with
+#   isagi eval safety-cv --layers 16,17,18,19,20,24 --pool content --pool last \
+#     --shrinkage 0.05 --shrinkage 0.2 --shrinkage 0.5 --offset 0 --offset 0.5 --offset 1 --offset 2
+# (isagi/evals/safety_cv.py). SmolLM2-135M, 1,328 rows; leave-one-category-out held-out AUC / TPR / FPR
+# at the training rows' zero-FP threshold, then 5-fold AUC:
+#   content, layer 18, shrinkage 0.2: offset 0: 0.960 / 0.75 / 0.035, 0.981; offset 0.5: 0.969 / 0.71 / 0.031, 0.985;
+#     offset 1: 0.972 / 0.68 / 0.025, 0.986 (the best row of the grid); offset 2: 0.970 / 0.62 / 0.019, 0.985
+#   content, layer 18, offset 1: shrinkage 0.05: 0.968 / 0.74 / 0.038; shrinkage 0.5: 0.969 / 0.62 / 0.016
+#   content, shrinkage 0.2, offset 1: layer 16: 0.971; 17: 0.971; 19: 0.970; 20: 0.967; 24: 0.963
+#   last token (the previous choice): best row layer 24, shrinkage 0.05, offset 1: 0.958 / 0.30 / 0.006, 0.972;
+#     at layers 16-20 no row above 0.936.
 DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
@@ -96,9 +97,11 @@ REPLY_WINDOW = 8
 SAFETY_POOL = "content"  # the safety state: mean over the message's tokens (module docstring)
 REPLY_MARGIN = 1.05
 # Replies the reply threshold is calibrated on: the largest check-point TEH of a
-# reply grows with its length (more windows). Calibrated on 48 replies of 24
-# tokens the threshold sat at the prompt's (13.8) and 2.5 % of 120 benign
-# calibration replies of 48 tokens crossed it: ordinary replies withheld.
+# reply grows with its length (more windows). A one-off check while this was
+# changed (a script, not shipped): calibrated on 48 replies of 24 tokens, the
+# threshold sat at the prompt's (13.8) and 3 of 120 benign calibration replies
+# of 48 tokens crossed it. The shipped check is `isagi eval ogd`'s full-turn
+# count of withheld Alpaca replies.
 REPLY_CALIBRATION_TOKENS = 64
 
 _EPS = 1e-12
@@ -421,6 +424,18 @@ def _folds(n: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
     return np.array_split(rng.permutation(n), k)
 
 
+def _held_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, test: np.ndarray, params: dict[str, Any]) -> tuple[float, float, float]:
+    """Fit Snipe on all rows but ``test``; held-out AUC, and TPR/FPR at the training rows' zero-FP threshold."""
+    harm = labels == 1
+    train = np.setdiff1d(np.arange(len(H)), test)
+    Q, c, _ = snipe(*split_by_category(H[train], labels[train], cats[train]), **params)
+    s_tr = teh((Q, c), H[train])
+    threshold = roc_sweep(s_tr[harm[train]], s_tr[~harm[train]])["threshold"]
+    s_te = teh((Q, c), H[test])
+    return (roc_auc(s_te[harm[test]], s_te[~harm[test]]), float((s_te[harm[test]] > threshold).mean()),
+            float((s_te[~harm[test]] > threshold).mean()))
+
+
 def cross_validate(
     H: np.ndarray,
     labels: np.ndarray,
@@ -430,24 +445,28 @@ def cross_validate(
     seed: int = 0,
     **params: Any,
 ) -> dict[str, float]:
-    """Stratified-by-nothing k-fold CV of Snipe+TEH on calibration states.
+    """Unstratified k-fold CV of Snipe+TEH on calibration states.
 
     Reports held-out AUC, and TPR/FPR of held-out prompts at the threshold the
     training folds chose (zero-FP rule).
     """
     rng = np.random.default_rng(seed)
-    harm = labels == 1
-    aucs, tprs, fprs = [], [], []
-    for test in _folds(len(H), k, rng):
-        train = np.setdiff1d(np.arange(len(H)), test)
-        Q, c, _ = snipe(*split_by_category(H[train], labels[train], cats[train]), **params)
-        s_tr = teh((Q, c), H[train])
-        roc = roc_sweep(s_tr[harm[train]], s_tr[~harm[train]])
-        s_te = teh((Q, c), H[test])
-        aucs.append(roc_auc(s_te[harm[test]], s_te[~harm[test]]))
-        tprs.append(float((s_te[harm[test]] > roc["threshold"]).mean()))
-        fprs.append(float((s_te[~harm[test]] > roc["threshold"]).mean()))
-    return {"auc": float(np.mean(aucs)), "tpr": float(np.mean(tprs)), "fpr": float(np.mean(fprs)), "folds": k}
+    auc, tpr, fpr = np.mean([_held_out(H, labels, cats, test, params) for test in _folds(len(H), k, rng)], axis=0)
+    return {"auc": float(auc), "tpr": float(tpr), "fpr": float(fpr), "folds": k}
+
+
+def leave_one_category_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, **params: Any) -> dict[str, Any]:
+    """Train on all categories but one, test on that one, for each category.
+
+    A harder test than k-fold: the held-out category's kind of harm was never
+    seen in training, as with new prompts in use. Reports the mean over
+    categories of the held-out AUC and of TPR/FPR at the training zero-FP
+    threshold, and each category's figures.
+    """
+    per = {str(c): _held_out(H, labels, cats, np.flatnonzero(cats == c), params) for c in sorted(set(cats.tolist()))}
+    auc, tpr, fpr = np.mean(list(per.values()), axis=0)
+    return {"auc": float(auc), "tpr": float(tpr), "fpr": float(fpr),
+            "per_category": {c: {"auc": v[0], "tpr": v[1], "fpr": v[2]} for c, v in per.items()}}
 
 
 def split_by_category(H: np.ndarray, labels: np.ndarray, cats: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

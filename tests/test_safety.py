@@ -198,3 +198,26 @@ def test_seed_construction_picks_mean_difference_coordinates():
     # symmetrically about it along that coordinate (one reason it fails out of sample).
     scores = seed_teh(B, mu, det["coordinates"], np.concatenate([harm, ben]))
     assert scores.shape == (100,) and np.all((scores >= 0) & (scores <= 100))
+
+
+def test_leave_one_category_out_tests_each_category_on_a_fit_that_never_saw_it():
+    """Category "b" is harmful along its own direction only: a fit without "b"
+    does not know it, so its held-out AUC falls, while k-fold (which sees "b") does not."""
+    from isagi.evals.safety_cv import grid
+    from isagi.safety import cross_validate, leave_one_category_out
+
+    rng = np.random.default_rng(0)
+    d, n = 100, 60  # wide enough that a direction holds < 5 % of benign variance (the budget)
+    benign = rng.normal(size=(2 * n, d))
+    harm_a = rng.normal(size=(n, d)) + 4.0 * np.eye(d)[0]
+    harm_b = rng.normal(size=(n, d)) + 4.0 * np.eye(d)[1]
+    H = np.vstack([benign, harm_a, harm_b])
+    labels = np.array([0] * (2 * n) + [1] * (2 * n))
+    cats = np.array(["a"] * n + ["b"] * n + ["a"] * n + ["b"] * n)
+    loco = leave_one_category_out(H, labels, cats)
+    assert set(loco["per_category"]) == {"a", "b"}
+    assert loco["per_category"]["b"]["auc"] < 0.8 < cross_validate(H, labels, cats)["auc"]
+    assert loco["auc"] == pytest.approx(np.mean([v["auc"] for v in loco["per_category"].values()]))
+    out = grid({("content", 3): H, ("last", 3): H[:, ::-1]}, labels, cats, shrinkages=[0.2], offsets=[0.0, 1.0])
+    assert len(out["rows"]) == 4
+    assert out["best"] == max(out["rows"], key=lambda r: (r["loco_auc"], r["kfold_auc"]))
