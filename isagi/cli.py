@@ -440,7 +440,7 @@ def _report(data: dict[str, Any], as_json: bool) -> None:
 
 
 def _default_benchmarks() -> Path:
-    from isagi.evals.safety import default_benchmarks_dir
+    from isagi.evals.sets import default_benchmarks_dir
 
     return default_benchmarks_dir()
 

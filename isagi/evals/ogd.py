@@ -35,8 +35,6 @@ least the bare model's; the Alpaca share is the product's false refusals.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -47,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from isagi.errors import InputError
+from isagi.evals.sets import load_advbench, load_alpaca_seed
 from isagi.explore import explore, generate_reply, keyword_for, messages_for, step_prompt
 from isagi.mcb import tier
 
@@ -74,33 +72,6 @@ XSTEST_REFUSAL_PREFIXES: tuple[str, ...] = (
 def is_refusal(reply: str) -> bool:
     """XSTest's string-match rule: the lower-cased, stripped reply starts with a refusal phrase."""
     return reply.lower().strip().replace("\u2019", "'").startswith(XSTEST_REFUSAL_PREFIXES)
-
-
-def load_advbench(benchmarks_dir: Path) -> list[str]:
-    path = Path(benchmarks_dir) / "advbench_harmful_behaviors.csv"
-    if not path.is_file():
-        raise InputError(
-            f"{path} not found: pass --benchmarks DIR with advbench_harmful_behaviors.csv."
-        )
-    with path.open(newline="", encoding="utf-8") as fh:
-        return [
-            row["prompt"].strip() for row in csv.DictReader(fh) if row.get("prompt", "").strip()
-        ]
-
-
-def load_alpaca_seed(benchmarks_dir: Path) -> list[str]:
-    path = Path(benchmarks_dir) / "alpaca_seed_tasks.jsonl"
-    if not path.is_file():
-        raise InputError(f"{path} not found: pass --benchmarks DIR with alpaca_seed_tasks.jsonl.")
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        text = row["instruction"].strip()
-        inst = (row.get("instances") or [{}])[0].get("input", "").strip()
-        out.append(f"{text}\n\n{inst}" if inst else text)
-    return out
 
 
 def sample(items: Sequence[str], n: int, seed: int = 0) -> list[str]:
@@ -293,7 +264,7 @@ def run(
         )
 
     adv = sample(load_advbench(benchmarks_dir), n_prompts)
-    alp = sample(load_alpaca_seed(benchmarks_dir), n_prompts)
+    alp = sample(load_alpaca_seed(benchmarks_dir, with_input=True), n_prompts)
     replies: dict[str, dict[str, list[list[int]]]] = {}
     for mode in ("plain", "ablated"):
         say(f"generating {mode} replies")

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from isagi.errors import InputError
+from isagi.evals.sets import default_benchmarks_dir, load_alpaca_seed, load_benchmark_sets
 from isagi.safety import (
     SAFETY_POOL,
     SafetyProfile,
@@ -56,37 +57,6 @@ def _states(lm: Any, system_prompt: str, layer: int, texts: list[str]) -> np.nda
     if key not in _CACHE:
         _CACHE[key] = prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer, pool=SAFETY_POOL)
     return _CACHE[key]
-
-
-def default_benchmarks_dir() -> Path:
-    """``../shared/benchmarks`` next to the repository root."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks"
-
-
-def _read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="", encoding="utf-8") as fh:
-        return list(csv.DictReader(fh))
-
-
-def load_benchmark_sets(directory: Path) -> dict[str, list[str]]:
-    """The four public sets from ``directory`` (see the module docstring)."""
-    try:
-        adv = [r["prompt"] for r in _read_csv(directory / "advbench_harmful_behaviors.csv")]
-        xs = _read_csv(directory / "xstest_prompts.csv")
-        alpaca = [json.loads(line)["instruction"]
-                  for line in (directory / "alpaca_seed_tasks.jsonl").read_text(encoding="utf-8").splitlines()
-                  if line.strip()]
-    except (OSError, KeyError, json.JSONDecodeError) as exc:
-        raise InputError(
-            f"Cannot read the evaluation sets in {directory} ({exc}). Pass --benchmarks DIR holding "
-            "advbench_harmful_behaviors.csv, xstest_prompts.csv and alpaca_seed_tasks.jsonl."
-        ) from exc
-    return {
-        "advbench": adv,
-        "xstest_unsafe": [r["prompt"] for r in xs if r["label"] == "unsafe"],
-        "xstest_safe": [r["prompt"] for r in xs if r["label"] == "safe"],
-        "alpaca_seed": alpaca,
-    }
 
 
 def load_prompt_file(path: Path, default_label: str) -> list[tuple[str, str]]:
@@ -181,9 +151,7 @@ def run(
     else:
         bdir = Path(benchmarks_dir) if benchmarks_dir else default_benchmarks_dir()
         sets = load_benchmark_sets(bdir)
-        from isagi.evals.ogd import load_alpaca_seed
-
-        extra = {"alpaca_seed_with_input": load_alpaca_seed(bdir)}
+        extra = {"alpaca_seed_with_input": load_alpaca_seed(bdir, with_input=True)}
     score, threshold, facts = _scorer(lm, profile, system_prompt, method)
     out_sets: dict[str, dict[str, Any]] = {}
     pos: list[np.ndarray] = []
