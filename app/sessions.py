@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from isagi.ids import new_session_id
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class SessionRegistry:
             if fresh_id:
                 session.id = ""
             while not session.id or session.id in self._entries or session.id in self._parked:
-                session.id = uuid.uuid4().hex[:12]
+                session.id = new_session_id()
             session.miku_path = self._autosave_path(session.id)
             self._entries[session.id] = Entry(session, last_used=self._clock())
         return session.id

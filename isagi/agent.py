@@ -31,7 +31,6 @@ import hashlib
 import json
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from isagi.config import Settings
 from isagi.distance_scale import SEED as SEED_SCALE
 from isagi.errors import InputError
 from isagi.generation import Generation, GenerationOptions
+from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.sameness import content_key, depends_on_context
 from isagi.ugt import Basis, project, route
@@ -175,7 +175,7 @@ class Engine:
 
     def new_session(self, session_id: str | None = None, *, autosave: bool = True) -> Session:
         k = int(self.profile.basis.B.shape[1])
-        sid = session_id or uuid.uuid4().hex[:12]
+        sid = session_id or new_session_id()
         session = Session(id=sid, basis=self.profile.basis, metric=Metric(k), memory=TrajectoryMemory(k))
         if autosave:
             session.miku_path = self.settings.sessions_dir / f"{sid}.miku"
