@@ -3,12 +3,20 @@
 Owns what a session file holds: the conversation log, the metric M, the
 trajectory memory as columns, and the session's own UGT basis (so a session
 restores exactly even if the model's profile is recalibrated later). The file
-format itself (validation, checksums, atomic writes) is ``storage.miku``'s.
+format itself (validation, checksums, atomic writes) is ``storage.miku``'s;
+what the values *mean* is checked here, in :func:`check_session_state`, before
+anything is built from a file: finite float arrays of agreeing shapes, a
+symmetric positive definite metric, sane scalars. A file that fails any check
+raises one :class:`MikuError` naming the field, and nothing is loaded.
+
+A session id from a file is never trusted: one that is missing or not of the
+server's pattern (:func:`isagi.ids.is_session_id`) is replaced by a fresh one.
 """
 
 from __future__ import annotations
 
-import time
+import datetime as _dt
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +25,148 @@ import numpy as np
 from isagi import __version__
 from isagi.cog import Metric
 from isagi.errors import MikuError
+from isagi.ids import is_session_id, new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.ugt import Basis
 
 if TYPE_CHECKING:
     from isagi.agent import Engine, Session
+    from storage.miku import MikuState
 
 FORMAT_VERSION = 2
+SESSION_TENSORS = ("metric", "basis", "mu", "singular_values")
+ROLES = frozenset({"user", "assistant", "system"})
+# Bounds of a session's scalars: anything outside is damage, not a session.
+MAX_METRIC_COUNT = 10**12  # metric version / updates / floor events
+MAX_METRIC_WINDOW = 10**7
+MAX_ETA = 1e6  # eta and eig_floor: finite, > 0, at most this
+MAX_TIMESTAMP = 1e11  # seconds since 1970 (the year 5138)
+MAX_TITLE_CHARS = 1000
+# |M - M^T| <= SYMMETRY_RTOL * max|M| + SYMMETRY_ATOL (Metric keeps M exactly symmetric)
+SYMMETRY_RTOL = 1e-8
+SYMMETRY_ATOL = 1e-12
+
+
+def _bad(where: str, field: str, what: str) -> MikuError:
+    return MikuError(f"{where}: {field} {what}; the file is damaged or not an ISAGI session.")
+
+
+def _float_array(where: str, field: str, arr: object, shape: tuple[int, ...]) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        raise _bad(where, field, "is missing or not an array")
+    if arr.dtype.kind != "f" or arr.dtype.itemsize < 4:
+        raise _bad(where, field, f"has dtype {arr.dtype}, expected float32 or float64")
+    if arr.shape != shape:
+        raise _bad(where, field, f"has shape {list(arr.shape)}, expected {list(shape)}")
+    if not np.isfinite(arr).all():
+        raise _bad(where, field, "holds NaN or infinite values")
+    return arr
+
+
+def _int_array(where: str, field: str, arr: object, n: int, lo: int) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+        raise _bad(where, field, "is missing or not an integer array")
+    if arr.shape != (n,):
+        raise _bad(where, field, f"has shape {list(arr.shape)}, expected [{n}]")
+    if n and int(arr.min()) < lo:
+        raise _bad(where, field, f"holds a value below {lo}")
+    return arr
+
+
+def _number(where: str, field: str, v: object, lo: float, hi: float, *, whole: bool) -> float:
+    ok = isinstance(v, int | float) and not isinstance(v, bool)
+    if ok and whole:
+        ok = isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v == int(v))
+    if ok:
+        try:
+            ok = math.isfinite(float(v)) and lo <= v <= hi  # type: ignore[operator]
+        except OverflowError:
+            ok = False
+    if not ok:
+        kind = "a whole number" if whole else "a finite number"
+        raise _bad(where, field, f"= {str(v)[:40]} is not {kind} in [{lo:g}, {hi:g}]")
+    return float(v)  # type: ignore[arg-type]
+
+
+def check_session_state(state: MikuState, where: str | Path = "session") -> None:
+    """Raise :class:`MikuError` naming the field unless ``state`` is a loadable session.
+
+    Checks the session tensors (present, float32/64, finite, shapes agreeing
+    with the header's d and k), the metric (symmetric, Cholesky succeeds), the
+    trajectory columns (shapes, dtypes, finite coordinates), the metric's
+    scalars and the messages' roles. Builds nothing.
+    """
+    where = str(where)
+    header, tensors, extra, traj = state.header, state.tensors, state.extra, state.trajectories
+    d, k = int(header["d"]), int(header["k"])
+    for name in SESSION_TENSORS:
+        if name not in tensors:
+            raise MikuError(f"{where}: the session file has no {name!r} tensor; it is not an ISAGI session.")
+    if k > d:
+        raise _bad(where, "header k", f"= {k} is larger than d = {d}")
+    _float_array(where, "basis", tensors["basis"], (d, k))
+    _float_array(where, "mu", tensors["mu"], (d,))
+    sv = _float_array(where, "singular_values", tensors["singular_values"], (k,))
+    if k and float(sv.min()) < 0:
+        raise _bad(where, "singular_values", "holds a negative value")
+    m = _float_array(where, "metric", tensors["metric"], (k, k)).astype(np.float64)
+    if not np.allclose(m, m.T, rtol=0.0, atol=SYMMETRY_RTOL * float(np.abs(m).max()) + SYMMETRY_ATOL):
+        raise _bad(where, "metric", "is not symmetric")
+    try:
+        np.linalg.cholesky(0.5 * (m + m.T))
+    except np.linalg.LinAlgError:
+        raise _bad(where, "metric", "is not positive definite") from None
+
+    ms = extra.get("metric", {})
+    if not isinstance(ms, dict):
+        raise _bad(where, "extra.metric", "is not a map")
+    if "k" in ms:
+        _number(where, "metric k", ms["k"], k, k, whole=True)
+    for key in ("eta", "eig_floor"):
+        if key in ms:
+            v = _number(where, f"metric {key}", ms[key], 0.0, MAX_ETA, whole=False)
+            if v <= 0:
+                raise _bad(where, f"metric {key}", "must be greater than 0")
+    counts = {
+        key: _number(where, f"metric {key}", ms.get(key, 0), 0, MAX_METRIC_COUNT, whole=True)
+        for key in ("version", "updates", "floor_events")
+    }
+    if not counts["floor_events"] <= counts["updates"] <= counts["version"]:
+        raise _bad(where, "metric counts", "are inconsistent (floor_events <= updates <= version)")
+    if "window" in ms:
+        _number(where, "metric window", ms["window"], 0, MAX_METRIC_WINDOW, whole=True)
+    if "basis_explained" in extra:
+        _number(where, "basis_explained", extra["basis_explained"], 0.0, 1.0, whole=False)
+    if "created" in extra:
+        _number(where, "created", extra["created"], 0.0, MAX_TIMESTAMP, whole=False)
+    title = extra.get("title")
+    if title is not None and (not isinstance(title, str) or len(title) > MAX_TITLE_CHARS):
+        raise _bad(where, "title", f"must be a string of at most {MAX_TITLE_CHARS} characters")
+
+    if traj:
+        n = state.n_trajectories
+        for name in ("query_x", "reply_x"):
+            _float_array(where, f"trajectories {name}", traj.get(name), (n, k))
+        for name in ("created", "last_hit"):
+            arr = _float_array(where, f"trajectories {name}", traj.get(name), (n,))
+            if n and (float(arr.min()) < 0 or float(arr.max()) > MAX_TIMESTAMP):
+                raise _bad(where, f"trajectories {name}", "holds a time out of range")
+        _int_array(where, "trajectories id", traj.get("id"), n, 0)
+        _int_array(where, "trajectories cluster", traj.get("cluster"), n, -1)
+        _int_array(where, "trajectories hits", traj.get("hits"), n, 0)
+    for i, msg in enumerate(state.conversation):
+        if msg["role"] not in ROLES:
+            raise _bad(where, f"message {i}", f"has role {msg['role'][:20]!r}, not one of {sorted(ROLES)}")
+
+
+def _created(header: dict[str, Any], extra: dict[str, Any]) -> float:
+    """The session's creation time: exact from extra, else the header's ISO time."""
+    if isinstance(extra.get("created"), int | float):
+        return float(extra["created"])
+    t = _dt.datetime.fromisoformat(header["created"])  # checked by the reader
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.UTC)
+    return t.timestamp()
 
 
 def session_state(engine: Engine, session: Session) -> Any:
@@ -40,6 +183,7 @@ def session_state(engine: Engine, session: Session) -> Any:
     }
     extra: dict[str, Any] = {
         "session_id": session.id,
+        "created": float(session.created),  # exact; the header holds it to the second
         "title": session.title or "",
         "profile_key": engine.profile.key,
         "basis_explained": float(b.explained),
@@ -48,7 +192,7 @@ def session_state(engine: Engine, session: Session) -> Any:
     }
     header = {
         "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(session.created)),
+        "created": _dt.datetime.fromtimestamp(session.created, _dt.UTC).isoformat(timespec="seconds"),
         "isagi_version": __version__,
         "model_id": engine.lm.model_id,
         "model_fingerprint": engine.lm.fingerprint,
@@ -78,7 +222,12 @@ def save_session(engine: Engine, session: Session, path: Path) -> None:
 
 
 def load_session(engine: Engine, path: Path, *, allow_other_model: bool = False) -> Session:
-    """Restore a session from ``path``; raise :class:`MikuError` if it does not fit this engine."""
+    """Restore a session from ``path``; raise :class:`MikuError` if it does not fit this engine.
+
+    Everything is checked (:func:`check_session_state`) before anything is
+    built. A missing or malformed session id in the file is replaced by a
+    fresh :func:`~isagi.ids.new_session_id`; the file's own id is not kept.
+    """
     from isagi.agent import Session
     from storage.miku import read_miku
 
@@ -86,38 +235,37 @@ def load_session(engine: Engine, path: Path, *, allow_other_model: bool = False)
         path, expected_fingerprint=engine.lm.fingerprint, allow_other_model=allow_other_model
     )
     header, tensors, extra = state.header, state.tensors, state.extra
-    for name in ("metric", "basis", "mu", "singular_values"):
-        if name not in tensors:
-            raise MikuError(f"{path}: the session file has no {name!r} tensor; it is not an ISAGI session.")
-    k, d = int(header["k"]), int(header["d"])
+    d = int(header["d"])
     if d != engine.lm.hidden_size:
         raise MikuError(
             f"{path}: the session was made with hidden size {d}, this model has "
             f"{engine.lm.hidden_size}; load it with the model it was saved with."
         )
-    if tensors["basis"].shape != (d, k) or tensors["metric"].shape != (k, k):
-        raise MikuError(f"{path}: basis or metric shape does not match d={d}, k={k}.")
+    check_session_state(state, path)
+    k = int(header["k"])
     basis = Basis(
-        B=tensors["basis"],
-        mu=tensors["mu"],
-        singular_values=tensors["singular_values"],
+        B=tensors["basis"].astype(np.float32, copy=False),
+        mu=tensors["mu"].astype(np.float32, copy=False),
+        singular_values=tensors["singular_values"].astype(np.float32, copy=False),
         explained=float(extra.get("basis_explained", 0.0)),
     )
-    metric_state: dict[str, Any] = dict(extra.get("metric", {}))
+    defaults = Metric(k)  # what a file that leaves them out (an import) gets
+    metric_state: dict[str, Any] = {"k": k, "eta": defaults.eta, "eig_floor": defaults.eig_floor}
+    metric_state.update(extra.get("metric", {}))
     metric_state["M"] = tensors["metric"]
     try:
         metric = Metric.from_state(metric_state)
         memory = TrajectoryMemory.from_columns(state.trajectories, k)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise MikuError(f"{path}: the trajectories or the metric are inconsistent ({exc}).") from exc
-    created = time.time()
-    session = Session(
-        id=str(extra.get("session_id") or path.stem),
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:
+        raise MikuError(f"{path}: the trajectories or the metric are inconsistent ({exc}).") from None
+    sid = extra.get("session_id")
+    title = extra.get("title") or None
+    return Session(
+        id=sid if is_session_id(sid) else new_session_id(),
         basis=basis,
         metric=metric,
         memory=memory,
         messages=state.conversation,  # fresh dicts from the reader, owned by nobody else
-        created=created,
-        title=str(extra.get("title") or "") or None,
+        created=_created(header, extra),
+        title=title,
     )
-    return session

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -59,7 +60,7 @@ import numpy as np
 
 from isagi.errors import MikuError, StorageError
 from storage.miku import (
-    MAX_FILE_BYTES,
+    MAX_MIKU_BYTES,
     MikuState,
     _check_extra,
     new_header,
@@ -67,6 +68,19 @@ from storage.miku import (
 )
 
 LEGACY_UNKNOWN_FINGERPRINT = "legacy-v1-unknown"
+# Each file of the pair: a 10,000-turn session's pair is ~16 MB in all.
+MAX_LEGACY_BYTES = MAX_MIKU_BYTES
+# JSON objects and arrays in the JSON file, counted (over-counted: brackets in
+# texts count too) before parsing: parsing ~3 bytes of "{}," makes a ~100-byte
+# dict, so the count, not the size, bounds the memory. A 10,000-turn session
+# has ~30,000.
+MAX_LEGACY_CONTAINERS = 400_000
+# Sane ranges of v1 numbers (anything else is damage, not a session).
+_MAX_TIMESTAMP = 1e11  # seconds since 1970: the year 5138
+_MAX_COUNT = 2**31 - 1  # hits and cluster ids are stored as int32
+# torch dtypes a tensor file may hold; anything else (float8, complex, ...) is refused
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_KNOWN_TENSORS = frozenset({"metric", "basis", "mu", "trajectory_coords", "response_coords"})
 
 
 def tensor_path(json_path: str | os.PathLike[str]) -> Path:
@@ -79,13 +93,28 @@ def _bad(path: Path, what: str) -> MikuError:
     return MikuError(f"{path} is not a valid legacy v1 session: {what}")
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a session can hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of the range of a float")
+    return value
+
+
 def _load_json(path: Path) -> dict[str, Any]:
     try:
         size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise _bad(path, f"{size} bytes is larger than the limit of {MAX_FILE_BYTES}")
-        text = path.read_bytes().decode("utf-8")
-        doc = json.loads(text)
+        if size > MAX_LEGACY_BYTES:
+            raise _bad(path, f"{size} bytes is larger than the limit of {MAX_LEGACY_BYTES}")
+        raw = path.read_bytes()
+        if raw.count(b"{") + raw.count(b"[") > MAX_LEGACY_CONTAINERS:
+            raise _bad(path, f"more than {MAX_LEGACY_CONTAINERS} JSON objects and arrays")
+        doc = json.loads(
+            raw.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float
+        )
     except FileNotFoundError:
         raise MikuError(f"{path} does not exist") from None
     except MikuError:
@@ -109,7 +138,7 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
 
     if not path.is_file():
         raise MikuError(f"{path} (the tensor file of the legacy session) does not exist")
-    if path.stat().st_size > MAX_FILE_BYTES:
+    if path.stat().st_size > MAX_LEGACY_BYTES:
         raise _bad(path, "tensor file is too large")
     try:
         # weights_only=True: a restricted unpickler that only rebuilds tensors
@@ -136,21 +165,56 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
     for name, t in obj.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise _bad(path, f"entry {str(name)[:40]!r} is not a named tensor")
-        if t.is_complex() or t.is_quantized or t.is_sparse:
-            raise _bad(path, f"tensor {name!r} has unsupported dtype {t.dtype}")
+        if name not in _KNOWN_TENSORS:
+            continue  # nothing of v1 but the known tensors is imported
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.is_quantized or t.is_sparse or dtype not in _FLOAT_DTYPES:
+            raise _bad(
+                path,
+                f"tensor {name[:40]!r} has dtype {dtype}; a session's tensors are floating point "
+                f"({', '.join(_FLOAT_DTYPES)})",
+            )
+        if t.dim() > 2:
+            raise _bad(path, f"tensor {name[:40]!r} has {t.dim()} dimensions, at most 2")
         t = t.detach().cpu()
-        if t.dtype in (torch.bfloat16,):
+        if t.dtype in (torch.bfloat16, torch.float16):
             t = t.to(torch.float32)
-        out[name] = t.contiguous().numpy()
+        arr = t.contiguous().numpy()
+        if not np.isfinite(arr).all():
+            raise _bad(path, f"tensor {name[:40]!r} holds NaN or infinite values")
+        out[name] = arr
     return out
 
 
-def _num(path: Path, where: str, v: Any, default: float | None = None) -> float:
+def _num(
+    path: Path,
+    where: str,
+    v: Any,
+    default: float | None = None,
+    *,
+    lo: float = -_MAX_TIMESTAMP,
+    hi: float = _MAX_TIMESTAMP,
+) -> float:
+    """``v`` as a finite float in ``[lo, hi]`` (``default`` when absent)."""
     if v is None and default is not None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise _bad(path, f"{where} must be a number")
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond any float (10**400)
+        f = math.inf
+    if not (math.isfinite(f) and lo <= f <= hi):
+        raise _bad(path, f"{where} = {str(v)[:40]} is out of range ({lo:g} to {hi:g})")
+    return f
+
+
+def _count(path: Path, where: str, v: Any, default: int, lo: int) -> int:
+    """``v`` as an integer in ``[lo, 2**31 - 1]`` (``default`` when absent)."""
+    f = _num(path, where, v, float(default), lo=lo, hi=_MAX_COUNT)
+    if f != int(f):
+        raise _bad(path, f"{where} = {str(v)[:40]} is not a whole number")
+    return int(f)
 
 
 def read_legacy(
@@ -226,10 +290,10 @@ def read_legacy(
             if not isinstance(v, str):
                 raise _bad(path, f"{where}.{key} must be a string")
             dest.append(v)
-        created_t[i] = _num(path, f"{where}.timestamp", row.get("timestamp"), 0.0)
-        last_hit[i] = _num(path, f"{where}.last_hit", row.get("last_hit"), created_t[i])
-        hits[i] = int(_num(path, f"{where}.hits", row.get("hits"), 0.0))
-        cluster[i] = int(_num(path, f"{where}.cluster", row.get("cluster"), -1.0))
+        created_t[i] = _num(path, f"{where}.timestamp", row.get("timestamp"), 0.0, lo=0.0)
+        last_hit[i] = _num(path, f"{where}.last_hit", row.get("last_hit"), created_t[i], lo=0.0)
+        hits[i] = _count(path, f"{where}.hits", row.get("hits"), 0, lo=0)
+        cluster[i] = _count(path, f"{where}.cluster", row.get("cluster"), -1, lo=-1)
     trajectories: dict[str, np.ndarray | list[str]] = {
         "id": np.arange(n, dtype=np.int64),
         "query_x": q_x.astype(np.float32),
@@ -261,12 +325,14 @@ def read_legacy(
             raise _bad(path, f"conversation[{i}].content must be a string")
         msg: dict[str, Any] = {"role": m["role"], "text": text}
         if m.get("timestamp") is not None:
-            msg["created"] = _num(path, f"conversation[{i}].timestamp", m["timestamp"])
+            msg["created"] = _num(path, f"conversation[{i}].timestamp", m["timestamp"], lo=0.0)
         conversation.append(msg)
 
     legacy_extra: dict[str, Any] = {"version": doc["version"]}
     if doc.get("metric_growth") is not None:
-        legacy_extra["metric_growth"] = _num(path, "metric_growth", doc["metric_growth"])
+        legacy_extra["metric_growth"] = _num(
+            path, "metric_growth", doc["metric_growth"], lo=0.0, hi=1e300
+        )
     settings = doc.get("settings", {})
     if not isinstance(settings, dict):
         raise _bad(path, "'settings' must be an object")

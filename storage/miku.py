@@ -98,6 +98,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import errno
+import functools
 import gc
 import hashlib
 import io
@@ -141,10 +142,23 @@ DTYPES: dict[str, np.dtype] = {
 }
 _NATIVE_LE = sys.byteorder == "little"
 
-# Bounds. A reader refuses anything larger before allocating for it.
-MAX_FILE_BYTES = 4 * 1024**3  # 4 GiB
+# Bounds. A reader refuses anything larger before allocating for it; the writer
+# refuses the same, so every file it writes can be read back.
+#
+# The largest real session: `isagi bench miku --turns 10000` (10,000 turns,
+# texts of 100-300 characters, every message field the app stores, k=64,
+# d=576) writes a file of REAL_10K_TURNS_BYTES. The limit leaves a 5x margin
+# over it and holds a session at the trajectory memory's cap (50,000 turns).
+MAX_MIKU_BYTES = 64 * 1024**2  # 64 MiB: the largest .miku read, written or uploaded
+MAX_MESSAGES = 100_000  # 50,000 turns
+MAX_TRAJECTORIES = 100_000  # the trajectory memory keeps at most 50,000
+MAX_STRINGS = 600_000  # distinct texts: ~5 per turn (messages, queries, keys)
+MAX_MESSAGE_FIELDS = 32  # per-message fields besides role and text
+MAX_MESSAGE_CELLS = 1_500_000  # field values over all messages (~14 per turn)
+MAX_META_ITEMS = 400_000  # msgpack objects in the meta (every nested item counts)
+MAX_META_DEPTH = 24  # nesting of the meta (a tensor in extra settings is ~12)
 MAX_STR_BYTES = 4 * 1024**2  # v2.0: one text (a message, a query) at most 4 MiB
-MAX_LIST_LEN = 20_000_000  # trajectories, messages, strings, shape entries
+MAX_LIST_LEN = MAX_META_ITEMS  # one list in the meta (v2.0 string lists, mixed fields)
 MAX_MAP_LEN = 10_000  # keys in one map (tensor names, header fields, settings)
 MAX_TENSOR_ELEMENTS = 2**31
 MAX_NDIM = 8
@@ -152,7 +166,6 @@ MAX_NAME_LEN = 256
 MAX_EXTRA_DEPTH = 8
 MAX_RECORD_LEN = 1024
 _WRITE_CHUNK = 8 * 1024**2
-_READ_CHUNK = 8 * 1024**2
 _HASH_CHUNK = 512 * 1024  # read and hash in pieces that fit in L2
 
 # Text groups: (largest code point, encoding). Separators are tried in order.
@@ -291,7 +304,7 @@ def _check_extra(obj: object, where: str, depth: int = 0) -> None:
         return
     if isinstance(obj, list):
         if len(obj) > MAX_LIST_LEN:
-            raise _fail(where, "list too long")
+            raise _fail(where, f"list of {len(obj)} items, more than {MAX_LIST_LEN}")
         for i, v in enumerate(obj):
             _check_extra(v, f"{where}[{i}]", depth + 1)
         return
@@ -324,8 +337,8 @@ def _check_message(i: int, msg: object) -> dict[str, Any]:
 def _check_conversation(conv: object) -> list[dict[str, Any]]:
     if not isinstance(conv, list):
         raise _fail("conversation", f"expected a list of messages, found {type(conv).__name__}")
-    if len(conv) > MAX_LIST_LEN:
-        raise _fail("conversation", "too many messages")
+    if len(conv) > MAX_MESSAGES:
+        raise _fail("conversation", f"{len(conv)} messages, more than the limit {MAX_MESSAGES}")
     for i, msg in enumerate(conv):
         _check_message(i, msg)
     return conv
@@ -399,6 +412,8 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
         if isinstance(arr, np.ndarray):
             _check_shape_against_header(name, arr, header, None)
     n = state.n_trajectories
+    if n > MAX_TRAJECTORIES:
+        raise _fail("trajectories", f"{n} rows, more than the limit {MAX_TRAJECTORIES}")
     table: dict[str, int] = {}
     text_cols: dict[str, np.ndarray] = {}  # column name -> table indices (before grouping)
     for name, col in _check_map("trajectories", state.trajectories).items():
@@ -425,6 +440,17 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
     extra = _check_map("extra", state.extra)
     _check_extra(extra, "extra")
     conv = _conversation_columns(conversation, table)
+    if len(conv["fields"]) > MAX_MESSAGE_FIELDS:
+        raise _fail(
+            "conversation", f"{len(conv['fields'])} message fields, more than {MAX_MESSAGE_FIELDS}"
+        )
+    cells = sum(
+        conv["n"] if rows is None else len(rows) for rows, _, _ in conv["fields"].values()
+    )
+    if cells > MAX_MESSAGE_CELLS:
+        raise _fail("conversation", f"{cells} field values, more than {MAX_MESSAGE_CELLS}")
+    if len(table) > MAX_STRINGS:
+        raise _fail("strings", f"{len(table)} distinct texts, more than the limit {MAX_STRINGS}")
 
     # the session's own arrays first, then what only rebuilds texts and messages
     tensors = {name: area.tensor(f"tensors[{name!r}]", arr) for name, arr in state.tensors.items()}
@@ -589,7 +615,14 @@ def _encode_parts(state: MikuState, checksum: str) -> list[bytes]:
         meta_bytes = msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MikuError(f"session cannot be encoded: {exc}") from None
+    _scan(meta_bytes, "meta")  # what a reader would refuse is not written
     parts = [_META_LEN.pack(len(meta_bytes)) + meta_bytes, *area.chunks]
+    total = sum(map(len, parts)) + _PREFIX.size + MAX_RECORD_LEN
+    if total > MAX_MIKU_BYTES:
+        raise MikuError(
+            f"the session is too large to save ({total} bytes; the limit is {MAX_MIKU_BYTES}): "
+            "start a new session"
+        )
     hasher = _Hasher(checksum)
     for part in parts:
         hasher.update(part)
@@ -671,7 +704,99 @@ def _fsync_dir(directory: Path) -> None:
 # --------------------------------------------------------------------------- decode
 
 
-def _unpack(buf: bytes | memoryview, where: str) -> Any:
+@functools.cache
+def _msgpack_kinds() -> tuple[tuple[int, int], ...]:
+    """For each first byte of a msgpack object: (kind, n).
+
+    kind 0: a scalar of n bytes in all; 1: str/bin with an n-byte length;
+    2: array with an n-byte count; 3: map with an n-byte count; 4: fixarray,
+    5: fixmap, 6: fixstr (n = the low bits hold the size); -1: refused
+    (extension types, the unused 0xc1).
+    """
+    kinds = [(-1, 0)] * 256
+    for b in range(0x80):
+        kinds[b] = (0, 1)  # positive fixint
+    for b in range(0xE0, 0x100):
+        kinds[b] = (0, 1)  # negative fixint
+    for b in range(0x80, 0x90):
+        kinds[b] = (5, 0)
+    for b in range(0x90, 0xA0):
+        kinds[b] = (4, 0)
+    for b in range(0xA0, 0xC0):
+        kinds[b] = (6, 0)
+    for b in (0xC0, 0xC2, 0xC3):
+        kinds[b] = (0, 1)  # nil, false, true
+    for b, n in ((0xCA, 5), (0xCB, 9), (0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9)):
+        kinds[b] = (0, n)  # float32/64, uint8..64
+    for b, n in ((0xD0, 2), (0xD1, 3), (0xD2, 5), (0xD3, 9)):
+        kinds[b] = (0, n)  # int8..64
+    for b, n in ((0xC4, 1), (0xC5, 2), (0xC6, 4), (0xD9, 1), (0xDA, 2), (0xDB, 4)):
+        kinds[b] = (1, n)  # bin8/16/32, str8/16/32
+    kinds[0xDC], kinds[0xDD] = (2, 2), (2, 4)
+    kinds[0xDE], kinds[0xDF] = (3, 2), (3, 4)
+    return tuple(kinds)
+
+
+def _scan(buf: bytes, where: str) -> None:
+    """Check one msgpack object's structure without building any of it.
+
+    Counts every object (a container's declared items count as soon as its
+    header is read, before any of them), bounds the total by MAX_META_ITEMS
+    and the nesting by MAX_META_DEPTH, and checks that every declared length
+    fits in the bytes that are left. Only then may ``msgpack`` build objects:
+    what it builds is bounded by the counts checked here, not by what a
+    small file can declare (a few bytes per empty map made ~72 bytes each).
+    """
+    kinds = _msgpack_kinds()
+    end = len(buf)
+    pos = 0
+    items = 1
+    stack = [1]  # objects still to read in each open container
+    from_bytes = int.from_bytes
+    while stack:
+        if not stack[-1]:
+            stack.pop()
+            continue
+        stack[-1] -= 1
+        if pos >= end:
+            raise _fail(where, "not valid msgpack (truncated)")
+        b = buf[pos]
+        kind, n = kinds[b]
+        if kind == 0:
+            pos += n
+            continue
+        if kind == 6:
+            pos += 1 + (b & 0x1F)
+            continue
+        if kind == 1:
+            size = from_bytes(buf[pos + 1 : pos + 1 + n], "big")
+            pos += 1 + n + size
+            if pos > end:
+                raise _fail(where, f"not valid msgpack (a {size}-byte string or blob does not fit)")
+            continue
+        if kind == 4 or kind == 5:
+            count = (b & 0x0F) * (2 if kind == 5 else 1)
+            pos += 1
+        elif kind == 2 or kind == 3:
+            count = from_bytes(buf[pos + 1 : pos + 1 + n], "big") * (2 if kind == 3 else 1)
+            pos += 1 + n
+        else:
+            raise _fail(where, f"not valid msgpack (type byte 0x{b:02x} is not allowed)")
+        if count:
+            items += count
+            if items > MAX_META_ITEMS:
+                raise _fail(where, f"holds more than {MAX_META_ITEMS} items")
+            if count > end - pos:
+                raise _fail(where, f"not valid msgpack ({count} items declared, {end - pos} bytes left)")
+            if len(stack) >= MAX_META_DEPTH:
+                raise _fail(where, f"nested deeper than {MAX_META_DEPTH} levels")
+            stack.append(count)
+    if pos != end:
+        raise _fail(where, f"not valid msgpack ({end - pos} bytes after the end)" if pos < end else "not valid msgpack (truncated)")
+
+
+def _unpack(buf: bytes, where: str) -> Any:
+    _scan(buf, where)
     try:
         return msgpack.unpackb(
             buf,
@@ -679,7 +804,7 @@ def _unpack(buf: bytes | memoryview, where: str) -> Any:
             use_list=True,
             strict_map_key=True,
             max_str_len=MAX_STR_BYTES,
-            max_bin_len=MAX_FILE_BYTES,
+            max_bin_len=MAX_MIKU_BYTES,
             max_array_len=MAX_LIST_LEN,
             max_map_len=MAX_MAP_LEN,
             max_ext_len=0,
@@ -739,6 +864,8 @@ class _Inline:
     def strings(self, obj: object) -> list[str]:
         if not isinstance(obj, list):
             raise _fail("strings", f"expected a list of strings, found {type(obj).__name__}")
+        if len(obj) > MAX_STRINGS:
+            raise _fail("strings", f"{len(obj)} texts, more than the limit {MAX_STRINGS}")
         if not all(type(t) is str for t in obj):
             bad = next(i for i, t in enumerate(obj) if type(t) is not str)
             raise _fail("strings", f"entry {bad} is a {type(obj[bad]).__name__}, not a string")
@@ -764,8 +891,8 @@ class _Loaded:
         if obj.keys() != {"n", "groups"}:
             raise _fail("strings", "fields must be n and groups")
         n, groups = obj["n"], obj["groups"]
-        if not _is_int(n) or not 0 <= n <= MAX_LIST_LEN:
-            raise _fail("strings", f"string count {str(n)[:40]} is invalid")
+        if not _is_int(n) or not 0 <= n <= MAX_STRINGS:
+            raise _fail("strings", f"string count {str(n)[:40]} is invalid (at most {MAX_STRINGS})")
         if not isinstance(groups, list):
             raise _fail("strings", f"groups must be a list, found {type(groups).__name__}")
         out: list[str] = []
@@ -846,8 +973,10 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
     if set(traj) != {"n", "columns"}:
         raise _fail("trajectories", "fields must be n and columns")
     n = traj["n"]
-    if not _is_int(n) or not 0 <= n <= MAX_LIST_LEN:
-        raise _fail("trajectories", f"row count {str(n)[:40]} is invalid")
+    if not _is_int(n) or not 0 <= n <= MAX_TRAJECTORIES:
+        raise _fail(
+            "trajectories", f"row count {str(n)[:40]} is invalid (at most {MAX_TRAJECTORIES})"
+        )
     trajectories: dict[str, np.ndarray | list[str]] = {}
     for name, obj in _check_map("trajectories.columns", traj["columns"]).items():
         _check_name("trajectories", name)
@@ -899,12 +1028,18 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
     if set(obj) != {"n", "role", "text", "fields"}:
         raise _fail("conversation", "fields must be n, role, text and fields")
     n = obj["n"]
-    if not _is_int(n) or not 0 <= n <= MAX_LIST_LEN:
-        raise _fail("conversation", f"message count {str(n)[:40]} is invalid")
+    if not _is_int(n) or not 0 <= n <= MAX_MESSAGES:
+        raise _fail(
+            "conversation", f"message count {str(n)[:40]} is invalid (at most {MAX_MESSAGES})"
+        )
     roles = _text_array("conversation.role", obj["role"], strings, n, dec)
     texts = _text_array("conversation.text", obj["text"], strings, n, dec)
     columns: list[tuple[str, list[int] | None, list[Any]]] = []
-    for key, col in _check_map("conversation.fields", obj["fields"]).items():
+    fields = _check_map("conversation.fields", obj["fields"])
+    if len(fields) > MAX_MESSAGE_FIELDS:
+        raise _fail("conversation", f"{len(fields)} message fields, more than {MAX_MESSAGE_FIELDS}")
+    cells = 0
+    for key, col in fields.items():
         _check_name("conversation.fields", key)
         where = f"conversation.fields[{key!r}]"
         if key in ("role", "text"):
@@ -926,6 +1061,9 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
                     where, "rows must be increasing message numbers within the conversation"
                 )
         count = n if rows is None else int(rows.shape[0])
+        cells += count
+        if cells > MAX_MESSAGE_CELLS:
+            raise _fail("conversation", f"more than {MAX_MESSAGE_CELLS} field values in all")
         values = _decode_values(where, col["values"], strings, count, dec)
         columns.append((key, rows, values))
     # one pass builds each message with the first field every message has (the
@@ -984,25 +1122,25 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def _read_into(f: BinaryIO, buf: memoryview, hasher: _Hasher | None) -> None:
-    """Fill ``buf`` from ``f``, hashing each chunk while it is still in cache.
-
-    What was read is hashed even when the file ends early.
-    """
+def _read_into(f: BinaryIO, buf: memoryview) -> None:
+    """Fill ``buf`` from ``f``."""
     got, size = 0, len(buf)
-    step = _HASH_CHUNK if hasher is not None else size
     while got < size:
-        n = f.readinto(buf[got : min(size, got + step)])
+        n = f.readinto(buf[got:])
         if not n:
             raise MikuError(f"is truncated (the data area ends {size - got} bytes early)")
-        if hasher is not None:
-            hasher.update(buf[got : got + n])
         got += n
 
 
-def _hash_rest(f: BinaryIO, hasher: _Hasher) -> None:
-    while chunk := f.read(_READ_CHUNK):
-        hasher.update(chunk)
+def _hash_rest(f: BinaryIO, hasher: _Hasher) -> int:
+    """Hash ``f`` from where it is to its end, one cache-sized piece at a time; return the bytes read."""
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    total = 0
+    while n := f.readinto(view):
+        hasher.update(view[:n])
+        total += n
+    return total
 
 
 class _Span(NamedTuple):
@@ -1062,13 +1200,13 @@ def _plan(meta: object, data_len: int) -> list[_Span]:
     return spans
 
 
-def _read_spans(f: BinaryIO, spans: list[_Span], hasher: _Hasher) -> dict[int, np.ndarray]:
+def _read_spans(f: BinaryIO, spans: list[_Span]) -> dict[int, np.ndarray]:
     """Read each tensor of the data area straight into its own (writable) array."""
     arrays: dict[int, np.ndarray] = {}
     for span in spans:
         arr = np.empty(span.shape, dtype=span.dtype)
         if span.nbytes:
-            _read_into(f, memoryview(arr.reshape(-1).view(np.uint8)), hasher)
+            _read_into(f, memoryview(arr.reshape(-1).view(np.uint8)))
         if not _NATIVE_LE and span.dtype.itemsize > 1:  # pragma: no cover - big-endian hosts
             arr = arr.astype(span.dtype.newbyteorder("="))
         arrays[id(span.desc)] = arr
@@ -1117,51 +1255,51 @@ def _load(
         raise MikuError(f"{path}: checksum algorithm {str(algo)[:40]!r} is not supported")
     if not isinstance(digest, bytes) or len(digest) != CHECKSUM_ALGOS[algo]:
         raise MikuError(f"{path}: checksum digest has the wrong type or length for {algo}")
-    payload_len = size - _PREFIX.size - rec_len
+    payload_start = _PREFIX.size + rec_len
+    payload_len = size - payload_start
+    # the checksum first, over the whole payload, in small pieces: nothing of
+    # the payload is parsed, decoded or allocated for before it is known
     hasher = _Hasher(algo)
-    mismatch = MikuError(f"{path} is corrupted: the {algo} checksum does not match its contents")
+    if _hash_rest(f, hasher) != payload_len:
+        raise MikuError(f"{path} changed size while it was read; try again")
+    ok = hasher.digest() == digest
+    if verify and not ok:
+        raise MikuError(f"{path} is corrupted: the {algo} checksum does not match its contents")
+    f.seek(payload_start)
 
-    def invalid(exc: Exception, ok: bool) -> MikuError:
+    def invalid(exc: Exception) -> MikuError:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         status = "" if verify else f" (checksum {'ok' if ok else 'mismatch'})"
         return MikuError(f"{path} is invalid{status}: {why}")
 
-    dec: _Decoder
+    gc_was_enabled = gc.isenabled()
     try:
+        dec: _Decoder
         if minor == 0:
-            payload = f.read(payload_len)
-            hasher.update(payload)
-            meta: Any = _unpack(payload, "payload")
+            meta: Any = _unpack(_read_exact(f, payload_len, "the payload"), "payload")
             dec = _Inline()
         else:
             meta_len = _META_LEN.unpack(_read_exact(f, _META_LEN.size, "the meta length"))[0]
             if meta_len > payload_len - _META_LEN.size:
                 raise MikuError(f"is truncated (meta of {meta_len} bytes does not fit)")
-            meta_bytes = _read_exact(f, meta_len, "the meta")
-            hasher.update(_META_LEN.pack(meta_len))
-            hasher.update(meta_bytes)
-            meta = _unpack(meta_bytes, "meta")
+            meta = _unpack(_read_exact(f, meta_len, "the meta"), "meta")
             spans = _plan(meta, payload_len - _META_LEN.size - meta_len)
-            dec = _Loaded(_read_spans(f, spans, hasher))
-    except (MikuError, RecursionError) as exc:
-        _hash_rest(f, hasher)
-        ok = hasher.digest() == digest
-        if verify and not ok:
-            raise mismatch from None
-        raise invalid(exc, ok) from None
-    ok = hasher.digest() == digest
-    if verify and not ok:
-        raise mismatch
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # tens of thousands of new objects; nothing cyclic to collect
-    try:
+            dec = _Loaded(_read_spans(f, spans))
+        gc.disable()  # tens of thousands of new objects; nothing cyclic to collect
         state = _decode_payload(meta, dec)
     except (MikuError, RecursionError) as exc:
-        raise invalid(exc, ok) from None
+        raise invalid(exc) from None
     finally:
         if gc_was_enabled:
             gc.enable()
     return state, algo, ok
+
+
+def _too_large(path: object, size: int) -> str:
+    return (
+        f"{path} is {size} bytes, larger than the limit of {MAX_MIKU_BYTES} bytes "
+        f"({MAX_MIKU_BYTES // 1024**2} MiB) for a session file"
+    )
 
 
 def _open(path: Path) -> tuple[BinaryIO, int]:
@@ -1174,11 +1312,9 @@ def _open(path: Path) -> tuple[BinaryIO, int]:
     except OSError as exc:
         raise MikuError(f"{path} cannot be read: {exc.strerror or exc}") from None
     size = os.fstat(f.fileno()).st_size
-    if size > MAX_FILE_BYTES:
+    if size > MAX_MIKU_BYTES:
         f.close()
-        raise MikuError(
-            f"{path} is {size} bytes, larger than the limit of {MAX_FILE_BYTES}: not a session file"
-        )
+        raise MikuError(_too_large(path, size))
     return f, size
 
 
@@ -1193,8 +1329,8 @@ def _load_path(path: Path, *, verify: bool) -> tuple[MikuState, str, bool, int]:
 
 def decode_miku(data: bytes, *, path: str | os.PathLike[str] = "<bytes>") -> MikuState:
     """Parse and validate the bytes of a ``.miku`` v2 file (v2.0 or v2.1)."""
-    if len(data) > MAX_FILE_BYTES:
-        raise MikuError(f"{path} is larger than the limit of {MAX_FILE_BYTES} bytes")
+    if len(data) > MAX_MIKU_BYTES:
+        raise MikuError(_too_large(path, len(data)))
     return _load(io.BytesIO(data), len(data), Path(path))[0]
 
 

@@ -253,7 +253,7 @@ def test_file_size_bound_is_checked_before_reading(
 ) -> None:
     path = tmp_path / "s.miku"
     write_miku(path, make_state())
-    monkeypatch.setattr(miku, "MAX_FILE_BYTES", path.stat().st_size - 1)
+    monkeypatch.setattr(miku, "MAX_MIKU_BYTES", path.stat().st_size - 1)
     with pytest.raises(MikuError, match="larger than the limit"):
         read_miku(path)
 

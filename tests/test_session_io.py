@@ -11,6 +11,7 @@ import pytest
 from isagi.agent import Session
 from isagi.cog import Metric
 from isagi.errors import MikuError
+from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.session_io import load_session, save_session
 from isagi.ugt import fit_basis
@@ -27,7 +28,7 @@ def _engine(fingerprint: str = "fp-1", d: int = 32) -> SimpleNamespace:
 def _session(d: int = 32, k: int = 8) -> Session:
     rng = np.random.default_rng(0)
     basis = fit_basis(rng.normal(size=(50, d)).astype(np.float32), k)
-    s = Session(id="abc123", basis=basis, metric=Metric(k), memory=TrajectoryMemory(k))
+    s = Session(id=new_session_id(), basis=basis, metric=Metric(k), memory=TrajectoryMemory(k))
     for i in range(5):
         x = rng.normal(size=k).astype(np.float32)
         s.metric.update(x)
