@@ -19,6 +19,7 @@ from typing import Any
 
 from isagi.config import Settings
 from isagi.errors import ConfigError
+from storage.miku import MAX_MIKU_BYTES
 
 DEFAULT_IDLE_MINUTES = 30.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -120,7 +121,7 @@ def create_app(
         app, blocks, path="/", auth=auth,
         auth_message="ISAGI: log in with a user of ISAGI_AUTH." if auth else None,
         css=CSS, footer_links=["api", "settings"], show_error=True, ssr_mode=False,
-        run_history=False, max_file_size="200mb",
+        run_history=False, max_file_size=MAX_MIKU_BYTES,  # fits a 10,000-turn session 4.5x
     )
 
 

@@ -146,9 +146,10 @@ _NATIVE_LE = sys.byteorder == "little"
 # refuses the same, so every file it writes can be read back.
 #
 # The largest real session: `isagi bench miku --turns 10000` (10,000 turns,
-# texts of 100-300 characters, every message field the app stores, k=64,
-# d=576) writes a file of REAL_10K_TURNS_BYTES. The limit leaves a 5x margin
-# over it and holds a session at the trajectory memory's cap (50,000 turns).
+# texts of 100-300 characters, every field the app stores with a message and
+# a trajectory, k=64, d=576) writes a file of 14,850,839 bytes (14.2 MiB;
+# loading it peaks at 38.7 MB traced, 2.6x the file). The limit is 4.5x that
+# and about a session at the trajectory memory's cap (50,000 turns).
 MAX_MIKU_BYTES = 64 * 1024**2  # 64 MiB: the largest .miku read, written or uploaded
 MAX_MESSAGES = 100_000  # 50,000 turns
 MAX_TRAJECTORIES = 100_000  # the trajectory memory keeps at most 50,000

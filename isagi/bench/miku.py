@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,16 @@ def _text(rng: np.random.Generator, lo: int = 100, hi: int = 300) -> str:
     return " ".join(out)[:target]
 
 
-def synthetic_state(turns: int = 10_000, k: int = 64, d: int = 576, seed: int = 0) -> Any:
-    """A realistic ``MikuState`` of ``turns`` exchanges (deterministic for a seed)."""
+def synthetic_state(
+    turns: int = 10_000, k: int = 64, d: int = 576, seed: int = 0, *, app_fields: bool = False
+) -> Any:
+    """A realistic ``MikuState`` of ``turns`` exchanges (deterministic for a seed).
+
+    With ``app_fields`` it holds all that a session saved by the app holds:
+    every field the app stores with a reply (a dozen, some of them None on the
+    first turn), the key columns of the trajectories, the singular values.
+    Without, only what the legacy v1 pair can also hold (the timing comparison).
+    """
     from storage.miku import MikuState, new_header
 
     rng = np.random.default_rng(seed)
@@ -53,18 +62,36 @@ def synthetic_state(turns: int = 10_000, k: int = 64, d: int = 576, seed: int = 
     basis, _ = np.linalg.qr(rng.standard_normal((d, k)))
     now = time.time()
     created = now - np.sort(rng.uniform(0, 86400 * 30, turns))[::-1]
+    zones = ("science", "history", "code", "chat", None)
     conversation = []
     for i in range(turns):
-        conversation.append({"role": "user", "text": queries[i], "created": float(created[i])})
+        t = float(created[i])
+        if not app_fields:
+            conversation.append({"role": "user", "text": queries[i], "created": t})
+            conversation.append(
+                {"role": "assistant", "text": replies[i], "created": t + 1.0, "tier": tiers[i]}
+            )
+            continue
+        first = i == 0  # nothing stored yet: no distance, no nearest query (as the app writes)
+        conversation.append({"role": "user", "text": queries[i], "time": t})
         conversation.append(
-            {
+            {  # every field the app stores with a reply (isagi.agent.Engine.stream_turn)
                 "role": "assistant",
                 "text": replies[i],
-                "created": float(created[i]) + 1.0,
+                "time": t + 1.0,
                 "tier": tiers[i],
+                "distance": None if first else float(rng.uniform(0, 1)),
+                "nearest_query": None if first else queries[int(rng.integers(i))],
+                "zone": zones[int(rng.integers(len(zones)))],
+                "teh_prompt": float(rng.uniform(0, 1)),
+                "teh_reply": float(rng.uniform(0, 1)),
+                "verdict": "ok",
+                "latency_s": float(rng.uniform(0.2, 3)),
+                "new_tokens": int(rng.integers(8, 256)),
+                "metric_growth": float(i) * 1e-3,
             }
         )
-    return MikuState(
+    state = MikuState(
         header=new_header(
             model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
             model_fingerprint="bench-" + "0" * 58,
@@ -94,6 +121,11 @@ def synthetic_state(turns: int = 10_000, k: int = 64, d: int = 576, seed: int = 
             "settings": {"tau": 0.5, "k": k, "tiers": ["RETRIEVE", "AUGMENT", "EXPAND", "EXPLORE"]}
         },
     )
+    if app_fields:
+        state.tensors["singular_values"] = np.sort(rng.uniform(1, 50, k))[::-1].astype(np.float32)
+        state.trajectories["context_key"] = [""] * turns
+        state.trajectories["content_key"] = [q.lower() for q in queries]
+    return state
 
 
 def _best(fn: Any, repeats: int) -> tuple[float, Any]:
@@ -117,10 +149,13 @@ def run(turns: int = 10_000, k: int = 64, d: int = 576, repeats: int = 3) -> dic
 
     Returns ``turns, save_s, load_s, size_bytes, raw_bytes, legacy_save_s,
     legacy_load_s, legacy_size_bytes, load_speedup_vs_legacy,
-    size_ratio_vs_raw`` (seconds are the best of ``repeats``).
+    size_ratio_vs_raw`` (seconds are the best of ``repeats``); then, for the
+    same turns saved as the app saves them (``app_fields``), the file size,
+    the peak memory of one load as traced by tracemalloc (and per byte of the
+    file), and the upload limit ``MAX_MIKU_BYTES`` over that size.
     """
     from storage.legacy import read_legacy, tensor_path, write_legacy
-    from storage.miku import raw_size, read_miku, write_miku
+    from storage.miku import MAX_MIKU_BYTES, raw_size, read_miku, write_miku
 
     state = synthetic_state(turns, k, d)
     with tempfile.TemporaryDirectory(prefix="isagi-bench-miku-") as tmp:
@@ -133,6 +168,18 @@ def run(turns: int = 10_000, k: int = 64, d: int = 576, repeats: int = 3) -> dic
         legacy_save_s, _ = _best(lambda: write_legacy(old, state), repeats)
         legacy_load_s, _ = _best(lambda: read_legacy(old), repeats)
         size = new.stat().st_size
+        loaded = None
+        # the largest real session: what the app saves, its size and load peak
+        app = Path(tmp) / "app.miku"
+        write_miku(app, synthetic_state(turns, k, d, app_fields=True))
+        app_size = app.stat().st_size
+        gc.collect()
+        tracemalloc.start()
+        try:
+            read_miku(app)
+            app_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
         legacy_size = old.stat().st_size + tensor_path(old).stat().st_size
     raw = raw_size(state)
     return {
@@ -148,4 +195,9 @@ def run(turns: int = 10_000, k: int = 64, d: int = 576, repeats: int = 3) -> dic
         "legacy_size_bytes": legacy_size,
         "load_speedup_vs_legacy": round(legacy_load_s / load_s, 2) if load_s > 0 else None,
         "size_ratio_vs_raw": round(size / raw, 3) if raw else None,
+        "app_size_bytes": app_size,
+        "app_load_peak_bytes": app_peak,
+        "app_load_peak_per_file_byte": round(app_peak / app_size, 2),
+        "max_miku_bytes": MAX_MIKU_BYTES,
+        "limit_over_app_size": round(MAX_MIKU_BYTES / app_size, 2),
     }
