@@ -104,9 +104,11 @@ import hashlib
 import io
 import math
 import os
+import re
 import struct
 import sys
 import tempfile
+import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -650,11 +652,15 @@ def write_miku(
 ) -> None:
     """Save ``state`` to ``path`` atomically.
 
-    The bytes go to a temporary file in the same directory, which is fsynced
-    and then renamed over ``path`` (and the directory fsynced), so a crash or
-    a full disk at any moment leaves either the old file or the new one,
-    never a mix. On an OS error the temporary file is removed, the old file is
-    untouched, and :class:`StorageError` says what happened.
+    The bytes go to a temporary file ``.NAME.XXXX.tmp`` in the same
+    directory, which is fsynced and then renamed over ``path`` (and the
+    directory fsynced), so a crash or a full disk at any moment leaves either
+    the old file or the new one, never a mix. On an OS error the temporary
+    file is removed, the old file is untouched, and :class:`StorageError`
+    says what happened. A save that is killed cannot remove its temporary
+    file: the next save of the same ``path`` removes those left for a minute
+    or more, and :func:`remove_stale_temp_files` removes all of a directory's
+    (for a server at start).
     """
     path = Path(path)
     parts = _encode_parts(state, checksum)
@@ -662,6 +668,7 @@ def write_miku(
     tmp: str | None = None
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(parent, older_than_s=60.0, name=path.name)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
         try:
             with contextlib.suppress(OSError):
@@ -688,6 +695,40 @@ def write_miku(
         if tmp is not None:  # failed or interrupted before the rename
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+_STALE_TEMP = re.compile(r"\..+\.miku\.[A-Za-z0-9_]+\.tmp")
+
+
+def remove_stale_temp_files(
+    directory: str | os.PathLike[str], *, older_than_s: float = 60.0, name: str | None = None
+) -> list[Path]:
+    """Remove what killed saves left in ``directory``; return the removed paths.
+
+    Only files named as :func:`write_miku` names its temporary files
+    (``.NAME.miku.XXXX.tmp``, of the file ``name`` only when given) and
+    unchanged for ``older_than_s`` seconds (a save takes well under a second,
+    so one in progress elsewhere is left alone) are removed; a directory that
+    does not exist has none.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return removed
+    except OSError as exc:
+        raise StorageError(f"Could not list {directory}: {exc.strerror or exc}") from exc
+    for entry in entries:
+        if not _STALE_TEMP.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+            continue
+        if name is not None and not entry.name.startswith(f".{name}."):
+            continue
+        with contextlib.suppress(OSError):
+            if now - entry.stat(follow_symlinks=False).st_mtime >= older_than_s:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
 
 
 def _fsync_dir(directory: Path) -> None:
