@@ -160,6 +160,26 @@ MAX_MESSAGE_FIELDS = 32  # per-message fields besides role and text
 MAX_MESSAGE_CELLS = 1_500_000  # field values over all messages (~14 per turn)
 MAX_META_ITEMS = 400_000  # msgpack objects in the meta (every nested item counts)
 MAX_META_DEPTH = 24  # nesting of the meta (a tensor in extra settings is ~12)
+# Memory. Reading a file of S bytes allocates its arrays (at most S bytes in
+# all), the texts decoded from them (at most ~4 bytes per byte, for texts in
+# the widest group) and Python objects: the meta's, one dict per message, one
+# entry per message field, one str per text of the string table. Their number
+# is declared by the file and costs far more than the bytes declaring them (an
+# empty msgpack map: 1 byte -> ~74 bytes; a message of two shared texts: 8
+# bytes -> ~216), so the reader estimates their memory from the declared counts,
+# before building any of them, with the per-object costs below (measured under
+# tracemalloc, rounded up), and refuses a file whose estimate exceeds
+# OBJECT_BUDGET_PER_FILE_BYTE * S + OBJECT_BUDGET_BYTES. Together:
+#     peak memory of reading a file of S bytes <= 8 * S + 32 MiB
+# (tests/test_miku_bombs.py measures it on bombs of every kind). A real session
+# is far below: a 10,000-turn one peaks at 2.6 * S.
+OBJECT_BUDGET_PER_FILE_BYTE = 3
+OBJECT_BUDGET_BYTES = 32 * 1024**2
+_COST_META_ITEM = 80  # one msgpack object of the meta (an empty map: ~74 bytes)
+_COST_MESSAGE = 256  # one message dict with role and text (~216 bytes)
+_COST_CELL = 48  # one more field in a message dict (~22-37 bytes)
+_COST_STRING = 96  # one text of the string table, besides its characters (~75 bytes)
+_COST_TEXT_ROW = 16  # one row of a trajectory text column (a list entry and an array entry)
 MAX_STR_BYTES = 4 * 1024**2  # v2.0: one text (a message, a query) at most 4 MiB
 MAX_LIST_LEN = MAX_META_ITEMS  # one list in the meta (v2.0 string lists, mixed fields)
 MAX_MAP_LEN = 10_000  # keys in one map (tensor names, header fields, settings)
@@ -618,7 +638,8 @@ def _encode_parts(state: MikuState, checksum: str) -> list[bytes]:
         meta_bytes = msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MikuError(f"session cannot be encoded: {exc}") from None
-    _scan(meta_bytes, "meta")  # what a reader would refuse is not written
+    # what a reader would refuse is not written
+    items = _scan(meta_bytes, "meta")
     parts = [_META_LEN.pack(len(meta_bytes)) + meta_bytes, *area.chunks]
     total = sum(map(len, parts)) + _PREFIX.size + MAX_RECORD_LEN
     if total > MAX_MIKU_BYTES:
@@ -626,6 +647,9 @@ def _encode_parts(state: MikuState, checksum: str) -> list[bytes]:
             f"the session is too large to save ({total} bytes; the limit is {MAX_MIKU_BYTES}): "
             "start a new session"
         )
+    cost = _declared_cost(meta, items)
+    if cost > _object_budget(total):
+        raise _over_budget("session", cost, total)
     hasher = _Hasher(checksum)
     for part in parts:
         hasher.update(part)
@@ -779,7 +803,7 @@ def _msgpack_kinds() -> tuple[tuple[int, int], ...]:
     return tuple(kinds)
 
 
-def _scan(buf: bytes, where: str) -> None:
+def _scan(buf: bytes, where: str) -> int:
     """Check one msgpack object's structure without building any of it.
 
     Counts every object (a container's declared items count as soon as its
@@ -788,6 +812,7 @@ def _scan(buf: bytes, where: str) -> None:
     fits in the bytes that are left. Only then may ``msgpack`` build objects:
     what it builds is bounded by the counts checked here, not by what a
     small file can declare (a few bytes per empty map made ~72 bytes each).
+    Returns the number of objects.
     """
     kinds = _msgpack_kinds()
     end = len(buf)
@@ -835,10 +860,69 @@ def _scan(buf: bytes, where: str) -> None:
             stack.append(count)
     if pos != end:
         raise _fail(where, f"not valid msgpack ({end - pos} bytes after the end)" if pos < end else "not valid msgpack (truncated)")
+    return items
+
+
+def _object_budget(size: int) -> int:
+    """The memory a file of ``size`` bytes may make its Python objects take (see the bound above)."""
+    return OBJECT_BUDGET_PER_FILE_BYTE * size + OBJECT_BUDGET_BYTES
+
+
+def _over_budget(where: str, cost: int, size: int) -> MikuError:
+    return _fail(
+        where,
+        f"reading it would take about {cost // 1024**2 + 1} MiB for its {size} bytes "
+        f"(at most {_object_budget(size) // 1024**2} MiB for a file of this size): "
+        "it declares far more objects than a session has",
+    )
+
+
+def _declared_cost(payload: object, meta_items: int) -> int:
+    """Estimated memory of the objects ``payload`` (an unchecked meta) will make.
+
+    Reads only the counts it declares; what is malformed counts as nothing
+    here and is refused by the structural checks that follow.
+    """
+
+    def count(node: object, key: str) -> int:
+        v = node.get(key) if isinstance(node, dict) else None
+        return v if _is_int(v) and v > 0 else 0
+
+    def rows(node: object) -> int | None:
+        shape = node.get("shape") if isinstance(node, dict) else None
+        if isinstance(shape, list) and shape and _is_int(shape[0]) and shape[0] > 0:
+            return shape[0]
+        return None
+
+    cost = meta_items * _COST_META_ITEM
+    if not isinstance(payload, dict):
+        return cost
+    strings = payload.get("strings")
+    cost += _COST_STRING * (len(strings) if isinstance(strings, list) else count(strings, "n"))
+    conv = payload.get("conversation")
+    n = count(conv, "n")
+    cost += _COST_MESSAGE * n
+    fields = conv.get("fields") if isinstance(conv, dict) else None
+    if isinstance(fields, dict):
+        for col in fields.values():
+            r = rows(col.get("rows")) if isinstance(col, dict) else None
+            cost += _COST_CELL * (n if r is None else r)
+    traj = payload.get("trajectories")
+    columns = traj.get("columns") if isinstance(traj, dict) else None
+    if isinstance(columns, dict):
+        texts = sum(1 for c in columns.values() if isinstance(c, dict) and c.get("dtype") == "str")
+        cost += _COST_TEXT_ROW * texts * count(traj, "n")
+    return cost
 
 
 def _unpack(buf: bytes, where: str) -> Any:
+    """Scan, then build, one msgpack object."""
     _scan(buf, where)
+    return _build(buf, where)
+
+
+def _build(buf: bytes, where: str) -> Any:
+    """Build a msgpack object already checked by :func:`_scan`."""
     try:
         return msgpack.unpackb(
             buf,
@@ -1315,16 +1399,33 @@ def _load(
         return MikuError(f"{path} is invalid{status}: {why}")
 
     gc_was_enabled = gc.isenabled()
+    budget = _object_budget(size)
     try:
         dec: _Decoder
         if minor == 0:
-            meta: Any = _unpack(_read_exact(f, payload_len, "the payload"), "payload")
-            dec = _Inline()
+            raw = _read_exact(f, payload_len, "the payload")
+            items = _scan(raw, "payload")
+            if items * _COST_META_ITEM > budget:
+                raise _over_budget("payload", items * _COST_META_ITEM, size)
+            meta: Any = _build(raw, "payload")
+            del raw
         else:
             meta_len = _META_LEN.unpack(_read_exact(f, _META_LEN.size, "the meta length"))[0]
             if meta_len > payload_len - _META_LEN.size:
                 raise MikuError(f"is truncated (meta of {meta_len} bytes does not fit)")
-            meta = _unpack(_read_exact(f, meta_len, "the meta"), "meta")
+            raw = _read_exact(f, meta_len, "the meta")
+            items = _scan(raw, "meta")
+            if items * _COST_META_ITEM > budget:
+                raise _over_budget("meta", items * _COST_META_ITEM, size)
+            meta = _build(raw, "meta")
+            del raw
+        # every object the meta declares, estimated before any is built
+        cost = _declared_cost(meta, items)
+        if cost > budget:
+            raise _over_budget("contents", cost, size)
+        if minor == 0:
+            dec = _Inline()
+        else:
             spans = _plan(meta, payload_len - _META_LEN.size - meta_len)
             dec = _Loaded(_read_spans(f, spans))
         gc.disable()  # tens of thousands of new objects; nothing cyclic to collect
