@@ -1,0 +1,141 @@
+"""Hostile ``.miku`` files stay bounded: one-line MikuError, fast, and little memory.
+
+The bound (stated in storage/miku.py): reading a file of S bytes peaks below
+8 * S + 32 MiB of traced memory (tracemalloc sees Python objects, numpy
+arrays and msgpack's allocations). Each case below writes a real file whose
+checksum is correct, reads it under tracemalloc and checks the bound, the
+error, and that it was refused before the work a bomb asks for (seconds, not
+minutes; before this bound a 20 MB file of empty maps took 1.48 GB).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from isagi.errors import MikuError
+from storage import miku
+from storage.miku import encode_miku, inspect_miku, read_miku
+from tests import miku_bombs as B
+
+MIB = 1024**2
+
+
+def bound(size: int) -> int:
+    return 8 * size + 32 * MIB
+
+
+def measure(path: Path, read: Callable[[Path], object] = read_miku) -> tuple[int, float, object]:
+    """(peak traced bytes, seconds, result or the MikuError) of reading ``path``."""
+    gc.collect()
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        result: object = read(path)
+    except MikuError as exc:
+        result = exc
+    finally:
+        seconds = time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak, seconds, result
+
+
+REFUSED = {
+    # name: (builder, what the message says)
+    "20 MB of empty maps (v2.1 meta)": (lambda: B.empty_maps(20_000_000), "more than 400000 items"),
+    "20 MB of empty maps (v2.0 payload)": (lambda: B.empty_maps(20_000_000, 0), "more than 400000 items"),
+    "9 MB of 2-char strings": (lambda: B.many_short_strings(3_000_000), "more than 400000 items"),
+    "9 MB of 2-char strings (v2.0)": (lambda: B.many_short_strings(3_000_000, 0), "more than 400000 items"),
+    "a million nested arrays": (lambda: B.nested_arrays(1_000_000), "nested deeper than"),
+    "array32 of 4G items": (lambda: B.declared("array32"), "more than 400000 items"),
+    "map32 of 4G pairs": (lambda: B.declared("map32"), "more than 400000 items"),
+    "str32 of 4 GB": (lambda: B.declared("str32"), "does not fit"),
+    "bin32 of 4 GB": (lambda: B.declared("bin32"), "does not fit"),
+    "extension type": (lambda: B.declared("ext"), "is not allowed"),
+    "2M tiny messages (16 MB)": (lambda: B.messages(2_000_000), "declares far more objects"),
+    "2M tiny messages (v2.0)": (lambda: B.to_v20(B.messages(2_000_000)), "declares far more objects"),
+    "100k messages x 10 one-byte fields": (
+        lambda: B.messages(100_000, bool_fields=10),
+        "declares far more objects",
+    ),
+    "399,990 empty maps (under the item cap)": (lambda: B.empty_maps(399_990), "expected a map"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bombs_are_refused_in_one_line_within_the_memory_bound(tmp_path: Path, name: str) -> None:
+    build, message = REFUSED[name]
+    path = tmp_path / "bomb.miku"
+    path.write_bytes(build())
+    size = path.stat().st_size
+    peak, seconds, result = measure(path)
+    assert isinstance(result, MikuError), f"{name}: loaded"
+    text = str(result)
+    assert message in text and "\n" not in text and len(text) < 400
+    assert peak <= bound(size), f"{name}: peak {peak} for {size} bytes"
+    assert seconds < 10  # refused before the work it asks for (~0.01-0.7 s measured)
+    # inspect (which reads a file whose checksum does not match) is bounded the same way
+    peak, _, result = measure(path, inspect_miku)
+    assert isinstance(result, MikuError) and peak <= bound(size)
+
+
+LOADED = {
+    "100k messages of two shared texts": lambda: B.messages(100_000),
+    "100k messages of distinct texts": lambda: B.messages(100_000, distinct=True),
+    "30k messages x 9 one-byte fields": lambda: B.messages(30_000, bool_fields=9),
+    "20k messages x 15 one-byte fields": lambda: B.messages(20_000, bool_fields=15),
+    "one 40 MB text": lambda: B.one_text(40_000_000),
+}
+
+
+@pytest.mark.parametrize("name", list(LOADED))
+def test_densest_files_under_the_budget_load_within_the_memory_bound(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "dense.miku"
+    path.write_bytes(LOADED[name]())
+    size = path.stat().st_size
+    peak, _, result = measure(path)
+    assert isinstance(result, miku.MikuState), f"{name}: {result}"
+    assert peak <= bound(size), f"{name}: peak {peak} for {size} bytes"
+
+
+def test_a_real_ten_thousand_turn_session_loads_far_below_the_bound(tmp_path: Path) -> None:
+    from isagi.bench.miku import synthetic_state
+
+    state = synthetic_state(10_000, app_fields=True)
+    path = tmp_path / "real.miku"
+    path.write_bytes(encode_miku(state))
+    size = path.stat().st_size
+    assert size * 4 < miku.MAX_MIKU_BYTES  # the upload limit fits it with margin
+    peak, _, result = measure(path)
+    assert isinstance(result, miku.MikuState) and result.conversation == state.conversation
+    assert peak <= 4 * size  # measured 2.6x
+
+
+def test_files_over_the_size_limit_are_refused_before_reading(tmp_path: Path) -> None:
+    path = tmp_path / "big.miku"
+    with path.open("wb") as f:
+        f.truncate(miku.MAX_MIKU_BYTES + 1)  # sparse: nothing to read
+    peak, seconds, result = measure(path)
+    assert isinstance(result, MikuError) and "larger than the limit" in str(result)
+    assert peak < MIB
+
+
+def test_the_writer_refuses_what_the_reader_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_miku import make_state
+
+    state = make_state()
+    state.conversation = [{"role": "user", "text": "", **{f"f{j}": True for j in range(10)}}] * 100_000
+    with pytest.raises(MikuError, match="declares far more objects"):
+        encode_miku(state)
+    state.conversation = [{"role": "user", "text": ""}] * (miku.MAX_MESSAGES + 1)
+    with pytest.raises(MikuError, match="more than the limit"):
+        encode_miku(state)
+    monkeypatch.setattr(miku, "MAX_MIKU_BYTES", 1000)
+    with pytest.raises(MikuError, match="too large to save"):
+        encode_miku(make_state())
