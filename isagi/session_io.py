@@ -42,6 +42,9 @@ MAX_METRIC_WINDOW = 10**7
 MAX_ETA = 1e6  # eta and eig_floor: finite, > 0, at most this
 MAX_TIMESTAMP = 1e11  # seconds since 1970 (the year 5138)
 MAX_TITLE_CHARS = 1000
+# |M[i, j]| at most: M grows by at most eta (in Frobenius norm) per update, so
+# no session comes near; beyond it the metric's arithmetic would overflow.
+MAX_METRIC_ENTRY = 1e12
 # |M - M^T| <= SYMMETRY_RTOL * max|M| + SYMMETRY_ATOL (Metric keeps M exactly symmetric)
 SYMMETRY_RTOL = 1e-8
 SYMMETRY_ATOL = 1e-12
@@ -110,6 +113,8 @@ def check_session_state(state: MikuState, where: str | Path = "session") -> None
     if k and float(sv.min()) < 0:
         raise _bad(where, "singular_values", "holds a negative value")
     m = _float_array(where, "metric", tensors["metric"], (k, k)).astype(np.float64)
+    if float(np.abs(m).max()) > MAX_METRIC_ENTRY:
+        raise _bad(where, "metric", f"has an entry beyond {MAX_METRIC_ENTRY:g}")
     if not np.allclose(m, m.T, rtol=0.0, atol=SYMMETRY_RTOL * float(np.abs(m).max()) + SYMMETRY_ATOL):
         raise _bad(where, "metric", "is not symmetric")
     try:

@@ -80,6 +80,7 @@ _MAX_TIMESTAMP = 1e11  # seconds since 1970: the year 5138
 _MAX_COUNT = 2**31 - 1  # hits and cluster ids are stored as int32
 # torch dtypes a tensor file may hold; anything else (float8, complex, ...) is refused
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _KNOWN_TENSORS = frozenset({"metric", "basis", "mu", "trajectory_coords", "response_coords"})
 
 
@@ -182,6 +183,9 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
         arr = t.contiguous().numpy()
         if not np.isfinite(arr).all():
             raise _bad(path, f"tensor {name[:40]!r} holds NaN or infinite values")
+        # all but the metric are stored as float32
+        if name != "metric" and arr.size and float(np.abs(arr).max()) > _FLOAT32_MAX:
+            raise _bad(path, f"tensor {name[:40]!r} holds values beyond the range of float32")
         out[name] = arr
     return out
 
@@ -251,6 +255,8 @@ def read_legacy(
     json_layer = doc.get("layer", layer if layer is not None else -1)
     if not isinstance(json_layer, int) or isinstance(json_layer, bool):
         raise _bad(path, "'layer' must be an integer")
+    if not -10_000 <= json_layer <= 10_000:
+        raise _bad(path, f"'layer' = {str(json_layer)[:40]} is out of range")
 
     for name in ("metric", "basis", "trajectory_coords"):
         if name not in tensors:
@@ -375,8 +381,46 @@ def import_legacy(
         raise StorageError(
             f"Refusing to overwrite the legacy file {old} in place; choose another output path."
         )
-    state = read_legacy(old, model_fingerprint=model_fingerprint, layer=layer)
+    state = resumable(read_legacy(old, model_fingerprint=model_fingerprint, layer=layer), old)
     write_miku(new, state)
+    return state
+
+
+def resumable(state: MikuState, where: str | os.PathLike[str] = "legacy session") -> MikuState:
+    """Complete an imported v1 state into a session ``load_session`` resumes.
+
+    v1 never stored what ISAGI's sessions also hold; the importer fills it in
+    with what is known: the singular values of the basis (unknown: zeros, and
+    an explained share of 0), ``mu`` (zeros when absent), the reply
+    coordinates (zeros when absent), the trajectories' content keys (computed
+    from the queries, as the agent does) and context keys (none), the metric's
+    settings (ISAGI's defaults, counts 0) and a title (the first question).
+    No session id: the session gets a fresh one when it is loaded. The result
+    is checked as a loaded session is, so a pair that imports also resumes.
+    """
+    from isagi.cog import Metric
+    from isagi.sameness import content_key
+    from isagi.session_io import check_session_state
+
+    header, tensors, traj = state.header, state.tensors, state.trajectories
+    d, k, n = header["d"], header["k"], state.n_trajectories
+    tensors.setdefault("mu", np.zeros(d, np.float32))
+    tensors.setdefault("singular_values", np.zeros(k, np.float32))
+    try:
+        metric = Metric(k, M=tensors["metric"])
+    except ValueError as exc:
+        raise MikuError(f"{where}: the metric cannot be used ({exc}).") from None
+    if n or "query_x" in traj:
+        traj.setdefault("reply_x", np.zeros((n, k), np.float32))
+        traj.setdefault("context_key", [""] * n)
+        traj.setdefault("content_key", [content_key(q) for q in traj["query_text"]])
+    state.extra["metric"] = {
+        key: value for key, value in metric.to_state().items() if not isinstance(value, np.ndarray)
+    }
+    state.extra.setdefault("basis_explained", 0.0)
+    first = next((m["text"] for m in state.conversation if m["role"] == "user"), "")
+    state.extra.setdefault("title", first[:80])
+    check_session_state(state, where)
     return state
 
 

@@ -151,3 +151,139 @@ def test_import_refuses_to_overwrite_the_v1_file(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="overwrite"):
         import_legacy(old, old)
     assert old.read_bytes() == before
+
+
+# --------------------------------------------------------------------------- resuming an import
+
+
+def _engine(fingerprint: str, d: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        lm=SimpleNamespace(model_id="m", fingerprint=fingerprint, hidden_size=d),
+        profile=SimpleNamespace(key="p", layer=18),
+        settings=SimpleNamespace(system_prompt=""),
+    )
+
+
+def test_an_imported_session_is_resumed_by_load_session(tmp_path: Path) -> None:
+    from isagi.ids import is_session_id
+    from isagi.sameness import content_key
+    from isagi.session_io import load_session
+
+    old, doc, tensors = v1_pair(tmp_path)
+    new = tmp_path / "new.miku"
+    import_legacy(old, new, model_fingerprint="fp")
+    s = load_session(_engine("fp", 8), new)
+    assert is_session_id(s.id)
+    np.testing.assert_array_equal(s.metric.M, tensors["metric"].numpy())
+    np.testing.assert_array_equal(s.basis.B, tensors["basis"].numpy())
+    np.testing.assert_array_equal(s.basis.mu, tensors["mu"].numpy())
+    assert s.metric.eta > 0 and s.metric.version == 0
+    assert [m["text"] for m in s.messages] == [m["content"] for m in doc["conversation"]]
+    assert s.title == doc["conversation"][0]["content"]
+    cols = s.memory.to_columns()
+    assert cols["query_text"] == [t["query"] for t in doc["trajectories"]]
+    assert cols["reply_text"] == [t["response"] for t in doc["trajectories"]]
+    assert cols["content_key"] == [content_key(t["query"]) for t in doc["trajectories"]]
+    np.testing.assert_array_equal(cols["query_x"], tensors["trajectory_coords"].numpy())
+    np.testing.assert_array_equal(cols["reply_x"], tensors["response_coords"].numpy())
+    assert cols["hits"].tolist() == [0, 1, 2]
+    # the imported memory is searchable under the imported metric
+    q = tensors["trajectory_coords"].numpy()[1]
+    hit = s.memory.search(q, s.metric)[0]
+    assert s.memory.get(hit.id)["query_text"] == doc["trajectories"][1]["query"]
+
+
+def test_an_import_without_optional_tensors_still_resumes(tmp_path: Path) -> None:
+    from isagi.session_io import load_session
+
+    old, _, tensors = v1_pair(tmp_path)
+    del tensors["mu"], tensors["response_coords"]
+    torch.save(tensors, tensor_path(old))
+    import_legacy(old, tmp_path / "new.miku", model_fingerprint="fp")
+    s = load_session(_engine("fp", 8), tmp_path / "new.miku")
+    assert not s.basis.mu.any() and not s.memory.to_columns()["reply_x"].any()
+
+
+def _set_row(key: str, value):
+    def damage(p: Path, d: dict, t: dict) -> None:
+        d["trajectories"][0][key] = value
+        p.write_text(json.dumps(d))
+
+    return damage
+
+
+def _raw_json(old: str, new: str):
+    def damage(p: Path, d: dict, t: dict) -> None:
+        p.write_text(p.read_text(encoding="utf-8").replace(old, new, 1), encoding="utf-8")
+
+    return damage
+
+
+def _tensor(name: str, make):
+    def damage(p: Path, d: dict, t: dict) -> None:
+        torch.save({**t, name: make(t[name])}, tensor_path(p))
+
+    return damage
+
+
+HOSTILE = {
+    "NaN timestamp": (_raw_json('"timestamp": 100.0', '"timestamp": NaN'), "NaN"),
+    "Infinity hits": (_raw_json('"hits": 0', '"hits": Infinity'), "Infinity"),
+    "1e999 timestamp": (_raw_json('"timestamp": 100.0', '"timestamp": 1e999'), "out of the range"),
+    "1e30 timestamp": (_set_row("timestamp", 1e30), "out of range"),
+    "10**40 hits": (_set_row("hits", 10**40), "out of range"),
+    "10**400 cluster": (_set_row("cluster", 10**400), "out of range"),
+    "-5 hits": (_set_row("hits", -5), "out of range"),
+    "1.5 hits": (_set_row("hits", 1.5), "whole number"),
+    "1e30 metric_growth is fine, 1e999 is not": (
+        _raw_json('"metric_growth": 0.04', '"metric_growth": 1e999'),
+        "out of the range",
+    ),
+    "10**40 layer": (_raw_json('"layer": 18', '"layer": ' + str(10**40)), "'layer'"),
+    "float8 basis": (_tensor("basis", lambda b: b.to(torch.float8_e4m3fn)), "float8_e4m3fn"),
+    "int8 metric": (_tensor("metric", lambda m: m.to(torch.int8)), "dtype int8"),
+    "bool coords": (_tensor("trajectory_coords", lambda x: x > 0), "dtype bool"),
+    "complex basis": (_tensor("basis", lambda b: b.to(torch.complex64)), "complex64"),
+    "NaN basis": (_tensor("basis", lambda b: b.fill_(float("nan"))), "NaN or infinite"),
+    "Inf metric": (_tensor("metric", lambda m: m.fill_(float("inf"))), "NaN or infinite"),
+    "1e40 float64 coords overflow float32": (
+        _tensor("trajectory_coords", lambda x: x.to(torch.float64) * 1e40),
+        "beyond the range of float32",
+    ),
+    "1e200 metric": (_tensor("metric", lambda m: m * 1e200), "beyond 1e"),
+    "non-SPD metric": (_tensor("metric", lambda m: -m), "positive definite"),
+    "asymmetric metric": (_tensor("metric", lambda m: m + torch.triu(torch.ones_like(m), 1)), "symmetric"),
+    "3-d basis": (_tensor("basis", lambda b: b[None]), "dimensions"),
+    "deep JSON": (lambda p, d, t: p.write_text("[" * 100_000 + "]" * 100_000), "not UTF-8 JSON"),
+    "a million JSON objects": (
+        lambda p, d, t: p.write_text(json.dumps({**d, "settings": {"x": [{}] * 1_000_000}})),
+        "JSON objects and arrays",
+    ),
+    "unknown role": (_raw_json('"role": "assistant"', '"role": "<b>"'), "role"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_v1_pairs_give_one_line_and_write_nothing(tmp_path: Path, name: str) -> None:
+    damage, message = HOSTILE[name]
+    old, doc, tensors = v1_pair(tmp_path)
+    damage(old, doc, tensors)
+    new = tmp_path / "new.miku"
+    with pytest.raises(MikuError, match=message) as info:
+        import_legacy(old, new)
+    assert "\n" not in str(info.value)
+    assert not new.exists()
+
+
+def test_cli_import_legacy_prints_one_line_not_a_traceback(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    old, doc, tensors = v1_pair(tmp_path)
+    torch.save({**tensors, "basis": tensors["basis"].to(torch.float8_e5m2)}, tensor_path(old))
+    result = CliRunner().invoke(app, ["import-legacy", str(old), str(tmp_path / "new.miku")])
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output and "float8_e5m2" in result.output
