@@ -15,6 +15,7 @@ from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.session_io import load_session, save_session
 from isagi.ugt import fit_basis
+from storage.miku import read_miku, write_miku
 
 
 def _engine(fingerprint: str = "fp-1", d: int = 32) -> SimpleNamespace:
@@ -85,3 +86,174 @@ def test_hidden_size_mismatch_is_refused(tmp_path: Path) -> None:
     save_session(_engine(), _session(), path)
     with pytest.raises(MikuError, match="hidden size"):
         load_session(_engine(d=64), path)
+
+
+# --------------------------------------------------------------------------- every field, every bad value
+
+
+def _metric_fields(m: Metric) -> dict:
+    return {k: v for k, v in m.to_state().items() if not isinstance(v, np.ndarray)}
+
+
+def test_every_field_survives_save_and_load(tmp_path: Path) -> None:
+    s = _session()
+    s.created = 1_700_000_123.456789  # sub-second: the header alone holds seconds
+    s.title = "Über 🤖 <b>title</b>"
+    s.messages[1]["tier"] = "RETRIEVE"
+    s.metric.floor_events = 0
+    path = tmp_path / "s.miku"
+    save_session(_engine(), s, path)
+    r = load_session(_engine(), path)
+    assert (r.id, r.created, r.title, r.turns) == (s.id, s.created, s.title, s.turns)
+    assert r.messages == s.messages
+    assert [m.get("tier") for m in r.messages] == [m.get("tier") for m in s.messages]
+    assert _metric_fields(r.metric) == _metric_fields(s.metric)
+    assert r.metric.version == s.metric.version == 5 and r.metric.updates == 5
+    np.testing.assert_array_equal(r.metric.M, s.metric.M)
+    np.testing.assert_array_equal(r.basis.singular_values, s.basis.singular_values)
+    assert r.basis.explained == s.basis.explained
+    assert r.memory.to_columns().keys() == s.memory.to_columns().keys()
+    assert len(r.memory) == len(s.memory) == 5
+    assert r.miku_path is None
+
+
+def test_created_of_a_file_without_the_exact_time_comes_from_the_header(tmp_path: Path) -> None:
+    s = _session()
+    s.created = 1_700_000_000.0
+    path = tmp_path / "s.miku"
+    save_session(_engine(), s, path)
+    state = read_miku(path)
+    del state.extra["created"]  # as files written before it was stored
+    write_miku(path, state)
+    assert load_session(_engine(), path).created == 1_700_000_000.0
+
+
+@pytest.mark.parametrize("bad_id", ["../../x", "", None, 12, "ABCDEF123456", "abc123", "0123456789ab/"])
+def test_a_missing_or_malformed_session_id_is_replaced(tmp_path: Path, bad_id) -> None:
+    from isagi.ids import is_session_id
+
+    path = tmp_path / "s.miku"
+    save_session(_engine(), _session(), path)
+    state = read_miku(path)
+    if bad_id is None:
+        del state.extra["session_id"]
+    else:
+        state.extra["session_id"] = bad_id
+    write_miku(path, state)
+    ids = {load_session(_engine(), path).id for _ in range(3)}
+    assert all(is_session_id(i) for i in ids) and len(ids) == 3  # fresh each time
+    assert str(bad_id) not in ids
+
+
+def _metric(key, value):
+    return lambda st: st.extra["metric"].__setitem__(key, value)
+
+
+def _tensor(key, f):
+    return lambda st: st.tensors.__setitem__(key, f(st.tensors[key]))
+
+
+def _column(key, f):
+    return lambda st: st.trajectories.__setitem__(key, f(st.trajectories[key]))
+
+
+def _extra(key, value):
+    return lambda st: st.extra.__setitem__(key, value)
+
+
+def _poke(arr, value):
+    arr = arr.copy()
+    arr.flat[0] = value
+    return arr
+
+
+# name: (mutation of a saved session's state, what the one-line error says)
+BAD = {
+    "NaN basis": (_tensor("basis", lambda b: _poke(b, np.nan)), "basis holds NaN"),
+    "Inf mean": (_tensor("mu", lambda m: _poke(m, np.inf)), "mu holds NaN"),
+    "int8 basis": (_tensor("basis", lambda b: b.astype(np.int8)), "basis has dtype int8"),
+    "bool basis": (_tensor("basis", lambda b: b > 0), "basis has dtype bool"),
+    "float16 basis": (_tensor("basis", lambda b: b.astype(np.float16)), "basis has dtype float16"),
+    "int64 metric": (_tensor("metric", lambda m: m.astype(np.int64)), "metric has dtype int64"),
+    "NaN metric": (_tensor("metric", lambda m: _poke(m, np.nan)), "metric holds NaN"),
+    "non-SPD metric": (_tensor("metric", lambda m: -m), "metric is not positive definite"),
+    "asymmetric metric": (
+        _tensor("metric", lambda m: m + np.triu(np.ones_like(m), 1)),
+        "metric is not symmetric",
+    ),
+    "huge metric": (_tensor("metric", lambda m: m * 1e200), "metric has an entry beyond"),
+    "singular values of the wrong length": (
+        _tensor("singular_values", lambda v: np.append(v, 1.0).astype(np.float32)),
+        "singular_values has shape",
+    ),
+    "negative singular value": (_tensor("singular_values", lambda v: _poke(v, -1.0)), "negative"),
+    "no singular values": (lambda st: st.tensors.pop("singular_values"), "no 'singular_values'"),
+    "eta NaN": (_metric("eta", float("nan")), "metric eta"),
+    "eta 0": (_metric("eta", 0.0), "metric eta"),
+    "eta -1": (_metric("eta", -1.0), "metric eta"),
+    "eig_floor Inf": (_metric("eig_floor", float("inf")), "metric eig_floor"),
+    "version inf": (_metric("version", float("inf")), "metric version"),
+    "version NaN": (_metric("version", float("nan")), "metric version"),
+    "version 1.5": (_metric("version", 1.5), "metric version"),
+    "version -1": (_metric("version", -1), "metric version"),
+    "version 10**18": (_metric("version", 10**18), "metric version"),
+    "version a string": (_metric("version", "7"), "metric version"),
+    "updates above version": (_metric("updates", 99), "metric counts are inconsistent"),
+    "window 10**9": (_metric("window", 10**9), "metric window"),
+    "metric for another k": (_metric("k", 3), "metric k"),
+    "metric settings not a map": (_extra("metric", [1, 2]), "extra.metric"),
+    "NaN query coordinates": (
+        _column("query_x", lambda x: _poke(x, np.nan)),
+        "trajectories query_x holds NaN",
+    ),
+    "int reply coordinates": (
+        _column("reply_x", lambda x: x.astype(np.int32)),
+        "trajectories reply_x has dtype",
+    ),
+    "float cluster ids": (_column("cluster", lambda c: c.astype(np.float32)), "trajectories cluster"),
+    "negative hits": (_column("hits", lambda h: _poke(h, -3)), "trajectories hits"),
+    "Inf in the created column": (_column("created", lambda c: _poke(c, np.inf)), "trajectories created"),
+    "created Inf": (_extra("created", float("inf")), "created"),
+    "created in the year 30 million": (_extra("created", 1e15), "created"),
+    "explained share 2": (_extra("basis_explained", 2.0), "basis_explained"),
+    "title a number": (_extra("title", 5), "title"),
+    "title of a megabyte": (_extra("title", "x" * 2**20), "title"),
+    "unknown role": (lambda st: st.conversation[0].__setitem__("role", "<script>"), "message 0 has role"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import isagi.agent
+
+    mutate, message = BAD[name]
+    path = tmp_path / "s.miku"
+    save_session(_engine(), _session(), path)
+    state = read_miku(path)
+    mutate(state)
+    write_miku(path, state)  # a real file carrying the bad value
+    before = path.read_bytes()
+    built = []
+    real = isagi.agent.Session
+    monkeypatch.setattr(isagi.agent, "Session", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    with pytest.raises(MikuError) as info:
+        load_session(_engine(), path)
+    text = str(info.value)
+    assert message in text, text
+    assert "\n" not in text and len(text) < 300
+    assert built == []  # nothing half-loaded: no session was made
+    assert path.read_bytes() == before
+    save_session(_engine(), _session(), path)  # the same place still loads a good file
+    load_session(_engine(), path)
+    assert built == [1]
+
+
+def test_the_check_accepts_what_save_session_writes(tmp_path: Path) -> None:
+    from isagi.session_io import check_session_state, session_state
+
+    check_session_state(session_state(_engine(), _session()))  # raises if not
+    empty = Session(id=new_session_id(), basis=_session().basis, metric=Metric(8), memory=TrajectoryMemory(8))
+    save_session(_engine(), empty, tmp_path / "e.miku")
+    assert load_session(_engine(), tmp_path / "e.miku").messages == []
