@@ -404,11 +404,41 @@ def test_sigkill_mid_write_leaves_previous_file_intact(tmp_path: Path) -> None:
     assert path.read_bytes() == before
     assert_same(old, read_miku(path))
     # the partial temp file is not a valid .miku and the next save still works
+    leftover = tmp_path / _leftovers(tmp_path)[0]
     with pytest.raises(MikuError):
-        read_miku(tmp_path / _leftovers(tmp_path)[0])
+        read_miku(leftover)
     new = make_state(seed=4)
     write_miku(path, new)
     assert_same(new, read_miku(path))
+    assert _leftovers(tmp_path) == [leftover.name]  # too fresh: maybe another save's
+    old_time = time.time() - 120
+    os.utime(leftover, (old_time, old_time))
+    write_miku(path, new)  # the next save of the same file removes what a killed one left
+    assert _leftovers(tmp_path) == []
+
+
+def test_stale_temp_files_of_a_directory_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    old_time = time.time() - 3600
+    names = {
+        ".a.miku.k2j3_x.tmp": True,  # a killed save's
+        ".b c.miku.abc123.tmp": True,
+        "a.miku": False,  # a session
+        ".a.miku.fresh1.tmp": False,  # a save in progress
+        "notes.tmp": False,  # not ours
+        ".a.txt.k2j3.tmp": False,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+        if name != ".a.miku.fresh1.tmp":
+            os.utime(tmp_path / name, (old_time, old_time))
+    (tmp_path / ".d.miku.dir.tmp").mkdir()  # not a file
+    os.utime(tmp_path / ".d.miku.dir.tmp", (old_time, old_time))
+    removed = miku.remove_stale_temp_files(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(n for n, gone in names.items() if gone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [n for n, gone in names.items() if not gone] + [".d.miku.dir.tmp"]
+    )
+    assert miku.remove_stale_temp_files(tmp_path / "missing") == []
 
 
 def test_sigkill_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
