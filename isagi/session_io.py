@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,12 +227,20 @@ def save_session(engine: Engine, session: Session, path: Path) -> None:
     write_miku(path, session_state(engine, session))
 
 
-def load_session(engine: Engine, path: Path, *, allow_other_model: bool = False) -> Session:
+def load_session(
+    engine: Engine,
+    path: Path,
+    *,
+    allow_other_model: bool = False,
+    id_taken: Callable[[str], bool] | None = None,
+) -> Session:
     """Restore a session from ``path``; raise :class:`MikuError` if it does not fit this engine.
 
     Everything is checked (:func:`check_session_state`) before anything is
-    built. A missing or malformed session id in the file is replaced by a
-    fresh :func:`~isagi.ids.new_session_id`; the file's own id is not kept.
+    built. A session id in the file that is missing, malformed, or for which
+    ``id_taken`` answers True (another live or stored session has it) is
+    replaced by a fresh :func:`~isagi.ids.new_session_id`; the file's own id
+    is then kept nowhere.
     """
     from isagi.agent import Session
     from storage.miku import read_miku
@@ -264,9 +273,11 @@ def load_session(engine: Engine, path: Path, *, allow_other_model: bool = False)
     except (KeyError, ValueError, TypeError, OverflowError) as exc:
         raise MikuError(f"{path}: the trajectories or the metric are inconsistent ({exc}).") from None
     sid = extra.get("session_id")
+    if not is_session_id(sid) or (id_taken is not None and id_taken(sid)):
+        sid = new_session_id()
     title = extra.get("title") or None
     return Session(
-        id=sid if is_session_id(sid) else new_session_id(),
+        id=sid,
         basis=basis,
         metric=metric,
         memory=memory,

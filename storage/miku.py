@@ -84,13 +84,21 @@ every error burst up to 32 bits and any other damage with probability
 0.19 ms/MiB against 0.58 for SHA-256 and 1.07 for BLAKE2b); BLAKE2b and
 SHA-256 are still written on request and read.
 
-Reading validates every field, bounds every size (file size, list lengths,
-tensor elements, nesting depth; every allocation is bounded by the file's own
-size) before allocating, never unpickles, verifies the checksum before any
-text is decoded, and raises exactly one exception type,
+Reading, in this order: refuses a file over MAX_MIKU_BYTES; verifies the
+checksum over the whole payload, in small pieces, before parsing anything of
+it; scans the msgpack meta without building it (every object counted, a
+container's items as soon as its header declares them, nesting and declared
+lengths checked against the bytes left); estimates the memory of the objects
+the meta declares (meta objects, messages, message fields, texts) and
+refuses a file whose estimate exceeds its budget; checks that the tensors
+tile the data area; only then reads arrays and builds objects. So reading a
+file of S bytes peaks below 8 * S + 32 MiB (see the bounds below; measured by
+tests/test_miku_bombs.py), v2.0 and v2.1 alike. It validates every field,
+never unpickles, and raises exactly one exception type,
 :class:`isagi.errors.MikuError`, whose message says what is wrong. Writing
 validates the same way first, so a file this module writes is always one it
-can read back.
+can read back. What the values *mean* (a positive definite metric, ...) is
+checked by :mod:`isagi.session_io`.
 """
 
 from __future__ import annotations

@@ -145,6 +145,15 @@ def test_a_missing_or_malformed_session_id_is_replaced(tmp_path: Path, bad_id) -
     assert str(bad_id) not in ids
 
 
+def test_a_colliding_session_id_is_replaced(tmp_path: Path) -> None:
+    s = _session()
+    path = tmp_path / "s.miku"
+    save_session(_engine(), s, path)
+    assert load_session(_engine(), path, id_taken=lambda sid: False).id == s.id
+    taken = load_session(_engine(), path, id_taken=lambda sid: sid == s.id).id
+    assert taken != s.id and len(taken) == len(s.id)
+
+
 def _metric(key, value):
     return lambda st: st.extra["metric"].__setitem__(key, value)
 
