@@ -139,3 +139,17 @@ def test_the_writer_refuses_what_the_reader_would(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(miku, "MAX_MIKU_BYTES", 1000)
     with pytest.raises(MikuError, match="too large to save"):
         encode_miku(make_state())
+
+
+@pytest.mark.parametrize("build", [lambda: B.empty_maps(2_000_000), lambda: B.messages(2_000_000)])
+def test_cli_inspect_of_a_bomb_prints_one_line(tmp_path: Path, build) -> None:
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    path = tmp_path / "bomb.miku"
+    path.write_bytes(build())
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output and result.output.strip().count("\n") == 0
+    assert "is invalid" in result.output
