@@ -349,14 +349,15 @@ def sessions_delete(session_id: str, home: HomeOpt = None) -> None:
 @friendly
 def inspect(path: Path, as_json: JsonOpt = False) -> None:
     """Header, sizes, trajectories, metric growth and checksum status of a .miku file."""
+    from isagi.tables import inspect_tables
     from storage.miku import inspect_miku
 
     data = inspect_miku(path)
     if as_json:
         _print_json(data)
         return
-    for key, value in data.items():
-        out.print(f"[bold]{key:>20}[/]  {value}", highlight=False)
+    for table in inspect_tables(data):
+        out.print(table)
 
 
 @app.command("import-legacy")

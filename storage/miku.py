@@ -1557,10 +1557,26 @@ def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
         },
         "trajectories": state.n_trajectories,
         "trajectory_columns": sorted(state.trajectories),
+        "tiers": _counts(state.trajectories.get("tier")),
         "messages": len(state.conversation),
+        "turns": sum(1 for m in state.conversation if m.get("role") == "user"),
+        "verdicts": _counts(
+            [m.get("verdict") for m in state.conversation if m.get("role") == "assistant"]
+        ),
         "metric_growth": growth,
         "extra_keys": sorted(state.extra),
     }
+
+
+def _counts(values: Any) -> dict[str, int]:
+    """How often each string value occurs (None and non-strings left out), most common first."""
+    if values is None:
+        return {}
+    counts: dict[str, int] = {}
+    for v in values:
+        if isinstance(v, str) and v:
+            counts[v] = counts.get(v, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def raw_size(state: MikuState) -> int:

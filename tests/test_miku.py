@@ -487,3 +487,39 @@ def test_interrupted_write_removes_its_temp_file(
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert _leftovers(tmp_path) == []
+
+
+def test_inspect_counts_tiers_turns_and_verdicts(tmp_path: Path) -> None:
+    state = make_state()
+    state.conversation[2]["verdict"] = "ok"
+    state.conversation[4]["verdict"] = "refused"
+    path = tmp_path / "s.miku"
+    write_miku(path, state)
+    info = inspect_miku(path)
+    users = sum(1 for m in state.conversation if m["role"] == "user")
+    assert info["turns"] == users and info["turns"] < info["messages"]
+    assert info["tiers"] == {"AUGMENT": 2, "RETRIEVE": 2, "EXPAND": 1, "EXPLORE": 1}
+    assert info["verdicts"] == {"ok": 1, "refused": 1}
+
+
+def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    path = tmp_path / "s.miku"
+    write_miku(path, make_state())
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "120"})
+    assert shown.exit_code == 0, shown.output
+    for heading in ("File", "Header", "Contents", "Tensors", "field", "value"):
+        assert heading in shown.output
+    assert "2 answered from memory" in shown.output  # tiers in plain words
+    assert "crc32: ok" in shown.output
+    assert "{'" not in shown.output  # no raw Python dicts
+    as_json = runner.invoke(app, ["inspect", str(path), "--json"])
+    assert as_json.exit_code == 0
+    data = json.loads(as_json.output)
+    assert data["tiers"]["RETRIEVE"] == 2 and data["checksum"]["status"] == "ok"
