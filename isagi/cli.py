@@ -213,7 +213,7 @@ def chat(
                 err.print(f"[dim]tier={result.tier} d={result.distance} zone={result.zone} "
                           f"TEH={result.teh_prompt:.1f}% verdict={result.verdict} {result.latency_s:.2f}s[/]")
         except InputError as exc:
-            err.print(f"[yellow]{exc}[/]")
+            err.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
             if not interactive:
                 out.print("")
     if save is not None:
