@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from app.render_safe import hover_text
+
 TIER_COLOURS = {
     "RETRIEVE": "#1a9850",
     "AUGMENT": "#2c7fb8",
@@ -37,6 +39,16 @@ def _layout(fig: Any, title: str, xaxis: str, yaxis: str) -> Any:
     return fig
 
 
+def _num(v: Any, default: float = float("nan")) -> float:
+    """A value from a session log as a number for a plot (anything else: ``default``)."""
+    if v is None or isinstance(v, bool):
+        return default
+    try:
+        return float(v)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
 def turn_rows(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The assistant entries of a conversation log, numbered by turn (1-based)."""
     rows = []
@@ -55,8 +67,8 @@ def growth_figure(messages: list[dict[str, Any]]) -> Any:
 
     rows = turn_rows(messages)
     x = [r["turn"] for r in rows]
-    y = [float(r.get("metric_growth") or 0.0) for r in rows]
-    tiers = [r.get("tier") or r.get("verdict") or "" for r in rows]
+    y = [_num(r.get("metric_growth"), 0.0) for r in rows]
+    tiers = [hover_text(_short(r.get("tier") or r.get("verdict") or "", 20)) for r in rows]
     fig = go.Figure(
         go.Scatter(
             x=[0, *x], y=[0.0, *y], mode="lines+markers", name="growth",
@@ -80,7 +92,7 @@ def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -
         y = [r.get(key) for r in rows]
         fig.add_trace(
             go.Scatter(
-                x=x, y=[np.nan if v is None else float(v) for v in y], mode="lines+markers",
+                x=x, y=[_num(v) for v in y], mode="lines+markers",
                 name=f"TEH {name}", line={"color": colour}, connectgaps=False,
                 hovertemplate=f"turn %{{x}}: {name} %{{y:.2f}}%<extra></extra>",
             )
@@ -119,7 +131,7 @@ def pca_2d(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return Y, explained
 
 
-def _short(text: str, n: int = 60) -> str:
+def _short(text: Any, n: int = 60) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 1] + "…"
 
@@ -141,14 +153,15 @@ def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: i
         fig.update_yaxes(visible=False)
         return fig
     Y, explained = pca_2d(qx)
-    texts = [_short(t) for t in columns.get("query_text", [""] * n)]
+    # Titles and queries can come from an uploaded file: plotly renders some HTML in hover texts.
+    texts = [hover_text(_short(t)) for t in columns.get("query_text", [""] * n)]
     if colour_by == "cluster":
         groups = [f"cluster {int(c)}" for c in columns.get("cluster", [0] * n)]
         palette = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
         keys = sorted(set(groups), key=lambda g: int(g.split()[1]))
         colours = {g: palette[i % len(palette)] for i, g in enumerate(keys)}
     else:
-        groups = [str(t) for t in columns.get("tier", ["?"] * n)]
+        groups = [t if t in TIER_COLOURS else "?" for t in (str(t) for t in columns.get("tier", ["?"] * n))]
         keys = [t for t in TIER_COLOURS if t in set(groups)] + sorted(set(groups) - set(TIER_COLOURS))
         colours = {g: TIER_COLOURS.get(g, "#888888") for g in keys}
     groups_arr = np.asarray(groups)

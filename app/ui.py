@@ -29,7 +29,9 @@ from typing import Any
 
 from app import plots
 from app.loader import EngineHolder, EngineLoading
+from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, safe_markdown
 from app.sessions import Entry, SessionBusy, SessionRegistry, restore_snapshot, take_snapshot
+from isagi.ids import is_session_id
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +58,28 @@ CSS = """
 
 
 def _fmt(v: Any, digits: int = 3, suffix: str = "") -> str:
+    """A number for the page; anything else (a file can hold anything) is shown as ``?``."""
     if v is None:
         return "–"
+    if isinstance(v, bool):
+        return UNKNOWN
     try:
         return f"{float(v):.{digits}f}{suffix}"
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
+        return UNKNOWN
+
+
+def _count(v: Any) -> str:
+    """A token count for the page: a whole number, or "–"."""
+    if isinstance(v, bool):
+        return "–"
+    if isinstance(v, int):
         return str(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return "–"
+    return str(int(f)) if f.is_integer() else "–"
 
 
 def _short(text: str | None, n: int = 70) -> str:
@@ -69,74 +87,93 @@ def _short(text: str | None, n: int = 70) -> str:
     return t if len(t) <= n else t[: n - 1] + "…"
 
 
+BADGES = (*TIERS, "REFUSED", "WITHHELD", "CANCELLED", "OK", "PENDING")
+
+
 def badge_label(m: dict[str, Any]) -> str:
-    """The badge of an assistant entry: its tier, or its verdict when not ok."""
+    """The badge of an assistant entry: its tier, or its verdict when not ok; ``?`` if unknown.
+
+    Only known labels come out (tiers and verdicts are enums), so the label is
+    safe in a class name and in text.
+    """
     verdict = m.get("verdict") or "ok"
     if verdict in ("refused", "withheld"):
         return verdict.upper()
-    return str(m.get("tier") or verdict).upper()
+    label = m.get("tier") or verdict
+    return enum_label(label.upper() if isinstance(label, str) else label, BADGES)
+
+
+def _badge(label: str) -> str:
+    cls = label.lower() if label in BADGES else "unknown"
+    return f'<span class="isagi-tier isagi-tier-{cls}">{esc(label)}</span>'
 
 
 def info_html(m: dict[str, Any]) -> str:
-    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens."""
-    label = badge_label(m)
-    parts = [f'<span class="isagi-tier isagi-tier-{label.lower()}">{html.escape(label)}</span>']
+    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens.
+
+    Every field can come from an uploaded file: each is escaped (or allowlisted) here.
+    """
+    parts = [_badge(badge_label(m))]
     if m.get("verdict") == "cancelled":
         parts.append('<span class="isagi-tier isagi-tier-cancelled">STOPPED</span>')
     if m.get("distance") is not None:
         near = m.get("nearest_query")
-        near_txt = f' to “{html.escape(_short(near, 60))}”' if near else ""
+        near_txt = f" to “{esc(_short(near, 60))}”" if near else ""
         parts.append(f"d = {_fmt(m['distance'], 4)}{near_txt}")
     if m.get("zone"):
-        parts.append(f"zone {html.escape(str(m['zone']))}")
+        parts.append(f"zone {esc(_short(m['zone'], 40))}")
     parts.append(f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}")
     if m.get("latency_s") is not None:
         parts.append(f"{_fmt(m['latency_s'], 2)} s")
     toks = m.get("new_tokens")
     if toks is not None:
         pt = m.get("prompt_tokens")
-        parts.append(f"{pt} + {toks} tokens" if pt is not None else f"{toks} tokens")
+        parts.append(f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens")
     head, rest = parts[0], " · ".join(parts[1:])
     return f'<div class="isagi-info">{head} {rest}</div>'
 
 
 def pending_html(tier: str | None, distance: float | None) -> str:
-    label = (tier or "pending").upper()
+    label = "PENDING" if tier is None else enum_label(tier.upper() if isinstance(tier, str) else tier, BADGES)
     d = f" d = {_fmt(distance, 4)} ·" if distance is not None else ""
-    return (
-        f'<div class="isagi-info"><span class="isagi-tier isagi-tier-{label.lower()}">'
-        f"{html.escape(label)}</span>{d} generating…</div>"
-    )
+    return f'<div class="isagi-info">{_badge(label)}{d} generating…</div>'
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Session log → Chatbot messages (each reply followed by its info line)."""
+    """Session log → Chatbot messages (each reply followed by its info line).
+
+    Message texts are markdown made safe (:func:`app.render_safe.safe_markdown`):
+    raw HTML shows as text and images as links, so nothing in a message makes
+    the browser fetch a URL; the info line is the app's own escaped HTML.
+    """
     out: list[dict[str, str]] = []
     for m in messages:
         if m.get("role") == "user":
-            out.append({"role": "user", "content": str(m.get("text", ""))})
+            out.append({"role": "user", "content": safe_markdown(m.get("text", ""))})
         elif m.get("role") == "assistant":
-            out.append({"role": "assistant", "content": str(m.get("text", "")) or "*(empty reply)*"})
+            out.append({"role": "assistant", "content": safe_markdown(m.get("text", "")) or "*(empty reply)*"})
             out.append({"role": "assistant", "content": info_html(m)})
     return out
 
 
 def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
-    """The Turn panel: every figure of the latest turn."""
+    """The Turn panel: every figure of the latest turn (file fields escaped for markdown)."""
     if m is None:
         return "*No turn yet. Ask something: the panel shows what the manifold did with it.*"
     thr = getattr(safety, "threshold", None)
     rthr = getattr(safety, "reply_threshold", None)
+    category = m.get("category")
+    verdict = m.get("verdict") or "ok"
     rows = [
-        ("Tier", f"**{badge_label(m)}**" + (f" ({m.get('category')})" if m.get("category") else "")),
-        ("Verdict", m.get("verdict") or "ok"),
+        ("Tier", f"**{badge_label(m)}**" + (f" ({md_cell(_short(category, 60))})" if category else "")),
+        ("Verdict", verdict if verdict in VERDICTS else UNKNOWN),
         ("Distance", _fmt(m.get("distance"), 4)),
-        ("Nearest stored query", html.escape(_short(m.get("nearest_query"), 90)) or "–"),
-        ("Zone", m.get("zone") or "–"),
+        ("Nearest stored query", md_cell(_short(m.get("nearest_query"), 90)) or "–"),
+        ("Zone", md_cell(_short(m.get("zone"), 40)) or "–"),
         ("TEH prompt", _fmt(m.get("teh_prompt"), 2, "%") + (f" (threshold {thr:.2f}%)" if thr is not None else "")),
         ("TEH reply", _fmt(m.get("teh_reply"), 2, "%") + (f" (threshold {rthr:.2f}%)" if rthr is not None else "")),
         ("Latency", _fmt(m.get("latency_s"), 3, " s")),
-        ("Tokens", f"prompt {m.get('prompt_tokens', '–')}, reply {m.get('new_tokens', '–')}"),
+        ("Tokens", f"prompt {_count(m.get('prompt_tokens'))}, reply {_count(m.get('new_tokens'))}"),
         ("Metric growth ‖M − I‖", _fmt(m.get("metric_growth"), 4)),
     ]
     body = "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -147,10 +184,11 @@ def manifold_summary(session: Any) -> str:
     mem = session.memory
     n = len(mem)
     clusters = len(getattr(mem, "clusters", {}) or {})
+    sid = f"`{session.id}`" if is_session_id(session.id) else md_cell(session.id)
     return (
         f"Trajectories: **{n}** · clusters: **{clusters}** · "
         f"metric growth: **{session.metric.growth:.4f}** · turns: **{session.turns}** · "
-        f"session `{session.id}`"
+        f"session {sid}"
     )
 
 

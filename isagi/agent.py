@@ -31,6 +31,7 @@ import hashlib
 import json
 import threading
 import time
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -122,19 +123,29 @@ class Session:
     def turns(self) -> int:
         return sum(1 for m in self.messages if m["role"] == "user")
 
+    def recent_exchanges(self) -> Iterator[list[dict[str, str]]]:
+        """Earlier exchanges that may enter a prompt, newest first, as chat message pairs.
+
+        Only accepted replies (verdict ``ok``, non-empty) with their user message:
+        refused, withheld and cancelled (Stop) turns never enter a later prompt,
+        or a stopped story would be continued by the next question. Walks from
+        the end, so a caller that stops early never reads the whole session.
+        """
+        reply: dict[str, Any] | None = None
+        for m in reversed(self.messages):
+            if m.get("role") == "assistant":
+                reply = m
+            elif m.get("role") == "user" and reply is not None:
+                if (reply.get("verdict") or "ok") == "ok" and reply.get("text"):
+                    yield [
+                        {"role": "user", "content": str(m.get("text", ""))},
+                        {"role": "assistant", "content": str(reply["text"])},
+                    ]
+                reply = None
+
     def chat_history(self) -> list[dict[str, str]]:
-        """Earlier exchanges as chat messages for the prompt (refusals left out)."""
-        out: list[dict[str, str]] = []
-        pending: dict[str, Any] | None = None
-        for m in self.messages:
-            if m["role"] == "user":
-                pending = m
-            elif m["role"] == "assistant" and pending is not None:
-                if m.get("verdict", "ok") in ("ok", "cancelled") and m["text"]:
-                    out.append({"role": "user", "content": pending["text"]})
-                    out.append({"role": "assistant", "content": m["text"]})
-                pending = None
-        return out
+        """Every accepted earlier exchange as chat messages, oldest first (no budget)."""
+        return [m for exchange in reversed(list(self.recent_exchanges())) for m in exchange]
 
     def last_user_key(self) -> str:
         for m in reversed(self.messages):
@@ -184,31 +195,89 @@ class Engine:
     # -- the turn -------------------------------------------------------------
 
     def validate(self, message: str) -> str:
-        text = (message or "").strip()
-        if not text:
-            raise InputError("The message is empty: type a question or a request first.")
+        """The message as the turn uses it, or an :class:`InputError` saying what to change.
+
+        Rejects undecodable text (lone surrogates, e.g. invalid UTF-8 on stdin),
+        messages with nothing but control, format or blank characters, and messages
+        over the character limit, the token limit, or the prompt budget on their own.
+        Control characters other than newline and tab are removed from the rest.
+        """
+        text = clean_message(message)
         limit = self.settings.max_message_chars
         if len(text) > limit:
             raise InputError(
                 f"The message has {len(text):,} characters; the limit is {limit:,}. "
                 "Shorten it or split it into several messages."
             )
+        n = count_tokens(self.lm, text)
+        token_limit = self.settings.max_message_tokens
+        if n > token_limit:
+            raise InputError(
+                f"The message is {n:,} tokens long; the limit is {token_limit:,} tokens. "
+                "Shorten it or split it into several messages."
+            )
+        alone = prompt_tokens(self.lm, prompt_messages(self.settings.system_prompt, text))
+        budget = prompt_budget(self.settings, self.lm)
+        if alone > budget:
+            raise InputError(
+                f"The message and the system prompt take {alone:,} tokens; the prompt budget is {budget:,} "
+                f"({self.settings.max_new_tokens:,} tokens are kept for the reply). Shorten the message."
+            )
         return text
+
+    # -- token accounting ------------------------------------------------------
+
+    @property
+    def prompt_budget(self) -> int:
+        """Tokens a prompt may take (see :func:`prompt_budget`)."""
+        return prompt_budget(self.settings, self.lm)
+
+    def count_tokens(self, text: str) -> int:
+        return count_tokens(self.lm, text)
+
+    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        return prompt_tokens(self.lm, messages)
 
     def _prompt(
         self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True
     ) -> list[dict[str, str]]:
-        """The chat for the model: system prompt, a related exchange (AUGMENT), history, message."""
-        msgs = [{"role": "system", "content": self.settings.system_prompt}]
-        if related is not None:
-            msgs += [
-                {"role": "user", "content": related["query_text"]},
-                {"role": "assistant", "content": related["reply_text"]},
-            ]
-        if with_history:
-            msgs += session.chat_history()
-        msgs.append({"role": "user", "content": text})
-        return msgs
+        """The chat for the model: system prompt, a related exchange (AUGMENT), history, message.
+
+        History is the most recent accepted exchanges that fit :attr:`prompt_budget`
+        with everything else (whole exchanges, dropped oldest first); older turns stay
+        in the session, only not in the prompt.
+        """
+        if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
+            related = None  # the related exchange does not fit beside the message: answer without it
+        history = self.fitting_history(session, text, related) if with_history else []
+        return self._prompt_messages(text, related, history)
+
+    def _prompt_messages(
+        self, text: str, related: dict[str, Any] | None, history: list[dict[str, str]]
+    ) -> list[dict[str, str]]:
+        return prompt_messages(self.settings.system_prompt, text, related, history)
+
+    def fitting_history(
+        self, session: Session, text: str, related: dict[str, Any] | None = None
+    ) -> list[dict[str, str]]:
+        """The newest exchanges of ``session`` that fit the budget beside the rest of the prompt."""
+        base = self._prompt_messages(text, related, [])
+        left = self.prompt_budget - self.prompt_tokens(base)
+        bare = self.prompt_tokens([base[0], base[-1]])
+        kept: list[list[dict[str, str]]] = []
+        for exchange in session.recent_exchanges():
+            # An exchange's cost in the template: the same chat with and without it.
+            cost = self.prompt_tokens([base[0], *exchange, base[-1]]) - bare
+            if cost > left:
+                break
+            left -= cost
+            kept.append(exchange)
+        history = [m for exchange in reversed(kept) for m in exchange]
+        # Per-exchange costs add up exactly for concatenating templates; check the whole.
+        while kept and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
+            kept.pop()
+            history = [m for exchange in reversed(kept) for m in exchange]
+        return history
 
     def turn(self, session: Session, message: str, **kwargs: Any) -> TurnResult:
         """Run a whole turn and return its result (no streaming)."""
@@ -269,7 +338,7 @@ class Engine:
         from isagi.safety import REFUSAL_TEMPLATE, ReplyGuard, category_of, teh
 
         lm, safety = self.lm, self.profile.safety
-        history = session.chat_history()
+        history = self.fitting_history(session, text)
         context_key = session.last_user_key()
 
         def finish(reply: str, **kw: Any) -> TurnResult:
@@ -321,7 +390,7 @@ class Engine:
             if tier is Tier.AUGMENT:
                 gen = slot.open(self._prompt(session, text, record))
             elif history:
-                gen = slot.open(self._prompt(session, text, None))
+                gen = slot.open(self._prompt_messages(text, None, history))
             else:
                 gen = slot.current
             guard = ReplyGuard(safety)
@@ -478,6 +547,67 @@ class Engine:
             save_session(self, session, session.miku_path)
             if self.store is not None:
                 self.store.set_miku_path(session.id, str(session.miku_path))
+
+
+def clean_message(message: str | None) -> str:
+    """A message with control characters removed, or an :class:`InputError`.
+
+    Lone surrogates (undecodable input) are refused rather than repaired, so
+    nothing the user typed is silently changed; NUL and other control
+    characters except newline and tab are removed; a message with nothing
+    left but blank or invisible (format) characters is empty.
+    """
+    raw = message or ""
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in raw):
+        raise InputError(
+            "The message contains bytes that are not valid text (e.g. invalid UTF-8); "
+            "send it as UTF-8 text."
+        )
+    text = "".join(c for c in raw if c in "\n\t" or unicodedata.category(c) != "Cc").strip()
+    if not any(not c.isspace() and unicodedata.category(c) not in ("Cf", "Zs", "Zl", "Zp") for c in text):
+        raise InputError("The message is empty: type a question or a request first.")
+    return text
+
+
+def prompt_messages(
+    system: str, text: str, related: dict[str, Any] | None = None, history: list[dict[str, str]] | None = None
+) -> list[dict[str, str]]:
+    """The chat for the model: system prompt, a related exchange, history, then the message."""
+    msgs = [{"role": "system", "content": system}]
+    if related is not None:
+        msgs += [
+            {"role": "user", "content": related["query_text"]},
+            {"role": "assistant", "content": related["reply_text"]},
+        ]
+    msgs += history or []
+    msgs.append({"role": "user", "content": text})
+    return msgs
+
+
+def count_tokens(lm: Any, text: str) -> int:
+    """Tokens of ``text`` alone under the model's tokenizer (no template, no special tokens)."""
+    return len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_tokens(lm: Any, messages: list[dict[str, str]]) -> int:
+    """Exact tokens of a chat in the model's template, ready to answer."""
+    return int(lm.chat_ids(messages).shape[-1])
+
+
+def prompt_budget(settings: Settings, lm: Any) -> int:
+    """Tokens a prompt may take: the setting, capped at the model's context minus the reply's tokens."""
+    budget = settings.prompt_token_budget
+    context = model_context(lm)
+    if context is not None:
+        budget = min(budget, context - settings.max_new_tokens)
+    return max(budget, 1)
+
+
+def model_context(lm: Any) -> int | None:
+    """The model's context length in tokens, when its config states one."""
+    config = getattr(getattr(lm, "model", None), "config", None)
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:

@@ -9,6 +9,7 @@ one-line message and exit status 2, never a traceback.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import sys
 from collections.abc import Callable
@@ -176,6 +177,10 @@ def chat(
     options = GenerationOptions(max_new_tokens=settings.max_new_tokens, do_sample=sample,
                                 temperature=temperature, top_p=top_p, seed=seed)
     interactive = sys.stdin.isatty()
+    # Undecodable input (e.g. invalid UTF-8 in a pipe) arrives as lone surrogates, which
+    # the engine's validation refuses with one line, instead of a decoding traceback here.
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         err.print(f"[dim]ISAGI {__version__} · {engine.lm.model_id} · {engine.lm.quant} on {engine.lm.device} · "
                   f"session {session.id} · Ctrl-D to quit[/]")
@@ -208,7 +213,7 @@ def chat(
                 err.print(f"[dim]tier={result.tier} d={result.distance} zone={result.zone} "
                           f"TEH={result.teh_prompt:.1f}% verdict={result.verdict} {result.latency_s:.2f}s[/]")
         except InputError as exc:
-            err.print(f"[yellow]{exc}[/]")
+            err.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
             if not interactive:
                 out.print("")
     if save is not None:

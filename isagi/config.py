@@ -38,6 +38,14 @@ class Settings:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_new_tokens: int = 256
     max_message_chars: int = 8000
+    # A message's limit in tokens as well as characters: 8,000 emoji are ~24,000
+    # tokens, three times SmolLM2's context, and one such prefill stalls every user.
+    max_message_tokens: int = 1024
+    # Token budget of a whole prompt (system prompt, kept history, related exchange,
+    # message). Prefill cost grows with the prompt: on a 2-core CPU an 8,105-token
+    # prompt took 27 s per turn, ~2,000 tokens keep a turn to a few seconds. Capped
+    # at the model's context minus max_new_tokens (Engine.prompt_budget).
+    prompt_token_budget: int = 2048
     auth: str | None = None  # "user:pass,user2:pass2" for the web app
 
     def with_overrides(self, **overrides: object) -> Settings:
@@ -85,6 +93,13 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"safety_layer={s.safety_layer}: use a decoder layer index >= 1 (0 is the embeddings).")
     if s.max_new_tokens < 1:
         raise ConfigError("max_new_tokens must be at least 1.")
+    if s.max_message_tokens < 1:
+        raise ConfigError("max_message_tokens must be at least 1 (ISAGI_MAX_MESSAGE_TOKENS).")
+    if s.prompt_token_budget < s.max_message_tokens:
+        raise ConfigError(
+            f"prompt_token_budget={s.prompt_token_budget} is below max_message_tokens={s.max_message_tokens}; "
+            "set ISAGI_PROMPT_TOKENS at least as large as ISAGI_MAX_MESSAGE_TOKENS."
+        )
     return s
 
 
@@ -112,6 +127,10 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["system_prompt"] = v
     if v := env.get("ISAGI_MAX_NEW_TOKENS"):
         values["max_new_tokens"] = _int("ISAGI_MAX_NEW_TOKENS", v)
+    if v := env.get("ISAGI_MAX_MESSAGE_TOKENS"):
+        values["max_message_tokens"] = _int("ISAGI_MAX_MESSAGE_TOKENS", v)
+    if v := env.get("ISAGI_PROMPT_TOKENS"):
+        values["prompt_token_budget"] = _int("ISAGI_PROMPT_TOKENS", v)
     if v := env.get("ISAGI_AUTH"):
         values["auth"] = v
     known = {f.name for f in fields(Settings)}

@@ -129,3 +129,46 @@ def default_engine_pairs_path(pair_files, name):
     from importlib.resources import files
 
     return files("isagi.data").joinpath(pair_files[name])
+
+
+def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
+    """Stop a long story after a few tokens: the next question's prompt is as if it were the first."""
+    import threading
+
+    from isagi.agent import prompt_messages, prompt_tokens
+    from isagi.generation import GenerationOptions
+
+    s = default_engine.new_session(autosave=False)
+    stop = threading.Event()
+    tokens = 0
+    for event in default_engine.stream_turn(s, "Tell me a long story about a dragon.", stop=stop, record=False,
+                                            options=GenerationOptions(max_new_tokens=64)):
+        tokens += event.kind == "token"
+        if tokens == 5:
+            stop.set()
+    assert s.messages[-1]["verdict"] == "cancelled" and s.messages[-1]["text"]
+    question = "What is 3 times 4?"
+    r = default_engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=16))
+    alone = prompt_tokens(default_engine.lm, prompt_messages(default_engine.settings.system_prompt, question))
+    assert r.prompt_tokens == alone, "nothing of the stopped story is in the prompt"
+
+
+def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
+    """Four long uploaded exchanges: the real turn's prefill stays within the budget, newest kept."""
+    from isagi.agent import Engine, prompt_messages, prompt_tokens
+    from isagi.generation import GenerationOptions
+
+    settings = default_engine.settings.with_overrides(prompt_token_budget=600, max_message_tokens=200)
+    engine = Engine(settings, default_engine.lm, default_engine.profile, store=None)
+    s = engine.new_session(autosave=False)
+    long = "The history of the printing press is long and interesting. " * 25  # ~300 tokens
+    for i in range(4):
+        s.messages += [{"role": "user", "text": f"Summarise part {i}."},
+                       {"role": "assistant", "text": f"Part {i}: " + long, "verdict": "ok"}]
+    question = "What is the capital of France?"
+    full = prompt_tokens(engine.lm, prompt_messages(settings.system_prompt, question, None, s.chat_history()))
+    assert full > 1200
+    r = engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=8))
+    alone = prompt_tokens(engine.lm, prompt_messages(settings.system_prompt, question))
+    assert alone < r.prompt_tokens <= 600, "some history, within the budget"
+    assert "Part 3:" in engine._prompt(s, "x", None)[2]["content"], "the newest exchange is the one kept"

@@ -29,6 +29,13 @@ from isagi.ugt import Basis
 D, K = 16, 8
 
 
+class FakeTokenizer:
+    """One token per UTF-8 byte: enough for the engine's token limits and budget."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
 @dataclass
 class FakeLM:
     model_id: str = "fake/echo-model"
@@ -36,6 +43,11 @@ class FakeLM:
     hidden_size: int = D
     quant: str = "none"
     device: str = "cpu"
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> np.ndarray:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return np.asarray([list(text.encode("utf-8"))])
 
 
 @dataclass

@@ -1,0 +1,166 @@
+"""Hostile text from a file or a message through every rendering helper of the page
+and every plot: no HTML tag from the input survives, no image is left for the
+browser to fetch, enums (tiers, verdicts) are allowlisted, code keeps its text."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app import plots
+from app.render_safe import esc, hover_text, md_cell, safe_markdown
+from app.ui import (
+    badge_label,
+    chat_messages,
+    info_html,
+    manifold_summary,
+    pending_html,
+    turn_markdown,
+)
+
+HOSTILE = [
+    '"><script>alert(1)</script>',
+    '" onmouseover="x',
+    "<img src=http://x/a.png>",
+    "![a](http://x/b.png)",
+    "<iframe src=//x></iframe>",
+    "![ref][r]\n\n[r]: http://x/c.png",
+    "%{x}<b>bold</b>",
+    "a | b ` c \\| d",
+]
+IMAGE_MD = re.compile(r"!\[")
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, attrs))
+
+
+def _no_markup(out: str, allowed: set[str] = frozenset()) -> None:
+    """As a browser parses it: only the app's own tags (each with a class only), no image."""
+    parser = _Tags()
+    parser.feed(out)
+    parser.close()
+    for tag, attrs in parser.tags:
+        assert tag in allowed, (tag, out)
+        assert [name for name, _ in attrs] == ["class"], (attrs, out)
+    low = out.lower()
+    assert "<img" not in low and "<script" not in low and "<iframe" not in low and "<b>" not in low
+    assert not IMAGE_MD.search(out), out
+
+
+def _hostile_message(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "text": text, "tier": text, "verdict": text, "zone": text,
+            "category": text, "nearest_query": text, "distance": text, "teh_prompt": text,
+            "teh_reply": text, "latency_s": text, "new_tokens": text, "prompt_tokens": text,
+            "metric_growth": text}
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_info_line_escapes_and_allowlists_every_field(text: str) -> None:
+    out = info_html(_hostile_message(text))
+    _no_markup(out, {"div", "span"})
+    assert re.findall(r'class="([^"]*)"', out) == ["isagi-info", "isagi-tier isagi-tier-unknown"]
+    assert badge_label(_hostile_message(text)) == "?"
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_pending_line_allowlists_the_tier(text: str) -> None:
+    out = pending_html(text, None)
+    _no_markup(out, {"div", "span"})
+    assert "isagi-tier-unknown" in out
+    assert "isagi-tier-augment" in pending_html("AUGMENT", 0.5) and "isagi-tier-pending" in pending_html(None, None)
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_turn_panel_escapes_every_field_and_keeps_the_table(text: str) -> None:
+    out = turn_markdown(_hostile_message(text))
+    _no_markup(out)
+    assert "<" not in out.replace("<br>", ""), "no tag at all in the app's markdown"
+    lines = out.splitlines()
+    assert len(lines) == 12 and all(line.count("|") - line.count("\\|") == 3 for line in lines[2:]), out
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_chat_messages_show_html_as_text_and_images_as_links(text: str) -> None:
+    msgs = chat_messages([{"role": "user", "text": text}, _hostile_message(text)])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "assistant"]
+    for m in msgs:
+        _no_markup(m["content"], {"div", "span"} if m is msgs[2] else set())
+    assert "<" not in msgs[0]["content"] and "<" not in msgs[1]["content"]
+
+
+def test_images_become_links_with_their_text_kept() -> None:
+    assert safe_markdown("see ![a cat](http://x/b.png) now") == "see &#33;[a cat](http://x/b.png) now"
+    assert safe_markdown("![x][r]\n\n[r]: http://x/c.png") == "&#33;[x][r]\n\n[r]: http://x/c.png"
+    assert safe_markdown("Wow! [link](http://x)") == "Wow! [link](http://x)"
+    assert safe_markdown('<img src="http://x/a.png">') == '&lt;img src="http://x/a.png">'
+    assert safe_markdown("2 < 3 and **bold**") == "2 &lt; 3 and **bold**"
+
+
+def test_code_keeps_its_text_exactly() -> None:
+    fenced = "Use this:\n```html\n<img src=a.png> ![x](y)\n```\nand <b>not</b> this"
+    out = safe_markdown(fenced)
+    assert "```html\n<img src=a.png> ![x](y)\n```" in out, "code is shown as text by markdown, unchanged"
+    assert out.endswith("and &lt;b>not&lt;/b> this")
+    assert safe_markdown("call `a<b>()` then <i>x</i>") == "call `a<b>()` then &lt;i>x&lt;/i>"
+    unclosed = safe_markdown("```\n<script>x</script>")  # an unclosed fence runs to the end: still code
+    assert unclosed == "```\n<script>x</script>"
+
+
+def test_summary_shows_a_bad_session_id_escaped() -> None:
+    session = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=0,
+                              id='`<img src=x onerror="y">`')
+    out = manifold_summary(session)
+    _no_markup(out)
+    good = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=0, id="0123456789ab")
+    assert "`0123456789ab`" in manifold_summary(good)
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_the_small_rules(text: str) -> None:
+    for out in (esc(text), md_cell(text), hover_text(text)):
+        assert "<" not in out and '"' not in out
+    assert "%{" not in hover_text(text) and "\n" not in md_cell(text)
+    assert not IMAGE_MD.search(md_cell(text))
+
+
+def _figure_strings(fig: Any) -> list[str]:
+    """Every text plotly may render as (pseudo-)HTML: hover texts, templates, trace names."""
+    data = json.loads(fig.to_json())["data"]
+    out: list[str] = []
+    for trace in data:
+        for key in ("text", "hovertext", "hovertemplate", "name"):
+            v = trace.get(key)
+            if isinstance(v, str):
+                out.append(v)
+            elif isinstance(v, list):
+                out += [str(x) for x in v]
+    return out
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_plot_hover_texts_and_legends_are_escaped(text: str) -> None:
+    n = 3
+    columns = {"query_x": np.random.default_rng(0).standard_normal((n, 4)), "query_text": [text] * n,
+               "tier": [text, "EXPLORE", text], "cluster": [0, 1, 1]}
+    messages = [{"role": "user", "text": text}, _hostile_message(text) | {"metric_growth": 0.1}]
+    figs = [plots.map_figure(columns, highlight=1), plots.map_figure(columns, colour_by="cluster"),
+            plots.growth_figure(messages), plots.teh_figure(messages)]
+    for fig in figs:
+        for s in _figure_strings(fig):
+            # the templates' own <extra> tags are plotly's; nothing else may open a tag
+            assert "<" not in re.sub(r"</?extra>", "", s), s
+            assert not IMAGE_MD.search(s)
+    names = {t["name"] for t in json.loads(figs[0].to_json())["data"]}
+    assert names <= {"EXPLORE", "?", "current query"}, "unknown tiers are grouped as ?"

@@ -1,0 +1,196 @@
+"""Bounded turns without a model: message validation, the prompt's token budget,
+and which earlier exchanges may enter a prompt (Stop pollution, issue 14).
+
+The engine runs with a byte-level stand-in tokenizer (one token per UTF-8 byte,
+so an emoji is 4 tokens) and the real :class:`~isagi.model.LoadedModel`
+template path; the model's context comes from its config as for a real model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from isagi.agent import Engine, Session, clean_message
+from isagi.config import load_settings
+from isagi.errors import ConfigError, InputError
+from isagi.model import LoadedModel
+
+CONTEXT = 512
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; the template writes "role: content" lines."""
+
+    eos_token_id = 0
+    unk_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> dict[str, torch.Tensor]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return {"input_ids": torch.tensor([list(text.encode())], dtype=torch.long)}
+
+
+def _engine(tmp_path: Any, **overrides: Any) -> Engine:
+    settings = load_settings(environ={}, home=tmp_path, device="cpu", system_prompt="Be brief.", **overrides)
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT))
+    lm = LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id="stub", source="config",
+                     fingerprint="test", quant="none", device=torch.device("cpu"), device_reason="test")
+    return Engine(settings, lm, profile=None)
+
+
+def _session(exchanges: list[tuple[str, str, str]]) -> Session:
+    s = Session(id="s", basis=None, metric=None, memory=None)  # type: ignore[arg-type]
+    for user, reply, verdict in exchanges:
+        s.messages.append({"role": "user", "text": user})
+        s.messages.append({"role": "assistant", "text": reply, "verdict": verdict})
+    return s
+
+
+# -- validation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("message", ["Hi \udcff", "\ud83d alone", "a\udfffb"])
+def test_lone_surrogates_are_refused_with_one_line(message: str) -> None:
+    with pytest.raises(InputError, match="not valid text") as info:
+        clean_message(message)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("message", ["", "\x00\x00", "\x00 \x07\x1b", " \t\n ", "\u200b\u200d\ufeff", "\u2028\x85"])
+def test_control_format_and_blank_only_messages_are_empty(message: str) -> None:
+    with pytest.raises(InputError, match="empty"):
+        clean_message(message)
+
+
+def test_control_characters_are_removed_but_newlines_and_tabs_kept() -> None:
+    assert clean_message("  a\x00b\x1b[31mc\r\n\td\x7f ") == "ab[31mc\n\td"
+    assert clean_message("👩\u200d💻 ok") == "👩\u200d💻 ok"  # joiners inside real text stay
+
+
+def test_the_token_limit_counts_tokens_not_characters(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, max_message_tokens=100)
+    assert engine.validate("x" * 100) == "x" * 100
+    emoji = "😀" * 30  # 30 characters, 120 byte tokens
+    with pytest.raises(InputError) as info:
+        engine.validate(emoji)
+    assert "120 tokens" in str(info.value) and "limit is 100 tokens" in str(info.value)
+
+
+def test_the_character_limit_still_applies_first(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, max_message_chars=10)
+    with pytest.raises(InputError, match="11 characters; the limit is 10"):
+        engine.validate("x" * 11)
+
+
+def test_a_message_alone_over_the_prompt_budget_is_refused(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, max_new_tokens=256, max_message_tokens=1024)
+    assert engine.prompt_budget == CONTEXT - 256  # the context caps the 2,048 default
+    fits = "y" * (engine.prompt_budget - engine.prompt_tokens(engine._prompt_messages("", None, [])))
+    assert engine.validate(fits) == fits
+    with pytest.raises(InputError, match=f"prompt budget is {CONTEXT - 256}"):
+        engine.validate(fits + "y")
+
+
+def test_settings_for_the_budgets(tmp_path: Any) -> None:
+    s = load_settings({"ISAGI_MAX_MESSAGE_TOKENS": "300", "ISAGI_PROMPT_TOKENS": "900"})
+    assert (s.max_message_tokens, s.prompt_token_budget) == (300, 900)
+    with pytest.raises(ConfigError, match="ISAGI_PROMPT_TOKENS"):
+        load_settings({"ISAGI_MAX_MESSAGE_TOKENS": "300", "ISAGI_PROMPT_TOKENS": "200"})
+    with pytest.raises(ConfigError, match="whole number"):
+        load_settings({"ISAGI_MAX_MESSAGE_TOKENS": "many"})
+    assert _engine(tmp_path, prompt_token_budget=100, max_message_tokens=50).prompt_budget == 100
+
+
+# -- the budgeted prompt ------------------------------------------------------------
+
+
+def test_history_beyond_the_budget_is_dropped_oldest_first_whole_exchanges(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, prompt_token_budget=200, max_message_tokens=50, max_new_tokens=16)
+    s = _session([(f"question {i}", f"answer number {i} " + "z" * 7 * i, "ok") for i in range(10)])
+    prompt = engine._prompt(s, "new question", None)
+    assert engine.prompt_tokens(prompt) <= 200
+    history = prompt[1:-1]
+    full = s.chat_history()
+    assert len(history) % 2 == 0 and 0 < len(history) < len(full)
+    assert history == full[len(full) - len(history):], "the kept history is the newest whole exchanges"
+    assert [m["role"] for m in history] == ["user", "assistant"] * (len(history) // 2)
+    # One more (older) exchange would not have fitted.
+    older = full[len(full) - len(history) - 2:]
+    assert engine.prompt_tokens(engine._prompt_messages("new question", None, older)) > 200
+    assert prompt[0]["role"] == "system" and prompt[-1] == {"role": "user", "content": "new question"}
+
+
+def test_the_newest_exchange_is_kept_when_it_fits_and_skipped_when_it_cannot(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, prompt_token_budget=140, max_message_tokens=50, max_new_tokens=16)
+    s = _session([("old", "short", "ok"), ("newest", "n" * 40, "ok")])
+    assert engine._prompt(s, "hi", None)[1:-1] == s.chat_history(), "both fit"
+    huge = _session([("old", "short", "ok"), ("newest", "n" * 400, "ok")])
+    assert engine._prompt(huge, "hi", None)[1:-1] == [], "older turns never jump the queue over a newer one"
+
+
+def test_the_related_exchange_fits_the_budget_too(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, prompt_token_budget=200, max_message_tokens=50, max_new_tokens=16)
+    s = _session([(f"q{i}", "a" * 30, "ok") for i in range(6)])
+    related = {"query_text": "earlier", "reply_text": "r" * 60}
+    with_related = engine._prompt(s, "now", related)
+    assert with_related[1:3] == [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "r" * 60}]
+    assert engine.prompt_tokens(with_related) <= 200
+    assert len(with_related) < len(engine._prompt(s, "now", None)) + 2, "history gave way to the related exchange"
+    too_big = {"query_text": "earlier", "reply_text": "r" * 400}
+    prompt = engine._prompt(s, "now", too_big)
+    assert engine.prompt_tokens(prompt) <= 200 and all(m["content"] != "r" * 400 for m in prompt)
+
+
+# -- Stop pollution ------------------------------------------------------------------
+
+
+def test_cancelled_withheld_and_refused_turns_never_enter_a_prompt(tmp_path: Any) -> None:
+    engine = _engine(tmp_path)
+    s = _session([
+        ("What is 2+2?", "4", "ok"),
+        ("Tell me a long story", "Once upon a time a dragon", "cancelled"),
+        ("Something harmful", "[reply withheld] no", "withheld"),
+        ("Worse", "I can't help with that", "refused"),
+        ("Capital of France?", "Paris", "ok"),
+    ])
+    s.messages.append({"role": "user", "text": "Unanswered (a failed turn)"})
+    expected = [
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"},
+    ]
+    assert s.chat_history() == expected
+    prompt = engine._prompt(s, "What is 3 times 4?", None)
+    assert prompt[1:-1] == expected
+    text = " ".join(m["content"] for m in prompt)
+    for leaked in ("dragon", "long story", "withheld", "harmful", "Worse", "Unanswered"):
+        assert leaked not in text
+
+
+def test_a_session_of_only_a_stopped_turn_gives_an_empty_history(tmp_path: Any) -> None:
+    s = _session([("Tell me a story", "Once upon", "cancelled")])
+    assert s.chat_history() == [] and list(s.recent_exchanges()) == []
+    assert _engine(tmp_path)._prompt(s, "What is 3 times 4?", None)[1:-1] == []
+
+
+# -- the terminal ---------------------------------------------------------------------
+
+
+def test_piped_invalid_utf8_and_nul_only_lines_give_one_line_errors(tmp_path: Any, monkeypatch: Any) -> None:
+    from typer.testing import CliRunner
+
+    import isagi.cli as cli
+
+    engine = _engine(tmp_path)
+    engine.new_session = lambda *a, **k: _session([])  # type: ignore[method-assign]
+    monkeypatch.setattr(cli, "_engine", lambda settings, **_: engine)
+    result = CliRunner().invoke(cli.app, ["chat", "--home", str(tmp_path)], input=b"Hi \xff\n\x00\x00\n")
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and result.exception is None
+    assert "not valid text" in result.output and "empty" in result.output
+    assert result.stdout.count("\n") == 2, "one (empty) reply line per input line"
