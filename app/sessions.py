@@ -18,7 +18,7 @@ What it guarantees:
   ``.miku`` (sessions with no turns are not written) and dropped from memory;
   its id is parked with the file path, and the next use of the id resumes it
   from the file transparently.
-- Regenerate: a snapshot of the living state (metric, memory, messages) taken
+- Regenerate: a snapshot of the living state (metric, memory, turns) taken
   before each turn, restored to undo that turn.
 """
 
@@ -47,7 +47,7 @@ class Snapshot:
     metric_state: dict[str, Any]
     memory_columns: dict[str, Any]
     memory_kwargs: dict[str, Any]
-    n_messages: int
+    n_turns: int
     title: str | None
 
 
@@ -57,19 +57,19 @@ def take_snapshot(session: Any) -> Snapshot:
         metric_state=session.metric.to_state(),
         memory_columns=mem.to_columns(),
         memory_kwargs={"cap": getattr(mem, "cap", 50_000)},
-        n_messages=len(session.messages),
+        n_turns=len(session.turns),
         title=session.title,
     )
 
 
 def restore_snapshot(session: Any, snap: Snapshot) -> None:
-    """Put the session back to the state of ``snap`` (metric, memory, messages, title)."""
+    """Put the session back to the state of ``snap`` (metric, memory, turns, title)."""
     metric_cls = type(session.metric)
     memory_cls = type(session.memory)
     k = int(snap.metric_state["k"])
     session.metric = metric_cls.from_state(snap.metric_state)
     session.memory = memory_cls.from_columns(snap.memory_columns, k, **snap.memory_kwargs)
-    del session.messages[snap.n_messages :]
+    del session.turns[snap.n_turns :]
     session.title = snap.title
 
 
@@ -261,7 +261,7 @@ class SessionRegistry:
     # -- saving and dropping -----------------------------------------------------
     def _persist(self, entry: Entry) -> Path | None:
         session = entry.session
-        if not session.messages:
+        if not session.turns:
             return None  # nothing to keep: an empty chat is not written
         path = session.miku_path or self._autosave_path(session.id)
         self._save_fn()(self.engine, session, Path(path))

@@ -180,6 +180,11 @@ def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
     return "| Latest turn | |\n|---|---|\n" + body
 
 
+def _reply_fields(turn: Any) -> dict[str, Any] | None:
+    """A turn's reply with its figures (the assistant message of :meth:`~isagi.turn.Turn.to_messages`)."""
+    return None if turn is None else turn.to_messages()[1]
+
+
 def manifold_summary(session: Any) -> str:
     mem = session.memory
     n = len(mem)
@@ -187,7 +192,7 @@ def manifold_summary(session: Any) -> str:
     sid = f"`{session.id}`" if is_session_id(session.id) else md_cell(session.id)
     return (
         f"Trajectories: **{n}** · clusters: **{clusters}** · "
-        f"metric growth: **{session.metric.growth:.4f}** · turns: **{session.turns}** · "
+        f"metric growth: **{session.metric.growth:.4f}** · turns: **{len(session.turns)}** · "
         f"session {sid}"
     )
 
@@ -255,7 +260,7 @@ class WebUI:
 
     def _view_of(self, session: Any, colour_by: str) -> tuple[Any, ...]:
         msgs = session.messages
-        last_bot = next((m for m in reversed(msgs) if m.get("role") == "assistant"), None)
+        last_bot = _reply_fields(session.last_turn)
         cols = session.memory.to_columns()
         safety = self._safety()
         return (
@@ -326,18 +331,22 @@ class WebUI:
             yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
             return
         try:
-            text = engine.validate(message)
+            checked = engine.check(message)  # validated once, here: the turn takes it as it is
         except IsagiError as exc:
             yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
             return
         options = self._options(max_tokens, sample, temperature)
-        yield from self._turn(sid, entry, text, options, colour_by, textbox="")
+        yield from self._turn(sid, entry, checked, options, colour_by, textbox="")
 
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
         temperature: float = 0.7, colour_by: str = "tier",
     ) -> Iterator[tuple[Any, ...]]:
-        """Undo the last turn (metric, memory, messages) and run its question again, sampling."""
+        """Run the last question again, sampling; the new turn replaces the last one everywhere.
+
+        The last turn is undone in the session (metric, memory, turns) and the new
+        one takes its place in the history store and the autosaved file too.
+        """
         import gradio as gr
 
         try:
@@ -348,16 +357,16 @@ class WebUI:
             return
         session = entry.session
         snap = entry.undo
-        if snap is None or len(session.messages) != snap.n_messages + 2:
+        if snap is None or len(session.turns) != snap.n_turns + 1:
             yield (sid, gr.skip(), gr.skip(), self._warn("Nothing to regenerate: send a message first."),
                    *(gr.skip(),) * 5)
             return
-        text = session.messages[snap.n_messages]["text"]
+        text = session.turns[snap.n_turns].user_text
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
         yield from self._turn(sid, entry, text, options, colour_by, textbox=gr.skip(), undo=True)
 
     def _turn(
-        self, sid: str, entry: Entry, text: str, options: Any, colour_by: str, *,
+        self, sid: str, entry: Entry, message: Any, options: Any, colour_by: str, *,
         textbox: Any, undo: bool = False,
     ) -> Iterator[tuple[Any, ...]]:
         import gradio as gr
@@ -373,16 +382,20 @@ class WebUI:
             return
         try:
             session = entry.session
+            before = None
             if undo and entry.undo is not None:
+                before = (take_snapshot(session), entry.undo)  # to put back if the new turn fails
                 restore_snapshot(session, entry.undo)
             entry.stop.clear()
             entry.stop_requested_at = entry.stop_latency_s = None
             entry.undo = take_snapshot(session)
             history = chat_messages(session.messages)
-            user = {"role": "user", "content": text}
+            text = getattr(message, "text", message)
+            user = {"role": "user", "content": safe_markdown(text)}
             reply, info = "", pending_html(None, None)
             yield (sid, [*history, user, {"role": "assistant", "content": info}], textbox, "", *(skip,) * 5)
-            events = self.engine.stream_turn(session, text, options=options, stop=entry.stop)
+            events = self.engine.stream_turn(session, message, options=options, stop=entry.stop,
+                                             replaces_last=undo)
             finished = False
             last = 0.0
             try:
@@ -397,11 +410,6 @@ class WebUI:
                         last = now
                     elif ev.kind == "done":
                         finished = True
-                        res = ev.result
-                        if session.messages and session.messages[-1].get("role") == "assistant":
-                            session.messages[-1].setdefault("prompt_tokens", res.prompt_tokens)
-                            if res.category:
-                                session.messages[-1].setdefault("category", res.category)
                         continue
                     shown = [*history, user]
                     if reply:
@@ -417,6 +425,9 @@ class WebUI:
                 log.exception("turn failed in session %s", sid)
                 finished = True
                 restore_snapshot(session, entry.undo)
+                if before is not None:  # a failed Regenerate: the turn it was to replace stays
+                    restore_snapshot(session, before[0])
+                    entry.undo = before[1]
                 yield (sid, chat_messages(session.messages), skip,
                        self._warn(f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it "
                                   "was before it; try again, and report the error if it repeats."),
@@ -437,7 +448,7 @@ class WebUI:
                 if entry.stop_requested_at is not None:
                     entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
             alert = ""
-            last_bot = session.messages[-1] if session.messages else {}
+            last_bot = _reply_fields(session.last_turn) or {}
             if last_bot.get("verdict") == "refused":
                 alert = "⚠️ This request was refused by the geometric safety layer (TEH over the threshold): nothing was generated."
             elif last_bot.get("verdict") == "withheld":
@@ -460,7 +471,7 @@ class WebUI:
             session = self.registry.entry(sid).session
         except (KeyError, EngineLoading):
             return (gr.skip(),) * 7
-        last_bot = next((m for m in reversed(session.messages) if m.get("role") == "assistant"), None)
+        last_bot = _reply_fields(session.last_turn)
         # A stopped turn stores no trajectory and does not move the metric: the plots stay.
         took = getattr(self.registry.entry(sid), "stop_latency_s", None)
         if last_bot is not None and last_bot.get("verdict") == "cancelled" and took is not None:
@@ -503,7 +514,7 @@ class WebUI:
         except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
             return gr.skip(), self._warn(msg)
-        return str(path), f"Saved {len(s.memory)} trajectories and {s.turns} turns to `{path.name}`."
+        return str(path), f"Saved {len(s.memory)} trajectories and {len(s.turns)} turns to `{path.name}`."
 
     def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
         """Open an uploaded ``.miku`` (a fork with a fresh id); errors leave the open session as it is."""
@@ -526,8 +537,8 @@ class WebUI:
                                     "Your open session is unchanged."), *(gr.skip(),) * 6)
         self.registry.release(sid)
         new = self.registry.adopt(session, fresh_id=True)
-        gr.Info(f"Loaded {len(session.memory)} trajectories and {session.turns} turns.")
-        return (new, f"Loaded `{Path(path).name}`: {len(session.memory)} trajectories, {session.turns} turns.",
+        gr.Info(f"Loaded {len(session.memory)} trajectories and {len(session.turns)} turns.")
+        return (new, f"Loaded `{Path(path).name}`: {len(session.memory)} trajectories, {len(session.turns)} turns.",
                 *self.view(new, colour_by))
 
     # -- sessions tab ------------------------------------------------------------
@@ -598,7 +609,7 @@ class WebUI:
         session.id = chosen
         self.registry.release(sid)
         new = self.registry.adopt(session)
-        note = f"Resumed “{session.title or chosen}” ({session.turns} turns, {len(session.memory)} trajectories)."
+        note = f"Resumed “{session.title or chosen}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
         if new != chosen:
             note += f" It is open in another browser, so this is a copy with id {new}."
         return (new, note, *self.view(new, colour_by), gr.Tabs(selected="chat"))

@@ -1,18 +1,28 @@
-"""Sessions and the turn pipeline (DESIGN §3).
+"""The turn pipeline (DESIGN §3) and what every session shares.
 
-Owns :class:`Engine` (what every session shares: settings, the model, the
-per-model profile, the history store, and a lock that serialises generation
-on one device) and :class:`Session` (one conversation's living state: its
-messages, its metric M, its trajectory memory). A Session is never shared.
+Owns :class:`Engine` (settings, the model, the per-model profile, the history
+store, a lock that serialises generation on one device, and the callable that
+persists each turn) and the turn itself, as named stages:
 
-One turn, in order: validate the message; prefill [system, message] once and
-capture h at layer L and the safety layer's state (the same forward pass; an
-exact repeat of a prompt already seen in this session reuses its states, a
-deterministic function of the prompt, and skips this prefill); project to UGT coordinates; TEH on the prompt (refuse
-without generating); two-stage lookup under the session's metric; tier;
-RETRIEVE returns the stored reply (only after the exact sameness check),
-otherwise decode from the prefill's KV cache with the streaming reply guard;
-update the metric and memory; record the turn and autosave the ``.miku``.
+1. **prepare**: validate the message (once: a :class:`~isagi.turn.Message` is
+   already valid), prefill [system, message] and capture h at layer L and the
+   safety layer's state in the same forward pass (an exact repeat of a prompt
+   already seen in this session reuses its states, a deterministic function of
+   the prompt, and skips this prefill), project to UGT coordinates, route to a
+   zone;
+2. **guard**: TEH of the prompt; over the threshold the turn is refused
+   without generating;
+3. **decide**: the two-stage lookup under the session's metric, then the pure
+   tier rule :func:`isagi.decide.decide`;
+4. **generate**: RETRIEVE returns the stored reply; otherwise decode from the
+   prefill's KV cache with the streaming reply guard (Stop ends it);
+5. **learn**: an accepted generated reply updates the metric and the memory;
+6. **record**: the :class:`~isagi.turn.Turn` joins the session and is
+   persisted by the engine's ``keep`` callable (history rows + autosave,
+   :class:`isagi.persist.TurnKeeper`), which this module never imports.
+
+All model work of a turn is in :func:`_prefill` and :func:`_generate`, on the
+turn's one :class:`_OpenGeneration`.
 
 The lookup embedding is the query *alone* (system prompt + message), so a
 repeated question is recognised whatever came before it. Context is handled by
@@ -32,153 +42,115 @@ import json
 import threading
 import time
 import unicodedata
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from isagi.cog import Metric, Tier, TierThresholds
 from isagi.config import Settings
+from isagi.decide import Candidate, Decision, decide
 from isagi.distance_scale import SEED as SEED_SCALE
 from isagi.errors import InputError
 from isagi.generation import Generation, GenerationOptions
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
-from isagi.sameness import content_key, depends_on_context
+from isagi.sameness import content_key
+from isagi.session import PROMPT_STATE_CACHE, Session
+from isagi.turn import Message, Turn
 from isagi.ugt import Basis, project, route
+
+__all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
-PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 
-
-@dataclass
-class TurnResult:
-    """What a turn did, for the UI, the history store and the tests."""
-
-    reply: str
-    tier: str | None
-    distance: float | None
-    nearest_query: str | None
-    zone: str | None
-    teh_prompt: float | None
-    teh_reply: float | None
-    verdict: str  # ok | refused | withheld | cancelled
-    latency_s: float
-    prompt_tokens: int
-    new_tokens: int
-    metric_growth: float
-    generated: bool
-    category: str | None = None
-    context_dependent: bool = False
-    cluster: int | None = None
+Keep = Callable[..., None]  # keep(session, turn, *, replaces_last=False): persist a finished turn
 
 
 @dataclass
 class TurnEvent:
-    """A streamed piece of a turn: the decision, a text delta, or the final result."""
+    """A streamed piece of a turn: the decision, a text delta, or the finished turn."""
 
     kind: str  # "decision" | "token" | "done"
     text: str = ""
     tier: str | None = None
     distance: float | None = None
-    result: TurnResult | None = None
+    turn: Turn | None = None
 
 
 @dataclass
-class Session:
-    """One conversation's living state. Never shared between users."""
+class Prepared:
+    """What the prepare stage knows of a message: its coordinates, zone and safety state."""
 
-    id: str
-    basis: Basis
-    metric: Metric
-    memory: TrajectoryMemory
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    created: float = field(default_factory=time.time)
-    title: str | None = None
-    miku_path: Path | None = None
-    # Prompt states already computed in this session, keyed by the exact lookup
-    # prompt: an exact repeat skips its prefill (the states are a deterministic
-    # function of the prompt). Derived data: never saved, never shared.
-    prompt_states: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=OrderedDict, repr=False, compare=False
-    )
+    text: str
+    x: np.ndarray  # UGT coordinates of the lookup prompt
+    h_safety: np.ndarray  # the safety layer's state of the message
+    zone: str | None
+    context_key: str  # content key of the message before this one
+    prompt_tokens: int
 
-    def cached_states(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
-        states = self.prompt_states.get(key)
-        if states is not None:
-            self.prompt_states.move_to_end(key)
-        return states
 
-    def cache_states(self, key: str, h: np.ndarray, h_safety: np.ndarray) -> None:
-        self.prompt_states[key] = (h, h_safety)
-        self.prompt_states.move_to_end(key)
-        while len(self.prompt_states) > PROMPT_STATE_CACHE:
-            self.prompt_states.popitem(last=False)
+@dataclass
+class Generated:
+    """What the generate stage produced."""
 
-    @property
-    def turns(self) -> int:
-        return sum(1 for m in self.messages if m["role"] == "user")
-
-    def recent_exchanges(self) -> Iterator[list[dict[str, str]]]:
-        """Earlier exchanges that may enter a prompt, newest first, as chat message pairs.
-
-        Only accepted replies (verdict ``ok``, non-empty) with their user message:
-        refused, withheld and cancelled (Stop) turns never enter a later prompt,
-        or a stopped story would be continued by the next question. Walks from
-        the end, so a caller that stops early never reads the whole session.
-        """
-        reply: dict[str, Any] | None = None
-        for m in reversed(self.messages):
-            if m.get("role") == "assistant":
-                reply = m
-            elif m.get("role") == "user" and reply is not None:
-                if (reply.get("verdict") or "ok") == "ok" and reply.get("text"):
-                    yield [
-                        {"role": "user", "content": str(m.get("text", ""))},
-                        {"role": "assistant", "content": str(reply["text"])},
-                    ]
-                reply = None
-
-    def chat_history(self) -> list[dict[str, str]]:
-        """Every accepted earlier exchange as chat messages, oldest first (no budget)."""
-        return [m for exchange in reversed(list(self.recent_exchanges())) for m in exchange]
-
-    def last_user_key(self) -> str:
-        for m in reversed(self.messages):
-            if m["role"] == "user":
-                return content_key(m["text"])
-        return ""
+    reply: str
+    verdict: str  # ok | withheld | cancelled
+    teh_reply: float | None
+    reply_states: np.ndarray  # hidden states at layer L of the reply tokens
+    prompt_tokens: int
+    new_tokens: int
 
 
 class Engine:
-    """What all sessions share: settings, model, profile, history store."""
+    """What all sessions share: settings, model, profile, history store, turn persistence."""
 
-    def __init__(self, settings: Settings, lm: Any, profile: Any, store: Any = None) -> None:
+    def __init__(
+        self, settings: Settings, lm: Any, profile: Any, store: Any = None, keep: Keep | None = None
+    ) -> None:
         self.settings = settings
         self.lm = lm
         self.profile = profile
         self.store = store
+        self.keep = keep  # persists each recorded turn; None keeps turns in memory only
         self.thresholds = TierThresholds()
         self.generation_lock = threading.Lock()
 
     @classmethod
-    def start(cls, settings: Settings, *, with_store: bool = True, progress: Any = None) -> Engine:
-        """Load the model and its profile (calibrating on first use) and open the history store."""
-        from isagi.model import load_model
-        from isagi.profile import load_or_build_profile
+    def start(
+        cls,
+        settings: Settings,
+        *,
+        with_store: bool = True,
+        progress: Any = None,
+        lm: Any = None,
+        profile: Any = None,
+    ) -> Engine:
+        """Load the model and its profile (calibrating on first use) and open the history store.
 
-        lm = load_model(settings)
-        profile = load_or_build_profile(lm, settings, progress=progress)
+        ``lm`` and ``profile`` replace the loaded model and profile (tests pass a tiny model);
+        the engine persists turns with :func:`isagi.persist.default_keeper`.
+        """
+        from isagi.persist import default_keeper
+
+        if lm is None:
+            from isagi.model import load_model
+
+            lm = load_model(settings)
+        if profile is None:
+            from isagi.profile import load_or_build_profile
+
+            profile = load_or_build_profile(lm, settings, progress=progress)
         store = None
         if with_store:
             from storage.history import HistoryStore
 
             store = HistoryStore(settings.resolved_database_url)
-        return cls(settings, lm, profile, store)
+        engine = cls(settings, lm, profile, store)
+        engine.keep = default_keeper(engine, store)
+        return engine
 
     @property
     def layer(self) -> int:
@@ -192,7 +164,7 @@ class Engine:
             session.miku_path = self.settings.sessions_dir / f"{sid}.miku"
         return session
 
-    # -- the turn -------------------------------------------------------------
+    # -- validation --------------------------------------------------------------
 
     def validate(self, message: str) -> str:
         """The message as the turn uses it, or an :class:`InputError` saying what to change.
@@ -224,6 +196,10 @@ class Engine:
                 f"({self.settings.max_new_tokens:,} tokens are kept for the reply). Shorten the message."
             )
         return text
+
+    def check(self, message: str | Message) -> Message:
+        """``message`` validated (see :meth:`validate`); a :class:`Message` is valid already."""
+        return message if isinstance(message, Message) else Message(self.validate(message))
 
     # -- token accounting ------------------------------------------------------
 
@@ -279,182 +255,173 @@ class Engine:
             history = [m for exchange in reversed(kept) for m in exchange]
         return history
 
-    def turn(self, session: Session, message: str, **kwargs: Any) -> TurnResult:
-        """Run a whole turn and return its result (no streaming)."""
-        result = None
+    # -- the turn ---------------------------------------------------------------
+
+    def turn(self, session: Session, message: str | Message, **kwargs: Any) -> Turn:
+        """Run a whole turn and return it (no streaming)."""
+        turn = None
         for event in self.stream_turn(session, message, **kwargs):
             if event.kind == "done":
-                result = event.result
-        assert result is not None
-        return result
+                turn = event.turn
+        assert turn is not None
+        return turn
 
     def stream_turn(
         self,
         session: Session,
-        message: str,
+        message: str | Message,
         *,
         options: GenerationOptions | None = None,
         stop: threading.Event | None = None,
         record: bool = True,
+        replaces_last: bool = False,
     ) -> Iterator[TurnEvent]:
-        """Run one turn, yielding the decision, the reply's text deltas, then the result."""
-        text = self.validate(message)
-        started = time.perf_counter()
-        options = options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens)
-        with self.generation_lock:
-            result = yield from self._turn_locked(session, text, options, stop, started)
-        session.messages.append({"role": "user", "text": text, "time": time.time()})
-        session.messages.append(
-            {
-                "role": "assistant",
-                "text": result.reply,
-                "time": time.time(),
-                "tier": result.tier,
-                "distance": result.distance,
-                "nearest_query": result.nearest_query,
-                "zone": result.zone,
-                "teh_prompt": result.teh_prompt,
-                "teh_reply": result.teh_reply,
-                "verdict": result.verdict,
-                "latency_s": result.latency_s,
-                "new_tokens": result.new_tokens,
-                "metric_growth": result.metric_growth,
-            }
-        )
-        if session.title is None:
-            session.title = text[:80]
-        if record:
-            self._record(session, text, result)
-        yield TurnEvent("done", result=result)
+        """One turn: the decision, the reply's text deltas, then the finished :class:`Turn`.
 
-    def _turn_locked(
+        The message is validated here, at the call (an :class:`InputError` before
+        any event), unless it is a :class:`Message` already. ``record=False``
+        keeps the turn in the session only (evaluations); ``replaces_last``
+        persists it in place of the session's last exchange (Regenerate, after
+        the caller undid that turn in the session).
+        """
+        text = self.check(message).text
+        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last)
+
+    def _run(
         self,
         session: Session,
         text: str,
-        options: GenerationOptions,
+        options: GenerationOptions | None,
         stop: threading.Event | None,
-        started: float,
+        *,
+        record: bool,
+        replaces_last: bool,
     ) -> Iterator[TurnEvent]:
-        from isagi.safety import REFUSAL_TEMPLATE, ReplyGuard, category_of, teh
+        started, asked_at = time.perf_counter(), time.time()
+        options = options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens)
+        with self.generation_lock:
+            turn = yield from self._turn_locked(session, text, options, stop)
+        turn.latency_s = time.perf_counter() - started
+        turn.metric_growth = session.metric.growth
+        turn.asked_at, turn.answered_at = asked_at, time.time()
+        self._record(session, turn, persist=record, replaces_last=replaces_last)
+        yield TurnEvent("done", turn=turn)
 
-        lm, safety = self.lm, self.profile.safety
-        history = self.fitting_history(session, text)
-        context_key = session.last_user_key()
-
-        def finish(reply: str, **kw: Any) -> TurnResult:
-            base: dict[str, Any] = dict(
-                reply=reply, tier=None, distance=None, nearest_query=None, zone=None,
-                teh_prompt=None, teh_reply=None, verdict="ok", prompt_tokens=0, new_tokens=0,
-                metric_growth=session.metric.growth, generated=False,
-            )
-            base.update(kw)
-            return TurnResult(latency_s=time.perf_counter() - started, **base)
-
+    def _turn_locked(
+        self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None
+    ) -> Iterator[TurnEvent]:
+        """The stages between prepare and learn, under the generation lock; returns the Turn."""
+        safety = self.profile.safety
         # At most one Generation (and so one capture hook) is open at a time.
         # The safety layer's states come from the same forward passes (one more hook).
-        with _OpenGeneration(lm, self.layer, options, also_capture=(safety.layer,)) as slot:
-            lookup_prompt = self._prompt(session, text, None, with_history=False)
-            gen = slot.open(lookup_prompt)
-            key = _prompt_key(lookup_prompt)
-            cached = session.cached_states(key)
-            if cached is None:
-                h = gen.prefill()
-                h_safety = gen.prompt_state(safety.layer, span=lm.content_span(lookup_prompt))
-                session.cache_states(key, h, h_safety)
-            else:  # an exact repeat: same prompt, same states; a generation prefills on demand
-                h, h_safety = cached
-            x = project(session.basis, h)
-            zone, _ = route(self.profile.zones, x)
-            teh_prompt = float(teh(safety, h_safety))
-            if teh_prompt > safety.threshold:
-                category = category_of(safety, h_safety)
-                reply = REFUSAL_TEMPLATE.format(category=category.replace("_", " "))
+        with _OpenGeneration(self.lm, self.layer, options, also_capture=(safety.layer,)) as slot:
+            p = self._prepare(session, text, slot)
+            refusal = self._guard(p)
+            if refusal is not None:
                 yield TurnEvent("decision", tier=None)
-                yield TurnEvent("token", text=reply)
-                return finish(reply, zone=zone, teh_prompt=teh_prompt, verdict="refused",
-                              category=category, prompt_tokens=gen.prompt_tokens)
+                yield TurnEvent("token", text=refusal.reply_text)
+                return refusal
+            d = self._decide(session, text, p.x, p.context_key)
+            yield TurnEvent("decision", tier=d.tier.value, distance=d.distance)
+            turn = Turn(
+                user_text=text, reply_text="", tier=d.tier.value, distance=d.distance,
+                nearest_query=d.record["query_text"] if d.record is not None else None, zone=p.zone,
+                teh_prompt=float(self._teh(p.h_safety)), context_dependent=d.context_dependent,
+                prompt_tokens=p.prompt_tokens, new_tokens=0,
+            )
+            if d.tier is Tier.RETRIEVE:
+                assert d.nearest is not None
+                session.memory.record_hit(d.nearest.id)
+                turn.reply_text, turn.cluster = d.nearest.record["reply_text"], int(d.nearest.record["cluster"])
+                yield TurnEvent("token", text=turn.reply_text)
+                return turn
+            out = yield from self._generate(session, text, d, slot, stop)
+            if out.verdict == "withheld":
+                from isagi.safety import REFUSAL_TEMPLATE
 
-            tier, record, hit, distance, dependent = self._decide(session, text, x)
-            yield TurnEvent("decision", tier=tier.value, distance=distance if record else None)
-            nearest = record["query_text"] if record is not None else None
-            common = dict(tier=tier.value, distance=distance if record is not None else None,
-                          nearest_query=nearest, zone=zone, teh_prompt=teh_prompt,
-                          context_dependent=dependent)
-            if tier is Tier.RETRIEVE:
-                session.memory.record_hit(hit.id)
-                reply = record["reply_text"]
-                yield TurnEvent("token", text=reply)
-                return finish(reply, prompt_tokens=gen.prompt_tokens, cluster=int(record["cluster"]), **common)
+                turn.category = self._category(p.h_safety)
+                out.reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=turn.category.replace("_", " "))
+                yield TurnEvent("token", text="\n\n" + out.reply)
+        turn.reply_text, turn.verdict, turn.teh_reply = out.reply, out.verdict, out.teh_reply
+        turn.prompt_tokens, turn.new_tokens, turn.generated = out.prompt_tokens, out.new_tokens, True
+        if out.verdict == "ok":
+            turn.cluster = self._learn(session, p, out.reply, out.reply_states, d)
+        return turn
 
-            # Generate, from a prefill already computed whenever the prompt is the same one.
-            if tier is Tier.AUGMENT:
-                gen = slot.open(self._prompt(session, text, record))
-            elif history:
-                gen = slot.open(self._prompt_messages(text, None, history))
-            else:
-                gen = slot.current
-            guard = ReplyGuard(safety)
-            teh_reply: float | None = None
-            verdict = "ok"
-            checked = 0
-            for event in gen.stream():
-                if stop is not None and stop.is_set():
-                    gen.stop()
-                if len(gen.new_ids) - checked >= guard.every:
-                    checked = len(gen.new_ids)
-                    over, teh_reply = guard.check(gen.reply_hidden(safety.layer))
-                    if over:
-                        verdict = "withheld"
-                        break
-                if event.text:
-                    yield TurnEvent("token", text=event.text)
-            if gen.finish_reason == "cancelled" and verdict == "ok":
-                verdict = "cancelled"
-            reply = gen.text
-            if verdict == "ok" and len(gen.new_ids) > checked:
-                over, teh_reply = guard.check(gen.reply_hidden(safety.layer))
-                if over:
-                    verdict = "withheld"
-            if verdict == "withheld":
-                category = category_of(safety, h_safety)
-                reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=category.replace("_", " "))
-                yield TurnEvent("token", text="\n\n" + reply)
-            reply_states = gen.reply_hidden()
-            prompt_tokens, new_tokens = gen.prompt_tokens, len(gen.new_ids)
+    # -- stages -----------------------------------------------------------------
 
-        cluster = None
-        if verdict == "ok":
-            cluster = self._learn(session, text, reply, x, reply_states, tier, record, context_key, dependent)
-        return finish(reply, teh_reply=teh_reply, verdict=verdict, prompt_tokens=prompt_tokens,
-                      new_tokens=new_tokens, generated=True, cluster=cluster, **common)
+    def _prepare(self, session: Session, text: str, slot: _OpenGeneration) -> Prepared:
+        """Prefill the lookup prompt (or reuse an exact repeat's states), project, route."""
+        lookup_prompt = self._prompt(session, text, None, with_history=False)
+        key = _prompt_key(lookup_prompt)
+        cached = session.cached_states(key)
+        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.layer, cached is None)
+        if cached is None:
+            session.cache_states(key, h, h_safety)
+        else:  # an exact repeat: same prompt, same states; a generation prefills on demand
+            h, h_safety = cached
+        x = project(session.basis, h)
+        zone, _ = route(self.profile.zones, x)
+        return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt)
 
-    def _decide(
-        self, session: Session, text: str, x: np.ndarray
-    ) -> tuple[Tier, dict[str, Any] | None, Any, float, bool]:
-        """Lookup, tier, and the exact checks: (tier, record, hit, distance, context dependent).
+    def _teh(self, h_safety: np.ndarray) -> float:
+        from isagi.safety import teh
 
-        RETRIEVE needs the exact sameness check (same content words, same
-        context where the message depends on it) on one of the nearest
-        records, within the profile's retrieve cap. Otherwise the nearest
-        record's rescaled distance gives AUGMENT, EXPAND or EXPLORE.
-        """
-        dependent = depends_on_context(text)
+        return float(teh(self.profile.safety, h_safety))
+
+    def _category(self, h_safety: np.ndarray) -> str:
+        from isagi.safety import category_of
+
+        return category_of(self.profile.safety, h_safety)
+
+    def _guard(self, p: Prepared) -> Turn | None:
+        """The refused turn when the prompt's TEH is over the threshold, else None."""
+        from isagi.safety import REFUSAL_TEMPLATE
+
+        teh_prompt = self._teh(p.h_safety)
+        if teh_prompt <= self.profile.safety.threshold:
+            return None
+        category = self._category(p.h_safety)
+        return Turn(
+            user_text=p.text, reply_text=REFUSAL_TEMPLATE.format(category=category.replace("_", " ")),
+            zone=p.zone, teh_prompt=teh_prompt, verdict="refused", category=category,
+            prompt_tokens=p.prompt_tokens, new_tokens=0,
+        )
+
+    def _decide(self, session: Session, text: str, x: np.ndarray, context_key: str) -> Decision:
+        """Look the nearest stored exchanges up and apply the tier rule (:func:`isagi.decide.decide`)."""
         hits = session.memory.search(x, session.metric, top=RETRIEVE_CANDIDATES) if len(session.memory) else []
-        if not hits:
-            return Tier.EXPLORE, None, None, 1.0, dependent
-        scale = self.profile.distance_scale or SEED_SCALE
-        context_key = session.last_user_key()
-        for hit in hits:
-            record = session.memory.get(hit.id)
-            if hit.distance <= scale.retrieve_cap and self._same_question(text, record, context_key, dependent):
-                return Tier.RETRIEVE, record, hit, float(hit.distance), dependent
-        hit = hits[0]
-        record = session.memory.get(hit.id)
-        distance = float(hit.distance)
-        tier = self.thresholds.classify(scale.rescale(distance))
-        if tier is Tier.RETRIEVE:
-            tier = Tier.AUGMENT  # close, but not the same question: a near miss
-        return tier, record, hit, distance, dependent
+        candidates = [Candidate(int(h.id), float(h.distance), session.memory.get(h.id)) for h in hits]
+        return decide(candidates, text, context_key, self.profile.distance_scale or SEED_SCALE, self.thresholds)
+
+    def _generate(
+        self, session: Session, text: str, d: Decision, slot: _OpenGeneration, stop: threading.Event | None
+    ) -> Iterator[TurnEvent]:
+        """Decode the reply with the reply guard, from the lookup prefill whenever the prompt is the same."""
+        from isagi.safety import ReplyGuard
+
+        if d.tier is Tier.AUGMENT:
+            prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record)
+        else:
+            history = self.fitting_history(session, text)
+            prompt = self._prompt_messages(text, None, history) if history else None
+        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety), stop))
+
+    def _learn(
+        self, session: Session, p: Prepared, reply: str, reply_states: np.ndarray, d: Decision
+    ) -> int:
+        """Metric update and memory store for a generated, accepted reply; returns its cluster."""
+        return _learn(session, p.text, reply, p.x, reply_states, d, p.context_key)
+
+    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces_last: bool) -> None:
+        """The turn joins the session; the engine's ``keep`` persists it (history + autosave)."""
+        session.turns.append(turn)
+        if session.title is None:
+            session.title = turn.user_text[:80]
+        if persist and self.keep is not None:
+            self.keep(session, turn, replaces_last=replaces_last)
+
+    # -- without generating --------------------------------------------------------
 
     def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:
         from isagi.generation import prompt_hidden_states
@@ -467,86 +434,43 @@ class Engine:
         """The tier a message would get, without generating or changing the session."""
         text = self.validate(message)
         x = self._coords(self._prompt(session, text, None, with_history=False), session.basis)
-        tier, record, _hit, distance, dependent = self._decide(session, text, x)
+        d = self._decide(session, text, x, session.last_user_key())
         return {
-            "tier": tier.value,
-            "distance": distance if record is not None else None,
-            "nearest_query": record["query_text"] if record is not None else None,
-            "context_dependent": dependent,
+            "tier": d.tier.value,
+            "distance": d.distance,
+            "nearest_query": d.record["query_text"] if d.record is not None else None,
+            "context_dependent": d.context_dependent,
         }
 
     def remember(self, session: Session, message: str, reply: str) -> None:
         """Store an exchange in the session's memory as a generated turn would (for evaluations)."""
         text = self.validate(message)
         x = self._coords(self._prompt(session, text, None, with_history=False), session.basis)
-        tier, record, _hit, _d, dependent = self._decide(session, text, x)
         context_key = session.last_user_key()
-        self._learn(session, text, reply, x, np.zeros((0, x.shape[0])), tier, record, context_key, dependent)
-        session.messages.append({"role": "user", "text": text, "time": time.time()})
-        session.messages.append({"role": "assistant", "text": reply, "time": time.time(), "tier": tier.value, "verdict": "ok"})
+        d = self._decide(session, text, x, context_key)
+        cluster = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
+        now = time.time()
+        session.turns.append(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
+                                  cluster=cluster, asked_at=now, answered_at=now))
 
-    @staticmethod
-    def _same_question(text: str, record: dict[str, Any] | None, context_key: str, dependent: bool) -> bool:
-        """The exact check before RETRIEVE: same content words, and the same context if it matters."""
-        if record is None or content_key(text) != record["content_key"]:
-            return False
-        if dependent or record["context_key"]:
-            # A context-dependent question is stored with the key of its context.
-            return record["context_key"] == context_key
-        return True
 
-    def _learn(
-        self,
-        session: Session,
-        text: str,
-        reply: str,
-        x: np.ndarray,
-        reply_states: np.ndarray,
-        tier: Tier,
-        related: dict[str, Any] | None,
-        context_key: str,
-        dependent: bool,
-    ) -> int:
-        """Metric update and memory store for a generated, accepted reply."""
-        weight = LIGHT_UPDATE if tier is Tier.AUGMENT else 1.0
-        session.metric.update(x, weight=weight)
-        if tier is Tier.EXPLORE or related is None:
-            cluster = session.memory.next_cluster_id()
-        else:
-            cluster = int(related["cluster"])
-        if len(reply_states):
-            reply_x = project(session.basis, reply_states.mean(axis=0))
-        else:
-            reply_x = np.zeros_like(x)
-        session.memory.add(
-            x, reply_x, text, reply, tier.value, cluster,
-            context_key=context_key if dependent else "",
-            content_key=content_key(text),
-        )
-        return cluster
-
-    def _record(self, session: Session, text: str, result: TurnResult) -> None:
-        """History row and autosave; failures here never lose the turn in memory."""
-        if self.store is not None:
-            from storage.history import TurnRecord
-
-            self.store.ensure_session(session.id, model_id=self.lm.model_id, title=session.title)
-            self.store.record_turn(
-                session.id,
-                TurnRecord(
-                    user_text=text, reply_text=result.reply, tier=result.tier, distance=result.distance,
-                    nearest_query=result.nearest_query, zone=result.zone, teh_prompt=result.teh_prompt,
-                    teh_reply=result.teh_reply, verdict=result.verdict, latency_s=result.latency_s,
-                    prompt_tokens=result.prompt_tokens, new_tokens=result.new_tokens,
-                    metric_growth=result.metric_growth,
-                ),
-            )
-        if session.miku_path is not None:
-            from isagi.session_io import save_session
-
-            save_session(self, session, session.miku_path)
-            if self.store is not None:
-                self.store.set_miku_path(session.id, str(session.miku_path))
+def _learn(
+    session: Session, text: str, reply: str, x: np.ndarray, reply_states: np.ndarray, d: Decision, context_key: str
+) -> int:
+    """The learn stage: metric update (lighter for AUGMENT) and the exchange into memory."""
+    weight = LIGHT_UPDATE if d.tier is Tier.AUGMENT else 1.0
+    session.metric.update(x, weight=weight)
+    if d.tier is Tier.EXPLORE or d.record is None:
+        cluster = session.memory.next_cluster_id()
+    else:
+        cluster = int(d.record["cluster"])
+    reply_x = project(session.basis, reply_states.mean(axis=0)) if len(reply_states) else np.zeros_like(x)
+    session.memory.add(
+        x, reply_x, text, reply, d.tier.value, cluster,
+        context_key=context_key if d.context_dependent else "",
+        content_key=content_key(text),
+    )
+    return cluster
 
 
 def clean_message(message: str | None) -> str:
@@ -613,6 +537,61 @@ def model_context(lm: Any) -> int | None:
 def _prompt_key(messages: list[dict[str, str]]) -> str:
     """The exact chat (roles and texts) as a short key."""
     return hashlib.blake2b(json.dumps(messages, ensure_ascii=False).encode(), digest_size=16).hexdigest()
+
+
+def _prefill(
+    slot: _OpenGeneration, lm: Any, messages: list[dict[str, str]], safety_layer: int, compute: bool
+) -> tuple[Any, Any, int]:
+    """Open the lookup prompt; with ``compute``, prefill it: (h at layer L, safety state, prompt tokens).
+
+    Without ``compute`` (the states are known) nothing runs yet: a later
+    generation from this prompt prefills on demand.
+    """
+    gen = slot.open(messages)
+    if not compute:
+        return None, None, gen.prompt_tokens
+    h = gen.prefill()
+    h_safety = gen.prompt_state(safety_layer, span=lm.content_span(messages))
+    return h, h_safety, gen.prompt_tokens
+
+
+def _generate(
+    slot: _OpenGeneration,
+    messages: list[dict[str, str]] | None,
+    guard: Any,
+    stop: threading.Event | None,
+) -> Iterator[TurnEvent]:
+    """Decode a reply (from ``messages``, or the prompt already open), yielding its text deltas.
+
+    The reply guard (:class:`isagi.safety.ReplyGuard`) checks the newest reply
+    states every ``guard.every`` tokens and at the end; over its threshold the
+    reply is ``withheld``. Stop (``stop`` set) ends decoding after the current
+    token: ``cancelled``. Returns a :class:`Generated`.
+    """
+    gen = slot.open(messages) if messages is not None else slot.current
+    assert gen is not None
+    layer = guard.profile.layer
+    teh_reply: float | None = None
+    verdict = "ok"
+    checked = 0
+    for event in gen.stream():
+        if stop is not None and stop.is_set():
+            gen.stop()
+        if len(gen.new_ids) - checked >= guard.every:
+            checked = len(gen.new_ids)
+            over, teh_reply = guard.check(gen.reply_hidden(layer))
+            if over:
+                verdict = "withheld"
+                break
+        if event.text:
+            yield TurnEvent("token", text=event.text)
+    if gen.finish_reason == "cancelled" and verdict == "ok":
+        verdict = "cancelled"
+    if verdict == "ok" and len(gen.new_ids) > checked:
+        over, teh_reply = guard.check(gen.reply_hidden(layer))
+        if over:
+            verdict = "withheld"
+    return Generated(gen.text, verdict, teh_reply, gen.reply_hidden(), gen.prompt_tokens, len(gen.new_ids))
 
 
 class _OpenGeneration:

@@ -161,9 +161,9 @@ def chat(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
 ) -> None:
     """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
-    from isagi.errors import InputError
     from isagi.generation import GenerationOptions
     from isagi.session_io import load_session
+    from isagi.terminal import chat_loop
 
     settings = _settings(model=model, quant=quant, device=device, home=home, layer=layer, k=k,
                          max_new_tokens=max_new_tokens, system_prompt=system)
@@ -183,39 +183,8 @@ def chat(
         sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         err.print(f"[dim]ISAGI {__version__} · {engine.lm.model_id} · {engine.lm.quant} on {engine.lm.device} · "
-                  f"session {session.id} · Ctrl-D to quit[/]")
-    while True:
-        try:
-            line = input("you> " if interactive else "")
-        except EOFError:
-            break
-        if not line.strip():
-            if interactive:
-                continue
-            out.print("")  # one reply line per input line, even for an empty one
-            continue
-        try:
-            if interactive:
-                out.print("isagi> ", end="")
-            result = None
-            for event in engine.stream_turn(session, line, options=options):
-                if event.kind == "token" and interactive:
-                    out.print(event.text, end="", highlight=False, markup=False, soft_wrap=True)
-                elif event.kind == "done":
-                    result = event.result
-            assert result is not None
-            if interactive:
-                out.print()
-            else:
-                sys.stdout.write(result.reply.replace("\r", " ").replace("\n", " ").strip() + "\n")
-                sys.stdout.flush()
-            if verbose:
-                err.print(f"[dim]tier={result.tier} d={result.distance} zone={result.zone} "
-                          f"TEH={result.teh_prompt:.1f}% verdict={result.verdict} {result.latency_s:.2f}s[/]")
-        except InputError as exc:
-            err.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
-            if not interactive:
-                out.print("")
+                  f"session {session.id} · Ctrl-C stops a reply · Ctrl-C at the prompt or Ctrl-D quits[/]")
+    chat_loop(engine, session, options, interactive=interactive, out=out, err=err, verbose=verbose)
     if save is not None:
         err.print(f"[dim]session saved to {save}[/]")
 

@@ -1,6 +1,7 @@
 """Mapping between a live :class:`~isagi.agent.Session` and a ``.miku`` v2 file.
 
-Owns what a session file holds: the conversation log, the metric M, the
+Owns what a session file holds: the conversation (each
+:class:`~isagi.turn.Turn` as its two message dicts), the metric M, the
 trajectory memory as columns, and the session's own UGT basis (so a session
 restores exactly even if the model's profile is recalibrated later). The file
 format itself (validation, checksums, atomic writes) is ``storage.miku``'s;
@@ -28,10 +29,12 @@ from isagi.cog import Metric
 from isagi.errors import MikuError
 from isagi.ids import is_session_id, new_session_id
 from isagi.memory import TrajectoryMemory
+from isagi.session import Session
+from isagi.turn import turns_from_messages, turns_to_messages
 from isagi.ugt import Basis
 
 if TYPE_CHECKING:
-    from isagi.agent import Engine, Session
+    from isagi.agent import Engine
     from storage.miku import MikuState
 
 FORMAT_VERSION = 2
@@ -206,10 +209,7 @@ def session_state(engine: Engine, session: Session) -> Any:
         "k": int(b.B.shape[1]),
         "layer": int(engine.profile.layer),
     }
-    conversation = [
-        {k: v for k, v in m.items() if v is None or isinstance(v, str | int | float | bool)}
-        for m in session.messages
-    ]
+    conversation = turns_to_messages(session.turns)
     return MikuState(
         header=header,
         tensors=tensors,
@@ -242,7 +242,6 @@ def load_session(
     replaced by a fresh :func:`~isagi.ids.new_session_id`; the file's own id
     is then kept nowhere.
     """
-    from isagi.agent import Session
     from storage.miku import read_miku
 
     state = read_miku(
@@ -281,7 +280,7 @@ def load_session(
         basis=basis,
         metric=metric,
         memory=memory,
-        messages=state.conversation,  # fresh dicts from the reader, owned by nobody else
+        turns=turns_from_messages(state.conversation),
         created=_created(header, extra),
         title=title,
     )

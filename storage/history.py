@@ -5,8 +5,8 @@ This module owns the history database: the SQLAlchemy 2.x models of
 ``ISAGI_HOME`` by default, PostgreSQL or any SQLAlchemy URL by setting),
 migrating it to the newest Alembic revision on open, and the queries the CLI
 and the web app need (record a turn, list, search, export, delete). It knows
-nothing about models or geometry: a turn arrives as a :class:`TurnRecord` of
-plain numbers and texts.
+nothing about models or geometry: a turn arrives as a
+:class:`~isagi.turn.Turn` (``TurnRecord``) of plain numbers and texts.
 
 One exchange is two rows in ``turns`` (``seq`` counts rows within a session
 from 0): the user row (seq 2n) carries the query-side figures (tier, distance,
@@ -49,6 +49,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from isagi.errors import StorageError
+from isagi.turn import Turn
 
 TITLE_MAX = 80
 ROLES = ("user", "assistant")
@@ -100,23 +101,8 @@ class TurnModel(Base):
 # --------------------------------------------------------------------------- value types
 
 
-@dataclass
-class TurnRecord:
-    """One exchange as the turn pipeline reports it."""
-
-    user_text: str
-    reply_text: str
-    tier: str | None = None
-    distance: float | None = None
-    nearest_query: str | None = None
-    zone: str | None = None
-    teh_prompt: float | None = None
-    teh_reply: float | None = None
-    verdict: str = "ok"
-    latency_s: float | None = None
-    prompt_tokens: int | None = None
-    new_tokens: int | None = None
-    metric_growth: float | None = None
+# One exchange as the turn pipeline reports it: the one turn record (isagi.turn).
+TurnRecord = Turn
 
 
 @dataclass(frozen=True)
@@ -347,52 +333,74 @@ class HistoryStore:
 
         Returns the exchange's number within the session, from 1.
         """
+        with self._tx("record a turn") as db:
+            return self._add_turn(db, session_id, record)
+
+    def _add_turn(self, db: Any, session_id: str, record: TurnRecord) -> int:
+        """Write one exchange's two rows after the session's last row (inside a transaction)."""
         if not isinstance(record.user_text, str) or not isinstance(record.reply_text, str):
             raise StorageError("A turn's user and reply texts must be strings.")
-        with self._tx("record a turn") as db:
-            s = self._get_session(db, session_id, lock=True)
+        s = self._get_session(db, session_id, lock=True)
+        last = db.execute(
+            select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
+        ).scalar_one()
+        seq = 0 if last is None else last + 1
+        seq += seq % 2  # a user row always starts at an even seq
+        now = _now()
+        r = record
+        db.add_all(
+            [
+                TurnModel(
+                    session_id=session_id,
+                    seq=seq,
+                    role="user",
+                    text=r.user_text,
+                    tier=r.tier,
+                    distance=r.distance,
+                    nearest_query=r.nearest_query,
+                    zone=r.zone,
+                    teh_prompt=r.teh_prompt,
+                    verdict=r.verdict,
+                    prompt_tokens=r.prompt_tokens,
+                    created_at=now,
+                ),
+                TurnModel(
+                    session_id=session_id,
+                    seq=seq + 1,
+                    role="assistant",
+                    text=r.reply_text,
+                    tier=r.tier,
+                    teh_reply=r.teh_reply,
+                    verdict=r.verdict,
+                    latency_s=r.latency_s,
+                    new_tokens=r.new_tokens,
+                    metric_growth=r.metric_growth,
+                    created_at=now,
+                ),
+            ]
+        )
+        s.updated_at = now
+        if not s.title:
+            s.title = make_title(r.user_text)
+        return seq // 2 + 1
+
+    def replace_last_turn(self, session_id: str, record: TurnRecord) -> int:
+        """Replace the session's last exchange by ``record`` (Regenerate), in one transaction.
+
+        The last exchange's two rows are deleted and ``record`` takes their
+        sequence numbers; a session without turns gets ``record`` as its first.
+        Returns the exchange's number within the session, from 1.
+        """
+        with self._tx("replace a turn") as db:
+            self._get_session(db, session_id, lock=True)
             last = db.execute(
                 select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
             ).scalar_one()
-            seq = 0 if last is None else last + 1
-            seq += seq % 2  # a user row always starts at an even seq
-            now = _now()
-            r = record
-            db.add_all(
-                [
-                    TurnModel(
-                        session_id=session_id,
-                        seq=seq,
-                        role="user",
-                        text=r.user_text,
-                        tier=r.tier,
-                        distance=r.distance,
-                        nearest_query=r.nearest_query,
-                        zone=r.zone,
-                        teh_prompt=r.teh_prompt,
-                        verdict=r.verdict,
-                        prompt_tokens=r.prompt_tokens,
-                        created_at=now,
-                    ),
-                    TurnModel(
-                        session_id=session_id,
-                        seq=seq + 1,
-                        role="assistant",
-                        text=r.reply_text,
-                        tier=r.tier,
-                        teh_reply=r.teh_reply,
-                        verdict=r.verdict,
-                        latency_s=r.latency_s,
-                        new_tokens=r.new_tokens,
-                        metric_growth=r.metric_growth,
-                        created_at=now,
-                    ),
-                ]
-            )
-            s.updated_at = now
-            if not s.title:
-                s.title = make_title(r.user_text)
-        return seq // 2 + 1
+            if last is not None:
+                db.execute(
+                    delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2)
+                )
+            return self._add_turn(db, session_id, record)
 
     def set_miku_path(self, session_id: str, path: str | Path | None) -> None:
         """Remember where the session's ``.miku`` file is (None forgets it)."""

@@ -34,7 +34,7 @@ def default_lm(settings_default: Settings):
     return load_model(settings_default)
 
 
-def tiny_model(kind: str = "llama", seed: int = 0):
+def tiny_model(kind: str = "llama", seed: int = 0, context: int = 256):
     """A tiny random decoder model of the given family, built from a config (no download)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -47,7 +47,7 @@ def tiny_model(kind: str = "llama", seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=256,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
     )
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     return AutoModelForCausalLM.from_config(config).eval()
@@ -58,9 +58,7 @@ def default_engine(settings_default: Settings, default_lm, tmp_path_factory: pyt
     """An Engine on the real default model and its profile, with a history store in a temp dir."""
     from isagi.agent import Engine
     from isagi.profile import load_or_build_profile
-    from storage.history import HistoryStore
 
     profile = load_or_build_profile(default_lm, settings_default)
-    db = tmp_path_factory.mktemp("history") / "history.sqlite3"
     settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("engine-home"))
-    return Engine(settings, default_lm, profile, HistoryStore(f"sqlite:///{db}"))
+    return Engine.start(settings, lm=default_lm, profile=profile)

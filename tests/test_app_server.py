@@ -1,5 +1,5 @@
 """The web server: /health while loading and when ready, login from ISAGI_AUTH,
-nothing built at import time. A fake engine; FastAPI's test client (no socket)."""
+nothing built at import time. The real engine on a tiny model; FastAPI's test client (no socket)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from app.server import create_app, parse_auth
 from isagi.config import load_settings
 from isagi.errors import ConfigError
-from tests.test_app_fakes import FakeEngine
+from tests.tiny_engine import tiny_engine
 
 
 def test_parse_auth():
@@ -27,13 +27,13 @@ def test_parse_auth():
 def test_health_ready(tmp_path):
     from fastapi.testclient import TestClient
 
-    settings = load_settings(environ={}, home=tmp_path)
-    app = create_app(FakeEngine(settings), settings)
+    engine = tiny_engine(tmp_path)
+    app = create_app(engine, engine.settings)
     with TestClient(app) as client:
         r = client.get("/health")
         assert r.status_code == 200
         body = r.json()
-        assert body["status"] == "ok" and body["model"] == "fake/echo-model" and body["sessions"] == 0
+        assert body["status"] == "ok" and body["model"] == "tiny/llama-random" and body["sessions"] == 0
         app.state.isagi_registry.create()
         assert client.get("/health").json()["sessions"] == 1
         page = client.get("/")
@@ -49,7 +49,7 @@ def test_health_while_loading_then_ready(tmp_path):
     def factory(progress):
         progress("Calibrating the profile", 3, 10)
         gate.wait(30)
-        return FakeEngine(settings)
+        return tiny_engine(tmp_path)
 
     app = create_app(factory, settings)
     with TestClient(app) as client:
@@ -82,8 +82,8 @@ def test_health_reports_a_failed_load(tmp_path):
 def test_login_required_when_auth_is_set(tmp_path):
     from fastapi.testclient import TestClient
 
-    settings = load_settings(environ={}, home=tmp_path, auth="ann:secret")
-    app = create_app(FakeEngine(settings), settings)
+    engine = tiny_engine(tmp_path, auth="ann:secret")
+    app = create_app(engine, engine.settings)
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200  # the container's check needs no login
         cfg = client.get("/config")

@@ -1,5 +1,6 @@
 """The web app's session registry: isolation, idle eviction (save then drop), resume,
-forks on adoption, and the Regenerate snapshot. Fast: a fake engine, real .miku files."""
+forks on adoption, and the Regenerate snapshot. Fast: the real engine on a tiny random
+model (tests/tiny_engine.py), real .miku files."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import numpy as np
 import pytest
 
 from app.sessions import SessionRegistry, restore_snapshot, take_snapshot
-from isagi.config import load_settings
 from isagi.session_io import load_session
-from tests.test_app_fakes import FakeEngine
+from tests.tiny_engine import tiny_engine
 
 
 class Clock:
@@ -24,7 +24,7 @@ class Clock:
 
 @pytest.fixture
 def engine(tmp_path):
-    return FakeEngine(load_settings(environ={}, home=tmp_path))
+    return tiny_engine(tmp_path, with_store=False)
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def registry(engine, clock):
 
 
 def _turn(engine, session, text):
-    return [ev for ev in engine.stream_turn(session, text) if ev.kind == "done"][0].result
+    return [ev for ev in engine.stream_turn(session, text) if ev.kind == "done"][0].turn
 
 
 def test_sessions_are_isolated(registry, engine):
@@ -67,8 +67,8 @@ def test_unknown_id_raises_and_ensure_creates(registry):
 def test_idle_eviction_saves_drops_and_resumes(registry, engine, clock):
     sid = registry.create()
     s = registry.entry(sid).session
-    _turn(engine, s, "first question")
-    _turn(engine, s, "second question")
+    _turn(engine, s, "What is the boiling point of water?")
+    _turn(engine, s, "How do plants make food?")
     path = s.miku_path
     path.unlink()  # prove that eviction itself writes the file
     clock.t += 61
@@ -76,14 +76,14 @@ def test_idle_eviction_saves_drops_and_resumes(registry, engine, clock):
     assert sid not in registry and len(registry) == 0
     assert path.exists()
     saved = load_session(engine, path)
-    assert [m["text"] for m in saved.messages] == [m["text"] for m in s.messages]
+    assert saved.turns == s.turns
     # the next use resumes it from the file, transparently
     again = registry.entry(sid).session
     assert again is not s
     assert len(again.memory) == 2
     np.testing.assert_allclose(again.metric.M, s.metric.M)
     assert again.miku_path == path
-    assert _turn(engine, again, "first question").tier == "RETRIEVE"
+    assert _turn(engine, again, "What is the boiling point of water?").tier == "RETRIEVE"
 
 
 def test_recently_used_and_busy_sessions_are_not_evicted(registry, engine, clock):
@@ -110,7 +110,7 @@ def test_empty_sessions_are_dropped_without_a_file(registry, engine, clock):
     clock.t += 61
     assert registry.evict_idle() == [sid]
     assert not path.exists()
-    assert registry.entry(sid).session.messages == []  # resumes as a fresh, empty session
+    assert registry.entry(sid).session.turns == []  # resumes as a fresh, empty session
 
 
 def test_failed_save_keeps_the_session(engine, clock):
@@ -151,7 +151,10 @@ def test_adopt_never_shares_a_live_id(registry, engine):
 
 
 def test_stop_event_reaches_the_running_turn(tmp_path):
-    engine = FakeEngine(load_settings(environ={}, home=tmp_path), token_delay=0.01)
+    from isagi.generation import GenerationOptions
+
+    engine = tiny_engine(tmp_path, with_store=False)
+    long = GenerationOptions(max_new_tokens=100_000, ignore_eos=True)
     reg = SessionRegistry(lambda: engine, idle_s=60)
     sid = reg.create()
     entry = reg.entry(sid)
@@ -159,9 +162,9 @@ def test_stop_event_reaches_the_running_turn(tmp_path):
 
     def run():
         with reg.using(sid) as e:
-            for ev in engine.stream_turn(e.session, "a long answer please", stop=e.stop):
+            for ev in engine.stream_turn(e.session, "a long answer please", stop=e.stop, options=long):
                 if ev.kind == "done":
-                    results.append(ev.result)
+                    results.append(ev.turn)
 
     t = threading.Thread(target=run)
     t.start()
@@ -171,22 +174,23 @@ def test_stop_event_reaches_the_running_turn(tmp_path):
     assert reg.wait_until_free(sid, timeout=30)
     t.join(30)
     assert results and results[0].verdict == "cancelled"
-    assert results[0].new_tokens < 64
+    assert results[0].new_tokens < 100_000
 
 
-def test_snapshot_restores_metric_memory_and_messages(registry, engine):
+def test_snapshot_restores_metric_memory_and_turns(registry, engine):
     sid = registry.create()
     s = registry.entry(sid).session
-    _turn(engine, s, "one")
+    one, two = "What is the boiling point of water?", "How do plants make food?"
+    _turn(engine, s, one)
     snap = take_snapshot(s)
     M0 = s.metric.M.copy()
-    _turn(engine, s, "two")
-    assert len(s.memory) == 2 and len(s.messages) == 4
+    _turn(engine, s, two)
+    assert len(s.memory) == 2 and len(s.turns) == 2
     restore_snapshot(s, snap)
-    assert len(s.memory) == 1 and len(s.messages) == 2
+    assert len(s.memory) == 1 and len(s.turns) == 1
     np.testing.assert_allclose(s.metric.M, M0)
-    assert s.memory.to_columns()["query_text"] == ["one"]
-    assert _turn(engine, s, "one").tier == "RETRIEVE"  # the restored memory still answers
+    assert s.memory.to_columns()["query_text"] == [one]
+    assert _turn(engine, s, one).tier == "RETRIEVE"  # the restored memory still answers
 
 
 def test_reaper_thread_evicts(engine):

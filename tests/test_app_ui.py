@@ -1,6 +1,10 @@
 """The web app's handlers without a browser: streaming, badges, per-browser isolation,
 Stop (the model work really ends and the turn is recorded), Regenerate, input errors,
-.miku save / load / corrupted upload, and the plots. A fake engine, real .miku files."""
+.miku save / load / corrupted upload, and the plots.
+
+The real engine (``Engine.stream_turn``) on a tiny random model with a synthetic
+profile (tests/tiny_engine.py), a real SessionRegistry, history store and .miku
+files: the tiers come from the real rule (isagi.decide)."""
 
 from __future__ import annotations
 
@@ -11,23 +15,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import app.ui
 from app import plots
 from app.loader import EngineHolder
 from app.sessions import SessionRegistry
 from app.ui import WebUI, chat_messages, info_html
-from isagi.config import load_settings
-from tests.test_app_fakes import FakeEngine
+from isagi.agent import Engine
+from isagi.session_io import load_session
+from tests.tiny_engine import tiny_engine
 
 # send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh)
 STATE, CHAT, TEXTBOX, ALERT, TURN, SUMMARY, MAP = range(7)
 
 
-def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, FakeEngine]:
-    settings = load_settings(environ={}, home=tmp_path, max_new_tokens=8)
-    engine = FakeEngine(settings, **engine_kw)
+def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, Engine]:
+    engine = tiny_engine(tmp_path, max_new_tokens=8, **engine_kw)
     holder = EngineHolder(engine)
     registry = SessionRegistry(lambda: holder.engine, idle_s=600)
-    return WebUI(holder, registry, settings), engine
+    return WebUI(holder, registry, engine.settings), engine
+
+
+def counts(ui: WebUI, sid: str) -> tuple[int, int, int]:
+    """(turns in the live session, exchanges in the history store, turns in the autosaved file)."""
+    session = ui.registry.entry(sid).session
+    stored = ui.engine.store.get_session(sid).turns
+    in_file = len(load_session(ui.engine, session.miku_path).turns)
+    return len(session.turns), stored, in_file
 
 
 def run(gen):
@@ -47,7 +60,8 @@ def ui(tmp_path):
     return make_ui(tmp_path)[0]
 
 
-def test_reply_streams_and_gets_a_badge(ui):
+def test_reply_streams_and_gets_a_badge(ui, monkeypatch):
+    monkeypatch.setattr(app.ui, "STREAM_INTERVAL_S", 0.0)  # every token is a display update
     sid = ui.on_load(None)[0]
     outs = run(ui.send("tell me something", sid, 8))
     chats = [o[CHAT] for o in outs if isinstance(o[CHAT], list)]
@@ -59,18 +73,23 @@ def test_reply_streams_and_gets_a_badge(ui):
     assert final[TEXTBOX] is not None
     assert "Trajectories: **1**" in final[SUMMARY]
     assert "EXPLORE" in final[TURN]
-    # the stored text stays raw; the info line is display only
+    # the stored text stays raw (the streamed text exactly); the info line is display only
     s = ui.registry.entry(sid).session
-    assert s.messages[-1]["text"] == "w0 w1 w2 w3 w4 w5 w6 w7"
+    assert s.turns[-1].reply_text == replies[-1] and s.turns[-1].new_tokens == 8
+    assert s.turns[-1].tier == "EXPLORE" and s.turns[-1].verdict == "ok"
+    assert counts(ui, sid) == (1, 1, 1)
 
 
 def test_same_question_retrieves_but_never_across_browsers(ui):
     a = ui.on_load(None)[0]
     b = ui.on_load(None)[0]
     assert a != b
-    run(ui.send("what is the capital of France?", a, 8))
+    first = run(ui.send("what is the capital of France?", a, 8))[-1]
     again = run(ui.send("what is the capital of France?", a, 8))[-1]
     assert badges(again[CHAT])[-1] == "retrieve"
+    s = ui.registry.entry(a).session
+    assert s.turns[1].reply_text == s.turns[0].reply_text and s.turns[1].new_tokens == 0
+    assert "RETRIEVE" in again[TURN] and "EXPLORE" in first[TURN]
     other = run(ui.send("what is the capital of France?", b, 8))[-1]
     assert badges(other[CHAT]) == ["explore"], "browser b must not see a's memory"
     assert len(ui.registry.entry(b).session.memory) == 1
@@ -82,8 +101,8 @@ def test_bad_input_is_explained_and_runs_nothing(tmp_path, message, needle):
     sid = ui.on_load(None)[0]
     outs = run(ui.send(message, sid, 8))
     assert len(outs) == 1 and needle in outs[0][ALERT]
-    assert engine.turns_run == 0
-    assert ui.registry.entry(sid).session.messages == []
+    assert ui.registry.entry(sid).session.turns == []
+    assert engine.store.list_sessions() == [] and not ui.registry.entry(sid).session.miku_path.exists()
 
 
 def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
@@ -96,12 +115,14 @@ def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
     gen.close()
     entry = ui.registry.entry(sid)
     assert not entry.lock.locked() and not engine.generation_lock.locked()
-    last = entry.session.messages[-1]
-    assert last["verdict"] == "cancelled" and last["new_tokens"] < 500
+    last = entry.session.turns[-1]
+    assert last.verdict == "cancelled" and last.new_tokens < 500
+    assert len(entry.session.memory) == 0, "a stopped reply is not learnt"
+    assert counts(ui, sid) == (1, 1, 1)
 
 
 def test_stop_button_ends_generation_and_shows_it(tmp_path):
-    ui, engine = make_ui(tmp_path, token_delay=0.005)
+    ui, engine = make_ui(tmp_path)
     sid = ui.on_load(None)[0]
     outs: list = []
     t = threading.Thread(target=lambda: outs.extend(run(ui.send("go on and on", sid, 100000))))
@@ -112,26 +133,44 @@ def test_stop_button_ends_generation_and_shows_it(tmp_path):
     stopped = ui.stop(sid)
     t.join(30)
     assert not t.is_alive()
-    assert entry.session.messages[-1]["verdict"] == "cancelled"
-    assert entry.session.messages[-1]["new_tokens"] < 100000
+    assert entry.session.turns[-1].verdict == "cancelled"
+    assert entry.session.turns[-1].new_tokens < 100000
     assert "cancelled" in badges(stopped[0])
     assert "stopped" in outs[-1][ALERT].lower()
-    # the engine is free again: the next turn runs
-    assert badges(run(ui.send("next", sid, 4))[-1][CHAT])[-1] == "explore"
+    # the engine is free again: the next turn runs, and the stopped reply is not in its prompt
+    stopped_text = entry.session.turns[-1].reply_text
+    prompts = []
+    real = Engine._prompt_messages
+    engine._prompt_messages = lambda text, related, history: prompts.append(history) or real(engine, text, related, history)
+    assert badges(run(ui.send("What is 3 times 4?", sid, 4))[-1][CHAT])[-1] == "explore"
+    assert prompts and all(h == [] for h in prompts), "the cancelled turn never enters a prompt"
+    assert stopped_text and entry.session.turns[-1].verdict == "ok"
 
 
-def test_regenerate_undoes_the_last_turn(ui):
+def test_regenerate_replaces_the_last_turn_everywhere(ui):
     sid = ui.on_load(None)[0]
-    run(ui.send("first", sid, 4))
-    run(ui.send("second", sid, 4))
+    run(ui.send("What is the boiling point of water?", sid, 4))
+    run(ui.send("Name three primary colours.", sid, 6))
     s = ui.registry.entry(sid).session
     growth_before = s.metric.growth
-    out = run(ui.regenerate(sid, 4))[-1]
+    replaced = s.turns[-1]
+    out = run(ui.regenerate(sid, 6))[-1]
     s = ui.registry.entry(sid).session
-    assert [m["text"] for m in s.messages if m["role"] == "user"] == ["first", "second"]
+    assert [t.user_text for t in s.turns] == ["What is the boiling point of water?", "Name three primary colours."]
+    assert s.turns[-1] is not replaced and s.turns[-1].verdict == "ok"
     assert len(s.memory) == 2, "the undone turn's trajectory must not stay twice"
     assert s.metric.growth == pytest.approx(growth_before)
     assert badges(out[CHAT])[-1] != "retrieve"
+    # history turns == chat turns == file turns, and the store holds the new reply, not the old one
+    assert counts(ui, sid) == (2, 2, 2)
+    rows = ui.engine.store.get_turns(sid)
+    assert [r.seq for r in rows] == [0, 1, 2, 3]
+    assert rows[-1].text == s.turns[-1].reply_text and rows[-2].text == "Name three primary colours."
+    table, _ = ui.list_sessions("")
+    assert [(r[0], r[2]) for r in table] == [(sid, 2)], "the Sessions tab counts the chat's turns"
+    # and again: still two
+    run(ui.regenerate(sid, 6))
+    assert counts(ui, sid) == (2, 2, 2)
 
 
 def test_regenerate_without_a_turn_warns(ui):
@@ -142,7 +181,7 @@ def test_regenerate_without_a_turn_warns(ui):
 
 def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     sid = ui.on_load(None)[0]
-    for q in ("alpha", "beta", "gamma"):
+    for q in ("How do plants make food?", "What is the boiling point of water?", "Name three primary colours."):
         run(ui.send(q, sid, 4))
     path, note = ui.save_miku(sid)
     assert Path(path).exists() and "3 trajectories" in note
@@ -168,7 +207,8 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     assert loaded is not orig
     np.testing.assert_array_equal(loaded.memory.to_columns()["query_x"], orig.memory.to_columns()["query_x"])
     assert "Trajectories: **3**" in out[4]
-    assert badges(run(ui.send("beta", new, 4))[-1][CHAT])[-1] == "retrieve"
+    assert loaded.turns == orig.turns, "every field of every turn survives the upload"
+    assert badges(run(ui.send("What is the boiling point of water?", new, 4))[-1][CHAT])[-1] == "retrieve"
 
 
 def test_new_chat_starts_empty_and_saves_the_old(ui):
@@ -177,13 +217,13 @@ def test_new_chat_starts_empty_and_saves_the_old(ui):
     path = ui.registry.entry(sid).session.miku_path
     new = ui.new_chat(sid)[0]
     assert new != sid and path.exists()
-    assert ui.registry.entry(new).session.messages == []
+    assert ui.registry.entry(new).session.turns == []
 
 
 def test_loading_engine_is_reported_not_crashed(tmp_path):
-    settings = load_settings(environ={}, home=tmp_path)
+    settings = tiny_engine(tmp_path).settings
     gate = threading.Event()
-    holder = EngineHolder(lambda progress: (progress("converting", 1, 4), gate.wait(30), FakeEngine(settings))[2])
+    holder = EngineHolder(lambda progress: (progress("converting", 1, 4), gate.wait(30), tiny_engine(tmp_path))[2])
     reg = SessionRegistry(lambda: holder.engine)
     ui = WebUI(holder, reg, settings)
     holder.start()
@@ -235,9 +275,9 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
     session as it was before the turn — never a reply stuck at "generating…"."""
     ui, engine = make_ui(tmp_path)
     sid = ui.on_load(None)[0]
-    run(ui.send("first question", sid, 8))
+    run(ui.send("What is the boiling point of water?", sid, 8))
     session = ui.registry.entry(sid).session
-    before = (len(session.messages), len(session.memory), session.metric.growth)
+    before = (len(session.turns), len(session.memory), session.metric.growth)
     real = engine.stream_turn
 
     def crashing(session, message, **kw):
@@ -250,11 +290,11 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
             events.close()  # as a real failure would: the engine's lock is released
 
     engine.stream_turn = crashing
-    outs = run(ui.send("second question", sid, 8))
+    outs = run(ui.send("How do plants make food?", sid, 8))
     final = outs[-1]
     assert "This turn failed" in final[ALERT] and "simulated failure" in final[ALERT]
     assert not any("generating" in m["content"] for m in final[CHAT])
-    assert (len(session.messages), len(session.memory), session.metric.growth) == before
+    assert (len(session.turns), len(session.memory), session.metric.growth) == before
     engine.stream_turn = real
-    after = run(ui.send("third question", sid, 8))[-1]
-    assert badges(after[CHAT])[-1] in ("explore", "expand"), "the session keeps working after the failure"
+    after = run(ui.send("Name three primary colours.", sid, 8))[-1]
+    assert badges(after[CHAT])[-1] in ("augment", "expand", "explore"), "the session keeps working after the failure"

@@ -180,7 +180,12 @@ def test_an_imported_session_is_resumed_by_load_session(tmp_path: Path) -> None:
     np.testing.assert_array_equal(s.basis.B, tensors["basis"].numpy())
     np.testing.assert_array_equal(s.basis.mu, tensors["mu"].numpy())
     assert s.metric.eta > 0 and s.metric.version == 0
-    assert [m["text"] for m in s.messages] == [m["content"] for m in doc["conversation"]]
+    # Three questions, one answer: the unanswered ones load as cancelled turns (never in a prompt).
+    assert [t.user_text for t in s.turns] == [m["content"] for m in doc["conversation"] if m["role"] == "user"]
+    assert [(t.reply_text, t.verdict) for t in s.turns] == [("", "cancelled"), ("", "cancelled"), ("answer", "ok")]
+    assert [t.asked_at for t in s.turns] == [100.0, 101.0, 102.0]
+    assert s.chat_history() == [{"role": "user", "content": doc["conversation"][2]["content"]},
+                                {"role": "assistant", "content": "answer"}]
     assert s.title == doc["conversation"][0]["content"]
     cols = s.memory.to_columns()
     assert cols["query_text"] == [t["query"] for t in doc["trajectories"]]
@@ -287,3 +292,28 @@ def test_cli_import_legacy_prints_one_line_not_a_traceback(tmp_path: Path) -> No
     result = CliRunner().invoke(app, ["import-legacy", str(old), str(tmp_path / "new.miku")])
     assert result.exit_code != 0
     assert "Traceback" not in result.output and "float8_e5m2" in result.output
+
+
+def test_an_imported_session_chats_on_the_real_turn_and_its_counts_agree(tmp_path: Path) -> None:
+    """import-legacy -> load_session -> a real turn (tiny model) -> autosave and history agree."""
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+    from isagi.session_io import load_session
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path / "home")
+    old, doc, tensors = v1_pair(tmp_path, d=engine.lm.hidden_size, k=8)
+    new = tmp_path / "imported.miku"
+    result = CliRunner().invoke(app, ["import-legacy", str(old), str(new)])
+    assert result.exit_code == 0 and f"wrote {new}" in result.output.replace("\n", "")
+    s = load_session(engine, new, allow_other_model=True)  # the v1 pair names SmolLM2, not the tiny model
+    s.miku_path = tmp_path / "resumed.miku"
+    before = len(s.memory)
+    turn = engine.turn(s, "What is the boiling point of water?")
+    assert turn.verdict == "ok" and turn.tier in ("AUGMENT", "EXPAND", "EXPLORE") and turn.generated
+    assert turn.distance is not None, "the imported memory was searched"
+    assert len(s.memory) == before + 1 and len(s.turns) == 4
+    again = load_session(engine, s.miku_path)
+    assert again.turns == s.turns
+    assert engine.store.get_session(s.id).turns == 1  # the history holds the turns run here

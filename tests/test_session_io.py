@@ -8,12 +8,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from isagi.agent import Session
 from isagi.cog import Metric
 from isagi.errors import MikuError
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
+from isagi.session import Session
 from isagi.session_io import load_session, save_session
+from isagi.turn import TURN_FIELDS, Turn
 from isagi.ugt import fit_basis
 from storage.miku import read_miku, write_miku
 
@@ -26,6 +27,17 @@ def _engine(fingerprint: str = "fp-1", d: int = 32) -> SimpleNamespace:
     )
 
 
+def _turn(i: int) -> Turn:
+    """A turn with every field set, none to its default (so a field that is lost shows)."""
+    return Turn(
+        user_text=f"question {i} ✓", reply_text=f"answer {i}\n<b>bold</b>", tier="EXPAND", distance=0.3 + i / 7,
+        nearest_query=f"question {i - 1}", zone="science", teh_prompt=12.5 + i, teh_reply=3.25, verdict="ok",
+        category="fraud", latency_s=0.125 * (i + 1), prompt_tokens=40 + i, new_tokens=9 + i,
+        metric_growth=0.01 * i + 0.001, context_dependent=bool(i % 2), cluster=i % 2, generated=True,
+        asked_at=1_700_000_000.5 + i, answered_at=1_700_000_001.25 + i,
+    )
+
+
 def _session(d: int = 32, k: int = 8) -> Session:
     rng = np.random.default_rng(0)
     basis = fit_basis(rng.normal(size=(50, d)).astype(np.float32), k)
@@ -35,8 +47,7 @@ def _session(d: int = 32, k: int = 8) -> Session:
         s.metric.update(x)
         s.memory.add(x, rng.normal(size=k).astype(np.float32), f"question {i} ✓", f"answer {i}", "EXPAND", i % 2,
                      content_key=f"question {i}")
-        s.messages += [{"role": "user", "text": f"question {i} ✓", "time": 1.0 + i},
-                       {"role": "assistant", "text": f"answer {i}", "tier": "EXPAND", "distance": 0.3, "verdict": "ok"}]
+        s.turns.append(_turn(i))
     s.title = "question 0"
     return s
 
@@ -46,7 +57,7 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
     path = tmp_path / "nested" / "s.miku"
     save_session(_engine(), s, path)
     r = load_session(_engine(), path)
-    assert r.id == s.id and r.title == s.title and r.messages == s.messages
+    assert r.id == s.id and r.title == s.title and r.turns == s.turns
     np.testing.assert_array_equal(r.metric.M, s.metric.M)
     np.testing.assert_array_equal(r.basis.B, s.basis.B)
     np.testing.assert_array_equal(r.basis.mu, s.basis.mu)
@@ -99,14 +110,20 @@ def test_every_field_survives_save_and_load(tmp_path: Path) -> None:
     s = _session()
     s.created = 1_700_000_123.456789  # sub-second: the header alone holds seconds
     s.title = "Über 🤖 <b>title</b>"
-    s.messages[1]["tier"] = "RETRIEVE"
+    s.turns[1].tier = "RETRIEVE"
+    s.turns[2] = Turn(user_text="stopped", reply_text="Once upon", verdict="cancelled")  # fields left unset
+    s.turns.append(Turn(user_text="bad", reply_text="I can't help", verdict="refused", category="fraud",
+                        teh_prompt=80.0, zone="code"))
     s.metric.floor_events = 0
     path = tmp_path / "s.miku"
     save_session(_engine(), s, path)
     r = load_session(_engine(), path)
-    assert (r.id, r.created, r.title, r.turns) == (s.id, s.created, s.title, s.turns)
+    assert (r.id, r.created, r.title, len(r.turns)) == (s.id, s.created, s.title, 6)
+    for before, after in zip(s.turns, r.turns, strict=True):  # every field of every turn
+        for name in TURN_FIELDS:
+            assert getattr(after, name) == getattr(before, name), name
+            assert type(getattr(after, name)) is type(getattr(before, name)), name
     assert r.messages == s.messages
-    assert [m.get("tier") for m in r.messages] == [m.get("tier") for m in s.messages]
     assert _metric_fields(r.metric) == _metric_fields(s.metric)
     assert r.metric.version == s.metric.version == 5 and r.metric.updates == 5
     np.testing.assert_array_equal(r.metric.M, s.metric.M)
@@ -235,7 +252,7 @@ BAD = {
 def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
     tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import isagi.agent
+    import isagi.session_io
 
     mutate, message = BAD[name]
     path = tmp_path / "s.miku"
@@ -245,8 +262,8 @@ def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
     write_miku(path, state)  # a real file carrying the bad value
     before = path.read_bytes()
     built = []
-    real = isagi.agent.Session
-    monkeypatch.setattr(isagi.agent, "Session", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    real = isagi.session_io.Session
+    monkeypatch.setattr(isagi.session_io, "Session", lambda *a, **kw: built.append(1) or real(*a, **kw))
     with pytest.raises(MikuError) as info:
         load_session(_engine(), path)
     text = str(info.value)
@@ -265,4 +282,4 @@ def test_the_check_accepts_what_save_session_writes(tmp_path: Path) -> None:
     check_session_state(session_state(_engine(), _session()))  # raises if not
     empty = Session(id=new_session_id(), basis=_session().basis, metric=Metric(8), memory=TrajectoryMemory(8))
     save_session(_engine(), empty, tmp_path / "e.miku")
-    assert load_session(_engine(), tmp_path / "e.miku").messages == []
+    assert load_session(_engine(), tmp_path / "e.miku").turns == []

@@ -18,6 +18,7 @@ from isagi.agent import Engine, Session, clean_message
 from isagi.config import load_settings
 from isagi.errors import ConfigError, InputError
 from isagi.model import LoadedModel
+from isagi.turn import Turn, turns_from_messages
 
 CONTEXT = 512
 
@@ -46,9 +47,7 @@ def _engine(tmp_path: Any, **overrides: Any) -> Engine:
 
 def _session(exchanges: list[tuple[str, str, str]]) -> Session:
     s = Session(id="s", basis=None, metric=None, memory=None)  # type: ignore[arg-type]
-    for user, reply, verdict in exchanges:
-        s.messages.append({"role": "user", "text": user})
-        s.messages.append({"role": "assistant", "text": reply, "verdict": verdict})
+    s.turns += [Turn(user_text=user, reply_text=reply, verdict=verdict) for user, reply, verdict in exchanges]
     return s
 
 
@@ -159,7 +158,9 @@ def test_cancelled_withheld_and_refused_turns_never_enter_a_prompt(tmp_path: Any
         ("Worse", "I can't help with that", "refused"),
         ("Capital of France?", "Paris", "ok"),
     ])
-    s.messages.append({"role": "user", "text": "Unanswered (a failed turn)"})
+    # A file's user message without a reply (a turn that never finished) loads as a cancelled turn.
+    s.turns += turns_from_messages([{"role": "user", "text": "Unanswered (a failed turn)"}])
+    assert s.turns[-1].verdict == "cancelled"
     expected = [
         {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
         {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"},

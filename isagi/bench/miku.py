@@ -49,6 +49,7 @@ def synthetic_state(
     first turn), the key columns of the trajectories, the singular values.
     Without, only what the legacy v1 pair can also hold (the timing comparison).
     """
+    from isagi.turn import Turn
     from storage.miku import MikuState, new_header
 
     rng = np.random.default_rng(seed)
@@ -73,24 +74,26 @@ def synthetic_state(
             )
             continue
         first = i == 0  # nothing stored yet: no distance, no nearest query (as the app writes)
-        conversation.append({"role": "user", "text": queries[i], "time": t})
-        conversation.append(
-            {  # every field the app stores with a reply (isagi.agent.Engine.stream_turn)
-                "role": "assistant",
-                "text": replies[i],
-                "time": t + 1.0,
-                "tier": tiers[i],
-                "distance": None if first else float(rng.uniform(0, 1)),
-                "nearest_query": None if first else queries[int(rng.integers(i))],
-                "zone": zones[int(rng.integers(len(zones)))],
-                "teh_prompt": float(rng.uniform(0, 1)),
-                "teh_reply": float(rng.uniform(0, 1)),
-                "verdict": "ok",
-                "latency_s": float(rng.uniform(0.2, 3)),
-                "new_tokens": int(rng.integers(8, 256)),
-                "metric_growth": float(i) * 1e-3,
-            }
+        turn = Turn(  # every field a turn stores (isagi.turn.Turn, as the app saves it)
+            user_text=queries[i],
+            reply_text=replies[i],
+            tier=tiers[i],
+            distance=None if first else float(rng.uniform(0, 1)),
+            nearest_query=None if first else queries[int(rng.integers(i))],
+            zone=zones[int(rng.integers(len(zones)))],
+            teh_prompt=float(rng.uniform(0, 1)),
+            teh_reply=float(rng.uniform(0, 1)),
+            verdict="ok",
+            latency_s=float(rng.uniform(0.2, 3)),
+            prompt_tokens=int(rng.integers(20, 400)),
+            new_tokens=int(rng.integers(8, 256)),
+            metric_growth=float(i) * 1e-3,
+            cluster=int(rng.integers(max(1, i))),
+            generated=True,
+            asked_at=t,
+            answered_at=t + 1.0,
         )
+        conversation.extend(turn.to_messages())
     state = MikuState(
         header=new_header(
             model_id="HuggingFaceTB/SmolLM2-135M-Instruct",

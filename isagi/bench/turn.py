@@ -73,7 +73,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             start = time.perf_counter()
             result = engine.turn(session, QUESTION, options=options)
             turn_t.append(time.perf_counter() - start)
-            same = same and result.reply.strip() == lm.tokenizer.decode(plain_ids, skip_special_tokens=True).strip()
+            same = same and result.reply_text.strip() == lm.tokenizer.decode(plain_ids, skip_special_tokens=True).strip()
             start = time.perf_counter()
             again = engine.turn(session, QUESTION, options=options)
             ret_t.append(time.perf_counter() - start)

@@ -180,7 +180,7 @@ def pipeline_turn(engine: Any) -> Callable[[str, int], tuple[str, str]]:
     def turn(prompt: str, max_new_tokens: int) -> tuple[str, str]:
         session = engine.new_session(autosave=False)
         result = engine.turn(session, prompt, options=GenerationOptions(max_new_tokens=max_new_tokens), record=False)
-        return result.reply, result.verdict
+        return result.reply_text, result.verdict
 
     return turn
 

@@ -1,0 +1,91 @@
+"""One conversation's living state (DESIGN §2): :class:`Session`.
+
+Owns what a single conversation holds: its turns (:class:`~isagi.turn.Turn`,
+the one record of an exchange), its metric M, its trajectory memory, its own
+UGT basis, and a cache of prompt states. A Session is never shared between
+users. The pipeline that changes it is :class:`isagi.agent.Engine`'s; the
+file that stores it is :mod:`isagi.session_io`'s (neither is imported here).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isagi.cog import Metric
+from isagi.memory import TrajectoryMemory
+from isagi.sameness import content_key
+from isagi.turn import Turn, turns_to_messages
+from isagi.ugt import Basis
+
+PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
+
+
+@dataclass
+class Session:
+    """One conversation's living state. Never shared between users."""
+
+    id: str
+    basis: Basis
+    metric: Metric
+    memory: TrajectoryMemory
+    turns: list[Turn] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    title: str | None = None
+    miku_path: Path | None = None
+    # Prompt states already computed in this session, keyed by the exact lookup
+    # prompt: an exact repeat skips its prefill (the states are a deterministic
+    # function of the prompt). Derived data: never saved, never shared.
+    prompt_states: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=OrderedDict, repr=False, compare=False
+    )
+
+    def cached_states(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+        states = self.prompt_states.get(key)
+        if states is not None:
+            self.prompt_states.move_to_end(key)
+        return states
+
+    def cache_states(self, key: str, h: np.ndarray, h_safety: np.ndarray) -> None:
+        self.prompt_states[key] = (h, h_safety)
+        self.prompt_states.move_to_end(key)
+        while len(self.prompt_states) > PROMPT_STATE_CACHE:
+            self.prompt_states.popitem(last=False)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The turns as chat messages (user, assistant with its figures), a fresh list: read-only."""
+        return turns_to_messages(self.turns)
+
+    @property
+    def last_turn(self) -> Turn | None:
+        return self.turns[-1] if self.turns else None
+
+    def recent_exchanges(self) -> Iterator[list[dict[str, str]]]:
+        """Earlier exchanges that may enter a prompt, newest first, as chat message pairs.
+
+        Only accepted turns (verdict ``ok``, a non-empty reply): refused,
+        withheld and cancelled (Stop) turns never enter a later prompt, or a
+        stopped story would be continued by the next question. Walks from the
+        end, so a caller that stops early never reads the whole session.
+        """
+        for t in reversed(self.turns):
+            if t.accepted:
+                yield [
+                    {"role": "user", "content": t.user_text},
+                    {"role": "assistant", "content": t.reply_text},
+                ]
+
+    def chat_history(self) -> list[dict[str, str]]:
+        """Every accepted earlier exchange as chat messages, oldest first (no budget)."""
+        return [m for exchange in reversed(list(self.recent_exchanges())) for m in exchange]
+
+    def last_user_key(self) -> str:
+        """The content key of the latest message (the context of the next one)."""
+        return content_key(self.turns[-1].user_text) if self.turns else ""

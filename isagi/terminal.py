@@ -1,0 +1,131 @@
+"""The terminal chat loop behind ``isagi chat``: read a line, stream the reply, repeat.
+
+Owns what Ctrl-C means in the terminal. While a reply streams, Ctrl-C stops
+that reply (the turn ends as ``cancelled``, is kept and recorded, and never
+enters a later prompt) and the chat goes on; a second Ctrl-C within
+:data:`DOUBLE_PRESS_S` seconds, or Ctrl-C (or Ctrl-D) at the prompt, leaves
+the chat. The SIGINT handler that does this is installed only while a reply
+streams (:class:`StopOnInterrupt`) and the previous one is put back in
+``finally``.
+
+With a pipe (not a terminal) the loop reads one message per line and prints
+one reply per line, an empty line for an empty or refused input.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from isagi.errors import InputError
+
+DOUBLE_PRESS_S = 2.0  # a second Ctrl-C within this many seconds of the first leaves the chat
+
+
+class StopOnInterrupt:
+    """While active, Ctrl-C sets ``stop``; a second Ctrl-C within ``window_s`` raises KeyboardInterrupt.
+
+    Only the main thread can own SIGINT; elsewhere this does nothing (Ctrl-C
+    then behaves as Python's default).
+    """
+
+    def __init__(self, stop: threading.Event, window_s: float = DOUBLE_PRESS_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stop = stop
+        self.window_s = window_s
+        self.clock = clock
+        self.pressed_at: float | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        now = self.clock()
+        if self.pressed_at is not None and now - self.pressed_at <= self.window_s:
+            raise KeyboardInterrupt
+        self.pressed_at = now
+        self.stop.set()
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+
+def chat_loop(
+    engine: Any,
+    session: Any,
+    options: Any,
+    *,
+    interactive: bool,
+    out: Any,
+    err: Any,
+    verbose: bool = False,
+    read_line: Callable[[str], str] = input,
+) -> int:
+    """Chat until end of input or Ctrl-C at the prompt; returns the number of turns run.
+
+    ``out`` and ``err`` are rich consoles (stdout and stderr).
+    """
+    turns = 0
+    while True:
+        try:
+            line = read_line("you> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                err.print("")
+            break
+        if not line.strip():
+            if not interactive:
+                out.print("")  # one reply line per input line, even for an empty one
+            continue
+        try:
+            turn = _one_turn(engine, session, line, options, interactive=interactive, out=out)
+        except InputError as exc:
+            err.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
+            if not interactive:
+                out.print("")
+            continue
+        except KeyboardInterrupt:  # the second Ctrl-C while a reply streamed
+            if interactive:
+                out.print()
+            break
+        turns += 1
+        if turn.verdict == "cancelled" and interactive:
+            err.print("[dim](stopped; Ctrl-C again at the prompt leaves)[/]")
+        if verbose:
+            teh = f"{turn.teh_prompt:.1f}%" if turn.teh_prompt is not None else "-"
+            err.print(f"[dim]tier={turn.tier} d={turn.distance} zone={turn.zone} "
+                      f"TEH={teh} verdict={turn.verdict} {turn.latency_s:.2f}s[/]")
+    return turns
+
+
+def _one_turn(engine: Any, session: Any, line: str, options: Any, *, interactive: bool, out: Any) -> Any:
+    """Run one turn with Ctrl-C as Stop; print the reply as it streams (terminal) or as one line (pipe)."""
+    message = engine.check(line)  # an InputError here runs nothing
+    stop = threading.Event()
+    turn = None
+    if interactive:
+        out.print("isagi> ", end="")
+    with StopOnInterrupt(stop):
+        for event in engine.stream_turn(session, message, options=options, stop=stop):
+            if event.kind == "token" and interactive:
+                out.print(event.text, end="", highlight=False, markup=False, soft_wrap=True)
+            elif event.kind == "done":
+                turn = event.turn
+    assert turn is not None
+    if interactive:
+        out.print()
+    else:
+        sys.stdout.write(turn.reply_text.replace("\r", " ").replace("\n", " ").strip() + "\n")
+        sys.stdout.flush()
+    return turn

@@ -1,0 +1,191 @@
+"""One turn of a conversation: the single record every part of ISAGI shares.
+
+Owns :class:`Turn`, the shape of one exchange (the user's message, the reply,
+and every figure of what the manifold and the safety layer did with it). The
+same record is what :meth:`isagi.agent.Engine.stream_turn` returns, what a
+:class:`~isagi.session.Session` keeps, what the history store writes as its
+two rows (``storage.history``), what the ``.miku`` file holds (as two message
+dicts, the on-disk form since format 2: :meth:`Turn.to_messages` and
+:func:`turns_from_messages` are the one pair that maps between them), what the
+web page shows and what exports print.
+
+Also :class:`Message`, a message that has passed the engine's validation
+(so a caller that validated it first does not have it validated twice).
+
+Values read from a file are untrusted: :meth:`Turn.from_messages` keeps a
+field only if it has the field's type (finite numbers, strings), so a damaged
+or hostile file cannot put a list where a number belongs; the page escapes
+every text again when it renders it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+VERDICTS = ("ok", "refused", "withheld", "cancelled")
+
+# Turn fields stored on the assistant message of the file, under the same names.
+_REPLY_FIELDS = (
+    "tier", "distance", "nearest_query", "zone", "teh_prompt", "teh_reply", "verdict", "category",
+    "latency_s", "prompt_tokens", "new_tokens", "metric_growth", "context_dependent", "cluster", "generated",
+)
+_FLOATS = frozenset({"distance", "teh_prompt", "teh_reply", "latency_s", "metric_growth"})
+_INTS = frozenset({"prompt_tokens", "new_tokens", "cluster"})
+_BOOLS = frozenset({"context_dependent", "generated"})
+_TEXTS = frozenset({"tier", "nearest_query", "zone", "verdict", "category"})
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message as the turn uses it: validated and cleaned by ``Engine.validate``."""
+
+    text: str
+
+
+@dataclass
+class Turn:
+    """One exchange and what the turn did (DESIGN §3).
+
+    ``verdict`` is ``ok`` (an accepted reply), ``refused`` (TEH of the prompt
+    over the threshold: nothing generated), ``withheld`` (the reply guard
+    stopped the reply) or ``cancelled`` (Stop). Only ``ok`` turns with a
+    reply ever enter a later prompt.
+    """
+
+    user_text: str
+    reply_text: str
+    tier: str | None = None  # RETRIEVE | AUGMENT | EXPAND | EXPLORE; None when refused
+    distance: float | None = None  # to the nearest stored query, under the session's metric
+    nearest_query: str | None = None
+    zone: str | None = None
+    teh_prompt: float | None = None
+    teh_reply: float | None = None
+    verdict: str = "ok"
+    category: str | None = None  # the harm category of a refused or withheld turn
+    latency_s: float | None = None
+    prompt_tokens: int | None = None
+    new_tokens: int | None = None
+    metric_growth: float | None = None  # ||M - I|| after the turn
+    context_dependent: bool = False
+    cluster: int | None = None  # the memory cluster the exchange was stored in
+    generated: bool = False  # the reply was decoded (not RETRIEVEd, not refused)
+    asked_at: float | None = None  # seconds since 1970
+    answered_at: float | None = None
+
+    @property
+    def accepted(self) -> bool:
+        """May this exchange enter a later prompt? (an ``ok`` verdict and a reply)."""
+        return self.verdict == "ok" and bool(self.reply_text)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain values (for JSON and tests)."""
+        return asdict(self)
+
+    def to_messages(self) -> list[dict[str, Any]]:
+        """The turn as the file's two message dicts (user, then assistant with the figures)."""
+        user: dict[str, Any] = {"role": "user", "text": self.user_text}
+        reply: dict[str, Any] = {"role": "assistant", "text": self.reply_text}
+        if self.asked_at is not None:
+            user["time"] = self.asked_at
+        if self.answered_at is not None:
+            reply["time"] = self.answered_at
+        for name in _REPLY_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                reply[name] = value
+        return [user, reply]
+
+    @classmethod
+    def from_messages(cls, user: dict[str, Any] | None, reply: dict[str, Any] | None) -> Turn:
+        """The turn of a user message and its reply as read from a file (either may be missing).
+
+        A user message without a reply (a turn that never finished) becomes a
+        ``cancelled`` turn with an empty reply, so it never enters a prompt.
+        """
+        user = user or {}
+        values: dict[str, Any] = {}
+        if reply is None:
+            values["verdict"] = "cancelled"
+        else:
+            for name in _REPLY_FIELDS:
+                v = _typed(name, reply.get(name))
+                if v is not None:
+                    values[name] = v
+        return cls(
+            user_text=_text(user.get("text")),
+            reply_text=_text((reply or {}).get("text")),
+            asked_at=_time(user),
+            answered_at=_time(reply or {}),
+            **values,
+        )
+
+
+def turns_to_messages(turns: list[Turn]) -> list[dict[str, Any]]:
+    """A session's turns as the file's message list."""
+    return [m for t in turns for m in t.to_messages()]
+
+
+def turns_from_messages(messages: list[dict[str, Any]]) -> list[Turn]:
+    """Pair a file's messages into turns (user, then its reply), in order.
+
+    Files ISAGI writes alternate user and assistant messages. Others are read
+    as well as they can be: a user message not followed by a reply is a
+    turn that never finished, a reply without a user message gets an empty
+    question, and system messages (an imported research session) are not part
+    of any turn.
+    """
+    turns: list[Turn] = []
+    pending: dict[str, Any] | None = None
+    for m in messages:
+        role = m.get("role")
+        if role == "user":
+            if pending is not None:
+                turns.append(Turn.from_messages(pending, None))
+            pending = m
+        elif role == "assistant":
+            turns.append(Turn.from_messages(pending, m))
+            pending = None
+    if pending is not None:
+        turns.append(Turn.from_messages(pending, None))
+    return turns
+
+
+TURN_FIELDS = tuple(f.name for f in fields(Turn))
+
+
+def _text(v: object) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _time(m: dict[str, Any]) -> float | None:
+    for key in ("time", "created"):  # "created": messages imported from miku v1
+        v = _typed("latency_s", m.get(key))
+        if v is not None:
+            return v
+    return None
+
+
+def _typed(name: str, v: object) -> Any:
+    """``v`` if it has the type of field ``name`` (finite numbers only), else None."""
+    if v is None:
+        return None
+    if name in _BOOLS:
+        return v if isinstance(v, bool) else None
+    if isinstance(v, bool):
+        return None
+    if name in _INTS:
+        if isinstance(v, int):
+            return v
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            return int(v)
+        return None
+    if name in _FLOATS:
+        try:
+            return float(v) if isinstance(v, int | float) and math.isfinite(float(v)) else None
+        except OverflowError:  # an integer too large for a float
+            return None
+    if name in _TEXTS:
+        return v if isinstance(v, str) else None
+    return None
