@@ -14,10 +14,10 @@ pytestmark = pytest.mark.model
 def test_repeated_question_is_retrieved_without_generation(default_engine) -> None:
     s = default_engine.new_session()
     first = default_engine.turn(s, "What is the capital of France?")
-    assert first.generated and first.tier == "EXPLORE" and "Paris" in first.reply
+    assert first.generated and first.tier == "EXPLORE" and "Paris" in first.reply_text
     again = default_engine.turn(s, "what is the capital of France")
     assert again.tier == "RETRIEVE" and not again.generated
-    assert again.reply == first.reply and again.new_tokens == 0
+    assert again.reply_text == first.reply_text and again.new_tokens == 0
 
 
 def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_engine) -> None:
@@ -34,7 +34,7 @@ def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_en
     assert fresh.tier == "RETRIEVE" and len(passes.last) == 1, "without the cache: one prefill"
     assert cached.distance == pytest.approx(fresh.distance, abs=1e-6)
     assert cached.teh_prompt == pytest.approx(fresh.teh_prompt, rel=1e-6)
-    assert cached.reply == fresh.reply
+    assert cached.reply_text == fresh.reply_text
 
 
 def test_near_miss_is_never_answered_from_memory(default_engine) -> None:
@@ -42,7 +42,7 @@ def test_near_miss_is_never_answered_from_memory(default_engine) -> None:
     default_engine.turn(s, "What is the capital of France?")
     other = default_engine.turn(s, "What is the capital of Germany?")
     assert other.tier != "RETRIEVE" and other.generated
-    assert "Berlin" in other.reply
+    assert "Berlin" in other.reply_text
 
 
 def test_follow_up_is_not_answered_from_another_context(default_engine) -> None:
@@ -51,7 +51,7 @@ def test_follow_up_is_not_answered_from_another_context(default_engine) -> None:
     first = default_engine.turn(s, "And Germany?")
     default_engine.turn(s, "How many people live in Japan?")
     second = default_engine.turn(s, "And Germany?")
-    assert second.tier != "RETRIEVE", (first.reply, second.reply)
+    assert second.tier != "RETRIEVE", (first.reply_text, second.reply_text)
 
 
 def test_harmful_prompt_is_refused_without_generation(default_engine) -> None:
@@ -96,7 +96,7 @@ def test_save_load_round_trip_gives_the_same_next_turn(default_engine, tmp_path)
     path = tmp_path / "s.miku"
     save_session(default_engine, s, path)
     restored = load_session(default_engine, path)
-    assert restored.messages == s.messages
+    assert restored.turns == s.turns, "every field of every turn"
     assert (restored.metric.M == s.metric.M).all()
     probe = "What is the boiling point of water at sea level?"
     a = default_engine.classify(s, probe)
@@ -107,7 +107,7 @@ def test_save_load_round_trip_gives_the_same_next_turn(default_engine, tmp_path)
     assert {**a, "distance": None} == {**b, "distance": None}
     ra = default_engine.turn(s, probe, record=False)
     rb = default_engine.turn(restored, probe, record=False)
-    assert (ra.tier, ra.teh_prompt, ra.reply) == (rb.tier, rb.teh_prompt, rb.reply)
+    assert (ra.tier, ra.teh_prompt, ra.reply_text) == (rb.tier, rb.teh_prompt, rb.reply_text)
     assert ra.distance == pytest.approx(rb.distance, abs=1e-9)
 
 
@@ -146,7 +146,7 @@ def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
         tokens += event.kind == "token"
         if tokens == 5:
             stop.set()
-    assert s.messages[-1]["verdict"] == "cancelled" and s.messages[-1]["text"]
+    assert s.turns[-1].verdict == "cancelled" and s.turns[-1].reply_text
     question = "What is 3 times 4?"
     r = default_engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=16))
     alone = prompt_tokens(default_engine.lm, prompt_messages(default_engine.settings.system_prompt, question))
@@ -157,14 +157,14 @@ def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
     """Four long uploaded exchanges: the real turn's prefill stays within the budget, newest kept."""
     from isagi.agent import Engine, prompt_messages, prompt_tokens
     from isagi.generation import GenerationOptions
+    from isagi.turn import Turn
 
     settings = default_engine.settings.with_overrides(prompt_token_budget=600, max_message_tokens=200)
     engine = Engine(settings, default_engine.lm, default_engine.profile, store=None)
     s = engine.new_session(autosave=False)
     long = "The history of the printing press is long and interesting. " * 25  # ~300 tokens
     for i in range(4):
-        s.messages += [{"role": "user", "text": f"Summarise part {i}."},
-                       {"role": "assistant", "text": f"Part {i}: " + long, "verdict": "ok"}]
+        s.turns.append(Turn(user_text=f"Summarise part {i}.", reply_text=f"Part {i}: " + long, verdict="ok"))
     question = "What is the capital of France?"
     full = prompt_tokens(engine.lm, prompt_messages(settings.system_prompt, question, None, s.chat_history()))
     assert full > 1200
@@ -172,3 +172,22 @@ def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
     alone = prompt_tokens(engine.lm, prompt_messages(settings.system_prompt, question))
     assert alone < r.prompt_tokens <= 600, "some history, within the budget"
     assert "Part 3:" in engine._prompt(s, "x", None)[2]["content"], "the newest exchange is the one kept"
+
+
+def test_an_imported_research_session_resumes_and_chats_on_the_real_model(default_engine, tmp_path) -> None:
+    """import-legacy output -> load_session -> a real turn; the file and the history then agree."""
+    from storage.legacy import import_legacy
+    from tests.test_legacy import v1_pair
+
+    lm = default_engine.lm
+    old, doc, _ = v1_pair(tmp_path, d=lm.hidden_size, k=16)
+    new = tmp_path / "imported.miku"
+    import_legacy(old, new, model_fingerprint=lm.fingerprint)
+    s = load_session(default_engine, new)
+    s.miku_path = tmp_path / "resumed.miku"
+    r = default_engine.turn(s, "What is the capital of France?")
+    assert r.verdict == "ok" and r.generated and "Paris" in r.reply_text
+    assert r.distance is not None, "the imported memory was searched"
+    again = load_session(default_engine, s.miku_path)
+    assert again.turns == s.turns and len(again.turns) == 4  # three imported questions, one new turn
+    assert default_engine.store.get_session(s.id).turns == 1
