@@ -4,7 +4,7 @@ Owns the layout and the event handlers. Handlers get the browser's session
 *id* from ``gr.State`` and look the Session up in the
 :class:`~app.sessions.SessionRegistry`; the Session itself never enters
 Gradio's state. The server-side Session is the single source of truth: the
-chat display is re-rendered from ``session.messages`` (raw text, rendered as
+chat display is re-rendered from the session's turns (``session.messages``: raw text, rendered as
 markdown only on the page) and is never read back from the browser.
 
 Model work (a turn, Regenerate, an exploration) runs in one Gradio

@@ -8,6 +8,7 @@ one-line message and exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import io
 import json
@@ -91,8 +92,15 @@ def _engine(settings: Settings, *, with_store: bool = True) -> Any:
     return Engine.start(settings, with_store=with_store, progress=_progress_printer())
 
 
+def _json_default(value: Any) -> Any:
+    """Times as ISO 8601 text, anything else number-like as a float (numpy scalars)."""
+    if isinstance(value, datetime.datetime | datetime.date):
+        return value.isoformat()
+    return float(value)
+
+
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=None, default=float) + "\n")
+    sys.stdout.write(json.dumps(obj, indent=None, default=_json_default) + "\n")
 
 
 def _version(value: bool) -> None:

@@ -1,4 +1,4 @@
-"""Mapping between a live :class:`~isagi.agent.Session` and a ``.miku`` v2 file.
+"""Mapping between a live :class:`~isagi.session.Session` and a ``.miku`` v2 file.
 
 Owns what a session file holds: the conversation (each
 :class:`~isagi.turn.Turn` as its two message dicts), the metric M, the

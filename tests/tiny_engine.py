@@ -1,9 +1,10 @@
 """A real :class:`~isagi.agent.Engine` on a tiny random model, for the fast tests.
 
 The model is a 4-layer Llama of width 64 built from a config (no download,
-random weights: its replies are byte noise), with a byte-level tokenizer
-(one token per UTF-8 byte, id 0 ends a reply) and a plain "role: content"
-template. The profile is synthetic but has the real shapes and is fitted the
+random weights, output restricted to printable ASCII: its replies are
+readable noise that never ends before ``max_new_tokens``), with a byte-level
+tokenizer (one token per UTF-8 byte, id 0 ends a reply) and a plain
+"role: content" template. The profile is synthetic but has the real shapes and is fitted the
 way the real one is, on data that is not the product's: the UGT basis and
 the zone centroids are fitted on the tiny model's own states of random byte
 strings (so distances between different messages spread as they do on a real
@@ -72,6 +73,12 @@ def tiny_lm() -> LoadedModel:
     torch.set_num_threads(1)
     model = tiny_model("llama", seed=0, context=CONTEXT)
     model.generation_config.eos_token_id = 0
+    # Replies in printable ASCII (readable in assertions and terminals): the output rows of
+    # every other byte are zeroed, so their logit is 0 and a printable byte always wins.
+    with torch.no_grad():
+        keep = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool)
+        keep[32:127] = True
+        model.lm_head.weight[~keep] = 0.0
     return LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id="tiny/llama-random", source="config",
                        fingerprint="tiny-" + "0" * 59, quant="none", device=torch.device("cpu"),
                        device_reason="test")
