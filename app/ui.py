@@ -384,7 +384,7 @@ class WebUI:
             session = entry.session
             before = None
             if undo and entry.undo is not None:
-                before = (take_snapshot(session), entry.undo)  # to put back if the new turn fails
+                before = (take_snapshot(session), entry.undo, list(session.turns))  # put back if the new turn fails
                 restore_snapshot(session, entry.undo)
             entry.stop.clear()
             entry.stop_requested_at = entry.stop_latency_s = None
@@ -427,6 +427,7 @@ class WebUI:
                 restore_snapshot(session, entry.undo)
                 if before is not None:  # a failed Regenerate: the turn it was to replace stays
                     restore_snapshot(session, before[0])
+                    session.turns[:] = before[2]
                     entry.undo = before[1]
                 yield (sid, chat_messages(session.messages), skip,
                        self._warn(f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it "

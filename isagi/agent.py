@@ -310,13 +310,13 @@ class Engine:
     def _turn_locked(
         self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None
     ) -> Iterator[TurnEvent]:
-        """The stages between prepare and learn, under the generation lock; returns the Turn."""
+        """Prepare, guard, decide, generate and learn, under the generation lock; returns the Turn."""
         safety = self.profile.safety
         # At most one Generation (and so one capture hook) is open at a time.
         # The safety layer's states come from the same forward passes (one more hook).
         with _OpenGeneration(self.lm, self.layer, options, also_capture=(safety.layer,)) as slot:
             p = self._prepare(session, text, slot)
-            refusal = self._guard(p)
+            teh_prompt, refusal = self._guard(p)
             if refusal is not None:
                 yield TurnEvent("decision", tier=None)
                 yield TurnEvent("token", text=refusal.reply_text)
@@ -326,7 +326,7 @@ class Engine:
             turn = Turn(
                 user_text=text, reply_text="", tier=d.tier.value, distance=d.distance,
                 nearest_query=d.record["query_text"] if d.record is not None else None, zone=p.zone,
-                teh_prompt=float(self._teh(p.h_safety)), context_dependent=d.context_dependent,
+                teh_prompt=teh_prompt, context_dependent=d.context_dependent,
                 prompt_tokens=p.prompt_tokens, new_tokens=0,
             )
             if d.tier is Tier.RETRIEVE:
@@ -374,15 +374,15 @@ class Engine:
 
         return category_of(self.profile.safety, h_safety)
 
-    def _guard(self, p: Prepared) -> Turn | None:
-        """The refused turn when the prompt's TEH is over the threshold, else None."""
+    def _guard(self, p: Prepared) -> tuple[float, Turn | None]:
+        """The prompt's TEH, and the refused turn when it is over the threshold (else None)."""
         from isagi.safety import REFUSAL_TEMPLATE
 
         teh_prompt = self._teh(p.h_safety)
         if teh_prompt <= self.profile.safety.threshold:
-            return None
+            return teh_prompt, None
         category = self._category(p.h_safety)
-        return Turn(
+        return teh_prompt, Turn(
             user_text=p.text, reply_text=REFUSAL_TEMPLATE.format(category=category.replace("_", " ")),
             zone=p.zone, teh_prompt=teh_prompt, verdict="refused", category=category,
             prompt_tokens=p.prompt_tokens, new_tokens=0,

@@ -207,6 +207,7 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     assert loaded is not orig
     np.testing.assert_array_equal(loaded.memory.to_columns()["query_x"], orig.memory.to_columns()["query_x"])
     assert "Trajectories: **3**" in out[4]
+    assert f"prompt {orig.turns[-1].prompt_tokens}, reply {orig.turns[-1].new_tokens}" in out[3], "the Turn panel after a load"
     assert loaded.turns == orig.turns, "every field of every turn survives the upload"
     assert badges(run(ui.send("What is the boiling point of water?", new, 4))[-1][CHAT])[-1] == "retrieve"
 
@@ -298,3 +299,30 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
     engine.stream_turn = real
     after = run(ui.send("Name three primary colours.", sid, 8))[-1]
     assert badges(after[CHAT])[-1] in ("augment", "expand", "explore"), "the session keeps working after the failure"
+
+
+def test_a_regenerate_that_crashes_keeps_the_turn_it_was_to_replace(tmp_path):
+    ui, engine = make_ui(tmp_path)
+    sid = ui.on_load(None)[0]
+    run(ui.send("What is the boiling point of water?", sid, 4))
+    run(ui.send("How do plants make food?", sid, 4))
+    session = ui.registry.entry(sid).session
+    before = (list(session.turns), len(session.memory), session.metric.growth)
+    real = engine.stream_turn
+
+    def crashing(session, message, **kw):
+        events = real(session, message, **kw)
+        try:
+            yield next(events)
+            raise RuntimeError("simulated failure in the forward pass")
+        finally:
+            events.close()
+
+    engine.stream_turn = crashing
+    final = run(ui.regenerate(sid, 4))[-1]
+    assert "This turn failed" in final[ALERT]
+    assert (session.turns, len(session.memory), session.metric.growth) == before
+    assert counts(ui, sid) == (2, 2, 2)
+    engine.stream_turn = real
+    run(ui.regenerate(sid, 4))  # the undo is still there: Regenerate works afterwards
+    assert counts(ui, sid) == (2, 2, 2) and session.turns[-1] is not before[0][-1]

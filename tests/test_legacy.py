@@ -307,7 +307,8 @@ def test_an_imported_session_chats_on_the_real_turn_and_its_counts_agree(tmp_pat
     new = tmp_path / "imported.miku"
     result = CliRunner().invoke(app, ["import-legacy", str(old), str(new)])
     assert result.exit_code == 0 and f"wrote {new}" in result.output.replace("\n", "")
-    s = load_session(engine, new, allow_other_model=True)  # the v1 pair names SmolLM2, not the tiny model
+    with pytest.warns(UserWarning, match="another model was allowed"):  # the v1 pair names SmolLM2
+        s = load_session(engine, new, allow_other_model=True)
     s.miku_path = tmp_path / "resumed.miku"
     before = len(s.memory)
     turn = engine.turn(s, "What is the boiling point of water?")
