@@ -119,11 +119,11 @@ def test_code_keeps_its_text_exactly() -> None:
 
 
 def test_summary_shows_a_bad_session_id_escaped() -> None:
-    session = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=0,
+    session = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=[],
                               id='`<img src=x onerror="y">`')
     out = manifold_summary(session)
     _no_markup(out)
-    good = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=0, id="0123456789ab")
+    good = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=[], id="0123456789ab")
     assert "`0123456789ab`" in manifold_summary(good)
 
 
