@@ -13,12 +13,13 @@ share link.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from isagi.config import Settings
-from isagi.errors import ConfigError
+from isagi.errors import ConfigError, PortInUseError
 from storage.miku import MAX_MIKU_BYTES
 
 DEFAULT_IDLE_MINUTES = 30.0
@@ -150,11 +151,31 @@ class _TerminalProgress:
             self.console.print(f"[cyan]…[/] {stage}{counts} [dim]({elapsed:.0f} s)[/]")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`PortInUseError` when ``host:port`` cannot be bound.
+
+    Checked before the model loads, so a second ``isagi web`` on a taken port
+    says so in one line at once instead of failing after the load.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): another program "
+                f"(perhaps another isagi web) uses it. Stop that program, or pick a free port: "
+                f"isagi web --port {port + 1} (make web PORT={port + 1})."
+            ) from None
+
+
 def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None) -> None:
     """Run the web app with uvicorn until interrupted (``isagi web``)."""
     import uvicorn
     from rich.console import Console
 
+    check_port_free(host, port)
     console = Console(stderr=True)
     progress = _TerminalProgress()
     app = create_app(default_factory(settings), settings, idle_minutes=idle_minutes, on_progress=progress)

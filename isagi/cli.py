@@ -434,6 +434,15 @@ def bench_web(url: Annotated[str | None, typer.Option("--url", help="a running s
     _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home)), as_json)
 
 
+@bench_app.command("start")
+@friendly
+def bench_start(warm_repeats: Annotated[int, typer.Option("--warm-repeats")] = 2, as_json: JsonOpt = False) -> None:
+    """Process start to a ready /health: cold (empty data directory) and warm."""
+    from isagi.bench.start import run
+
+    _report(run(warm_repeats=warm_repeats), as_json)
+
+
 def _report(data: dict[str, Any], as_json: bool) -> None:
     if as_json:
         _print_json(data)
