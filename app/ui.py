@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from app import plots
+from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
 from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, safe_markdown
 from app.sessions import Entry, SessionBusy, SessionRegistry, restore_snapshot, take_snapshot
@@ -49,6 +50,8 @@ CSS = """
 .isagi-tier-refused, .isagi-tier-withheld { background: #b2182b; }
 .isagi-tier-cancelled { background: #777; }
 .isagi-tier-pending { background: #999; }
+.isagi-info [title], .isagi-tier[title] { cursor: help; }
+#isagi-sessions th, #isagi-sessions th * { white-space: nowrap; word-break: keep-all; overflow-wrap: normal; }
 #isagi-alert p { color: #b2182b; font-weight: 600; }
 #isagi-status p { font-size: 0.95em; }
 """
@@ -105,7 +108,13 @@ def badge_label(m: dict[str, Any]) -> str:
 
 def _badge(label: str) -> str:
     cls = label.lower() if label in BADGES else "unknown"
-    return f'<span class="isagi-tier isagi-tier-{cls}">{esc(label)}</span>'
+    tip = f' title="{esc(BADGE_HELP[label])}"' if label in BADGE_HELP else ""
+    return f'<span class="isagi-tier isagi-tier-{cls}"{tip}>{esc(label)}</span>'
+
+
+def _tip(key: str, html_text: str) -> str:
+    """``html_text`` (already escaped) with its plain-language explanation on hover."""
+    return f'<span title="{esc(FIGURE_HELP[key])}">{html_text}</span>'
 
 
 def info_html(m: dict[str, Any]) -> str:
@@ -119,16 +128,16 @@ def info_html(m: dict[str, Any]) -> str:
     if m.get("distance") is not None:
         near = m.get("nearest_query")
         near_txt = f" to “{esc(_short(near, 60))}”" if near else ""
-        parts.append(f"d = {_fmt(m['distance'], 4)}{near_txt}")
+        parts.append(_tip("d", f"d = {_fmt(m['distance'], 4)}{near_txt}"))
     if m.get("zone"):
-        parts.append(f"zone {esc(_short(m['zone'], 40))}")
-    parts.append(f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}")
+        parts.append(_tip("zone", f"zone {esc(_short(m['zone'], 40))}"))
+    parts.append(_tip("teh", f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}"))
     if m.get("latency_s") is not None:
-        parts.append(f"{_fmt(m['latency_s'], 2)} s")
+        parts.append(_tip("latency", f"{_fmt(m['latency_s'], 2)} s"))
     toks = m.get("new_tokens")
     if toks is not None:
         pt = m.get("prompt_tokens")
-        parts.append(f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens")
+        parts.append(_tip("tokens", f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens"))
     head, rest = parts[0], " · ".join(parts[1:])
     return f'<div class="isagi-info">{head} {rest}</div>'
 
@@ -725,6 +734,8 @@ def build_blocks(ui: WebUI) -> Any:
                         temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="Temperature")
                 with gr.Column(scale=4, min_width=380):
                     turn = gr.Markdown(turn_markdown(None), elem_id="isagi-turn")
+                    with gr.Accordion("What do these mean?", open=False, elem_id="isagi-help"):
+                        gr.Markdown(help_markdown())
                     summary = gr.Markdown("Trajectories: **0**", elem_id="isagi-manifold-summary")
                     colour_by = gr.Radio(["tier", "cluster"], value="tier", label="Colour the map by",
                                          elem_id="isagi-colour")
@@ -754,7 +765,7 @@ def build_blocks(ui: WebUI) -> Any:
                                      elem_id="isagi-upload", height=120)
                 download = gr.File(label="Download", interactive=False, elem_id="isagi-download")
                 files_note = gr.Markdown("", elem_id="isagi-files-note")
-            with gr.Tab("Explore", id="explore"):
+            with gr.Tab("Concept explorer", id="explore"):
                 gr.Markdown(
                     "Safe OGD concept exploration: a chain of steps from a seed, each steered by "
                     "α·P_safe·v (never along a forbidden direction), with the TEH of every step and "
@@ -765,7 +776,7 @@ def build_blocks(ui: WebUI) -> Any:
                                       elem_id="isagi-seed")
                     steps = gr.Slider(1, 6, value=3, step=1, label="Steps", scale=2)
                     ex_tokens = gr.Slider(16, 128, value=40, step=8, label="Tokens per step", scale=2)
-                    run_ex = gr.Button("Explore", variant="primary", scale=1, elem_id="isagi-explore")
+                    run_ex = gr.Button("Run the explorer", variant="primary", scale=1, elem_id="isagi-explore")
                 mcb_md = gr.Markdown("", elem_id="isagi-mcb")
                 ex_plot = gr.Plot(label="TEH per step")
                 ex_steps = gr.Markdown("", elem_id="isagi-steps")

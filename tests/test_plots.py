@@ -46,3 +46,22 @@ def test_map_with_one_or_two_points_has_a_fixed_frame():
         assert r0 < 0 < r1 and r1 - r0 >= 2
         pts = np.concatenate([np.asarray(t.x, dtype=float) for t in fig.data])
         assert np.all((pts >= r0) & (pts <= r1))
+
+
+def test_every_badge_and_figure_of_a_reply_explains_itself_on_hover():
+    import re
+
+    from app.help_text import BADGE_HELP, help_markdown
+    from app.ui import info_html
+
+    m = {"role": "assistant", "tier": "AUGMENT", "verdict": "ok", "distance": 0.12, "nearest_query": "q",
+         "zone": "science", "teh_prompt": 2.0, "teh_reply": 1.0, "latency_s": 0.5, "new_tokens": 5,
+         "prompt_tokens": 40}
+    html_out = info_html(m)
+    titles = re.findall(r'title="([^"]+)"', html_out)
+    assert len(titles) == 6 and all(len(t) > 20 for t in titles)  # badge, d, zone, TEH, latency, tokens
+    assert "Related" in titles[0]
+    assert info_html({**m, "verdict": "refused"}).count("Refused:") == 1
+    panel = help_markdown()
+    for tier in ("RETRIEVE", "AUGMENT", "EXPAND", "EXPLORE", "REFUSED", "WITHHELD"):
+        assert f"**{tier}**" in panel and tier in BADGE_HELP
