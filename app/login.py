@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -91,7 +92,7 @@ class Backoff:
 
 
 def refusal(wait_s: float) -> str:
-    return (f"Too many failed logins: try again in {int(wait_s) + 1} s "
+    return (f"Too many failed logins: try again in {math.ceil(wait_s)} s "
             "(each further failure doubles the wait).")
 
 
@@ -138,7 +139,7 @@ class LoginThrottleMiddleware:
             body = json.dumps({"detail": refusal(wait)}).encode()
             await send({"type": "http.response.start", "status": 429,
                         "headers": [(b"content-type", b"application/json"),
-                                    (b"retry-after", str(int(wait) + 1).encode())]})
+                                    (b"retry-after", str(math.ceil(wait)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
         status: list[int] = []

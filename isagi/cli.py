@@ -313,7 +313,8 @@ def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = Fals
     """Past sessions of one owner, newest first."""
     rows = _store(home).list_sessions(limit=limit, owner=owner)
     if as_json:
-        _print_json([r.__dict__ for r in rows])
+        _print_json([{k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in r.__dict__.items()}
+                     for r in rows])
         return
     for r in rows:
         out.print(f"{r.id}  {r.updated_at}  {r.turns:>4} turns  {r.title}", highlight=False)
