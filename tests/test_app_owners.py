@@ -247,3 +247,51 @@ def test_uploads_are_deleted_and_errors_name_the_users_file(world, tmp_path, mon
     outside.write_bytes(good)
     quiet(ui.load_miku, str(outside), None, "tier", BOB)
     assert outside.exists()
+
+
+def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(tmp_path):
+    """The real Gradio app and routes (FastAPI's test client): alice sends a message;
+    bob, logged in, calls every event that takes a session id by ``fn_index``,
+    with alice's id in each text and state slot, from a fresh Gradio session and
+    from alice's own (whose state holds her id): nothing of hers comes back and
+    her session, history and file are intact."""
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+    from tests.gradio_raw import RawGradio, component_id
+
+    settings = load_settings(environ={}, home=tmp_path, auth="alice:a,bob:b", max_new_tokens=8)
+    store = HistoryStore(f"sqlite:///{tmp_path / 'history.db'}")
+    app = create_app(FakeEngine(settings, store=store), settings)
+    registry = app.state.isagi_registry
+    with TestClient(app) as alice_http:
+        alice = RawGradio(alice_http, "alice", "a")
+        send = next(d for d in alice.deps() if d.get("api_name") == "send")
+        data = [alice.value_for(c, "") for c in send["inputs"]]
+        data[0] = f"{SECRET} question"
+        assert alice.call(send, data, "alicehash")["success"]
+        [a] = registry.live_ids("alice")
+        assert store.get_session(a, owner="alice").turns == 1
+        # the same HTTP client (one event loop), now logged in as bob: his login cookie replaces hers
+        bob = RawGradio(alice_http, "bob", "b")
+        states = {cid for cid, c in bob.components.items() if c.get("type") == "state"}
+        texts = {component_id(bob, e) for e in ("isagi-chosen", "isagi-search", "isagi-input")}
+        takes_an_id = [d for d in bob.deps() if set(d["inputs"]) & (states | texts)]
+        assert len(takes_an_id) >= 17
+        assert sum(d.get("api_visibility") == "private" for d in takes_an_id) >= 7  # load, timer, ..., delete
+        ran = 0
+        for session_hash in ("bobfresh", "alicehash"):
+            for dep in takes_an_id:
+                res = bob.call(dep, [bob.value_for(c, a) for c in dep["inputs"]], session_hash)
+                assert SECRET not in repr(res), (dep.get("api_name"), repr(res)[:400])
+                ran += "success" in res
+        assert ran == 2 * len(takes_an_id)
+        entry = registry.entry(a, "alice")
+        assert entry.owner == "alice" and entry.session.messages[0]["text"] == f"{SECRET} question"
+        assert len(entry.session.messages) == 2
+        assert store.get_session(a, owner="alice").turns == 1
+        assert (settings.sessions_dir / f"{a}.miku").is_file()
+        # bob's own sessions exist (his sends ran in sessions of his), none holds alice's text
+        for sid in registry.live_ids("bob"):
+            assert all(SECRET not in m["text"] for m in registry.entry(sid, "bob").session.messages)
+    store.close()
