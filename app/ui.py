@@ -949,8 +949,9 @@ def build_blocks(ui: WebUI) -> Any:
                     growth_plot = gr.Plot(label="Metric growth", elem_id="isagi-growth")
                     teh_plot = gr.Plot(label="TEH", elem_id="isagi-teh")
             with gr.Tab("Sessions", id="sessions"):
-                gr.Markdown("Past sessions from the history store. Every session autosaves its living "
-                            "state; resume one to continue it with its memory and metric.")
+                gr.Markdown("Your past sessions from the history store (with a login, each user sees "
+                            "only their own). Every session autosaves its living state; resume one to "
+                            "continue it with its memory and metric.")
                 with gr.Row():
                     query = gr.Textbox(placeholder="Search message text…", show_label=False, scale=6,
                                        elem_id="isagi-search")
