@@ -750,6 +750,8 @@ class WebUI:
                 return gr.skip(), self._warn("No history store is configured.")
             if owner is None:
                 return gr.skip(), self._warn(NOT_LOGGED_IN)
+            if self._own_summary(target, owner) is None:  # unknown and another's alike
+                return gr.skip(), self._warn(f"Could not export session {shown}: no such session in your history.")
             text = store.export(target, "markdown" if fmt == "markdown" else "json", owner=owner)
         except Exception as exc:
             return gr.skip(), self._warn(f"Could not export session {shown}: {md_cell(str(exc))}")
