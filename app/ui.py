@@ -612,8 +612,10 @@ class WebUI:
             try:
                 session = load_session(self.engine, Path(path))
             except (IsagiError, EngineLoading) as exc:
-                return (sid, self._warn(f"Could not load {name}: {_hide_path(str(exc), path)} "
-                                        "Your open session is unchanged."), *(gr.skip(),) * 6)
+                reason = _hide_path(str(exc), path).rstrip()
+                reason += "" if reason.endswith((".", "!", "?")) else "."
+                return (sid, self._warn(f"Could not load {name}: {reason} Your open session is unchanged."),
+                        *(gr.skip(),) * 6)
             except Exception as exc:  # a reader bug must not take the page down
                 log.exception("loading %s failed", path)
                 return (sid, self._warn(f"Could not load {name} ({type(exc).__name__}: "
