@@ -150,7 +150,12 @@ def create_app(
     app.state.isagi_logins = (user_backoff, client_backoff)
     return gr.mount_gradio_app(
         app, blocks, path="/", auth=auth,
-        auth_message="ISAGI: log in with a user of ISAGI_AUTH." if auth else None,
+        auth_message=(
+            "ISAGI: log in with a user of ISAGI_AUTH. After "
+            f"{settings.login_max_failures} failed logins, further ones are refused for "
+            f"{settings.login_backoff_s:g} s, doubling at each failure (the page then still says "
+            "\"Incorrect Credentials\")."
+        ) if auth else None,
         css=CSS, footer_links=["api", "settings"], show_error=True, ssr_mode=False,
         run_history=False, max_file_size=MAX_UPLOAD_BYTES,
     )
