@@ -295,3 +295,18 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
         for sid in registry.live_ids("bob"):
             assert all(SECRET not in m["text"] for m in registry.entry(sid, "bob").session.messages)
     store.close()
+
+
+def test_an_evicted_session_resumes_only_for_its_owner(tmp_path):
+    ui, engine, store = make_ui(tmp_path)
+    reg = ui.registry
+    a = quiet(ui.on_load, None, "tier", ALICE)[0]
+    quiet(ui.send, f"{SECRET} evicted", a, 4, False, 0.7, "tier", ALICE)
+    assert reg.evict_idle(now=time.monotonic() + 10_000) == [a]
+    assert a not in reg and reg.holds(a, "alice") and not reg.holds(a, "bob")
+    with pytest.raises(KeyError):
+        reg.entry(a, "bob")  # parked for alice: bob's lookup is "unknown", nothing is loaded
+    assert a not in reg
+    assert reg.entry(a, "alice").session.messages[0]["text"] == f"{SECRET} evicted"
+    assert reg.release(a, owner="bob") is False and a in reg
+    store.close()
