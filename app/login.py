@@ -4,7 +4,8 @@ Owns the two halves of a login attempt:
 
 - :class:`Logins`, the callable Gradio's ``auth=`` takes
   (``(username, password) -> bool``): passwords compared in constant time
-  (:func:`hmac.compare_digest`, also against a dummy for an unknown user), and
+  (:func:`hmac.compare_digest` of SHA-256 digests, also against a dummy for an
+  unknown user), and
   a back-off per user name: after ``max_failures`` failures in a row, attempts
   for that name are refused (HTTP 429, with the wait in the message) for
   ``backoff_s`` seconds, doubled at each further failure up to an hour.
@@ -20,6 +21,7 @@ grow it without limit.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import math
@@ -112,7 +114,9 @@ class Logins:
             raise HTTPException(status_code=429, detail=refusal(wait))
         expected = self._passwords.get(username)
         given = (password or "").encode("utf-8", "surrogatepass")
-        ok = hmac.compare_digest(given, expected if expected is not None else b"\0" * max(1, len(given)))
+        # Digests of equal length: the comparison's time tells neither the password nor its length.
+        ok = hmac.compare_digest(hashlib.sha256(given).digest(),
+                                 hashlib.sha256(expected if expected is not None else b"\0unknown").digest())
         if ok and expected is not None:
             self.backoff.success(key)
             return True
