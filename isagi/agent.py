@@ -100,6 +100,10 @@ class Session:
     created: float = field(default_factory=time.time)
     title: str | None = None
     miku_path: Path | None = None
+    # Who the session belongs to in the history store: the logged-in user of the
+    # web app, "local" without a login. Set by whoever opens the session; never
+    # read from a file.
+    owner: str = "local"
     # Prompt states already computed in this session, keyed by the exact lookup
     # prompt: an exact repeat skips its prefill (the states are a deterministic
     # function of the prompt). Derived data: never saved, never shared.
@@ -530,7 +534,8 @@ class Engine:
         if self.store is not None:
             from storage.history import TurnRecord
 
-            self.store.ensure_session(session.id, model_id=self.lm.model_id, title=session.title)
+            owner = session.owner
+            self.store.ensure_session(session.id, owner=owner, model_id=self.lm.model_id, title=session.title)
             self.store.record_turn(
                 session.id,
                 TurnRecord(
@@ -540,13 +545,14 @@ class Engine:
                     prompt_tokens=result.prompt_tokens, new_tokens=result.new_tokens,
                     metric_growth=result.metric_growth,
                 ),
+                owner=owner,
             )
         if session.miku_path is not None:
             from isagi.session_io import save_session
 
             save_session(self, session, session.miku_path)
             if self.store is not None:
-                self.store.set_miku_path(session.id, str(session.miku_path))
+                self.store.set_miku_path(session.id, str(session.miku_path), owner=session.owner)
 
 
 def clean_message(message: str | None) -> str:

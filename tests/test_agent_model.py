@@ -83,7 +83,7 @@ def test_hooks_are_removed_when_the_consumer_raises(default_engine) -> None:
 def test_turns_are_recorded_and_autosaved(default_engine) -> None:
     s = default_engine.new_session()
     default_engine.turn(s, "Give me a synonym for happy.")
-    turns = default_engine.store.get_turns(s.id)
+    turns = default_engine.store.get_turns(s.id, owner=s.owner)
     assert [t.role for t in turns] == ["user", "assistant"]
     assert s.miku_path is not None and s.miku_path.is_file()
 

@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,8 +151,6 @@ class FakeEngine:
                                  "metric_growth": result.metric_growth})
         if session.title is None:
             session.title = text[:80]
-        if record and session.miku_path is not None:
-            from isagi.session_io import save_session
-
-            save_session(self, session, Path(session.miku_path))
+        if record:
+            Engine._record(self, session, text, result)  # the real rule: history row (owner) + autosave
         yield TurnEvent("done", result=result)
