@@ -330,14 +330,16 @@ class WebUI:
             plots.teh_figure(msgs, getattr(safety, "threshold", None)),
         )
 
-    def status_line(self) -> str:
+    def status_line(self, owner: str | None = None) -> str:
+        """The banner; with a login, the live-session count is the user's own (not the server's)."""
         h = self.holder
         if h.ready:
             e = self.engine
             lm = e.lm
+            n = len(self.registry) if owner is None or not self.settings.auth else len(self.registry.live_ids(owner))
             return (
                 f"Model **{lm.model_id}** ({lm.quant}, {lm.device}) · layer {e.layer} · "
-                f"k = {e.profile.basis.B.shape[1]} · {len(self.registry)} live session(s)"
+                f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
             )
         if h.failed:
             return f"**The model could not be loaded:** {h.error}"
@@ -353,7 +355,7 @@ class WebUI:
                 sid, _ = self.registry.ensure(sid, owner, client)
             except SessionLimit as exc:
                 return (None, f"**{exc}**", *self.view(None, colour_by, owner))
-        return (sid, self.status_line(), *self.view(sid, colour_by, owner))
+        return (sid, self.status_line(owner), *self.view(sid, colour_by, owner))
 
     def on_tick(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """While loading: refresh the banner; once ready: create the session and stop the timer."""

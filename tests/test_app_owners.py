@@ -90,7 +90,9 @@ def test_every_handler_answers_bob_as_for_an_unknown_id(world):
     b = quiet(ui.on_load, None, "tier", BOB)[0]
     assert b != a
     # the page state holding alice's id: every event treats it as unknown
-    assert quiet(ui.on_load, a, "tier", BOB)[0] not in (a, None)
+    page = quiet(ui.on_load, a, "tier", BOB)
+    assert page[0] not in (a, None)
+    assert "· 2 live session(s)" in page[1]  # bob's two, not the server's three
     out = quiet(ui.recolour, a, "tier", BOB)
     assert SECRET not in text_of(out)
     assert SECRET not in text_of(quiet(ui.view, a, "tier", "bob"))
