@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make web    install ISAGI in .venv and open the browser app on the embedded model
+#               (PORT=7861 / HOST=0.0.0.0 to listen elsewhere)
 #   make test   install ISAGI with its test tools, start the test services, run every test
 #
 # TORCH pins the torch wheel installed *before* ISAGI. The default, 2.13.0, is
@@ -9,7 +10,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 7860
 BIN := $(VENV)/bin
+# llama-cpp-python (ISAGI's CPU engine) compiles llama.cpp when pip finds no
+# wheel for this machine: build the library only, none of its tools, server,
+# examples, tests or the multimodal library ISAGI does not use.
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+PIP := $(BIN)/pip install --progress-bar on
 export ISAGI_TEST_HOME ?= $(CURDIR)/.isagi/test-home
 
 .PHONY: install install-dev web test lint services
@@ -18,15 +26,19 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 install: $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e .
+	@echo "== 1/2 torch ($(TORCH))"
+	$(PIP) "$(TORCH)"
+	@echo "== 2/2 ISAGI and its dependencies (the first time, pip compiles llama.cpp: several minutes on 2 cores)"
+	$(PIP) -e .
 
 install-dev: $(BIN)/python
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	@echo "== 1/2 torch ($(TORCH))"
+	$(PIP) "$(TORCH)"
+	@echo "== 2/2 ISAGI, its dependencies and the test tools (the first time, pip compiles llama.cpp: several minutes on 2 cores)"
+	$(PIP) -e ".[dev]"
 
 web: install
-	$(BIN)/isagi web
+	$(BIN)/isagi web --host $(HOST) --port $(PORT)
 
 lint: install-dev
 	$(BIN)/ruff check .

@@ -39,6 +39,22 @@ def _layout(fig: Any, title: str, xaxis: str, yaxis: str) -> Any:
     return fig
 
 
+def _turn_axes(fig: Any, x: list[float], ys: list[float], *, start: float = 0.5) -> Any:
+    """Axes that read well with any number of turns, one or two included.
+
+    Turns are whole numbers: the x axis spans ``start`` to the last turn plus
+    a half, with a tick per turn up to 20 turns. The y axis starts at 0 and
+    leaves headroom above the largest finite value (at least 1 unit), so a
+    single point sits inside the plot instead of on an autoscaled sliver.
+    """
+    last = max(x) if x else 1
+    fig.update_xaxes(range=[start, last + 0.5], dtick=1 if last <= 20 else None)
+    finite = [v for v in ys if v is not None and np.isfinite(v)]
+    top = max(finite) if finite else 0.0
+    fig.update_yaxes(range=[0.0, max(1.0, top) * 1.15])
+    return fig
+
+
 def _num(v: Any, default: float = float("nan")) -> float:
     """A value from a session log as a number for a plot (anything else: ``default``)."""
     if v is None or isinstance(v, bool):
@@ -77,8 +93,7 @@ def growth_figure(messages: list[dict[str, Any]]) -> Any:
         )
     )
     _layout(fig, "Metric growth ‖M − I‖ over turns", "turn", "growth")
-    fig.update_xaxes(dtick=1 if len(x) <= 20 else None, rangemode="tozero")
-    return fig
+    return _turn_axes(fig, x, y, start=-0.5)
 
 
 def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -> Any:
@@ -88,8 +103,10 @@ def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -
     rows = turn_rows(messages)
     x = [r["turn"] for r in rows]
     fig = go.Figure()
+    plotted: list[float] = []
     for key, name, colour in (("teh_prompt", "prompt", "#d7301f"), ("teh_reply", "reply", "#fc8d59")):
         y = [r.get(key) for r in rows]
+        plotted += [_num(v) for v in y]
         fig.add_trace(
             go.Scatter(
                 x=x, y=[_num(v) for v in y], mode="lines+markers",
@@ -103,9 +120,7 @@ def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -
             annotation_text=f"threshold {float(threshold):.1f}%", annotation_position="top left",
         )
     _layout(fig, "TEH over turns", "turn", "TEH (%)")
-    if x:
-        fig.update_xaxes(dtick=1 if len(x) <= 20 else None)
-    return fig
+    return _turn_axes(fig, x, [*plotted, float(threshold) if threshold is not None else 0.0])
 
 
 def pca_2d(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -182,6 +197,12 @@ def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: i
                 text=[texts[highlight]], hovertemplate="current: %{text}<extra></extra>",
             )
         )
+    # One or two points: PCA has (almost) no spread; centre them in a fixed frame.
+    span = float(np.abs(Y).max()) if n else 0.0
+    if n <= 2 or span < 1e-9:
+        r = max(span * 1.5, 1.0)
+        fig.update_xaxes(range=[-r, r])
+        fig.update_yaxes(range=[-r, r])
     word = "trajectory" if n == 1 else "trajectories"
     _layout(
         fig, f"Trajectory map ({n} {word}, PCA of k-space)",

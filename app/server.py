@@ -6,20 +6,29 @@ once and loads the engine in a background thread: while it loads, ``/health``
 answers ``503 {"status": "loading", "stage": ...}``, the page shows what is
 happening and the terminal prints the progress, so a first start that
 converts the model and calibrates it never looks frozen. Binds to loopback
-unless told otherwise; optional login from ``settings.auth``; never a public
-share link.
+unless told otherwise; optional login from ``settings.auth`` (each user sees
+only their own sessions; failed logins back off per user name and per client
+address, :mod:`app.login`); never a public share link. At start it removes
+the temporary files killed saves left in the sessions directory; at shutdown
+it saves live sessions and removes its temporary download directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from app.sessions import LOCAL_OWNER
 from isagi.config import Settings
-from isagi.errors import ConfigError
+from isagi.errors import ConfigError, PortInUseError
 from storage.miku import MAX_MIKU_BYTES
+
+# The web upload limit is the .miku reader's own limit (64 MiB, 4.5x a measured
+# 10,000-turn session): a larger upload is refused by Gradio before it is stored.
+MAX_UPLOAD_BYTES = MAX_MIKU_BYTES
 
 DEFAULT_IDLE_MINUTES = 30.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -35,11 +44,21 @@ def parse_auth(spec: str | None) -> list[tuple[str, str]] | None:
         if not item:
             continue
         user, sep, password = item.partition(":")
+        user = user.strip()
         if not sep or not user or not password:
             raise ConfigError(
                 f"ISAGI_AUTH entry {item.split(':')[0]!r}… is not user:password; "
                 "write it as user:password,user2:password2."
             )
+        if user == LOCAL_OWNER:
+            raise ConfigError(
+                f"ISAGI_AUTH: the user name {LOCAL_OWNER!r} is reserved (it owns what is made "
+                "without a login, e.g. by the command line); pick another name."
+            )
+        if len(user) > 64:
+            raise ConfigError(f"ISAGI_AUTH: the user name {user[:20]!r}… is longer than 64 characters.")
+        if any(u == user for u, _ in pairs):
+            raise ConfigError(f"ISAGI_AUTH: the user {user!r} is listed twice; keep one entry per user.")
         pairs.append((user, password))
     return pairs or None
 
@@ -76,20 +95,29 @@ def create_app(
     from fastapi.responses import JSONResponse
 
     from app.loader import EngineHolder
+    from app.login import Backoff, Logins, LoginThrottleMiddleware
     from app.sessions import SessionRegistry
     from app.ui import CSS, WebUI, build_blocks
+    from storage.miku import remove_stale_temp_files
 
     if idle_minutes is None:
         idle_minutes = float(getattr(settings, "web_idle_minutes", DEFAULT_IDLE_MINUTES))
-    auth = parse_auth(settings.auth)
+    pairs = parse_auth(settings.auth)
+    user_backoff = Backoff(settings.login_max_failures, settings.login_backoff_s)
+    client_backoff = Backoff(settings.login_max_failures, settings.login_backoff_s)
+    auth = Logins(pairs, user_backoff) if pairs else None
     holder = EngineHolder(engine_or_factory, on_progress=on_progress)
-    registry = SessionRegistry(lambda: holder.engine, idle_s=idle_minutes * 60.0)
+    registry = SessionRegistry(lambda: holder.engine, idle_s=idle_minutes * 60.0,
+                               max_per_client=settings.max_sessions_per_client,
+                               max_total=settings.max_sessions)
     ui = WebUI(holder, registry, settings)
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any):
+        with contextlib.suppress(Exception):  # a missing or unreadable directory has none
+            remove_stale_temp_files(settings.sessions_dir, older_than_s=60.0)
         holder.start()
         registry.start_reaper(reaper_interval_s)
         try:
@@ -98,8 +126,11 @@ def create_app(
             registry.stop_reaper()
             if holder.ready:
                 registry.save_all()
+            ui.cleanup()
 
     app = FastAPI(title="ISAGI", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if auth is not None:
+        app.add_middleware(LoginThrottleMiddleware, backoff=client_backoff)
 
     @app.get("/health")
     def health() -> Any:
@@ -117,11 +148,17 @@ def create_app(
     app.state.isagi_holder = holder
     app.state.isagi_registry = registry
     app.state.isagi_ui = ui
+    app.state.isagi_logins = (user_backoff, client_backoff)
     return gr.mount_gradio_app(
         app, blocks, path="/", auth=auth,
-        auth_message="ISAGI: log in with a user of ISAGI_AUTH." if auth else None,
+        auth_message=(
+            "ISAGI: log in with a user of ISAGI_AUTH. After "
+            f"{settings.login_max_failures} failed logins, further ones are refused for "
+            f"{settings.login_backoff_s:g} s, doubling at each failure (the page then still says "
+            "\"Incorrect Credentials\")."
+        ) if auth else None,
         css=CSS, footer_links=["api", "settings"], show_error=True, ssr_mode=False,
-        run_history=False, max_file_size=MAX_MIKU_BYTES,  # fits a 10,000-turn session 4.5x
+        run_history=False, max_file_size=MAX_UPLOAD_BYTES,
     )
 
 
@@ -150,11 +187,31 @@ class _TerminalProgress:
             self.console.print(f"[cyan]…[/] {stage}{counts} [dim]({elapsed:.0f} s)[/]")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`PortInUseError` when ``host:port`` cannot be bound.
+
+    Checked before the model loads, so a second ``isagi web`` on a taken port
+    says so in one line at once instead of failing after the load.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUseError(
+                f"cannot listen on {host}:{port} ({exc.strerror or exc}): another program "
+                f"(perhaps another isagi web) uses it. Stop that program, or pick a free port: "
+                f"isagi web --port {port + 1} (make web PORT={port + 1})."
+            ) from None
+
+
 def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None) -> None:
     """Run the web app with uvicorn until interrupted (``isagi web``)."""
     import uvicorn
     from rich.console import Console
 
+    check_port_free(host, port)
     console = Console(stderr=True)
     progress = _TerminalProgress()
     app = create_app(default_factory(settings), settings, idle_minutes=idle_minutes, on_progress=progress)

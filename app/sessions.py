@@ -20,6 +20,14 @@ What it guarantees:
   from the file transparently.
 - Regenerate: a snapshot of the living state (metric, memory, turns) taken
   before each turn, restored to undo that turn.
+- Owners: each entry (and each parked id) belongs to an owner (the logged-in
+  user, ``local`` without a login) and remembers its client address; every
+  lookup takes the caller's owner, and another owner's id raises ``KeyError``
+  exactly as an unknown id does.
+- Caps: at most ``max_per_client`` live sessions per client address and per
+  logged-in owner, and ``max_total`` in all. At a cap the oldest empty sessions
+  (no messages, not in use) of that client are reclaimed first (then anyone's
+  for the overall cap); if none is, :class:`SessionLimit` says so.
 """
 
 from __future__ import annotations
@@ -33,11 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isagi.errors import IsagiError
 from isagi.ids import new_session_id
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_S = 30 * 60.0
+LOCAL_OWNER = "local"  # storage.history.LOCAL_OWNER (not imported: no SQLAlchemy at import)
 
 
 @dataclass
@@ -78,6 +88,8 @@ class Entry:
     """One live session and what the app keeps beside it."""
 
     session: Any
+    owner: str = LOCAL_OWNER
+    client: str | None = None  # the client address that opened it (None: unknown)
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     last_used: float = 0.0
@@ -90,13 +102,19 @@ class SessionBusy(RuntimeError):
     """The session is in use by another event of the same browser (e.g. a turn)."""
 
 
+class SessionLimit(IsagiError):
+    """Too many live sessions for this client, this user, or the server."""
+
+
 class SessionRegistry:
-    """Live sessions by id, with idle eviction.
+    """Live sessions by id, with owners, caps and idle eviction.
 
     ``get_engine`` returns the shared engine (it is called lazily, so the
     registry can exist while the model is still loading). ``save(engine,
     session, path)`` and ``load(engine, path)`` default to
     :mod:`isagi.session_io`'s; tests pass their own and a fake ``clock``.
+    Every method that takes an id takes the caller's ``owner`` (default
+    ``local``: the app without a login).
     """
 
     def __init__(
@@ -107,18 +125,23 @@ class SessionRegistry:
         save: Callable[[Any, Any, Path], None] | None = None,
         load: Callable[[Any, Path], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_per_client: int = 32,
+        max_total: int = 256,
     ) -> None:
         self._get_engine = get_engine
         self.idle_s = float(idle_s)
         self._save = save
         self._load = load
         self._clock = clock
+        self.max_per_client = int(max_per_client)
+        self.max_total = int(max_total)
         self._entries: dict[str, Entry] = {}
-        self._parked: dict[str, Path | None] = {}
+        self._parked: dict[str, tuple[Path | None, str]] = {}  # id -> (file, owner)
         self._guard = threading.Lock()  # protects the two dicts, never held during I/O
         self._reaper: threading.Thread | None = None
         self._reaper_stop = threading.Event()
         self.evicted_total = 0
+        self.reclaimed_total = 0
 
     # -- helpers ---------------------------------------------------------------
     @property
@@ -150,55 +173,140 @@ class SessionRegistry:
         with self._guard:
             return sid in self._entries
 
-    def live_ids(self) -> list[str]:
+    def live_ids(self, owner: str | None = None) -> list[str]:
+        """Ids of the live sessions (of ``owner`` only, when given)."""
         with self._guard:
-            return list(self._entries)
+            return [sid for sid, e in self._entries.items() if owner is None or e.owner == owner]
+
+    def holds(self, sid: str | None, owner: str) -> bool:
+        """True when ``owner`` has ``sid`` live or parked (another owner's id: False)."""
+        with self._guard:
+            e = self._entries.get(sid or "")
+            if e is not None:
+                return e.owner == owner
+            parked = self._parked.get(sid or "")
+            return parked is not None and parked[1] == owner
+
+    def is_live(self, sid: str | None) -> bool:
+        """True when ``sid`` is live or parked for anyone (its id is taken)."""
+        with self._guard:
+            return (sid or "") in self._entries or (sid or "") in self._parked
+
+    def forget(self, sid: str, owner: str) -> bool:
+        """Drop ``owner``'s parked (evicted) id, e.g. after its session was deleted."""
+        with self._guard:
+            parked = self._parked.get(sid)
+            if parked is None or parked[1] != owner:
+                return False
+            del self._parked[sid]
+            return True
+
+    # -- caps ----------------------------------------------------------------------
+    def _reclaim_empty(self, match: Callable[[Entry], bool], need: int) -> int:
+        """Drop up to ``need`` empty, idle-now sessions matching ``match``, oldest first.
+
+        Called with the guard held. An empty session holds nothing to keep (it
+        is never written); its browser gets a fresh one at its next message.
+        """
+        empties = sorted(
+            (e for e in self._entries.values()
+             if match(e) and not e.session.turns and not e.lock.locked()),
+            key=lambda e: e.last_used,
+        )
+        n = 0
+        for e in empties[:need]:
+            self._entries.pop(e.session.id, None)
+            n += 1
+        self.reclaimed_total += n
+        return n
+
+    def _admit(self, owner: str, client: str | None) -> None:
+        """Make room for one more session of ``owner`` from ``client`` or raise SessionLimit
+        (guard held)."""
+        cap = self.max_per_client
+        groups: list[tuple[str, Callable[[Entry], bool]]] = []
+        if client is not None:
+            groups.append((f"this client ({client})", lambda e: e.client == client))
+        if owner != LOCAL_OWNER:
+            groups.append((f"user {owner}", lambda e: e.owner == owner))
+        for what, match in groups:
+            count = sum(1 for e in self._entries.values() if match(e))
+            if count >= cap and self._reclaim_empty(match, count - cap + 1) < count - cap + 1:
+                raise SessionLimit(
+                    f"Too many open chats for {what}: the limit is {cap} "
+                    "(ISAGI_MAX_SESSIONS_PER_CLIENT). Close other tabs or wait until idle chats "
+                    "are saved and closed (after the idle time), then try again."
+                )
+        total = len(self._entries)
+        if total >= self.max_total:
+            need = total - self.max_total + 1
+            got = self._reclaim_empty(lambda e: e.owner == owner and e.client == client, need)
+            if got < need:
+                got += self._reclaim_empty(lambda e: True, need - got)
+            if got < need:
+                raise SessionLimit(
+                    f"The server has the most open chats it keeps ({self.max_total}, "
+                    "ISAGI_MAX_SESSIONS). Try again in a few minutes, when idle chats have been "
+                    "saved and closed."
+                )
 
     # -- creating and adopting -------------------------------------------------
-    def create(self) -> str:
-        """A new empty session (autosaving under the sessions directory); returns its id."""
-        session = self.engine.new_session()
+    def create(self, owner: str = LOCAL_OWNER, client: str | None = None) -> str:
+        """A new empty session of ``owner`` (autosaving under the sessions directory);
+        returns its id. Raises :class:`SessionLimit` at a cap."""
         with self._guard:
+            self._admit(owner, client)  # check before building anything
+        session = self.engine.new_session()
+        session.owner = owner
+        with self._guard:
+            self._admit(owner, client)
             while session.id in self._entries or session.id in self._parked:
                 session = self.engine.new_session()
-            self._entries[session.id] = Entry(session, last_used=self._clock())
+                session.owner = owner
+            self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
         return session.id
 
-    def adopt(self, session: Any, *, fresh_id: bool = False) -> str:
-        """Make a loaded or resumed session live; returns its id.
+    def adopt(self, session: Any, *, fresh_id: bool = False, owner: str = LOCAL_OWNER,
+              client: str | None = None) -> str:
+        """Make a loaded or resumed session live as ``owner``'s; returns its id.
 
         An id that is live or parked (another browser holds it) is replaced by
         a fresh one, so two browsers never share a session: the loaded copy is
         a fork. ``fresh_id=True`` always forks (an uploaded file: continuing
         it must not overwrite the autosave of the session it was saved from).
         The session autosaves to ``sessions_dir/<id>.miku`` from then on.
+        Raises :class:`SessionLimit` at a cap.
         """
         with self._guard:
+            self._admit(owner, client)
             if fresh_id:
                 session.id = ""
             while not session.id or session.id in self._entries or session.id in self._parked:
                 session.id = new_session_id()
+            session.owner = owner
             session.miku_path = self._autosave_path(session.id)
-            self._entries[session.id] = Entry(session, last_used=self._clock())
+            self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
         return session.id
 
     # -- using -------------------------------------------------------------------
-    def entry(self, sid: str | None) -> Entry:
-        """The live entry for ``sid``, resuming a parked (evicted) session from its file.
+    def entry(self, sid: str | None, owner: str = LOCAL_OWNER) -> Entry:
+        """``owner``'s live entry for ``sid``, resuming a parked (evicted) session from its file.
 
         An id that is unknown (``None``, or from before a restart without a
-        file) raises ``KeyError``.
+        file) or another owner's raises ``KeyError``, the same for both.
         """
         if not sid:
             raise KeyError("no session")
         with self._guard:
             entry = self._entries.get(sid)
             if entry is not None:
+                if entry.owner != owner:
+                    raise KeyError(sid)
                 entry.last_used = self._clock()
                 return entry
-            if sid not in self._parked:
+            if sid not in self._parked or self._parked[sid][1] != owner:
                 raise KeyError(sid)
-            path = self._parked[sid]
+            path = self._parked[sid][0]
         # Resume outside the guard (file I/O); another thread may race us: first one wins.
         if path is not None and Path(path).exists():
             session = self._load_fn()(self.engine, Path(path))
@@ -206,27 +314,31 @@ class SessionRegistry:
             session.miku_path = Path(path)
         else:
             session = self.engine.new_session(session_id=sid)
+        session.owner = owner
         with self._guard:
             entry = self._entries.get(sid)
             if entry is None:
-                entry = Entry(session, last_used=self._clock())
+                entry = Entry(session, owner=owner, last_used=self._clock())
                 self._entries[sid] = entry
                 self._parked.pop(sid, None)
+            elif entry.owner != owner:
+                raise KeyError(sid)
             entry.last_used = self._clock()
             return entry
 
-    def ensure(self, sid: str | None) -> tuple[str, Entry]:
-        """The entry for ``sid``, or a brand-new session when ``sid`` is unknown."""
+    def ensure(self, sid: str | None, owner: str = LOCAL_OWNER, client: str | None = None) -> tuple[str, Entry]:
+        """``owner``'s entry for ``sid``, or a brand-new session when ``sid`` is unknown
+        (or another owner's)."""
         try:
-            return sid, self.entry(sid)  # type: ignore[return-value]
+            return sid, self.entry(sid, owner)  # type: ignore[return-value]
         except KeyError:
-            new = self.create()
-            return new, self.entry(new)
+            new = self.create(owner, client)
+            return new, self.entry(new, owner)
 
     @contextmanager
-    def using(self, sid: str, *, timeout: float = 30.0) -> Iterator[Entry]:
-        """Hold the session's lock (one event at a time); raise :class:`SessionBusy` on timeout."""
-        entry = self.entry(sid)
+    def using(self, sid: str, *, timeout: float = 30.0, owner: str = LOCAL_OWNER) -> Iterator[Entry]:
+        """Hold ``owner``'s session's lock (one event at a time); raise :class:`SessionBusy` on timeout."""
+        entry = self.entry(sid, owner)
         if not entry.lock.acquire(timeout=timeout):
             raise SessionBusy("This chat is busy with another request; try again in a moment.")
         try:
@@ -236,10 +348,14 @@ class SessionRegistry:
             entry.last_used = self._clock()
             entry.lock.release()
 
-    def request_stop(self, sid: str | None) -> bool:
-        """Ask the running turn of ``sid`` (if any) to stop after its current token."""
+    def _live(self, sid: str | None, owner: str) -> Entry | None:
         with self._guard:
             entry = self._entries.get(sid or "")
+        return entry if entry is not None and entry.owner == owner else None
+
+    def request_stop(self, sid: str | None, owner: str = LOCAL_OWNER) -> bool:
+        """Ask ``owner``'s running turn of ``sid`` (if any) to stop after its current token."""
+        entry = self._live(sid, owner)
         if entry is None:
             return False
         if not entry.stop.is_set():
@@ -247,10 +363,9 @@ class SessionRegistry:
         entry.stop.set()
         return entry.lock.locked()
 
-    def wait_until_free(self, sid: str | None, timeout: float) -> bool:
+    def wait_until_free(self, sid: str | None, timeout: float, owner: str = LOCAL_OWNER) -> bool:
         """Wait until no event holds the session (True) or ``timeout`` passes (False)."""
-        with self._guard:
-            entry = self._entries.get(sid or "")
+        entry = self._live(sid, owner)
         if entry is None:
             return True
         if entry.lock.acquire(timeout=timeout):
@@ -267,24 +382,27 @@ class SessionRegistry:
         self._save_fn()(self.engine, session, Path(path))
         return Path(path)
 
-    def release(self, sid: str | None, *, park: bool = False) -> bool:
-        """Save (if it has turns) and drop ``sid`` now.
+    def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER) -> bool:
+        """Save (if it has turns) and drop ``owner``'s ``sid`` now.
 
         ``park=True`` keeps the id resumable by its holder (as idle eviction
         does); the default forgets it: the browser that held it has moved on
         (New chat, a loaded file, a closed tab), so resuming it from the
-        history later keeps its id instead of forking it.
+        history later keeps its id instead of forking it. ``owner=None`` is
+        for the server itself (a closed tab's state): any owner.
         """
         with self._guard:
             entry = self._entries.get(sid or "")
-        if entry is None or not entry.lock.acquire(timeout=10):
+        if entry is None or (owner is not None and entry.owner != owner):
+            return False
+        if not entry.lock.acquire(timeout=10):
             return False  # busy: idle eviction will save and drop it later
         try:
             path = self._persist(entry)
             with self._guard:
                 self._entries.pop(entry.session.id, None)
                 if park:
-                    self._parked[entry.session.id] = path
+                    self._parked[entry.session.id] = (path, entry.owner)
         finally:
             entry.lock.release()
         return True
@@ -315,7 +433,7 @@ class SessionRegistry:
                 with self._guard:
                     if self._entries.get(sid) is entry:
                         del self._entries[sid]
-                        self._parked[sid] = path
+                        self._parked[sid] = (path, entry.owner)
                         evicted.append(sid)
             finally:
                 entry.lock.release()

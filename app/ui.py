@@ -13,14 +13,25 @@ the device is serialised and a waiting browser sees its queue position; the
 engine's own ``generation_lock`` serialises it again for any other caller.
 Stop sets the session's stop event (the turn loop ends after the current
 token and the turn is recorded as ``cancelled``) and cancels the Gradio event.
+
+Owners: every handler takes the Gradio request and works as its owner (the
+logged-in user under ISAGI_AUTH, ``local`` without a login): the registry and
+the history store answer another owner's session id exactly as an unknown id
+("not found"), whether the id comes from the page, the API or an event called
+by ``fn_index``. Files made for download live in this app's own temporary
+directory for a minute (Gradio serves its own copy, which it deletes after
+ten minutes); an uploaded file is deleted once read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import logging
+import os
 import random
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,15 +39,27 @@ from pathlib import Path
 from typing import Any
 
 from app import plots
+from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
 from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, safe_markdown
-from app.sessions import Entry, SessionBusy, SessionRegistry, restore_snapshot, take_snapshot
+from app.sessions import (
+    LOCAL_OWNER,
+    Entry,
+    SessionBusy,
+    SessionLimit,
+    SessionRegistry,
+    restore_snapshot,
+    take_snapshot,
+)
 from isagi.ids import is_session_id
 
 log = logging.getLogger(__name__)
 
 STREAM_INTERVAL_S = 0.1  # at most 10 display updates per second while streaming (a browser keeps up)
 STOP_WAIT_S = 10.0
+DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
+GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies: every minute, those older than 10 minutes
+NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
 
 CSS = """
 .isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
@@ -49,6 +72,8 @@ CSS = """
 .isagi-tier-refused, .isagi-tier-withheld { background: #b2182b; }
 .isagi-tier-cancelled { background: #777; }
 .isagi-tier-pending { background: #999; }
+.isagi-info [title], .isagi-tier[title] { cursor: help; }
+#isagi-sessions th, #isagi-sessions th * { white-space: nowrap; word-break: keep-all; overflow-wrap: normal; }
 #isagi-alert p { color: #b2182b; font-weight: 600; }
 #isagi-status p { font-size: 0.95em; }
 """
@@ -105,7 +130,13 @@ def badge_label(m: dict[str, Any]) -> str:
 
 def _badge(label: str) -> str:
     cls = label.lower() if label in BADGES else "unknown"
-    return f'<span class="isagi-tier isagi-tier-{cls}">{esc(label)}</span>'
+    tip = f' title="{esc(BADGE_HELP[label])}"' if label in BADGE_HELP else ""
+    return f'<span class="isagi-tier isagi-tier-{cls}"{tip}>{esc(label)}</span>'
+
+
+def _tip(key: str, html_text: str) -> str:
+    """``html_text`` (already escaped) with its plain-language explanation on hover."""
+    return f'<span title="{esc(FIGURE_HELP[key])}">{html_text}</span>'
 
 
 def info_html(m: dict[str, Any]) -> str:
@@ -119,16 +150,16 @@ def info_html(m: dict[str, Any]) -> str:
     if m.get("distance") is not None:
         near = m.get("nearest_query")
         near_txt = f" to “{esc(_short(near, 60))}”" if near else ""
-        parts.append(f"d = {_fmt(m['distance'], 4)}{near_txt}")
+        parts.append(_tip("d", f"d = {_fmt(m['distance'], 4)}{near_txt}"))
     if m.get("zone"):
-        parts.append(f"zone {esc(_short(m['zone'], 40))}")
-    parts.append(f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}")
+        parts.append(_tip("zone", f"zone {esc(_short(m['zone'], 40))}"))
+    parts.append(_tip("teh", f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}"))
     if m.get("latency_s") is not None:
-        parts.append(f"{_fmt(m['latency_s'], 2)} s")
+        parts.append(_tip("latency", f"{_fmt(m['latency_s'], 2)} s"))
     toks = m.get("new_tokens")
     if toks is not None:
         pt = m.get("prompt_tokens")
-        parts.append(f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens")
+        parts.append(_tip("tokens", f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens"))
     head, rest = parts[0], " · ".join(parts[1:])
     return f'<div class="isagi-info">{head} {rest}</div>'
 
@@ -227,7 +258,7 @@ class WebUI:
         self.holder = holder
         self.registry = registry
         self.settings = settings
-        self._tmp = Path(tempfile.gettempdir()) / "isagi-web"
+        self._tmp: Path | None = None  # made on first use, removed by cleanup()
 
     # -- helpers -----------------------------------------------------------
     @property
@@ -240,18 +271,50 @@ class WebUI:
         except Exception:
             return None
 
+    def who(self, request: Any) -> tuple[str | None, str | None]:
+        """(owner, client address) of a request: the logged-in user under ISAGI_AUTH
+        (None when there is none), ``local`` without a login."""
+        client = getattr(getattr(request, "client", None), "host", None)
+        if not self.settings.auth:
+            return LOCAL_OWNER, client
+        user = getattr(request, "username", None)
+        return (user if isinstance(user, str) and user else None), client
+
     def _download_dir(self) -> Path:
-        d = Path(tempfile.mkdtemp(prefix="dl-", dir=self._ensure_tmp()))
-        return d
+        """A fresh ``dl-*`` directory; those older than DOWNLOAD_TTL_S are removed first."""
+        root = self._ensure_tmp()
+        self.sweep_downloads(DOWNLOAD_TTL_S)
+        return Path(tempfile.mkdtemp(prefix="dl-", dir=root))
 
     def _ensure_tmp(self) -> Path:
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        if self._tmp is None or not self._tmp.is_dir():
+            self._tmp = Path(tempfile.mkdtemp(prefix="isagi-web-"))
         return self._tmp
 
-    def view(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
-        """(chat, turn panel, summary, map, growth, TEH) of a session, from its live state."""
+    def sweep_downloads(self, older_than_s: float = DOWNLOAD_TTL_S) -> int:
+        """Remove this app's ``dl-*`` directories older than ``older_than_s``; returns how many."""
+        if self._tmp is None or not self._tmp.is_dir():
+            return 0
+        now, n = time.time(), 0
+        for d in self._tmp.glob("dl-*"):
+            with contextlib.suppress(OSError):
+                if now - d.stat().st_mtime >= older_than_s:
+                    shutil.rmtree(d)
+                    n += 1
+        return n
+
+    def cleanup(self) -> None:
+        """Remove this app's temporary directory (on shutdown)."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def view(self, sid: str | None, colour_by: str = "tier", owner: str | None = LOCAL_OWNER) -> tuple[Any, ...]:
+        """(chat, turn panel, summary, map, growth, TEH) of ``owner``'s session, from its live state."""
         try:
-            entry = self.registry.entry(sid)
+            if owner is None:
+                raise KeyError(sid)
+            entry = self.registry.entry(sid, owner)
         except (KeyError, EngineLoading):
             empty: list[dict[str, Any]] = []
             return ([], turn_markdown(None), "Trajectories: **0**", plots.map_figure({}),
@@ -272,32 +335,40 @@ class WebUI:
             plots.teh_figure(msgs, getattr(safety, "threshold", None)),
         )
 
-    def status_line(self) -> str:
+    def status_line(self, owner: str | None = None) -> str:
+        """The banner; with a login, the live-session count is the user's own (not the server's)."""
         h = self.holder
         if h.ready:
             e = self.engine
             lm = e.lm
+            n = len(self.registry) if owner is None or not self.settings.auth else len(self.registry.live_ids(owner))
             return (
                 f"Model **{lm.model_id}** ({lm.quant}, {lm.device}) · layer {e.layer} · "
-                f"k = {e.profile.basis.B.shape[1]} · {len(self.registry)} live session(s)"
+                f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
             )
         if h.failed:
             return f"**The model could not be loaded:** {h.error}"
         return f"⏳ **{h.describe()}.** The first start converts the model and calibrates it; this page works once it is done."
 
     # -- page load and loading banner --------------------------------------
-    def on_load(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+    def on_load(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
+        owner, client = self.who(request)
+        if owner is None:
+            return (None, NOT_LOGGED_IN, *self.view(None, colour_by, None))
         if self.holder.ready:
-            sid, _ = self.registry.ensure(sid)
-        return (sid, self.status_line(), *self.view(sid, colour_by))
+            try:
+                sid, _ = self.registry.ensure(sid, owner, client)
+            except SessionLimit as exc:
+                return (None, f"**{exc}**", *self.view(None, colour_by, owner))
+        return (sid, self.status_line(owner), *self.view(sid, colour_by, owner))
 
-    def on_tick(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+    def on_tick(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """While loading: refresh the banner; once ready: create the session and stop the timer."""
         import gradio as gr
 
         if not (self.holder.ready or self.holder.failed):
             return (sid, self.status_line(), *(gr.skip(),) * 6, gr.Timer(active=True))
-        return (*self.on_load(sid, colour_by), gr.Timer(active=False))
+        return (*self.on_load(sid, colour_by, request), gr.Timer(active=False))
 
     # -- chat ----------------------------------------------------------------
     def _options(self, max_tokens: float | None, sample: bool, temperature: float | None, *, seed: int | None = None) -> Any:
@@ -317,30 +388,35 @@ class WebUI:
 
     def send(
         self, message: str, sid: str | None, max_tokens: float = 0, sample: bool = False,
-        temperature: float = 0.7, colour_by: str = "tier",
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
     ) -> Iterator[tuple[Any, ...]]:
-        """Run a turn, streaming: yields (state, chat, textbox, alert, turn, summary, map, growth, teh)."""
+        """Run a turn, streaming: yields (state, chat, textbox, alert, turn, summary, map, growth, teh).
+
+        The message is checked before any session is made: an invalid message
+        never creates one. ``sid`` of another owner is an unknown id: a new
+        session of the caller's is made for the message.
+        """
         import gradio as gr
 
         from isagi.errors import IsagiError
 
-        try:
-            engine = self.engine
-            sid, entry = self.registry.ensure(sid)
-        except EngineLoading as exc:
-            yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
+        owner, client = self.who(request)
+        if owner is None:
+            yield (sid, gr.skip(), gr.skip(), self._warn(NOT_LOGGED_IN), *(gr.skip(),) * 5)
             return
         try:
+            engine = self.engine
             checked = engine.check(message)  # validated once, here: the turn takes it as it is
-        except IsagiError as exc:
+            sid, entry = self.registry.ensure(sid, owner, client)
+        except (EngineLoading, IsagiError) as exc:
             yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
             return
         options = self._options(max_tokens, sample, temperature)
-        yield from self._turn(sid, entry, checked, options, colour_by, textbox="")
+        yield from self._turn(sid, entry, checked, options, colour_by, textbox="", owner=owner)
 
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
-        temperature: float = 0.7, colour_by: str = "tier",
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
     ) -> Iterator[tuple[Any, ...]]:
         """Run the last question again, sampling; the new turn replaces the last one everywhere.
 
@@ -349,8 +425,11 @@ class WebUI:
         """
         import gradio as gr
 
+        owner, _ = self.who(request)
         try:
-            entry = self.registry.entry(sid)
+            if owner is None:
+                raise KeyError(sid)
+            entry = self.registry.entry(sid, owner)
         except (KeyError, EngineLoading) as exc:
             msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
             yield (sid, gr.skip(), gr.skip(), self._warn(msg), *(gr.skip(),) * 5)
@@ -363,11 +442,11 @@ class WebUI:
             return
         text = session.turns[snap.n_turns].user_text
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
-        yield from self._turn(sid, entry, text, options, colour_by, textbox=gr.skip(), undo=True)
+        yield from self._turn(sid, entry, text, options, colour_by, textbox=gr.skip(), undo=True, owner=owner)
 
     def _turn(
         self, sid: str, entry: Entry, message: Any, options: Any, colour_by: str, *,
-        textbox: Any, undo: bool = False,
+        textbox: Any, undo: bool = False, owner: str = LOCAL_OWNER,
     ) -> Iterator[tuple[Any, ...]]:
         import gradio as gr
 
@@ -375,10 +454,13 @@ class WebUI:
 
         skip = gr.skip()
         try:
-            ctx = self.registry.using(sid, timeout=STOP_WAIT_S)
+            ctx = self.registry.using(sid, timeout=STOP_WAIT_S, owner=owner)
             entry = ctx.__enter__()
         except SessionBusy as exc:
             yield (sid, skip, skip, self._warn(str(exc)), *(skip,) * 5)
+            return
+        except KeyError:  # dropped meanwhile (e.g. reclaimed while empty): the next message makes one
+            yield (None, skip, skip, self._warn("This chat was closed; send your message again."), *(skip,) * 5)
             return
         try:
             session = entry.session
@@ -461,20 +543,24 @@ class WebUI:
         finally:
             ctx.__exit__(None, None, None)
 
-    def stop(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+    def stop(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Ask the running turn to stop, wait until it has, and show the final state."""
         import gradio as gr
 
-        self.registry.request_stop(sid)
-        if not self.registry.wait_until_free(sid, STOP_WAIT_S):
+        owner, _ = self.who(request)
+        if owner is None:
+            return (gr.skip(),) * 7
+        self.registry.request_stop(sid, owner)
+        if not self.registry.wait_until_free(sid, STOP_WAIT_S, owner):
             return (gr.skip(), "The model is still finishing a step; it will stop shortly.", *(gr.skip(),) * 5)
         try:
-            session = self.registry.entry(sid).session
+            entry = self.registry.entry(sid, owner)
         except (KeyError, EngineLoading):
             return (gr.skip(),) * 7
+        session = entry.session
         last_bot = _reply_fields(session.last_turn)
         # A stopped turn stores no trajectory and does not move the metric: the plots stay.
-        took = getattr(self.registry.entry(sid), "stop_latency_s", None)
+        took = getattr(entry, "stop_latency_s", None)
         if last_bot is not None and last_bot.get("verdict") == "cancelled" and took is not None:
             note = f"Stopped: the turn ended {took:.2f} s after Stop reached the server; the partial reply is kept."
         else:
@@ -482,33 +568,45 @@ class WebUI:
         return (chat_messages(session.messages), note,
                 turn_markdown(last_bot, self._safety()), manifold_summary(session), gr.skip(), gr.skip(), gr.skip())
 
-    def new_chat(self, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
+    def new_chat(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
+        owner, client = self.who(request)
+        if owner is None:
+            return (None, self._warn(NOT_LOGGED_IN), *self.view(None, colour_by, None))
         try:
             self.engine  # noqa: B018 - raises while loading
         except EngineLoading as exc:
-            return (sid, self._warn(str(exc)), *self.view(sid, colour_by))
-        self.registry.release(sid)
-        new = self.registry.create()
-        return (new, "", *self.view(new, colour_by))
-
-    def recolour(self, sid: str | None, colour_by: str) -> Any:
+            return (sid, self._warn(str(exc)), *self.view(sid, colour_by, owner))
+        self.registry.release(sid, owner=owner)
         try:
-            session = self.registry.entry(sid).session
+            new = self.registry.create(owner, client)
+        except SessionLimit as exc:
+            return (None, self._warn(str(exc)), *self.view(None, colour_by, owner))
+        return (new, "", *self.view(new, colour_by, owner))
+
+    def recolour(self, sid: str | None, colour_by: str, request: Any = None) -> Any:
+        owner, _ = self.who(request)
+        try:
+            if owner is None:
+                raise KeyError(sid)
+            session = self.registry.entry(sid, owner).session
         except (KeyError, EngineLoading):
             return plots.map_figure({})
         cols = session.memory.to_columns()
         return plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols))
 
     # -- files ---------------------------------------------------------------
-    def save_miku(self, sid: str | None) -> tuple[Any, str]:
+    def save_miku(self, sid: str | None, request: Any = None) -> tuple[Any, str]:
         """Write the open session's living state to a ``.miku`` for download."""
         import gradio as gr
 
         from isagi.errors import IsagiError
         from isagi.session_io import save_session
 
+        owner, _ = self.who(request)
         try:
-            with self.registry.using(sid) as entry:
+            if owner is None:
+                raise KeyError(sid)
+            with self.registry.using(sid, owner=owner) as entry:
                 s = entry.session
                 path = self._download_dir() / f"isagi-{_slug(s.title, 'session')}-{s.id}.miku"
                 save_session(self.engine, s, path)
@@ -517,8 +615,10 @@ class WebUI:
             return gr.skip(), self._warn(msg)
         return str(path), f"Saved {len(s.memory)} trajectories and {len(s.turns)} turns to `{path.name}`."
 
-    def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
-        """Open an uploaded ``.miku`` (a fork with a fresh id); errors leave the open session as it is."""
+    def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
+        """Open an uploaded ``.miku`` (a fork with a fresh id, the caller's); errors leave the
+        open session as it is and name the user's own file, never a server path. The uploaded
+        file is deleted once read."""
         import gradio as gr
 
         from isagi.errors import IsagiError
@@ -527,43 +627,62 @@ class WebUI:
         path = getattr(file, "name", file)
         if not path:
             return (sid, gr.skip(), *(gr.skip(),) * 6)
+        owner, client = self.who(request)
+        name = Path(path).name
         try:
-            session = load_session(self.engine, Path(path))
-        except (IsagiError, EngineLoading) as exc:
-            return (sid, self._warn(f"Could not load that file: {exc} Your open session is unchanged."),
-                    *(gr.skip(),) * 6)
-        except Exception as exc:  # a reader bug must not take the page down
-            log.exception("loading %s failed", path)
-            return (sid, self._warn(f"Could not load that file ({type(exc).__name__}: {exc}). "
-                                    "Your open session is unchanged."), *(gr.skip(),) * 6)
-        self.registry.release(sid)
-        new = self.registry.adopt(session, fresh_id=True)
+            if owner is None:
+                return (sid, self._warn(NOT_LOGGED_IN), *(gr.skip(),) * 6)
+            try:
+                session = load_session(self.engine, Path(path))
+            except (IsagiError, EngineLoading) as exc:
+                reason = _hide_path(str(exc), path).rstrip()
+                reason += "" if reason.endswith((".", "!", "?")) else "."
+                return (sid, self._warn(f"Could not load {name}: {reason} Your open session is unchanged."),
+                        *(gr.skip(),) * 6)
+            except Exception as exc:  # a reader bug must not take the page down
+                log.exception("loading %s failed", path)
+                return (sid, self._warn(f"Could not load {name} ({type(exc).__name__}: "
+                                        f"{_hide_path(str(exc), path)}). Your open session is unchanged."),
+                        *(gr.skip(),) * 6)
+        finally:
+            _remove_upload(path)
+        try:
+            self.registry.release(sid, owner=owner)
+            new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
+        except SessionLimit as exc:
+            return (sid, self._warn(str(exc)), *(gr.skip(),) * 6)
         gr.Info(f"Loaded {len(session.memory)} trajectories and {len(session.turns)} turns.")
-        return (new, f"Loaded `{Path(path).name}`: {len(session.memory)} trajectories, {len(session.turns)} turns.",
-                *self.view(new, colour_by))
+        return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns.",
+                *self.view(new, colour_by, owner))
 
     # -- sessions tab ------------------------------------------------------------
-    def list_sessions(self, query: str = "") -> tuple[Any, str]:
-        """Rows (id, title, turns, updated, file) of the history store, optionally searched."""
-        store = getattr(self.holder._engine, "store", None) if self.holder.ready else None
+    def _store(self) -> Any:
+        return getattr(self.holder._engine, "store", None) if self.holder.ready else None
+
+    def list_sessions(self, query: str = "", request: Any = None) -> tuple[Any, str]:
+        """Rows (id, title, turns, updated, file) of the caller's sessions, optionally searched."""
+        owner, _ = self.who(request)
+        if owner is None:
+            return [], NOT_LOGGED_IN
+        store = self._store()
         if store is None:
             msg = "The history store is not available yet." if not self.holder.ready else "No history store is configured."
             return [], msg
         try:
             if query and query.strip():
-                hits = store.search(query.strip(), limit=200)
+                hits = store.search(query.strip(), limit=200, owner=owner)
                 seen: list[str] = []
                 for h in hits:
                     if h.session_id not in seen:
                         seen.append(h.session_id)
-                summaries = [store.get_session(i) for i in seen[:100]]
-                note = f"{len(summaries)} session(s) with messages containing “{query.strip()}”."
+                summaries = [store.get_session(i, owner=owner) for i in seen[:100]]
+                note = f"{len(summaries)} session(s) with messages containing “{md_cell(_short(query.strip(), 80))}”."
             else:
-                summaries = store.list_sessions(limit=100)
+                summaries = store.list_sessions(limit=100, owner=owner)
                 note = f"{len(summaries)} most recent session(s)."
         except Exception as exc:
             return [], self._warn(f"Could not read the history: {exc}")
-        live = set(self.registry.live_ids())
+        live = set(self.registry.live_ids(owner))
         rows = [
             [s.id, s.title or "(untitled)", s.turns, s.updated_at.strftime("%Y-%m-%d %H:%M"),
              "live" if s.id in live else ("saved" if s.miku_path else "history only")]
@@ -581,69 +700,116 @@ class WebUI:
         except Exception:
             return ""
 
-    def resume(self, chosen: str, sid: str | None, colour_by: str = "tier") -> tuple[Any, ...]:
-        """Open a past session's saved living state (its autosaved ``.miku``)."""
+    def _own_summary(self, chosen: str, owner: str | None) -> Any:
+        """``owner``'s history summary of ``chosen``, or None (unknown and another's alike)."""
+        store = self._store()
+        if store is None or owner is None or not chosen or len(chosen) > 64:
+            return None
+        from isagi.errors import IsagiError
+
+        try:
+            return store.get_session(chosen, owner=owner)
+        except IsagiError:
+            return None
+
+    def _autosave_of(self, summary: Any) -> Path | None:
+        """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
+        root = Path(self.settings.sessions_dir).resolve()
+        for cand in (summary.miku_path, f"{summary.id}.miku" if is_session_id(summary.id) else None):
+            if not cand:
+                continue
+            p = (root / cand) if not os.path.isabs(cand) else Path(cand)
+            with contextlib.suppress(OSError, RuntimeError):
+                p = p.resolve()
+                if p.parent == root and p.suffix == ".miku" and p.is_file():
+                    return p
+        return None
+
+    def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
+        """Open one of the caller's past sessions from its saved living state (its autosaved ``.miku``)."""
         import gradio as gr
 
         from isagi.errors import IsagiError
         from isagi.session_io import load_session
 
+        owner, client = self.who(request)
         chosen = (chosen or "").strip()
         keep = (sid, gr.skip(), *(gr.skip(),) * 6, gr.skip())
         if not chosen:
             return (sid, self._warn("Pick a session in the table first."), *keep[2:])
-        if chosen == sid:
-            return (sid, "That session is already open.", *self.view(sid, colour_by), gr.Tabs(selected="chat"))
+        if owner is not None and chosen == sid and self.registry.holds(sid, owner):
+            return (sid, "That session is already open.", *self.view(sid, colour_by, owner), gr.Tabs(selected="chat"))
+        summary = self._own_summary(chosen, owner)
+        if summary is None:
+            return (sid, self._warn(f"No session {md_cell(_short(chosen, 64))} in your history."), *keep[2:])
+        path = self._autosave_of(summary)
+        if path is None:
+            return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
+                    *keep[2:])
         try:
-            engine = self.engine
-            path = None
-            if engine.store is not None:
-                summary = engine.store.get_session(chosen)
-                path = summary.miku_path
-            path = Path(path) if path else Path(self.settings.sessions_dir) / f"{chosen}.miku"
-            if not path.exists():
-                return (sid, self._warn(f"Session {chosen} has no saved living state (no {path.name}); "
-                                        "export its history instead."), *keep[2:])
-            session = load_session(engine, path)
+            session = load_session(self.engine, path)
         except (IsagiError, EngineLoading) as exc:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
         session.id = chosen
-        self.registry.release(sid)
-        new = self.registry.adopt(session)
-        note = f"Resumed “{session.title or chosen}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
+        try:
+            self.registry.release(sid, owner=owner)
+            new = self.registry.adopt(session, owner=owner, client=client)
+        except SessionLimit as exc:
+            return (sid, self._warn(str(exc)), *keep[2:])
+        note = f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
         if new != chosen:
             note += f" It is open in another browser, so this is a copy with id {new}."
-        return (new, note, *self.view(new, colour_by), gr.Tabs(selected="chat"))
+        return (new, note, *self.view(new, colour_by, owner), gr.Tabs(selected="chat"))
 
-    def export(self, chosen: str, sid: str | None, fmt: str) -> tuple[Any, str]:
-        """The chosen (or the open) session's history as Markdown or JSON, for download."""
+    def export(self, chosen: str, sid: str | None, fmt: str, request: Any = None) -> tuple[Any, str]:
+        """The chosen (or the open) session's history as Markdown or JSON, for download:
+        only the caller's own sessions (another's id is "not found")."""
         import gradio as gr
 
+        owner, _ = self.who(request)
         target = (chosen or "").strip() or (sid or "")
+        shown = md_cell(_short(target, 64)) or "(none)"
         try:
             store = self.engine.store
             if store is None:
                 return gr.skip(), self._warn("No history store is configured.")
-            text = store.export(target, "markdown" if fmt == "markdown" else "json")
+            if owner is None:
+                return gr.skip(), self._warn(NOT_LOGGED_IN)
+            if self._own_summary(target, owner) is None:  # unknown and another's alike
+                return gr.skip(), self._warn(f"Could not export session {shown}: no such session in your history.")
+            text = store.export(target, "markdown" if fmt == "markdown" else "json", owner=owner)
         except Exception as exc:
-            return gr.skip(), self._warn(f"Could not export session {target or '(none)'}: {exc}")
+            return gr.skip(), self._warn(f"Could not export session {shown}: {md_cell(str(exc))}")
         ext = "md" if fmt == "markdown" else "json"
-        path = self._download_dir() / f"isagi-{target}.{ext}"
+        name = f"isagi-{target}.{ext}" if is_session_id(target) else f"isagi-session.{ext}"
+        path = self._download_dir() / name
         path.write_text(text, encoding="utf-8")
-        return str(path), f"Exported session {target} as {ext.upper()}."
+        return str(path), f"Exported session {shown} as {ext.upper()}."
 
-    def delete(self, chosen: str, sid: str | None) -> tuple[Any, str]:
+    def delete(self, chosen: str, sid: str | None, request: Any = None) -> tuple[Any, str]:
+        """Delete one of the caller's sessions: its history and its autosaved ``.miku``."""
+        from storage.history import remove_session_files
+
+        owner, _ = self.who(request)
         chosen = (chosen or "").strip()
         if not chosen:
             return gr_skip(), self._warn("Pick a session in the table first.")
-        if chosen in self.registry.live_ids():
+        summary = self._own_summary(chosen, owner)
+        if summary is None or owner is None:
+            return gr_skip(), self._warn(f"No session {md_cell(_short(chosen, 64))} in your history.")
+        if chosen in self.registry.live_ids(owner):
             return gr_skip(), self._warn("That session is open in a browser; close it there first.")
         try:
-            ok = self.engine.store.delete_session(chosen)
+            ok = self.engine.store.delete_session(chosen, owner=owner)
         except Exception as exc:
             return gr_skip(), self._warn(f"Could not delete {chosen}: {exc}")
-        rows, _ = self.list_sessions("")
-        return rows, (f"Deleted session {chosen} from the history." if ok else f"No session {chosen}.")
+        if not ok:
+            return gr_skip(), self._warn(f"No session {chosen} in your history.")
+        self.registry.forget(chosen, owner)
+        removed = remove_session_files(chosen, summary.miku_path, self.settings.sessions_dir)
+        rows, _ = self.list_sessions("", request)
+        gone = f" and its saved state ({removed[0].name})" if removed else ""
+        return rows, f"Deleted session {chosen} from the history{gone}."
 
     # -- explore ---------------------------------------------------------------
     def explore(self, seed: str, steps: float, max_tokens: float) -> tuple[str, Any, str]:
@@ -688,6 +854,35 @@ class WebUI:
         return "\n".join(lines), fig, mcb_md
 
 
+def _hide_path(message: str, path: str | os.PathLike[str]) -> str:
+    """``message`` with the server's path of an uploaded file (and its folder) replaced
+    by the file's own name: errors never show server paths."""
+    p = Path(path)
+    for full in sorted({str(p), str(p.resolve()), str(p.absolute())}, key=len, reverse=True):
+        message = message.replace(full, p.name)
+    for folder in sorted({str(p.parent), str(p.parent.resolve())}, key=len, reverse=True):
+        if len(folder) > 1:
+            message = message.replace(folder + os.sep, "").replace(folder, "")
+    return message
+
+
+def _gradio_cache_dir() -> Path:
+    return Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve()
+
+
+def _remove_upload(path: str | os.PathLike[str]) -> None:
+    """Delete an uploaded file (and its now empty folder) once read: only a file inside
+    Gradio's upload cache, never anything else."""
+    with contextlib.suppress(OSError, RuntimeError):
+        p = Path(path).resolve()
+        cache = _gradio_cache_dir()
+        if cache in p.parents and p.is_file():
+            p.unlink()
+            if p.parent != cache:
+                with contextlib.suppress(OSError):
+                    p.parent.rmdir()
+
+
 def gr_skip() -> Any:
     import gradio as gr
 
@@ -697,15 +892,52 @@ def gr_skip() -> Any:
 # --------------------------------------------------------------------------- layout
 
 
+def with_request(fn: Any, names: list[str], *fixed: Any) -> Any:
+    """``fn`` as a Gradio handler taking inputs ``names`` and the request (as ``request=``).
+
+    Gradio hands the request only to a positional parameter typed ``gr.Request``;
+    this module's annotations are strings (no Gradio at import time), so the
+    wrapper carries the signature and the real type. ``fixed`` arguments go
+    between the inputs and the request (e.g. an export format).
+    """
+    import inspect
+
+    import gradio as gr
+
+    n = len(names)
+    if inspect.isgeneratorfunction(fn):
+        def handler(*args: Any) -> Any:
+            yield from fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
+    else:
+        def handler(*args: Any) -> Any:
+            return fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    handler.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(x, kind) for x in names] + [inspect.Parameter("request", kind)]
+    )
+    handler.__annotations__ = {"request": gr.Request}
+    handler.__name__ = getattr(fn, "__name__", "handler")
+    handler.__doc__ = getattr(fn, "__doc__", None)
+    return handler
+
+
 def build_blocks(ui: WebUI) -> Any:
-    """The page. Call inside ``create_app`` only (never at import time)."""
+    """The page. Call inside ``create_app`` only (never at import time).
+
+    Every handler gets the request (its owner); events not meant for API use
+    are private (``api_name=False``): hidden from the API page, though still
+    callable by ``fn_index``, so the owner check is in each handler anyway.
+    """
     import gradio as gr
 
     s = ui.settings
+    R = with_request  # noqa: N806 - a short local alias for the wiring below
     model_q = {"concurrency_id": "model", "concurrency_limit": 1}
     light_q = {"concurrency_limit": 8}
-    with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False) as demo:
-        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid) if sid else None)
+    with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
+                   delete_cache=GRADIO_CACHE_DELETE) as demo:
+        # A closed tab's state: the server releases whatever that tab held (any owner).
+        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid, owner=None) if sid else None)
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
         status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
         timer = gr.Timer(2.0, active=not ui.holder.ready)
@@ -737,6 +969,8 @@ def build_blocks(ui: WebUI) -> Any:
                         temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="Temperature")
                 with gr.Column(scale=4, min_width=380):
                     turn = gr.Markdown(turn_markdown(None), elem_id="isagi-turn")
+                    with gr.Accordion("What do these mean?", open=False, elem_id="isagi-help"):
+                        gr.Markdown(help_markdown())
                     summary = gr.Markdown("Trajectories: **0**", elem_id="isagi-manifold-summary")
                     colour_by = gr.Radio(["tier", "cluster"], value="tier", label="Colour the map by",
                                          elem_id="isagi-colour")
@@ -744,8 +978,9 @@ def build_blocks(ui: WebUI) -> Any:
                     growth_plot = gr.Plot(label="Metric growth", elem_id="isagi-growth")
                     teh_plot = gr.Plot(label="TEH", elem_id="isagi-teh")
             with gr.Tab("Sessions", id="sessions"):
-                gr.Markdown("Past sessions from the history store. Every session autosaves its living "
-                            "state; resume one to continue it with its memory and metric.")
+                gr.Markdown("Your past sessions from the history store (with a login, each user sees "
+                            "only their own). Every session autosaves its living state; resume one to "
+                            "continue it with its memory and metric.")
                 with gr.Row():
                     query = gr.Textbox(placeholder="Search message text…", show_label=False, scale=6,
                                        elem_id="isagi-search")
@@ -766,7 +1001,7 @@ def build_blocks(ui: WebUI) -> Any:
                                      elem_id="isagi-upload", height=120)
                 download = gr.File(label="Download", interactive=False, elem_id="isagi-download")
                 files_note = gr.Markdown("", elem_id="isagi-files-note")
-            with gr.Tab("Explore", id="explore"):
+            with gr.Tab("Concept explorer", id="explore"):
                 gr.Markdown(
                     "Safe OGD concept exploration: a chain of steps from a seed, each steered by "
                     "α·P_safe·v (never along a forbidden direction), with the TEH of every step and "
@@ -777,7 +1012,7 @@ def build_blocks(ui: WebUI) -> Any:
                                       elem_id="isagi-seed")
                     steps = gr.Slider(1, 6, value=3, step=1, label="Steps", scale=2)
                     ex_tokens = gr.Slider(16, 128, value=40, step=8, label="Tokens per step", scale=2)
-                    run_ex = gr.Button("Explore", variant="primary", scale=1, elem_id="isagi-explore")
+                    run_ex = gr.Button("Run the explorer", variant="primary", scale=1, elem_id="isagi-explore")
                 mcb_md = gr.Markdown("", elem_id="isagi-mcb")
                 ex_plot = gr.Plot(label="TEH per step")
                 ex_steps = gr.Markdown("", elem_id="isagi-steps")
@@ -786,39 +1021,47 @@ def build_blocks(ui: WebUI) -> Any:
         turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot]
         gen_in = [max_tokens, sample, temperature, colour_by]
 
-        demo.load(ui.on_load, [state, colour_by], [state, status, *view_out], **light_q)
-        timer.tick(ui.on_tick, [state, colour_by], [state, status, *view_out, timer],
-                   show_progress="hidden", **light_q)
-        ev_send = send.click(ui.send, [msg, state, *gen_in], turn_out, show_progress="minimal",
+        demo.load(R(ui.on_load, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out],
+                  api_name=False, **light_q)
+        timer.tick(R(ui.on_tick, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out, timer],
+                   show_progress="hidden", api_name=False, **light_q)
+        send_fn = R(ui.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"])
+        ev_send = send.click(send_fn, [msg, state, *gen_in], turn_out, show_progress="minimal",
                              api_name="send", **model_q)
-        ev_submit = msg.submit(ui.send, [msg, state, *gen_in], turn_out, show_progress="minimal",
+        ev_submit = msg.submit(send_fn, [msg, state, *gen_in], turn_out, show_progress="minimal",
                                api_name=False, **model_q)
-        ev_regen = regen.click(ui.regenerate, [state, *gen_in], turn_out, show_progress="minimal",
+        ev_regen = regen.click(R(ui.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"]),
+                               [state, *gen_in], turn_out, show_progress="minimal",
                                api_name="regenerate", **model_q)
-        stop.click(ui.stop, [state, colour_by], [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
+        stop.click(R(ui.stop, ["sid", "colour_by"]), [state, colour_by],
+                   [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
                    cancels=[ev_send, ev_submit, ev_regen], show_progress="hidden", api_name="stop",
                    queue=False)
-        new.click(ui.new_chat, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
-        chat.clear(ui.new_chat, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
-        colour_by.change(ui.recolour, [state, colour_by], map_plot, api_name=False, **light_q)
+        new_fn = R(ui.new_chat, ["sid", "colour_by"])
+        new.click(new_fn, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
+        chat.clear(new_fn, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
+        colour_by.change(R(ui.recolour, ["sid", "colour_by"]), [state, colour_by], map_plot, api_name=False,
+                         **light_q)
 
-        refresh.click(ui.list_sessions, query, [table, sessions_note], api_name="list_sessions", **light_q)
-        query.submit(ui.list_sessions, query, [table, sessions_note], api_name=False, **light_q)
+        list_fn = R(ui.list_sessions, ["query"])
+        refresh.click(list_fn, query, [table, sessions_note], api_name="list_sessions", **light_q)
+        query.submit(list_fn, query, [table, sessions_note], api_name=False, **light_q)
         def on_select(evt: Any, rows: Any) -> str:
             return ui.select_row(evt, rows)
 
         on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any, "return": str}
         table.select(on_select, [table], chosen, api_name=False, **light_q)
-        resume.click(ui.resume, [chosen, state, colour_by], [state, sessions_note, *view_out, tabs],
-                     api_name="resume", **light_q)
-        export_md.click(lambda c, sid: ui.export(c, sid, "markdown"), [chosen, state], [download, files_note],
+        resume.click(R(ui.resume, ["chosen", "sid", "colour_by"]), [chosen, state, colour_by],
+                     [state, sessions_note, *view_out, tabs], api_name="resume", **light_q)
+        export_md.click(R(ui.export, ["chosen", "sid"], "markdown"), [chosen, state], [download, files_note],
                         api_name="export_markdown", **light_q)
-        export_js.click(lambda c, sid: ui.export(c, sid, "json"), [chosen, state], [download, files_note],
+        export_js.click(R(ui.export, ["chosen", "sid"], "json"), [chosen, state], [download, files_note],
                         api_name="export_json", **light_q)
-        delete.click(ui.delete, [chosen, state], [table, sessions_note], api_name=False, **light_q)
-        save.click(ui.save_miku, state, [download, files_note], api_name="save_miku", **light_q)
-        upload.upload(ui.load_miku, [upload, state, colour_by], [state, files_note, *view_out],
-                      api_name="load_miku", **light_q)
+        delete.click(R(ui.delete, ["chosen", "sid"]), [chosen, state], [table, sessions_note], api_name=False,
+                     **light_q)
+        save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
+        upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
+                      [state, files_note, *view_out], api_name="load_miku", **light_q)
         run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
                      **model_q)
     return demo

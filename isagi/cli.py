@@ -273,6 +273,10 @@ def profile_show(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt 
 # -- sessions and files --------------------------------------------------------
 
 
+OwnerOpt = Annotated[str, typer.Option(
+    "--owner", help="whose sessions: `local` (made without a login) or a web login's user name")]
+
+
 def _store(home: Path | None) -> Any:
     from storage.history import HistoryStore
 
@@ -281,11 +285,13 @@ def _store(home: Path | None) -> Any:
 
 @sessions_app.command("list")
 @friendly
-def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = False) -> None:
-    """Past sessions, newest first."""
-    rows = _store(home).list_sessions(limit=limit)
+def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = False,
+                  owner: OwnerOpt = "local") -> None:
+    """Past sessions of one owner, newest first."""
+    rows = _store(home).list_sessions(limit=limit, owner=owner)
     if as_json:
-        _print_json([r.__dict__ for r in rows])
+        _print_json([{k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in r.__dict__.items()}
+                     for r in rows])
         return
     for r in rows:
         out.print(f"{r.id}  {r.updated_at}  {r.turns:>4} turns  {r.title}", highlight=False)
@@ -293,16 +299,16 @@ def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = Fals
 
 @sessions_app.command("show")
 @friendly
-def sessions_show(session_id: str, home: HomeOpt = None) -> None:
+def sessions_show(session_id: str, home: HomeOpt = None, owner: OwnerOpt = "local") -> None:
     """Print a session as Markdown."""
-    out.print(_store(home).export(session_id, "markdown"), highlight=False, markup=False)
+    out.print(_store(home).export(session_id, "markdown", owner=owner), highlight=False, markup=False)
 
 
 @sessions_app.command("search")
 @friendly
-def sessions_search(text: str, home: HomeOpt = None, limit: int = 50) -> None:
+def sessions_search(text: str, home: HomeOpt = None, limit: int = 50, owner: OwnerOpt = "local") -> None:
     """Find messages containing TEXT."""
-    for hit in _store(home).search(text, limit=limit):
+    for hit in _store(home).search(text, limit=limit, owner=owner):
         data = hit.__dict__
         out.print(f"{data.get('session_id')}  [{data.get('role')}] {str(data.get('text'))[:120]}", highlight=False, markup=False)
 
@@ -310,9 +316,10 @@ def sessions_search(text: str, home: HomeOpt = None, limit: int = 50) -> None:
 @sessions_app.command("export")
 @friendly
 def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format", help="json | markdown")] = "markdown",
-                    output: Annotated[Path | None, typer.Option("--output", "-o")] = None, home: HomeOpt = None) -> None:
+                    output: Annotated[Path | None, typer.Option("--output", "-o")] = None, home: HomeOpt = None,
+                    owner: OwnerOpt = "local") -> None:
     """Export a session as JSON or Markdown."""
-    text = _store(home).export(session_id, fmt)
+    text = _store(home).export(session_id, fmt, owner=owner)
     if output is None:
         sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
     else:
@@ -321,10 +328,23 @@ def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format"
 
 @sessions_app.command("delete")
 @friendly
-def sessions_delete(session_id: str, home: HomeOpt = None) -> None:
-    """Delete a session and its turns from the history store."""
-    if not _store(home).delete_session(session_id):
+def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = "local") -> None:
+    """Delete a session, its turns and its autosaved .miku."""
+    from storage.history import remove_session_files
+
+    settings = _settings(home=home)
+    store = _store(home)
+    try:
+        summary = store.get_session(session_id, owner=owner)
+    except IsagiError:
+        summary = None
+    if summary is None or not store.delete_session(session_id, owner=owner):
+        err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
+                  highlight=False, markup=False)
         raise typer.Exit(1)
+    removed = remove_session_files(session_id, summary.miku_path, settings.sessions_dir)
+    note = f" and {removed[0].name}" if removed else ""
+    out.print(f"Deleted session {session_id}{note}.", highlight=False, markup=False)
 
 
 @app.command()
@@ -409,6 +429,15 @@ def bench_web(url: Annotated[str | None, typer.Option("--url", help="a running s
     from isagi.bench.web import run
 
     _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home)), as_json)
+
+
+@bench_app.command("start")
+@friendly
+def bench_start(warm_repeats: Annotated[int, typer.Option("--warm-repeats")] = 2, as_json: JsonOpt = False) -> None:
+    """Process start to a ready /health: cold (empty data directory) and warm."""
+    from isagi.bench.start import run
+
+    _report(run(warm_repeats=warm_repeats), as_json)
 
 
 def _report(data: dict[str, Any], as_json: bool) -> None:

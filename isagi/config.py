@@ -47,6 +47,17 @@ class Settings:
     # at the model's context minus max_new_tokens (Engine.prompt_budget).
     prompt_token_budget: int = 2048
     auth: str | None = None  # "user:pass,user2:pass2" for the web app
+    # Live sessions the web app keeps at once: per client (each client address,
+    # and each logged-in user) and overall. A session is made only for a valid
+    # message or an opened file; at a cap the oldest empty ones are reclaimed
+    # first, then a new one is refused with a message.
+    max_sessions_per_client: int = 32
+    max_sessions: int = 256
+    # Login throttling: after this many failed logins in a row for a user name
+    # (or from a client address), further attempts are refused for
+    # login_backoff_s seconds, doubled at each further failure (up to an hour).
+    login_max_failures: int = 5
+    login_backoff_s: float = 30.0
 
     def with_overrides(self, **overrides: object) -> Settings:
         """A copy with every override that is not ``None`` applied and checked."""
@@ -100,7 +111,26 @@ def _validated(s: Settings) -> Settings:
             f"prompt_token_budget={s.prompt_token_budget} is below max_message_tokens={s.max_message_tokens}; "
             "set ISAGI_PROMPT_TOKENS at least as large as ISAGI_MAX_MESSAGE_TOKENS."
         )
+    if s.max_sessions_per_client < 1 or s.max_sessions < 1:
+        raise ConfigError(
+            "ISAGI_MAX_SESSIONS_PER_CLIENT and ISAGI_MAX_SESSIONS must be at least 1 "
+            f"(got {s.max_sessions_per_client} and {s.max_sessions})."
+        )
+    if s.login_max_failures < 1:
+        raise ConfigError(f"ISAGI_LOGIN_FAILURES={s.login_max_failures}: allow at least 1 failed login.")
+    if not (0 < s.login_backoff_s <= 86_400):
+        raise ConfigError(f"ISAGI_LOGIN_BACKOFF_S={s.login_backoff_s}: use a number of seconds from 0 to 86400.")
     return s
+
+
+def _float(name: str, value: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number; set it to e.g. 30.") from None
+    if f != f or f in (float("inf"), float("-inf")):
+        raise ConfigError(f"{name}={value!r} is not a finite number; set it to e.g. 30.")
+    return f
 
 
 def load_settings(environ: dict[str, str] | None = None, **overrides: object) -> Settings:
@@ -133,6 +163,14 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["prompt_token_budget"] = _int("ISAGI_PROMPT_TOKENS", v)
     if v := env.get("ISAGI_AUTH"):
         values["auth"] = v
+    if v := env.get("ISAGI_MAX_SESSIONS_PER_CLIENT"):
+        values["max_sessions_per_client"] = _int("ISAGI_MAX_SESSIONS_PER_CLIENT", v)
+    if v := env.get("ISAGI_MAX_SESSIONS"):
+        values["max_sessions"] = _int("ISAGI_MAX_SESSIONS", v)
+    if v := env.get("ISAGI_LOGIN_FAILURES"):
+        values["login_max_failures"] = _int("ISAGI_LOGIN_FAILURES", v)
+    if v := env.get("ISAGI_LOGIN_BACKOFF_S"):
+        values["login_backoff_s"] = _float("ISAGI_LOGIN_BACKOFF_S", v)
     known = {f.name for f in fields(Settings)}
     assert set(values) <= known
     return Settings().with_overrides(**values).with_overrides(**overrides)

@@ -36,5 +36,9 @@ class StorageError(IsagiError):
     """Saving or loading failed (disk full, permission, unreadable database)."""
 
 
+class PortInUseError(IsagiError):
+    """The web app's address is taken by another program."""
+
+
 class MikuError(StorageError):
     """A ``.miku`` file is corrupted, truncated, or not a ``.miku`` file."""

@@ -3,7 +3,7 @@
 Owns :class:`TurnKeeper`, the object :class:`isagi.agent.Engine` is given to
 persist each turn (the engine itself imports neither the history store nor
 :mod:`isagi.session_io`, so the two never import each other). For each turn
-it writes the history store's two rows and then rewrites the session's
+it writes the history store's two rows (as the session's owner) and then rewrites the session's
 ``.miku`` file; a Regenerate *replaces* the session's last exchange in the
 store instead of adding one, so the store, the live session and the file
 always count the same turns.
@@ -35,16 +35,17 @@ class TurnKeeper:
         self.model_id = model_id
 
     def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> None:
+        owner = session.owner
         if self.store is not None:
-            self.store.ensure_session(session.id, model_id=self.model_id, title=session.title)
+            self.store.ensure_session(session.id, owner=owner, model_id=self.model_id, title=session.title)
             if replaces_last:
-                self.store.replace_last_turn(session.id, turn)
+                self.store.replace_last_turn(session.id, turn, owner=owner)
             else:
-                self.store.record_turn(session.id, turn)
+                self.store.record_turn(session.id, turn, owner=owner)
         if self.save is not None and session.miku_path is not None:
             self.save(session, Path(session.miku_path))
             if self.store is not None:
-                self.store.set_miku_path(session.id, str(session.miku_path))
+                self.store.set_miku_path(session.id, str(session.miku_path), owner=owner)
 
 
 def default_keeper(engine: Any, store: Any) -> TurnKeeper:

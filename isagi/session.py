@@ -39,6 +39,10 @@ class Session:
     created: float = field(default_factory=time.time)
     title: str | None = None
     miku_path: Path | None = None
+    # Who the session belongs to in the history store: the logged-in user of the
+    # web app, "local" without a login. Set by whoever opens the session; never
+    # read from a file.
+    owner: str = "local"
     # Prompt states already computed in this session, keyed by the exact lookup
     # prompt: an exact repeat skips its prefill (the states are a deterministic
     # function of the prompt). Derived data: never saved, never shared.

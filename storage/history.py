@@ -32,6 +32,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -53,6 +54,10 @@ from isagi.turn import Turn
 
 TITLE_MAX = 80
 ROLES = ("user", "assistant")
+# The owner of everything made without a login (the CLI, the web app without
+# ISAGI_AUTH). Under ISAGI_AUTH the owner is the logged-in user name.
+LOCAL_OWNER = "local"
+OWNER_MAX = 64
 
 
 # --------------------------------------------------------------------------- models
@@ -64,6 +69,7 @@ class Base(DeclarativeBase):
 
 class SessionModel(Base):
     __tablename__ = "sessions"
+    __table_args__ = (Index("ix_sessions_owner_updated", "owner", "updated_at"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     title: Mapped[str | None] = mapped_column(String(200))
@@ -71,11 +77,16 @@ class SessionModel(Base):
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
     miku_path: Mapped[str | None] = mapped_column(Text)
+    # Last column: revision 0002 adds it to existing databases (rows before it are "local").
+    owner: Mapped[str] = mapped_column(String(OWNER_MAX), server_default=LOCAL_OWNER)
 
 
 class TurnModel(Base):
     __tablename__ = "turns"
-    __table_args__ = (UniqueConstraint("session_id", "seq", name="uq_turns_session_seq"),)
+    __table_args__ = (
+        UniqueConstraint("session_id", "seq", name="uq_turns_session_seq"),
+        Index("ix_turns_owner", "owner"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     session_id: Mapped[str] = mapped_column(
@@ -96,6 +107,8 @@ class TurnModel(Base):
     new_tokens: Mapped[int | None] = mapped_column(Integer)
     metric_growth: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
+    # The session's owner again, so that a search filters the rows it reads.
+    owner: Mapped[str] = mapped_column(String(OWNER_MAX), server_default=LOCAL_OWNER)
 
 
 # --------------------------------------------------------------------------- value types
@@ -114,6 +127,7 @@ class SessionSummary:
     updated_at: _dt.datetime
     turns: int  # exchanges (user messages)
     miku_path: str | None = None
+    owner: str = LOCAL_OWNER
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,47 @@ def make_title(text: str, limit: int = TITLE_MAX) -> str:
     if len(line) <= limit:
         return line or "(empty)"
     return line[: limit - 1].rstrip() + "…"
+
+
+def check_owner(owner: str) -> str:
+    """``owner`` if it is a usable owner name (1 to 64 characters), else a StorageError."""
+    if not isinstance(owner, str) or not owner or len(owner) > OWNER_MAX:
+        raise StorageError(f"An owner must be a name of 1 to {OWNER_MAX} characters, not {owner!r}.")
+    return owner
+
+
+def not_found(session_id: str) -> StorageError:
+    """The one answer for a session that does not exist *or belongs to someone else*."""
+    return StorageError(
+        f"No session {session_id!r} in the history; `isagi sessions list` shows the ids."
+    )
+
+
+def remove_session_files(
+    session_id: str, miku_path: str | Path | None, sessions_dir: str | Path
+) -> list[Path]:
+    """Remove a deleted session's autosave; return the removed paths.
+
+    The candidates are the recorded ``miku_path`` and ``sessions_dir/<id>.miku``;
+    each is removed only when it resolves to a ``.miku`` file inside
+    ``sessions_dir`` (a path recorded from elsewhere is never followed out of it).
+    """
+    root = Path(sessions_dir).resolve()
+    removed: list[Path] = []
+    candidates = [Path(miku_path)] if miku_path else []
+    if session_id and "/" not in session_id and "\\" not in session_id and session_id not in (".", ".."):
+        candidates.append(root / f"{session_id}.miku")
+    for cand in candidates:
+        try:
+            real = cand.resolve()
+        except (OSError, RuntimeError):
+            continue
+        if real.parent != root or real.suffix != ".miku" or real in removed:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            real.unlink()
+            removed.append(real)
+    return removed
 
 
 def _safe_url(url: URL) -> str:
@@ -287,22 +342,42 @@ class HistoryStore:
     def _is_sqlite(self) -> bool:
         return self.engine.dialect.name == "sqlite"
 
-    def _get_session(self, db: Any, session_id: str, *, lock: bool = False) -> SessionModel:
-        q = select(SessionModel).where(SessionModel.id == session_id)
+    def _get_session(
+        self, db: Any, session_id: str, owner: str, *, lock: bool = False
+    ) -> SessionModel:
+        """The session ``session_id`` of ``owner``; another owner's is "not found" too."""
+        q = select(SessionModel).where(SessionModel.id == session_id, SessionModel.owner == owner)
         if lock and not self._is_sqlite():
             q = q.with_for_update()
         s = db.execute(q).scalar_one_or_none()
         if s is None:
-            raise StorageError(
-                f"No session {session_id!r} in the history; `isagi sessions list` shows the ids."
-            )
+            raise not_found(session_id)
         return s
+
+    def _summary(self, s: SessionModel, n: int) -> SessionSummary:
+        return SessionSummary(
+            id=s.id,
+            title=s.title,
+            model_id=s.model_id,
+            created_at=_utc(s.created_at),
+            updated_at=_utc(s.updated_at),
+            turns=int(n),
+            miku_path=s.miku_path,
+            owner=s.owner,
+        )
 
     # -- writing
 
-    def ensure_session(self, session_id: str, *, model_id: str, title: str | None = None) -> None:
-        """Create the session if it does not exist (an existing one is left as it is,
-        except that a given ``title`` replaces a missing one)."""
+    def ensure_session(
+        self, session_id: str, *, owner: str, model_id: str, title: str | None = None
+    ) -> None:
+        """Create ``owner``'s session if it does not exist (an existing one is left as
+        it is, except that a given ``title`` replaces a missing one).
+
+        An id that another owner holds is "not found" (:class:`StorageError`),
+        exactly as an unknown id is for reading: nothing is written to it.
+        """
+        owner = check_owner(owner)
         if not session_id or len(session_id) > 64:
             raise StorageError(f"Session id {session_id!r} must be 1 to 64 characters long.")
         now = _now()
@@ -318,8 +393,11 @@ class HistoryStore:
                                 model_id=model_id,
                                 created_at=now,
                                 updated_at=now,
+                                owner=owner,
                             )
                         )
+                    elif s.owner != owner:
+                        raise not_found(session_id)
                     elif title and not s.title:
                         s.title = make_title(title)
                 return
@@ -328,19 +406,21 @@ class HistoryStore:
                 if attempt or not isinstance(exc.__context__, IntegrityError):
                     raise
 
-    def record_turn(self, session_id: str, record: TurnRecord) -> int:
-        """Store one exchange (user row + assistant row) in one transaction.
+    def record_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
+        """Store one exchange (user row + assistant row) of ``owner``'s session in one
+        transaction.
 
         Returns the exchange's number within the session, from 1.
         """
+        owner = check_owner(owner)
         with self._tx("record a turn") as db:
-            return self._add_turn(db, session_id, record)
+            return self._add_turn(db, session_id, record, owner)
 
-    def _add_turn(self, db: Any, session_id: str, record: TurnRecord) -> int:
+    def _add_turn(self, db: Any, session_id: str, record: TurnRecord, owner: str) -> int:
         """Write one exchange's two rows after the session's last row (inside a transaction)."""
         if not isinstance(record.user_text, str) or not isinstance(record.reply_text, str):
             raise StorageError("A turn's user and reply texts must be strings.")
-        s = self._get_session(db, session_id, lock=True)
+        s = self._get_session(db, session_id, owner, lock=True)
         last = db.execute(
             select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
         ).scalar_one()
@@ -363,6 +443,7 @@ class HistoryStore:
                     verdict=r.verdict,
                     prompt_tokens=r.prompt_tokens,
                     created_at=now,
+                    owner=owner,
                 ),
                 TurnModel(
                     session_id=session_id,
@@ -376,6 +457,7 @@ class HistoryStore:
                     new_tokens=r.new_tokens,
                     metric_growth=r.metric_growth,
                     created_at=now,
+                    owner=owner,
                 ),
             ]
         )
@@ -384,15 +466,16 @@ class HistoryStore:
             s.title = make_title(r.user_text)
         return seq // 2 + 1
 
-    def replace_last_turn(self, session_id: str, record: TurnRecord) -> int:
-        """Replace the session's last exchange by ``record`` (Regenerate), in one transaction.
+    def replace_last_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
+        """Replace the last exchange of ``owner``'s session by ``record`` (Regenerate), in one transaction.
 
         The last exchange's two rows are deleted and ``record`` takes their
         sequence numbers; a session without turns gets ``record`` as its first.
         Returns the exchange's number within the session, from 1.
         """
+        owner = check_owner(owner)
         with self._tx("replace a turn") as db:
-            self._get_session(db, session_id, lock=True)
+            self._get_session(db, session_id, owner, lock=True)
             last = db.execute(
                 select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
             ).scalar_one()
@@ -400,88 +483,90 @@ class HistoryStore:
                 db.execute(
                     delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2)
                 )
-            return self._add_turn(db, session_id, record)
+            return self._add_turn(db, session_id, record, owner)
 
-    def set_miku_path(self, session_id: str, path: str | Path | None) -> None:
-        """Remember where the session's ``.miku`` file is (None forgets it)."""
+    def set_miku_path(self, session_id: str, path: str | Path | None, *, owner: str) -> None:
+        """Remember where ``owner``'s session's ``.miku`` file is (None forgets it)."""
+        owner = check_owner(owner)
         with self._tx("set the session file") as db:
-            self._get_session(db, session_id)
+            self._get_session(db, session_id, owner)
             db.execute(
                 update(SessionModel)
-                .where(SessionModel.id == session_id)
+                .where(SessionModel.id == session_id, SessionModel.owner == owner)
                 .values(miku_path=None if path is None else str(path))
             )
 
-    def delete_session(self, session_id: str) -> bool:
-        """Delete a session and its turns; False when there was no such session."""
+    def delete_session(self, session_id: str, *, owner: str) -> bool:
+        """Delete ``owner``'s session and its turns; False when ``owner`` has no such
+        session (another owner's session is left untouched and answers the same False).
+
+        The session's ``.miku`` autosave is the caller's to remove
+        (:func:`storage.miku.remove_session_file`); read its ``miku_path`` first.
+        """
+        owner = check_owner(owner)
         with self._tx("delete a session") as db:
-            if db.get(SessionModel, session_id) is None:
+            s = db.get(SessionModel, session_id)
+            if s is None or s.owner != owner:
                 return False
             db.execute(delete(TurnModel).where(TurnModel.session_id == session_id))
-            db.execute(delete(SessionModel).where(SessionModel.id == session_id))
+            db.execute(
+                delete(SessionModel).where(
+                    SessionModel.id == session_id, SessionModel.owner == owner
+                )
+            )
         return True
 
     # -- reading
 
-    def list_sessions(self, limit: int = 50, offset: int = 0) -> list[SessionSummary]:
-        """Sessions, most recently updated first."""
+    def list_sessions(
+        self, limit: int = 50, offset: int = 0, *, owner: str
+    ) -> list[SessionSummary]:
+        """``owner``'s sessions, most recently updated first."""
+        owner = check_owner(owner)
         counts = (
             select(TurnModel.session_id, func.count().label("n"))
-            .where(TurnModel.role == "user")
+            .where(TurnModel.role == "user", TurnModel.owner == owner)
             .group_by(TurnModel.session_id)
             .subquery()
         )
         q = (
             select(SessionModel, func.coalesce(counts.c.n, 0))
             .outerjoin(counts, counts.c.session_id == SessionModel.id)
+            .where(SessionModel.owner == owner)
             .order_by(SessionModel.updated_at.desc(), SessionModel.id)
             .limit(max(0, limit))
             .offset(max(0, offset))
         )
         with self._tx("list sessions") as db:
-            return [
-                SessionSummary(
-                    id=s.id,
-                    title=s.title,
-                    model_id=s.model_id,
-                    created_at=_utc(s.created_at),
-                    updated_at=_utc(s.updated_at),
-                    turns=int(n),
-                    miku_path=s.miku_path,
-                )
-                for s, n in db.execute(q).all()
-            ]
+            return [self._summary(s, n) for s, n in db.execute(q).all()]
 
-    def get_session(self, session_id: str) -> SessionSummary:
-        """One session's summary; StorageError when it does not exist."""
+    def get_session(self, session_id: str, *, owner: str) -> SessionSummary:
+        """One of ``owner``'s sessions; StorageError when ``owner`` has no such session."""
+        owner = check_owner(owner)
         with self._tx("read a session") as db:
-            s = self._get_session(db, session_id)
+            s = self._get_session(db, session_id, owner)
             n = db.execute(
                 select(func.count())
                 .select_from(TurnModel)
                 .where(TurnModel.session_id == session_id, TurnModel.role == "user")
             ).scalar_one()
-            return SessionSummary(
-                id=s.id,
-                title=s.title,
-                model_id=s.model_id,
-                created_at=_utc(s.created_at),
-                updated_at=_utc(s.updated_at),
-                turns=int(n),
-                miku_path=s.miku_path,
-            )
+            return self._summary(s, n)
 
-    def get_turns(self, session_id: str) -> list[TurnRow]:
-        """All stored messages of a session in order; StorageError when unknown."""
+    def get_turns(self, session_id: str, *, owner: str) -> list[TurnRow]:
+        """All stored messages of ``owner``'s session in order; StorageError when unknown."""
+        owner = check_owner(owner)
         with self._tx("read turns") as db:
-            self._get_session(db, session_id)
+            self._get_session(db, session_id, owner)
             rows = db.execute(
-                select(TurnModel).where(TurnModel.session_id == session_id).order_by(TurnModel.seq)
+                select(TurnModel)
+                .where(TurnModel.session_id == session_id, TurnModel.owner == owner)
+                .order_by(TurnModel.seq)
             ).scalars()
             return [_row(t) for t in rows]
 
-    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
-        """Messages containing ``text`` (case-insensitive substring), newest first."""
+    def search(self, text: str, limit: int = 50, *, owner: str) -> list[SearchHit]:
+        """``owner``'s messages containing ``text`` (case-insensitive substring), newest first."""
+        owner = check_owner(owner)
         if not text:
             return []
         if self._is_sqlite():
@@ -491,7 +576,7 @@ class HistoryStore:
         q = (
             select(TurnModel, SessionModel.title)
             .join(SessionModel, SessionModel.id == TurnModel.session_id)
-            .where(cond)
+            .where(cond, TurnModel.owner == owner, SessionModel.owner == owner)
             .order_by(TurnModel.created_at.desc(), TurnModel.id.desc())
             .limit(max(0, limit))
         )
@@ -508,12 +593,14 @@ class HistoryStore:
                 for t, title in db.execute(q).all()
             ]
 
-    def export(self, session_id: str, fmt: Literal["json", "markdown"] = "json") -> str:
-        """A whole session as JSON or Markdown text."""
+    def export(
+        self, session_id: str, fmt: Literal["json", "markdown"] = "json", *, owner: str
+    ) -> str:
+        """One of ``owner``'s sessions as JSON or Markdown text."""
         if fmt not in ("json", "markdown"):
             raise StorageError(f"Unknown export format {fmt!r}: use json or markdown.")
-        info = self.get_session(session_id)
-        turns = self.get_turns(session_id)
+        info = self.get_session(session_id, owner=owner)
+        turns = self.get_turns(session_id, owner=owner)
         if fmt == "json":
             doc = {
                 "session": {

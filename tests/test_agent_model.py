@@ -83,7 +83,7 @@ def test_hooks_are_removed_when_the_consumer_raises(default_engine) -> None:
 def test_turns_are_recorded_and_autosaved(default_engine) -> None:
     s = default_engine.new_session()
     default_engine.turn(s, "Give me a synonym for happy.")
-    turns = default_engine.store.get_turns(s.id)
+    turns = default_engine.store.get_turns(s.id, owner=s.owner)
     assert [t.role for t in turns] == ["user", "assistant"]
     assert s.miku_path is not None and s.miku_path.is_file()
 
@@ -190,4 +190,4 @@ def test_an_imported_research_session_resumes_and_chats_on_the_real_model(defaul
     assert r.distance is not None, "the imported memory was searched"
     again = load_session(default_engine, s.miku_path)
     assert again.turns == s.turns and len(again.turns) == 4  # three imported questions, one new turn
-    assert default_engine.store.get_session(s.id).turns == 1
+    assert default_engine.store.get_session(s.id, owner="local").turns == 1

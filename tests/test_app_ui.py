@@ -38,7 +38,7 @@ def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, Engine]:
 def counts(ui: WebUI, sid: str) -> tuple[int, int, int]:
     """(turns in the live session, exchanges in the history store, turns in the autosaved file)."""
     session = ui.registry.entry(sid).session
-    stored = ui.engine.store.get_session(sid).turns
+    stored = ui.engine.store.get_session(sid, owner="local").turns
     in_file = len(load_session(ui.engine, session.miku_path).turns)
     return len(session.turns), stored, in_file
 
@@ -102,7 +102,7 @@ def test_bad_input_is_explained_and_runs_nothing(tmp_path, message, needle):
     outs = run(ui.send(message, sid, 8))
     assert len(outs) == 1 and needle in outs[0][ALERT]
     assert ui.registry.entry(sid).session.turns == []
-    assert engine.store.list_sessions() == [] and not ui.registry.entry(sid).session.miku_path.exists()
+    assert engine.store.list_sessions(owner="local") == [] and not ui.registry.entry(sid).session.miku_path.exists()
 
 
 def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
@@ -163,7 +163,7 @@ def test_regenerate_replaces_the_last_turn_everywhere(ui):
     assert badges(out[CHAT])[-1] != "retrieve"
     # history turns == chat turns == file turns, and the store holds the new reply, not the old one
     assert counts(ui, sid) == (2, 2, 2)
-    rows = ui.engine.store.get_turns(sid)
+    rows = ui.engine.store.get_turns(sid, owner="local")
     assert [r.seq for r in rows] == [0, 1, 2, 3]
     assert rows[-1].text == s.turns[-1].reply_text and rows[-2].text == "Name three primary colours."
     table, _ = ui.list_sessions("")

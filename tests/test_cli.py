@@ -66,3 +66,19 @@ def test_profile_show_prints_the_safety_calibration_and_its_roc(settings_default
     assert all(b >= a for a, b in zip(roc["tpr"], roc["tpr"][1:], strict=False))
     assert roc["fpr_at_threshold"] == 0.0 and roc["threshold"] == data["teh_threshold"]
     assert 0.5 < data["safety_cv"]["auc"] <= 1.0
+
+
+def test_web_on_a_taken_port_is_one_line_error_before_loading(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = _isagi(["web", "--port", str(port)], tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+    assert f"--port {port + 1}" in out.stderr and f"PORT={port + 1}" in out.stderr
+    # refused before anything was loaded or written
+    assert not (tmp_path / "models").exists() and not (tmp_path / "profiles").exists()

@@ -45,13 +45,13 @@ def chatted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         result = invoke("chat", "--home", str(home), "--max-new-tokens", "8", input=f"{WATER}\n{WATER}\n{PLANTS}\n")
     assert result.exit_code == 0, result.output
     store = HistoryStore(load_settings(environ={}, home=home).resolved_database_url)
-    (summary,) = store.list_sessions()
+    (summary,) = store.list_sessions(owner="local")
     return {"home": home, "store": store, "id": summary.id, "stdout": result.stdout, "summary": summary}
 
 
 def test_piped_chat_prints_one_line_per_reply_and_records_every_turn(chatted: dict[str, Any]) -> None:
     store, sid = chatted["store"], chatted["id"]
-    rows = store.get_turns(sid)
+    rows = store.get_turns(sid, owner="local")
     assert [r.role for r in rows] == ["user", "assistant"] * 3
     assert [r.text for r in rows if r.role == "user"] == [WATER, WATER, PLANTS]
     assert [r.tier for r in rows[::2]][:2] == ["EXPLORE", "RETRIEVE"] and rows[4].tier != "RETRIEVE"
@@ -102,12 +102,12 @@ def test_sessions_export_json_and_markdown_match_the_store(chatted: dict[str, An
     target = tmp_path / "out.json"
     assert invoke("sessions", "export", sid, "--format", "json", "-o", str(target), "--home", home).exit_code == 0
     doc = json.loads(target.read_text())
-    rows = store.get_turns(sid)
+    rows = store.get_turns(sid, owner="local")
     assert doc["session"]["id"] == sid and doc["session"]["turns"] == 3
     assert [(m["seq"], m["role"], m["text"], m["tier"], m["verdict"]) for m in doc["messages"]] == [
         (r.seq, r.role, r.text, r.tier, r.verdict) for r in rows]
     md = invoke("sessions", "export", sid, "--home", home)
-    assert md.exit_code == 0 and md.stdout == store.export(sid, "markdown")
+    assert md.exit_code == 0 and md.stdout == store.export(sid, "markdown", owner="local")
     bad = invoke("sessions", "export", sid, "--format", "xml", "--home", home)
     assert bad.exit_code == 2 and "json or markdown" in bad.output
 
@@ -129,9 +129,9 @@ def test_sessions_delete_removes_the_rows(tmp_path: Path, monkeypatch: pytest.Mo
     home = str(tmp_path)
     assert invoke("chat", "--home", home, "--max-new-tokens", "4", input=f"{PLANTS}\n").exit_code == 0
     store = HistoryStore(load_settings(environ={}, home=tmp_path).resolved_database_url)
-    (summary,) = store.list_sessions()
+    (summary,) = store.list_sessions(owner="local")
     assert invoke("sessions", "delete", summary.id, "--home", home).exit_code == 0
-    assert store.list_sessions() == [] and store.search("plants") == []
+    assert store.list_sessions(owner="local") == [] and store.search("plants", owner="local") == []
     assert invoke("sessions", "delete", summary.id, "--home", home).exit_code == 1  # nothing left to delete
 
 
@@ -155,4 +155,4 @@ def test_import_legacy_then_chat_with_the_imported_session(tmp_path: Path, monke
     assert [t.user_text for t in session.turns] == [m["content"] for m in doc["conversation"] if m["role"] == "user"] + [WATER]
     assert session.turns[-1].verdict == "ok" and session.turns[-1].distance is not None
     store = HistoryStore(load_settings(environ={}, home=tmp_path / "home").resolved_database_url)
-    assert [s.turns for s in store.list_sessions()] == [1]
+    assert [s.turns for s in store.list_sessions(owner="local")] == [1]

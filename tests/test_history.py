@@ -15,7 +15,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
-from storage.history import Base, HistoryStore, TurnRecord, make_title
+from storage.history import LOCAL_OWNER, Base, HistoryStore, TurnRecord, make_title
 from storage.migrations import head_revision, upgrade_to_head
 
 PG_URL = os.environ.get("ISAGI_TEST_POSTGRES_URL")
@@ -125,8 +125,8 @@ def test_blank_database_migrates_to_exactly_the_models(db_url: str) -> None:
 
 def test_migrating_twice_changes_nothing(db_url: str) -> None:
     s = HistoryStore(db_url)
-    s.ensure_session("a", model_id="m")
-    s.record_turn("a", rec(0))
+    s.ensure_session("a", model_id="m", owner=LOCAL_OWNER)
+    s.record_turn("a", rec(0), owner=LOCAL_OWNER)
     s.close()
     engine = sa.create_engine(db_url)
     try:
@@ -155,7 +155,7 @@ def test_sqlite_uses_wal_and_foreign_keys(tmp_path: Path) -> None:
 
 
 def test_record_and_read_back_a_session(store: HistoryStore) -> None:
-    store.ensure_session("s1", model_id="org/model")
+    store.ensure_session("s1", model_id="org/model", owner=LOCAL_OWNER)
     full = TurnRecord(
         user_text="  What is   a manifold?\nTell me.  ",
         reply_text="A space that looks flat up close.",
@@ -171,9 +171,9 @@ def test_record_and_read_back_a_session(store: HistoryStore) -> None:
         new_tokens=33,
         metric_growth=0.08,
     )
-    assert store.record_turn("s1", full) == 1
-    assert store.record_turn("s1", rec(2, verdict="refused")) == 2
-    turns = store.get_turns("s1")
+    assert store.record_turn("s1", full, owner=LOCAL_OWNER) == 1
+    assert store.record_turn("s1", rec(2, verdict="refused"), owner=LOCAL_OWNER) == 2
+    turns = store.get_turns("s1", owner=LOCAL_OWNER)
     assert [(t.seq, t.role) for t in turns] == [
         (0, "user"),
         (1, "assistant"),
@@ -200,18 +200,18 @@ def test_record_and_read_back_a_session(store: HistoryStore) -> None:
     )
     assert turns[2].verdict == turns[3].verdict == "refused"
     assert all(t.created_at.tzinfo is not None for t in turns)
-    [summary] = store.list_sessions()
+    [summary] = store.list_sessions(owner=LOCAL_OWNER)
     assert summary.title == "What is a manifold? Tell me."  # first user message, one line
     assert summary.turns == 2 and summary.model_id == "org/model"
     assert summary.updated_at >= summary.created_at
 
 
 def test_titles_are_truncated_and_explicit_titles_win(store: HistoryStore) -> None:
-    store.ensure_session("long", model_id="m")
-    store.record_turn("long", TurnRecord(user_text="word " * 100, reply_text="r"))
-    store.ensure_session("named", model_id="m", title="My title")
-    store.record_turn("named", rec(0))
-    titles = {s.id: s.title for s in store.list_sessions()}
+    store.ensure_session("long", model_id="m", owner=LOCAL_OWNER)
+    store.record_turn("long", TurnRecord(user_text="word " * 100, reply_text="r"), owner=LOCAL_OWNER)
+    store.ensure_session("named", model_id="m", title="My title", owner=LOCAL_OWNER)
+    store.record_turn("named", rec(0), owner=LOCAL_OWNER)
+    titles = {s.id: s.title for s in store.list_sessions(owner=LOCAL_OWNER)}
     assert len(titles["long"]) <= 80 and titles["long"].endswith("…")
     assert titles["named"] == "My title"
     assert make_title("short") == "short"
@@ -219,104 +219,106 @@ def test_titles_are_truncated_and_explicit_titles_win(store: HistoryStore) -> No
 
 def test_list_orders_by_recent_activity_and_pages(store: HistoryStore) -> None:
     for sid in ("a", "b", "c"):
-        store.ensure_session(sid, model_id="m")
-        store.record_turn(sid, rec(0))
-    store.record_turn("a", rec(1))  # a is now the most recent
-    assert [s.id for s in store.list_sessions()] == ["a", "c", "b"]
-    assert [s.id for s in store.list_sessions(limit=1, offset=1)] == ["c"]
-    assert {s.id: s.turns for s in store.list_sessions()} == {"a": 2, "b": 1, "c": 1}
+        store.ensure_session(sid, model_id="m", owner=LOCAL_OWNER)
+        store.record_turn(sid, rec(0), owner=LOCAL_OWNER)
+    store.record_turn("a", rec(1), owner=LOCAL_OWNER)  # a is now the most recent
+    assert [s.id for s in store.list_sessions(owner=LOCAL_OWNER)] == ["a", "c", "b"]
+    assert [s.id for s in store.list_sessions(limit=1, offset=1, owner=LOCAL_OWNER)] == ["c"]
+    assert {s.id: s.turns for s in store.list_sessions(owner=LOCAL_OWNER)} == {"a": 2, "b": 1, "c": 1}
 
 
 def test_search_is_case_insensitive_substring(store: HistoryStore) -> None:
-    store.ensure_session("s", model_id="m")
+    store.ensure_session("s", model_id="m", owner=LOCAL_OWNER)
     store.record_turn(
         "s",
         TurnRecord(user_text="Tell me about RIEMANN metrics", reply_text="Riemannian geometry…"),
+        owner=LOCAL_OWNER,
     )
     store.record_turn(
-        "s", TurnRecord(user_text="100% sure? use_under_score", reply_text="nothing here")
+        "s", TurnRecord(user_text="100% sure? use_under_score", reply_text="nothing here"), owner=LOCAL_OWNER
     )
-    hits = store.search("riemann")
+    hits = store.search("riemann", owner=LOCAL_OWNER)
     assert sorted((h.seq, h.role) for h in hits) == [(0, "user"), (1, "assistant")]
     assert all(h.session_id == "s" and h.session_title for h in hits)
     # LIKE wildcards in the query are literal characters
-    assert [h.text for h in store.search("%")] == ["100% sure? use_under_score"]
-    assert [h.text for h in store.search("e_u")] == ["100% sure? use_under_score"]
-    assert store.search("x_y") == [] and store.search("nomatch") == []
-    assert len(store.search("e", limit=2)) == 2
+    assert [h.text for h in store.search("%", owner=LOCAL_OWNER)] == ["100% sure? use_under_score"]
+    assert [h.text for h in store.search("e_u", owner=LOCAL_OWNER)] == ["100% sure? use_under_score"]
+    assert store.search("x_y", owner=LOCAL_OWNER) == [] and store.search("nomatch", owner=LOCAL_OWNER) == []
+    assert len(store.search("e", limit=2, owner=LOCAL_OWNER)) == 2
 
 
 def test_search_folds_unicode_case_on_sqlite(tmp_path: Path) -> None:
     s = HistoryStore(f"sqlite:///{tmp_path}/h.db")
-    s.ensure_session("u", model_id="m")
-    s.record_turn("u", TurnRecord(user_text="ÜBER Straße", reply_text="ok"))
-    assert [h.text for h in s.search("über")] == ["ÜBER Straße"]
-    assert [h.text for h in s.search("STRASSE")] == ["ÜBER Straße"]
+    s.ensure_session("u", model_id="m", owner=LOCAL_OWNER)
+    s.record_turn("u", TurnRecord(user_text="ÜBER Straße", reply_text="ok"), owner=LOCAL_OWNER)
+    assert [h.text for h in s.search("über", owner=LOCAL_OWNER)] == ["ÜBER Straße"]
+    assert [h.text for h in s.search("STRASSE", owner=LOCAL_OWNER)] == ["ÜBER Straße"]
     s.close()
 
 
 def test_export_json_and_markdown(store: HistoryStore) -> None:
-    store.ensure_session("e", model_id="org/model", title="Export me")
+    store.ensure_session("e", model_id="org/model", title="Export me", owner=LOCAL_OWNER)
     store.record_turn(
         "e",
         TurnRecord(
             user_text="Hi 🤖", reply_text="Hello!", tier="RETRIEVE", distance=0.1, teh_reply=2.0
         ),
+        owner=LOCAL_OWNER,
     )
-    doc = json.loads(store.export("e", "json"))
+    doc = json.loads(store.export("e", "json", owner=LOCAL_OWNER))
     assert doc["session"]["id"] == "e" and doc["session"]["title"] == "Export me"
     assert [(m["role"], m["text"]) for m in doc["messages"]] == [
         ("user", "Hi 🤖"),
         ("assistant", "Hello!"),
     ]
     assert doc["messages"][0]["tier"] == "RETRIEVE" and doc["messages"][1]["teh_reply"] == 2.0
-    md = store.export("e", "markdown")
+    md = store.export("e", "markdown", owner=LOCAL_OWNER)
     assert md.startswith("# Export me\n")
     assert "## Turn 1" in md and "Hi 🤖" in md and "Hello!" in md and "tier RETRIEVE" in md
     with pytest.raises(StorageError, match="format"):
-        store.export("e", "html")  # type: ignore[arg-type]
+        store.export("e", "html", owner=LOCAL_OWNER)  # type: ignore[arg-type]
 
 
 def test_unknown_session_is_a_clear_error(store: HistoryStore) -> None:
     for call in (
-        lambda: store.get_turns("nope"),
-        lambda: store.export("nope", "json"),
-        lambda: store.record_turn("nope", rec(0)),
-        lambda: store.set_miku_path("nope", "/x.miku"),
+        lambda: store.get_turns("nope", owner=LOCAL_OWNER),
+        lambda: store.export("nope", "json", owner=LOCAL_OWNER),
+        lambda: store.record_turn("nope", rec(0), owner=LOCAL_OWNER),
+        lambda: store.set_miku_path("nope", "/x.miku", owner=LOCAL_OWNER),
     ):
         with pytest.raises(StorageError, match="No session 'nope'.*sessions list"):
             call()
-    assert store.delete_session("nope") is False
+    assert store.delete_session("nope", owner=LOCAL_OWNER) is False
 
 
 def test_delete_removes_session_and_turns(store: HistoryStore) -> None:
     for sid in ("keep", "drop"):
-        store.ensure_session(sid, model_id="m")
-        store.record_turn(sid, rec(0))
-    assert store.delete_session("drop") is True
-    assert [s.id for s in store.list_sessions()] == ["keep"]
-    assert store.search("question") and all(
-        h.session_id == "keep" for h in store.search("question")
+        store.ensure_session(sid, model_id="m", owner=LOCAL_OWNER)
+        store.record_turn(sid, rec(0), owner=LOCAL_OWNER)
+    assert store.delete_session("drop", owner=LOCAL_OWNER) is True
+    assert [s.id for s in store.list_sessions(owner=LOCAL_OWNER)] == ["keep"]
+    assert store.search("question", owner=LOCAL_OWNER) and all(
+        h.session_id == "keep" for h in store.search("question", owner=LOCAL_OWNER)
     )
     with store.engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM turns")).scalar_one() == 2
 
 
 def test_miku_path_and_ensure_session_is_idempotent(store: HistoryStore) -> None:
-    store.ensure_session("m", model_id="first")
-    store.ensure_session("m", model_id="second")
-    store.set_miku_path("m", "/data/sessions/m.miku")
-    [s] = store.list_sessions()
+    store.ensure_session("m", model_id="first", owner=LOCAL_OWNER)
+    store.ensure_session("m", model_id="second", owner=LOCAL_OWNER)
+    store.set_miku_path("m", "/data/sessions/m.miku", owner=LOCAL_OWNER)
+    [s] = store.list_sessions(owner=LOCAL_OWNER)
     assert s.model_id == "first" and s.miku_path == "/data/sessions/m.miku"
 
 
 def test_reopening_keeps_data(db_url: str) -> None:
     s = HistoryStore(db_url)
-    s.ensure_session("p", model_id="m")
-    s.record_turn("p", rec(0))
+    s.ensure_session("p", model_id="m", owner=LOCAL_OWNER)
+    s.record_turn("p", rec(0), owner=LOCAL_OWNER)
     s.close()
     s = HistoryStore(db_url)
-    assert [t.text for t in s.get_turns("p")] == ["question 0", "answer 0"]
+    assert [t.text for t in s.get_turns("p", owner=LOCAL_OWNER)] == ["question 0", "answer 0"]
     s.close()
 
 
@@ -329,8 +331,8 @@ def test_eight_threads_hundred_turns_each(db_url: str) -> None:
     through one store and through separate stores (separate engines, like processes)."""
     stores = [HistoryStore(db_url) for _ in range(3)]
     for i in range(8):
-        stores[0].ensure_session(f"own{i}", model_id="m")
-    stores[0].ensure_session("shared", model_id="m")
+        stores[0].ensure_session(f"own{i}", model_id="m", owner=LOCAL_OWNER)
+    stores[0].ensure_session("shared", model_id="m", owner=LOCAL_OWNER)
     errors: list[BaseException] = []
     start = threading.Barrier(8)
 
@@ -340,10 +342,10 @@ def test_eight_threads_hundred_turns_each(db_url: str) -> None:
             mine = stores[i % len(stores)]
             for j in range(100):
                 mine.record_turn(
-                    f"own{i}", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}")
+                    f"own{i}", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}"), owner=LOCAL_OWNER
                 )
                 mine.record_turn(
-                    "shared", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}")
+                    "shared", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}"), owner=LOCAL_OWNER
                 )
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -356,19 +358,19 @@ def test_eight_threads_hundred_turns_each(db_url: str) -> None:
     assert errors == []
     s = stores[0]
     for i in range(8):
-        turns = s.get_turns(f"own{i}")
+        turns = s.get_turns(f"own{i}", owner=LOCAL_OWNER)
         assert [t.seq for t in turns] == list(range(200))
         assert [t.text for t in turns] == [
             x for j in range(100) for x in (f"u{i}-{j}", f"a{i}-{j}")
         ]
-    shared = s.get_turns("shared")
+    shared = s.get_turns("shared", owner=LOCAL_OWNER)
     assert [t.seq for t in shared] == list(range(1600))
     pairs = [(shared[n].text, shared[n + 1].text) for n in range(0, 1600, 2)]
     assert all(u[0] == "u" and a == "a" + u[1:] for u, a in pairs)  # exchanges never interleave
     for i in range(8):  # each writer's turns appear in its own order
         mine = [u for u, _ in pairs if u.startswith(f"u{i}-")]
         assert mine == [f"u{i}-{j}" for j in range(100)]
-    assert {x.id: x.turns for x in s.list_sessions(limit=100)}["shared"] == 800
+    assert {x.id: x.turns for x in s.list_sessions(limit=100, owner=LOCAL_OWNER)}["shared"] == 800
     for st in stores:
         st.close()
 
@@ -404,16 +406,16 @@ def test_migrations_do_not_depend_on_the_working_directory(
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # no alembic.ini, no repository around
     s = HistoryStore(f"sqlite:///{tmp_path / 'h.db'}")
-    s.ensure_session("x", model_id="m")
-    assert s.record_turn("x", rec(0)) == 1
+    s.ensure_session("x", model_id="m", owner=LOCAL_OWNER)
+    assert s.record_turn("x", rec(0), owner=LOCAL_OWNER) == 1
     s.close()
 
 
 def test_in_memory_sqlite_works_across_threads() -> None:
     s = HistoryStore("sqlite://")
-    s.ensure_session("m", model_id="m")
-    t = threading.Thread(target=lambda: s.record_turn("m", rec(0)))
+    s.ensure_session("m", model_id="m", owner=LOCAL_OWNER)
+    t = threading.Thread(target=lambda: s.record_turn("m", rec(0), owner=LOCAL_OWNER))
     t.start()
     t.join()
-    assert [r.text for r in s.get_turns("m")] == ["question 0", "answer 0"]
+    assert [r.text for r in s.get_turns("m", owner=LOCAL_OWNER)] == ["question 0", "answer 0"]
     s.close()

@@ -317,4 +317,4 @@ def test_an_imported_session_chats_on_the_real_turn_and_its_counts_agree(tmp_pat
     assert len(s.memory) == before + 1 and len(s.turns) == 4
     again = load_session(engine, s.miku_path)
     assert again.turns == s.turns
-    assert engine.store.get_session(s.id).turns == 1  # the history holds the turns run here
+    assert engine.store.get_session(s.id, owner="local").turns == 1  # the history holds the turns run here

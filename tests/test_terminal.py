@@ -93,7 +93,7 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path) -> None:
     alone = engine.prompt_tokens([{"role": "system", "content": engine.settings.system_prompt},
                                   {"role": "user", "content": QUESTION}])
     assert answered.prompt_tokens == alone
-    assert [r.verdict for r in engine.store.get_turns(session.id)] == ["cancelled"] * 2 + ["ok"] * 2
+    assert [r.verdict for r in engine.store.get_turns(session.id, owner="local")] == ["cancelled"] * 2 + ["ok"] * 2
     assert "isagi> " in buf.getvalue()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -191,7 +191,7 @@ def test_isagi_chat_in_a_terminal_ctrl_c_stops_the_reply_then_leaves(tmp_path: P
         os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0
     store = HistoryStore(load_settings(environ={}, home=home).resolved_database_url)
-    (summary,) = store.list_sessions()
-    rows = store.get_turns(summary.id)
+    (summary,) = store.list_sessions(owner="local")
+    rows = store.get_turns(summary.id, owner="local")
     assert summary.turns == 2 and [r.verdict for r in rows] == ["cancelled"] * 2 + ["ok"] * 2
     assert 0 < rows[1].new_tokens < 1500 and rows[2].text == QUESTION

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from isagi.errors import InputError
+from isagi.errors import InputError, StorageError
 from isagi.session_io import load_session
 from isagi.turn import TURN_FIELDS, Message, Turn, turns_from_messages, turns_to_messages
 from tests.tiny_engine import tiny_engine
@@ -89,19 +89,19 @@ def test_one_turn_is_the_same_record_in_the_session_the_store_and_the_file(tmp_p
     assert turn.metric_growth == s.metric.growth > 0 and turn.cluster == 0 and len(s.memory) == 1
     assert turn.asked_at <= turn.answered_at and turn.latency_s > 0
     # the history store: the two rows hold the turn's figures
-    user, reply = engine.store.get_turns(s.id)
+    user, reply = engine.store.get_turns(s.id, owner="local")
     assert (user.text, user.tier, user.zone, user.teh_prompt, user.prompt_tokens, user.verdict) == (
         WATER, "EXPLORE", turn.zone, turn.teh_prompt, turn.prompt_tokens, "ok")
     assert (reply.text, reply.new_tokens, reply.latency_s, reply.metric_growth) == (
         turn.reply_text, 12, turn.latency_s, turn.metric_growth)
     # the autosaved file: the same Turn, every field
     assert load_session(engine, s.miku_path).turns == s.turns
-    assert engine.store.get_session(s.id).miku_path == str(s.miku_path)
+    assert engine.store.get_session(s.id, owner="local").miku_path == str(s.miku_path)
     # the repeat: RETRIEVE from the real rule, the stored reply, nothing generated
     again = engine.turn(s, WATER)
     assert (again.tier, again.generated, again.new_tokens, again.reply_text) == ("RETRIEVE", False, 0, turn.reply_text)
     assert again.distance == pytest.approx(0.0, abs=1e-6) and again.nearest_query == WATER
-    assert engine.store.get_session(s.id).turns == 2 == len(load_session(engine, s.miku_path).turns)
+    assert engine.store.get_session(s.id, owner="local").turns == 2 == len(load_session(engine, s.miku_path).turns)
 
 
 def test_a_refused_turn_generates_nothing_learns_nothing_and_is_recorded(tmp_path: Path) -> None:
@@ -114,7 +114,7 @@ def test_a_refused_turn_generates_nothing_learns_nothing_and_is_recorded(tmp_pat
     assert turn.category in engine.profile.safety.categories and turn.category.replace("_", " ") in turn.reply_text
     assert turn.teh_prompt > engine.profile.safety.threshold
     assert len(s.memory) == 0 and s.metric.growth == 0.0
-    assert [r.verdict for r in engine.store.get_turns(s.id)] == ["refused", "refused"]
+    assert [r.verdict for r in engine.store.get_turns(s.id, owner="local")] == ["refused", "refused"]
     assert s.chat_history() == []
 
 
@@ -149,13 +149,16 @@ def test_the_message_is_validated_once(tmp_path: Path, monkeypatch: pytest.Monke
 def test_replacing_the_last_turn_in_the_store_keeps_the_counts(tmp_path: Path) -> None:
     engine = tiny_engine(tmp_path)
     store = engine.store
-    store.ensure_session("s1", model_id="m")
-    assert store.replace_last_turn("s1", Turn("first", "one")) == 1  # nothing to replace: the first
-    store.record_turn("s1", Turn("second", "two"))
-    assert store.replace_last_turn("s1", Turn("second", "two, again", tier="EXPAND")) == 2
-    rows = store.get_turns("s1")
+    store.ensure_session("s1", owner="ann", model_id="m")
+    assert store.replace_last_turn("s1", Turn("first", "one"), owner="ann") == 1  # nothing to replace: the first
+    store.record_turn("s1", Turn("second", "two"), owner="ann")
+    assert store.replace_last_turn("s1", Turn("second", "two, again", tier="EXPAND"), owner="ann") == 2
+    rows = store.get_turns("s1", owner="ann")
     assert [(r.seq, r.text) for r in rows] == [(0, "first"), (1, "one"), (2, "second"), (3, "two, again")]
-    assert store.get_session("s1").turns == 2 and rows[2].tier == "EXPAND"
+    assert store.get_session("s1", owner="ann").turns == 2 and rows[2].tier == "EXPAND"
+    with pytest.raises(StorageError, match="No session"):  # another owner's session is not found
+        store.replace_last_turn("s1", Turn("x", "y"), owner="bob")
+    assert len(store.get_turns("s1", owner="ann")) == 4
 
 
 def test_agent_and_session_io_do_not_import_each_other() -> None:

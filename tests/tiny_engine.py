@@ -135,3 +135,12 @@ def tiny_engine(home: Path, *, with_store: bool = True, refuse: bool = False, wi
                                      reply_threshold=0.0 if withhold else 100.0)
         profile = dataclasses.replace(profile, safety=safety)
     return Engine.start(tiny_settings(home, **overrides), with_store=with_store, lm=tiny_lm(), profile=profile)
+
+
+def engine_for(settings: Settings, store: Any = None) -> Engine:
+    """The tiny model and profile under given ``settings``, persisting to ``store`` (and autosaving)."""
+    from isagi.persist import default_keeper
+
+    engine = Engine(settings, tiny_lm(), tiny_profile(), store)
+    engine.keep = default_keeper(engine, store)
+    return engine

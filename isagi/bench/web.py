@@ -17,69 +17,18 @@ afterwards. Nothing here is hard-coded: every figure is measured in the run.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import Any
+
+from isagi.bench import live_server
 
 TOPICS = (
     "volcanoes", "honey bees", "the moon", "glaciers", "chess", "bread", "copper", "owls",
     "rainbows", "tides", "coral reefs", "the violin", "deserts", "comets", "maple trees", "salt",
 )
 _FINISHED = re.compile(r"isagi-tier-(?!pending)\w+")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _health(url: str) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return json.loads(e.read() or b"{}")
-
-
-def _start_server(settings: Any, timeout_s: float) -> tuple[subprocess.Popen, str, Path]:
-    port = _free_port()
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ)
-    if settings is not None:
-        env["ISAGI_HOME"] = str(settings.home)
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    log = Path(tempfile.mkstemp(prefix="isagi-bench-web-", suffix=".log")[1])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "isagi.cli", "web", "--port", str(port)],
-        cwd=root, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"isagi web exited with {proc.returncode}; log: {log}")
-        try:
-            st = _health(url)
-            if st.get("status") == "ok":
-                return proc, url, log
-            if st.get("status") == "failed":
-                raise RuntimeError(f"isagi web could not load the model: {st.get('error')}")
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-            pass
-        time.sleep(1.0)
-    proc.terminate()
-    raise RuntimeError(f"isagi web was not ready after {timeout_s:.0f} s; log: {log}")
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -149,12 +98,13 @@ def run(
     start_timeout_s: float = 3600.0,
 ) -> dict[str, Any]:
     """Drive ``sessions`` concurrent sessions of ``turns`` turns each; return the figures."""
-    proc = None
+    server = None
     url = base_url
     if url is None:
-        proc, url, _log = _start_server(settings, start_timeout_s)
+        server = live_server.start(settings.home if settings is not None else None, start_timeout_s)
+        url = server.url
     try:
-        model = _health(url).get("model")
+        model = live_server.health(url).get("model")
         out: dict[str, list] = {"latency": [], "queue_wait": [], "answered": [], "errors": []}
         threads = [
             threading.Thread(target=_session, args=(url, i, turns, max_new_tokens, out), daemon=True)
@@ -167,12 +117,8 @@ def run(
             th.join()
         wall = time.monotonic() - t0
     finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if server is not None:
+            server.stop()
     lat, qw = out["latency"], out["queue_wait"]
     return {
         "sessions": sessions,

@@ -11,6 +11,7 @@ Chromium is ``/usr/bin/chromium`` (``.ci/browser.sh`` installs it), or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,18 +49,18 @@ def _health(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-@pytest.fixture(scope="session")
-def base_url(tmp_path_factory: pytest.TempPathFactory):
-    """URL (ending in /) of a live, ready ``isagi web`` server."""
-    if url := os.environ.get("ISAGI_E2E_URL"):
-        yield url.rstrip("/") + "/"
-        return
+@contextlib.contextmanager
+def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None) -> Iterator[str]:
+    """Start ``isagi web`` on a free port (with ``ISAGI_AUTH=auth`` when given) and
+    yield its URL once ``/health`` says ready; stop it afterwards."""
     home = Path(os.environ["ISAGI_TEST_HOME"]) if os.environ.get("ISAGI_TEST_HOME") else tmp_path_factory.mktemp("isagi-home")
     home.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = tmp_path_factory.mktemp("isagi-web-log") / "server.log"
     env = {**os.environ, "ISAGI_HOME": str(home), "PYTHONPATH": str(ROOT)}
     env.pop("ISAGI_AUTH", None)
+    if auth:
+        env["ISAGI_AUTH"] = auth
     log = open(log_path, "w")  # noqa: SIM115 - closed in the teardown
     proc = subprocess.Popen(
         [sys.executable, "-m", "isagi.cli", "web", "--port", str(port)],
@@ -90,6 +92,30 @@ def base_url(tmp_path_factory: pytest.TempPathFactory):
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def base_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL (ending in /) of a live, ready ``isagi web`` server."""
+    if url := os.environ.get("ISAGI_E2E_URL"):
+        yield url.rstrip("/") + "/"
+        return
+    with live_server(tmp_path_factory) as url:
+        yield url
+
+
+TWO_USERS = {"alice": "a", "bob": "b"}
+
+
+@pytest.fixture(scope="session")
+def auth_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL of a live ``isagi web`` with ``ISAGI_AUTH="alice:a,bob:b"`` (or
+    ``ISAGI_E2E_AUTH_URL``, a running server with those two users)."""
+    if url := os.environ.get("ISAGI_E2E_AUTH_URL"):
+        yield url.rstrip("/") + "/"
+        return
+    with live_server(tmp_path_factory, auth=",".join(f"{u}:{p}" for u, p in TWO_USERS.items())) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

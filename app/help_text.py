@@ -1,0 +1,40 @@
+"""Plain-language explanations of what the page shows, in one place.
+
+Owns the one-line texts behind the hover titles of the tier badges and the
+figures beside each reply, and the help panel of the Chat tab. A newcomer
+reads these; the definitions they summarise are in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+BADGE_HELP = {
+    "RETRIEVE": "Answered from memory: you asked this before, so the stored answer came back without running the model.",
+    "AUGMENT": "Related: close to something already discussed; the model answered with that exchange as context.",
+    "EXPAND": "New: a new question on known ground; the model answered and the memory learned it.",
+    "EXPLORE": "New topic: far from everything so far; the model answered and the memory opened a new cluster.",
+    "REFUSED": "Refused: the safety layer judged the request harmful, so nothing was generated.",
+    "WITHHELD": "Withheld: the reply drifted into harmful territory while streaming and was stopped.",
+    "CANCELLED": "Stopped by you: the partial reply is kept here but never used in later prompts.",
+    "OK": "Answered.",
+    "PENDING": "The model is still writing this reply.",
+}
+
+FIGURE_HELP = {
+    "d": "d: how far this question lies from the nearest one in memory (0 = the same, 1 = unrelated), "
+         "measured in the model's hidden states under the session's metric.",
+    "zone": "Zone: the broad area of knowledge the question falls in.",
+    "teh": "TEH: how much of the question's (and the reply's) hidden state points in the directions "
+           "the safety layer learned for harmful requests, in %; over the threshold it refuses.",
+    "growth": "Metric growth ‖M − I‖: how much the session's sense of distance has been reshaped by the "
+              "new questions you asked; it grows only when something new comes up.",
+    "tokens": "Tokens: length of the prompt the model read, plus the reply it wrote.",
+    "latency": "Time from your message to the end of the reply.",
+}
+
+
+def help_markdown() -> str:
+    """The help panel: each badge and each figure in one plain line."""
+    badges = "\n".join(f"- **{name}**: {text.split(': ', 1)[-1]}" for name, text in BADGE_HELP.items()
+                       if name not in ("OK", "PENDING"))
+    figures = "\n".join(f"- {text}" for key, text in FIGURE_HELP.items())
+    return f"**The badge beside each reply**\n\n{badges}\n\n**The figures**\n\n{figures}"

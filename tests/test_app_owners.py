@@ -1,0 +1,318 @@
+"""Owners in the web app's handlers, without a browser: under ISAGI_AUTH each
+handler works as the request's user, and another user's session id (as the
+page's state or as a chosen id) gets exactly the answer of an unknown id;
+nothing of alice's is read, changed, forked or deleted by bob. Also: a
+message is checked before a session is made, the caps on live sessions, the
+cleanup of downloads and uploads, and error messages that name the user's
+own file. A fake engine, a real SQLite history store, real .miku files."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from app.loader import EngineHolder
+from app.sessions import SessionRegistry
+from app.ui import WebUI
+from isagi.agent import Engine
+from isagi.config import load_settings
+from isagi.ids import new_session_id
+from storage.history import HistoryStore
+from tests.tiny_engine import engine_for
+
+STATE, CHAT, TEXTBOX, ALERT = range(4)
+SECRET = "alice-secret-zebra"
+
+
+def req(user: str | None, host: str = "10.0.0.1") -> SimpleNamespace:
+    """What the handlers read of a gr.Request: the logged-in user and the client address."""
+    return SimpleNamespace(username=user, client=SimpleNamespace(host=host))
+
+
+ALICE, BOB = req("alice", "10.0.0.1"), req("bob", "10.0.0.2")
+
+
+def quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gr.Warning outside a request falls back to warnings
+        out = fn(*args, **kw)
+        return list(out) if hasattr(out, "__next__") else out
+
+
+def make_ui(tmp_path: Path, **settings_kw) -> tuple[WebUI, Engine, HistoryStore]:
+    kw = {"auth": "alice:a,bob:b", **settings_kw}
+    settings = load_settings(environ={}, home=tmp_path, max_new_tokens=8, **kw)
+    store = HistoryStore(f"sqlite:///{tmp_path / 'history.db'}")
+    engine = engine_for(settings, store)
+    holder = EngineHolder(engine)
+    registry = SessionRegistry(lambda: holder.engine, idle_s=600,
+                               max_per_client=settings.max_sessions_per_client,
+                               max_total=settings.max_sessions)
+    return WebUI(holder, registry, settings), engine, store
+
+
+@pytest.fixture
+def world(tmp_path):
+    ui, engine, store = make_ui(tmp_path)
+    a = quiet(ui.on_load, None, "tier", ALICE)[0]
+    for q in (f"{SECRET} one", f"{SECRET} two"):
+        quiet(ui.send, q, a, 4, False, 0.7, "tier", ALICE)
+    yield ui, engine, store, a
+    store.close()
+
+
+def alice_unchanged(ui: WebUI, store: HistoryStore, a: str) -> None:
+    entry = ui.registry.entry(a, "alice")
+    assert entry.owner == "alice" and len(entry.session.messages) == 4 and len(entry.session.memory) == 2
+    assert not entry.stop.is_set()
+    assert store.get_session(a, owner="alice").turns == 2
+    assert (Path(ui.settings.sessions_dir) / f"{a}.miku").is_file()
+
+
+def text_of(out) -> str:
+    """Everything a handler's outputs would put on bob's page, as one string."""
+    return repr(out)
+
+
+def same_answer(x: str, y: str, xid: str, yid: str) -> bool:
+    return x.replace(xid, "ID") == y.replace(yid, "ID")
+
+
+def test_every_handler_answers_bob_as_for_an_unknown_id(world):
+    ui, engine, store, a = world
+    unknown = new_session_id()
+    assert store.get_session(a, owner="alice").turns == 2
+    b = quiet(ui.on_load, None, "tier", BOB)[0]
+    assert b != a
+    # the page state holding alice's id: every event treats it as unknown
+    page = quiet(ui.on_load, a, "tier", BOB)
+    assert page[0] not in (a, None)
+    assert "· 2 live session(s)" in page[1]  # bob's two, not the server's three
+    out = quiet(ui.recolour, a, "tier", BOB)
+    assert SECRET not in text_of(out)
+    assert SECRET not in text_of(quiet(ui.view, a, "tier", "bob"))
+    regen = quiet(ui.regenerate, a, 4, False, 0.7, "tier", BOB)
+    assert "Nothing to regenerate" in regen[-1][ALERT] and SECRET not in text_of(regen)
+    stop = quiet(ui.stop, a, "tier", BOB)
+    assert SECRET not in text_of(stop)
+    saved = quiet(ui.save_miku, a, BOB)
+    assert "no session to save" in saved[1] and SECRET not in text_of(saved)
+    new = quiet(ui.new_chat, a, "tier", BOB)
+    assert new[0] != a and a in ui.registry  # alice's session was not released
+    sent = quiet(ui.send, "bob asks", a, 4, False, 0.7, "tier", BOB)
+    bob_sid = sent[-1][STATE]
+    assert bob_sid != a and SECRET not in text_of(sent)
+    assert ui.registry.entry(bob_sid, "bob").session.messages[0]["text"] == "bob asks"
+    # the chosen id of the Sessions tab, and the open session, for export, resume, delete
+    for fn, args in (
+        (ui.resume, ("tier",)),
+        (ui.export, ("markdown",)),
+        (ui.export, ("json",)),
+        (ui.delete, ()),
+    ):
+        theirs = quiet(fn, a, b, *args, request=BOB)
+        none = quiet(fn, unknown, b, *args, request=BOB)
+        assert SECRET not in text_of(theirs), fn.__name__
+        assert same_answer(theirs[1], none[1], a, unknown), (fn.__name__, theirs[1], none[1])
+        assert re.search(r"No session|Could not export", theirs[1]), theirs[1]
+    for fmt in ("markdown", "json"):  # nothing chosen: the open session (alice's id as the state)
+        theirs = quiet(ui.export, "", a, fmt, request=BOB)
+        assert SECRET not in text_of(theirs) and "Could not export" in theirs[1]
+    # the sessions table and search
+    rows, note = quiet(ui.list_sessions, "", BOB)
+    assert a not in text_of(rows) and SECRET not in text_of(rows)
+    rows, note = quiet(ui.list_sessions, SECRET, BOB)
+    assert rows == [] and note.startswith("0 session")
+    alice_unchanged(ui, store, a)
+    # and alice still can do all of it
+    rows, _ = quiet(ui.list_sessions, SECRET, ALICE)
+    assert [r[0] for r in rows] == [a]
+    path, note = quiet(ui.export, a, None, "markdown", request=ALICE)
+    assert SECRET in Path(path).read_text()
+
+
+def test_no_login_means_nothing_at_all(world):
+    ui, engine, store, a = world
+    nobody = req(None)
+    assert quiet(ui.on_load, a, "tier", nobody)[0] is None
+    assert quiet(ui.list_sessions, "", nobody)[0] == []
+    assert "Log in" in quiet(ui.export, a, a, "json", request=nobody)[1]
+    assert "No session" in quiet(ui.delete, a, a, request=nobody)[1]
+    sent = quiet(ui.send, "hi", a, 4, False, 0.7, "tier", nobody)
+    assert "Log in" in sent[-1][ALERT]
+    alice_unchanged(ui, store, a)
+
+
+def test_delete_removes_history_and_the_autosave(world):
+    ui, engine, store, a = world
+    miku = Path(ui.settings.sessions_dir) / f"{a}.miku"
+    assert miku.is_file()
+    out = quiet(ui.delete, a, None, request=ALICE)
+    assert "open in a browser" in out[1] and miku.is_file()  # live: refused, kept
+    quiet(ui.new_chat, a, "tier", ALICE)  # alice moves on: the session is saved and dropped
+    assert a not in ui.registry
+    out = quiet(ui.delete, a, None, request=ALICE)
+    assert out[1].startswith(f"Deleted session {a}") and f"{a}.miku" in out[1]
+    assert not miku.exists()
+    assert store.list_sessions(owner="alice") == []
+    assert "No session" in quiet(ui.resume, a, None, "tier", request=ALICE)[1]
+
+
+def test_resume_takes_alices_session_back_only_for_alice(world):
+    ui, engine, store, a = world
+    quiet(ui.new_chat, a, "tier", ALICE)
+    out = quiet(ui.resume, a, None, "tier", request=BOB)
+    assert "No session" in out[1] and not ui.registry.holds(a, "bob")
+    out = quiet(ui.resume, a, None, "tier", request=ALICE)
+    assert out[0] == a and "Resumed" in out[1]
+    assert len(ui.registry.entry(a, "alice").session.memory) == 2
+
+
+def test_an_invalid_message_makes_no_session(tmp_path):
+    ui, engine, store = make_ui(tmp_path, auth=None)
+    calls: list[int] = []
+    real = engine.stream_turn
+    engine.stream_turn = lambda *a, **k: calls.append(1) or real(*a, **k)
+    for bad in ("", "   ", "\x00\x00", "x" * 9000):
+        for _ in range(25):
+            out = quiet(ui.send, bad, None, 4)
+            assert out[-1][STATE] is None and out[-1][ALERT].startswith("⚠️")
+    assert len(ui.registry) == 0 and calls == []
+    store.close()
+
+
+def test_live_session_caps_per_client_user_and_overall(tmp_path):
+    ui, engine, store = make_ui(tmp_path, max_sessions_per_client=3, max_sessions=5)
+    one = req("alice", "10.0.0.1")
+    sids = [quiet(ui.on_load, None, "tier", one)[0] for _ in range(3)]
+    # a fourth page from the same client: the oldest empty session is reclaimed
+    fourth = quiet(ui.on_load, None, "tier", one)[0]
+    assert fourth and sids[0] not in ui.registry and len(ui.registry.live_ids("alice")) == 3
+    for sid in ui.registry.live_ids("alice"):  # all three in use now
+        quiet(ui.send, "hello", sid, 2, False, 0.7, "tier", one)
+    out = quiet(ui.send, "one more", None, 2, False, 0.7, "tier", one)
+    assert "Too many open chats" in out[-1][ALERT] and "ISAGI_MAX_SESSIONS_PER_CLIENT" in out[-1][ALERT]
+    # the same user from another address: the per-user cap holds too
+    out = quiet(ui.send, "one more", None, 2, False, 0.7, "tier", req("alice", "10.9.9.9"))
+    assert "user alice" in out[-1][ALERT]
+    # bob is not affected by alice's cap, but the overall cap (5) binds
+    b1 = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)[-1][STATE]
+    b2 = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)[-1][STATE]
+    assert b1 and b2 and len(ui.registry) == 5
+    out = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)
+    assert "ISAGI_MAX_SESSIONS" in out[-1][ALERT] and len(ui.registry) == 5
+    page = quiet(ui.on_load, None, "tier", req("bob", "10.0.0.7"))
+    assert page[0] is None and "ISAGI_MAX_SESSIONS" in page[1] and len(ui.registry) == 5
+    store.close()
+
+
+def test_download_directories_are_removed(world):
+    ui, engine, store, a = world
+    path, _ = quiet(ui.export, a, None, "json", request=ALICE)
+    d = Path(path).parent
+    assert d.name.startswith("dl-") and d.is_dir()
+    assert ui.sweep_downloads(3600) == 0 and d.is_dir()  # a fresh one stays (Gradio copies it)
+    old = time.time() - 120
+    os.utime(d, (old, old))
+    path2, _ = quiet(ui.save_miku, a, ALICE)  # the next download sweeps the old one
+    assert not d.exists() and Path(path2).is_file()
+    root = Path(path2).parent.parent
+    ui.cleanup()
+    assert not root.exists()
+
+
+def test_uploads_are_deleted_and_errors_name_the_users_file(world, tmp_path, monkeypatch):
+    ui, engine, store, a = world
+    cache = tmp_path / "gradio-cache"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
+    good_path, _ = quiet(ui.save_miku, a, ALICE)
+    good = Path(good_path).read_bytes()
+    up = cache / "3f2a9c" / "my notes.miku"
+    up.parent.mkdir(parents=True)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    up.write_bytes(bytes(bad))
+    out = quiet(ui.load_miku, str(up), a, "tier", ALICE)
+    assert "Could not load my notes.miku" in out[1], out[1]
+    assert str(cache) not in out[1] and "3f2a9c" not in out[1] and "/tmp" not in out[1]
+    assert not up.exists() and not up.parent.exists()  # the upload is gone once read
+    up.parent.mkdir()
+    up.write_bytes(good)
+    out = quiet(ui.load_miku, str(up), None, "tier", BOB)
+    assert "Loaded `my notes.miku`" in out[1] and not up.exists()
+    loaded = ui.registry.entry(out[0], "bob")
+    assert loaded.owner == "bob" and out[0] != a  # bob's own fork, with a fresh id
+    # a file outside Gradio's cache (e.g. a test's) is never deleted
+    outside = tmp_path / "keep.miku"
+    outside.write_bytes(good)
+    quiet(ui.load_miku, str(outside), None, "tier", BOB)
+    assert outside.exists()
+
+
+def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(tmp_path):
+    """The real Gradio app and routes (FastAPI's test client): alice sends a message;
+    bob, logged in, calls every event that takes a session id by ``fn_index``,
+    with alice's id in each text and state slot, from a fresh Gradio session and
+    from alice's own (whose state holds her id): nothing of hers comes back and
+    her session, history and file are intact."""
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+    from tests.gradio_raw import RawGradio, component_id
+
+    settings = load_settings(environ={}, home=tmp_path, auth="alice:a,bob:b", max_new_tokens=8)
+    store = HistoryStore(f"sqlite:///{tmp_path / 'history.db'}")
+    app = create_app(engine_for(settings, store), settings)
+    registry = app.state.isagi_registry
+    with TestClient(app) as alice_http:
+        alice = RawGradio(alice_http, "alice", "a")
+        send = next(d for d in alice.deps() if d.get("api_name") == "send")
+        data = [alice.value_for(c, "") for c in send["inputs"]]
+        data[0] = f"{SECRET} question"
+        assert alice.call(send, data, "alicehash")["success"]
+        [a] = registry.live_ids("alice")
+        assert store.get_session(a, owner="alice").turns == 1
+        # the same HTTP client (one event loop), now logged in as bob: his login cookie replaces hers
+        bob = RawGradio(alice_http, "bob", "b")
+        states = {cid for cid, c in bob.components.items() if c.get("type") == "state"}
+        texts = {component_id(bob, e) for e in ("isagi-chosen", "isagi-search", "isagi-input")}
+        takes_an_id = [d for d in bob.deps() if set(d["inputs"]) & (states | texts)]
+        assert len(takes_an_id) >= 17
+        assert sum(d.get("api_visibility") == "private" for d in takes_an_id) >= 7  # load, timer, ..., delete
+        ran = 0
+        for session_hash in ("bobfresh", "alicehash"):
+            for dep in takes_an_id:
+                res = bob.call(dep, [bob.value_for(c, a) for c in dep["inputs"]], session_hash)
+                assert SECRET not in repr(res), (dep.get("api_name"), repr(res)[:400])
+                ran += "success" in res
+        assert ran == 2 * len(takes_an_id)
+        entry = registry.entry(a, "alice")
+        assert entry.owner == "alice" and entry.session.messages[0]["text"] == f"{SECRET} question"
+        assert len(entry.session.messages) == 2
+        assert store.get_session(a, owner="alice").turns == 1
+        assert (settings.sessions_dir / f"{a}.miku").is_file()
+        # bob's own sessions exist (his sends ran in sessions of his), none holds alice's text
+        for sid in registry.live_ids("bob"):
+            assert all(SECRET not in m["text"] for m in registry.entry(sid, "bob").session.messages)
+    store.close()
+
+
+def test_an_evicted_session_resumes_only_for_its_owner(tmp_path):
+    ui, engine, store = make_ui(tmp_path)
+    reg = ui.registry
+    a = quiet(ui.on_load, None, "tier", ALICE)[0]
+    quiet(ui.send, f"{SECRET} evicted", a, 4, False, 0.7, "tier", ALICE)
+    assert reg.evict_idle(now=time.monotonic() + 10_000) == [a]
+    assert a not in reg and reg.holds(a, "alice") and not reg.holds(a, "bob")
+    with pytest.raises(KeyError):
+        reg.entry(a, "bob")  # parked for alice: bob's lookup is "unknown", nothing is loaded
+    assert a not in reg
+    assert reg.entry(a, "alice").session.messages[0]["text"] == f"{SECRET} evicted"
+    assert reg.release(a, owner="bob") is False and a in reg
+    store.close()
