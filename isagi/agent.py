@@ -43,8 +43,8 @@ import numpy as np
 from isagi.cog import Metric, Tier, TierThresholds
 from isagi.config import Settings
 from isagi.distance_scale import SEED as SEED_SCALE
+from isagi.engines.base import Decoding, GenerationOptions
 from isagi.errors import InputError
-from isagi.generation import Generation, GenerationOptions
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.sameness import content_key, depends_on_context
@@ -168,10 +168,10 @@ class Engine:
     @classmethod
     def start(cls, settings: Settings, *, with_store: bool = True, progress: Any = None) -> Engine:
         """Load the model and its profile (calibrating on first use) and open the history store."""
-        from isagi.model import load_model
+        from isagi.engines import load_engine
         from isagi.profile import load_or_build_profile
 
-        lm = load_model(settings)
+        lm = load_engine(settings)
         profile = load_or_build_profile(lm, settings, progress=progress)
         store = None
         if with_store:
@@ -457,7 +457,7 @@ class Engine:
         return tier, record, hit, distance, dependent
 
     def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:
-        from isagi.generation import prompt_hidden_states
+        from isagi.pooling import prompt_hidden_states
 
         with self.generation_lock:
             H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
@@ -586,12 +586,12 @@ def prompt_messages(
 
 def count_tokens(lm: Any, text: str) -> int:
     """Tokens of ``text`` alone under the model's tokenizer (no template, no special tokens)."""
-    return len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return int(lm.count_tokens(text))
 
 
 def prompt_tokens(lm: Any, messages: list[dict[str, str]]) -> int:
     """Exact tokens of a chat in the model's template, ready to answer."""
-    return int(lm.chat_ids(messages).shape[-1])
+    return len(lm.chat_tokens(messages))
 
 
 def prompt_budget(settings: Settings, lm: Any) -> int:
@@ -604,9 +604,8 @@ def prompt_budget(settings: Settings, lm: Any) -> int:
 
 
 def model_context(lm: Any) -> int | None:
-    """The model's context length in tokens, when its config states one."""
-    config = getattr(getattr(lm, "model", None), "config", None)
-    n = getattr(config, "max_position_embeddings", None)
+    """The model's context length in tokens, when the engine knows one."""
+    n = getattr(lm, "context_length", None)
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
@@ -616,18 +615,17 @@ def _prompt_key(messages: list[dict[str, str]]) -> str:
 
 
 class _OpenGeneration:
-    """Holds the one open :class:`Generation` of a turn; opening another closes the previous."""
+    """Holds the one open :class:`~isagi.engines.base.Decoding` of a turn; opening another closes the previous."""
 
     def __init__(self, lm: Any, layer: int, options: GenerationOptions, also_capture: tuple[int, ...] = ()) -> None:
         self.lm, self.layer, self.options = lm, layer, options
         self.also_capture = also_capture
-        self.current: Generation | None = None
+        self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
-    def open(self, messages: list[dict[str, str]]) -> Generation:
+    def open(self, messages: list[dict[str, str]]) -> Decoding:
         self.close()
-        self.current = Generation(self.lm, self.lm.chat_ids(messages), self.layer, self.options,
-                                  also_capture=self.also_capture)
+        self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture)
         self.current.__enter__()
         self.messages = messages
         return self.current
