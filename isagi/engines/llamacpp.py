@@ -44,6 +44,7 @@ engine's capture hook sees (before its steering hook).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -247,10 +248,8 @@ class LlamaCppEngine:
             self._model = None
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # -- text -----------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
@@ -388,8 +387,11 @@ class LlamaCppEngine:
         *,
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
+        capture_reply: bool = True,
     ) -> LlamaCppDecoding:
-        return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture, steer=steer)
+        """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
+        return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
+                                steer=steer, capture_reply=capture_reply)
 
     def iter_prompt_states(
         self,
@@ -471,6 +473,7 @@ class LlamaCppDecoding:
         *,
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
+        capture_reply: bool = True,
     ) -> None:
         engine.check_layer(layer)
         for extra in also_capture:
@@ -490,6 +493,7 @@ class LlamaCppDecoding:
         self._sampler: Any = None
         self._entered = False
         self._steering = False
+        self.capture_reply = capture_reply
 
     # -- lifetime -------------------------------------------------------------
     def __enter__(self) -> LlamaCppDecoding:
@@ -616,7 +620,7 @@ class LlamaCppDecoding:
             self._sampler = self._make_sampler()
         opts = self.options
         stop_ids = set() if opts.ignore_eos else e.stop_token_ids
-        names = e._names(self.layers)
+        names = e._names(self.layers) if self.capture_reply else None
         pos = len(self.ids)
         while True:
             if self._stop.is_set():
