@@ -66,3 +66,12 @@ def test_profile_show_prints_the_safety_calibration_and_its_roc(settings_default
     assert all(b >= a for a, b in zip(roc["tpr"], roc["tpr"][1:], strict=False))
     assert roc["fpr_at_threshold"] == 0.0 and roc["threshold"] == data["teh_threshold"]
     assert 0.5 < data["safety_cv"]["auc"] <= 1.0
+
+
+def test_a_backend_that_cannot_load_the_model_is_one_line_error(tmp_path: Path) -> None:
+    out = _isagi(["info", "--backend", "llamacpp", "--model", "someone/some-model"], tmp_path, timeout=300)
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    assert out.returncode == 2 and lines[-1].startswith("error:") and "needs a GGUF model" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = _isagi(["info", "--backend", "vllm"], tmp_path, timeout=300)
+    assert out.returncode == 2 and "auto, llamacpp, transformers" in out.stderr and "Traceback" not in out.stderr

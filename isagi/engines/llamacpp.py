@@ -106,14 +106,17 @@ class _Capture:
         self.guess: dict[int, bool] = {}  # node index -> wanted, learned from names
         self.n_tokens = 0
         self.missed = False
+        self.truncate = False  # stop the graph once every wanted layer is read (prompt states only)
+        self.pending = 0
 
-    def start(self, wanted: dict[bytes, int], n_tokens: int) -> None:
+    def start(self, wanted: dict[bytes, int], n_tokens: int, truncate: bool = False) -> None:
         if n_tokens != self.n_tokens:
             self.guess = {}
         self.wanted, self.n_tokens = wanted, n_tokens
         self.rows = {layer: [] for layer in wanted.values()}
         self.index = 0
         self.missed = False
+        self.truncate, self.pending = truncate, len(wanted)
 
     def stop(self) -> None:
         self.wanted = None
@@ -138,7 +141,9 @@ class _Capture:
         d, n = int(tensor.ne[0]), int(tensor.ne[1])
         buf = (ctypes.c_float * (d * n)).from_address(tensor.data)
         self.rows[layer].append(np.ctypeslib.as_array(buf).reshape(n, d).copy())
-        return True
+        self.pending -= 1
+        # False ends this graph's compute: the later layers and the output head are skipped.
+        return not (self.truncate and self.pending == 0)
 
     def complete(self) -> bool:
         return not self.missed and all(self.rows.values())
@@ -148,7 +153,6 @@ class LlamaCppEngine:
     """A GGUF model in one llama.cpp context (see the module docstring for the design)."""
 
     backend = "llamacpp"
-    quant = "gguf"
     device = "cpu"
 
     def __init__(
@@ -182,6 +186,10 @@ class LlamaCppEngine:
         self._n_embd = int(ll.llama_model_n_embd(self._model))
         self._n_layer = int(ll.llama_model_n_layer(self._model))
         self._n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
+        desc = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self._model, desc, len(desc))
+        # e.g. "llama ?B Q4_1": the GGUF's own quantisation, part of the profile key
+        self.quant = "gguf-" + (desc.value.decode("utf-8", "replace").split() or ["unknown"])[-1]
         self._capture = _Capture()
         self._cb = ll.ggml_backend_sched_eval_callback(self._capture.callback)  # kept alive with the engine
         cparams = ll.llama_context_default_params()
@@ -319,12 +327,18 @@ class LlamaCppEngine:
         self._ll.llama_memory_clear(self._mem, True)
         self.owner = owner
 
-    def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False) -> dict[int, np.ndarray]:
-        """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers."""
-        with self.lock:
-            return self._decode_locked(ids, start, capture=capture, all_logits=all_logits)
+    def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
+                truncate: bool = False) -> dict[int, np.ndarray]:
+        """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
 
-    def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool) -> dict[int, np.ndarray]:
+        ``truncate``: stop computing once the captured layers are read; the KV cache
+        above them and the logits are then left unwritten, so only for states alone.
+        """
+        with self.lock:
+            return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate)
+
+    def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
+                       truncate: bool = False) -> dict[int, np.ndarray]:
         ll = self._ll
         rows: dict[int, list[np.ndarray]] = {layer: [] for layer in (capture or {}).values()}
         n_batch = 512
@@ -332,7 +346,7 @@ class LlamaCppEngine:
             chunk = ids[off : off + n_batch]
             for attempt in range(2):
                 if capture:
-                    self._capture.start(capture, len(chunk))
+                    self._capture.start(capture, len(chunk), truncate=truncate)
                     if attempt:
                         self._capture.guess = {}
                 try:
@@ -404,13 +418,13 @@ class LlamaCppEngine:
         for layer in layers:
             self.check_layer(layer)
         names = self._names(layers)
-        for n, chat in enumerate(chats, 1):
+        for chat in chats:
             ids = self.chat_tokens(chat)
             self._clear(None)
-            states = self._decode(ids, 0, capture=names)
+            states = self._decode(ids, 0, capture=names, truncate=True)
             yield states
-            if progress is not None and (n % batch_size == 0 or n == len(chats)):
-                progress(batch_size if n % batch_size == 0 else n % batch_size)
+            if progress is not None:  # one prompt at a time: progress moves with every prompt
+                progress(1)
 
     def reply_states(
         self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
