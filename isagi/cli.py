@@ -164,8 +164,8 @@ def chat(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
 ) -> None:
     """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
+    from isagi.engines.base import GenerationOptions
     from isagi.errors import InputError
-    from isagi.generation import GenerationOptions
     from isagi.session_io import load_session
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,

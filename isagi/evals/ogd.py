@@ -175,7 +175,7 @@ def reply_nll(
 
 def pipeline_turn(engine: Any) -> Callable[[str, int], tuple[str, str]]:
     """One full ISAGI turn in a fresh, unsaved, unrecorded session: ``(reply, verdict)``."""
-    from isagi.generation import GenerationOptions
+    from isagi.engines.base import GenerationOptions
 
     def turn(prompt: str, max_new_tokens: int) -> tuple[str, str]:
         session = engine.new_session(autosave=False)
