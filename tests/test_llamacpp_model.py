@@ -164,26 +164,32 @@ def _every(rows: list, key, n: int) -> list:
 
 @pytest.fixture(scope="module")
 def small_profile(default_llama, settings_default):
-    """A profile calibrated through the llama.cpp engine on a few rows of each corpus.
+    """A profile fitted on llama.cpp states of a few rows of the corpora.
 
-    The same calibration code as a full profile (which takes ~2,000 prompts); small so the
-    turn's mechanics on this backend are tested in minutes. Its thresholds mean little.
+    The same fitting functions as a full profile (which reads ~2,000 prompts and
+    generates calibration replies: tens of minutes on a busy 2-core machine), on
+    two zone rows per zone and three safety rows per label and category, without
+    the reply threshold's calibration replies. It tests the turn's mechanics on
+    this backend; its thresholds mean little.
     """
-    import isagi.data as data
-    import isagi.data.safety as data_safety
-    from isagi.profile import build_profile
+    from isagi.data import load_zones
+    from isagi.data.safety import load_safety_calibration
+    from isagi.pooling import prompt_hidden_states
+    from isagi.profile import Profile
+    from isagi.safety import SAFETY_POOL, _chat, fit_safety_profile
+    from isagi.ugt import fit_basis, fit_zones, project
 
-    zones, safety = data.load_zones(), data_safety.load_safety_calibration()
-    followups, pairs = data.load_followups(), data.load_pairs("calibration")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(data, "load_zones", lambda: _every(zones, lambda r: r["zone"], 4))
-        mp.setattr(data_safety, "load_safety_calibration",
-                   lambda: _every(safety, lambda r: (r["label"], r["category"]), 4))
-        mp.setattr(data, "load_followups", lambda: _every(followups, lambda r: r["self_contained"], 4))
-        mp.setattr(data, "load_pairs", lambda _name="calibration": _every(pairs, lambda r: r["relation"], 4))
-        return build_profile(default_llama, layer=default_llama.default_layer, k=16,
-                             system_prompt=settings_default.system_prompt, quant=default_llama.quant,
-                             safety_layer=default_llama.default_safety_layer)
+    system, e = settings_default.system_prompt, default_llama
+    zones = _every(load_zones(), lambda r: r["zone"], 2)
+    H = prompt_hidden_states(e, [_chat(system, r["text"]) for r in zones], e.default_layer)
+    basis = fit_basis(H, 8)
+    rows = _every(load_safety_calibration(), lambda r: (r["label"], r["category"]), 3)
+    S = prompt_hidden_states(e, [_chat(system, r["text"]) for r in rows], e.default_safety_layer, pool=SAFETY_POOL)
+    safety = fit_safety_profile(S, np.array([r["label"] == "harmful" for r in rows], dtype=int),
+                                np.array([r["category"] for r in rows]), e.default_safety_layer)
+    return Profile(key="small", model_fingerprint=e.fingerprint, layer=e.default_layer, k=8, basis=basis,
+                   zones=fit_zones(project(basis, H), [r["zone"] for r in zones]), safety=safety,
+                   context_threshold=0.5)
 
 
 def test_the_turn_runs_end_to_end_on_llamacpp(default_llama, small_profile, settings_default, tmp_path) -> None:
