@@ -372,7 +372,7 @@ class WebUI:
 
     # -- chat ----------------------------------------------------------------
     def _options(self, max_tokens: float | None, sample: bool, temperature: float | None, *, seed: int | None = None) -> Any:
-        from isagi.generation import GenerationOptions
+        from isagi.engines.base import GenerationOptions
 
         n = int(max_tokens or self.settings.max_new_tokens)
         return GenerationOptions(

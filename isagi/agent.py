@@ -52,8 +52,8 @@ from isagi.cog import Metric, Tier, TierThresholds
 from isagi.config import Settings
 from isagi.decide import Candidate, Decision, decide
 from isagi.distance_scale import SEED as SEED_SCALE
+from isagi.engines.base import Decoding, GenerationOptions
 from isagi.errors import InputError
-from isagi.generation import Generation, GenerationOptions
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.sameness import content_key
@@ -128,17 +128,18 @@ class Engine:
         lm: Any = None,
         profile: Any = None,
     ) -> Engine:
-        """Load the model and its profile (calibrating on first use) and open the history store.
+        """Load the model engine and its profile (calibrating on first use) and open the history store.
 
-        ``lm`` and ``profile`` replace the loaded model and profile (tests pass a tiny model);
-        the engine persists turns with :func:`isagi.persist.default_keeper`.
+        ``lm`` (a :class:`~isagi.engines.base.ModelEngine`) and ``profile`` replace the loaded
+        ones (tests pass a tiny model); the engine persists turns with
+        :func:`isagi.persist.default_keeper`.
         """
         from isagi.persist import default_keeper
 
         if lm is None:
-            from isagi.model import load_model
+            from isagi.engines import load_engine
 
-            lm = load_model(settings)
+            lm = load_engine(settings)
         if profile is None:
             from isagi.profile import load_or_build_profile
 
@@ -424,7 +425,7 @@ class Engine:
     # -- without generating --------------------------------------------------------
 
     def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:
-        from isagi.generation import prompt_hidden_states
+        from isagi.pooling import prompt_hidden_states
 
         with self.generation_lock:
             H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
@@ -510,12 +511,12 @@ def prompt_messages(
 
 def count_tokens(lm: Any, text: str) -> int:
     """Tokens of ``text`` alone under the model's tokenizer (no template, no special tokens)."""
-    return len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return int(lm.count_tokens(text))
 
 
 def prompt_tokens(lm: Any, messages: list[dict[str, str]]) -> int:
     """Exact tokens of a chat in the model's template, ready to answer."""
-    return int(lm.chat_ids(messages).shape[-1])
+    return len(lm.chat_tokens(messages))
 
 
 def prompt_budget(settings: Settings, lm: Any) -> int:
@@ -528,9 +529,8 @@ def prompt_budget(settings: Settings, lm: Any) -> int:
 
 
 def model_context(lm: Any) -> int | None:
-    """The model's context length in tokens, when its config states one."""
-    config = getattr(getattr(lm, "model", None), "config", None)
-    n = getattr(config, "max_position_embeddings", None)
+    """The model's context length in tokens, when the engine knows one."""
+    n = getattr(lm, "context_length", None)
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
@@ -595,18 +595,17 @@ def _generate(
 
 
 class _OpenGeneration:
-    """Holds the one open :class:`Generation` of a turn; opening another closes the previous."""
+    """Holds the one open :class:`~isagi.engines.base.Decoding` of a turn; opening another closes the previous."""
 
     def __init__(self, lm: Any, layer: int, options: GenerationOptions, also_capture: tuple[int, ...] = ()) -> None:
         self.lm, self.layer, self.options = lm, layer, options
         self.also_capture = also_capture
-        self.current: Generation | None = None
+        self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
-    def open(self, messages: list[dict[str, str]]) -> Generation:
+    def open(self, messages: list[dict[str, str]]) -> Decoding:
         self.close()
-        self.current = Generation(self.lm, self.lm.chat_ids(messages), self.layer, self.options,
-                                  also_capture=self.also_capture)
+        self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture)
         self.current.__enter__()
         self.messages = messages
         return self.current

@@ -39,6 +39,7 @@ out = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 
 ModelOpt = Annotated[str | None, typer.Option("--model", help="default | hub id | local dir (ISAGI_MODEL)")]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="auto | llamacpp | transformers (ISAGI_BACKEND)")]
 QuantOpt = Annotated[str | None, typer.Option("--quant", help="nf4 | none (ISAGI_QUANT)")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda (ISAGI_DEVICE)")]
 HomeOpt = Annotated[Path | None, typer.Option("--home", help="data directory (ISAGI_HOME)")]
@@ -118,14 +119,16 @@ def root(
 
 @app.command()
 @friendly
-def info(model: ModelOpt = None, quant: QuantOpt = None, device: DeviceOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+def info(model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Model, quantisation, device and why, data directory, memory footprint."""
-    from isagi.model import load_model
+    from isagi.engines import load_engine
 
-    settings = _settings(model=model, quant=quant, device=device, home=home)
-    lm = load_model(settings)
+    settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home)
+    lm = load_engine(settings)
     facts = {
         "isagi": __version__,
+        "backend": lm.backend,
+        "backend_reason": lm.backend_reason,
         "model": lm.model_id,
         "source": lm.source,
         "fingerprint": lm.fingerprint,
@@ -151,7 +154,7 @@ def info(model: ModelOpt = None, quant: QuantOpt = None, device: DeviceOpt = Non
 @app.command()
 @friendly
 def chat(
-    model: ModelOpt = None,
+    model: ModelOpt = None, backend: BackendOpt = None,
     quant: QuantOpt = None,
     device: DeviceOpt = None,
     home: HomeOpt = None,
@@ -169,11 +172,11 @@ def chat(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
 ) -> None:
     """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
-    from isagi.generation import GenerationOptions
+    from isagi.engines.base import GenerationOptions
     from isagi.session_io import load_session
     from isagi.terminal import chat_loop
 
-    settings = _settings(model=model, quant=quant, device=device, home=home, layer=layer, k=k,
+    settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
                          max_new_tokens=max_new_tokens, system_prompt=system)
     engine = _engine(settings)
     if load is not None:
@@ -202,7 +205,7 @@ def chat(
 def web(
     host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 7860,
-    model: ModelOpt = None,
+    model: ModelOpt = None, backend: BackendOpt = None,
     quant: QuantOpt = None,
     device: DeviceOpt = None,
     home: HomeOpt = None,
@@ -210,7 +213,7 @@ def web(
     """Open the browser app on http://HOST:PORT."""
     from app.server import serve
 
-    serve(_settings(model=model, quant=quant, device=device, home=home), host=host, port=port)
+    serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home), host=host, port=port)
 
 
 @app.command()
@@ -219,14 +222,14 @@ def explore(
     seed_concept: Annotated[str, typer.Argument(help="the concept to explore from")],
     steps: Annotated[int, typer.Option("--steps")] = 3,
     unsafe_regular: Annotated[bool, typer.Option("--regular", help="regular (unprojected) OGD, for comparison")] = False,
-    model: ModelOpt = None,
+    model: ModelOpt = None, backend: BackendOpt = None,
     home: HomeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Safe OGD concept exploration: a chain of steered steps, TEH per step, MIKU index."""
     from isagi.explore import explore as run_explore
 
-    engine = _engine(_settings(model=model, home=home), with_store=False)
+    engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
     result = run_explore(engine.lm, engine.profile.safety, seed_concept, steps=steps, safe=not unsafe_regular,
                          system_prompt=engine.settings.system_prompt)
     data = result.to_dict() if hasattr(result, "to_dict") else result
@@ -245,9 +248,9 @@ def explore(
 
 @profile_app.command("show")
 @friendly
-def profile_show(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Show the profile of the configured model (calibrating first if needed), with the TEH ROC."""
-    engine = _engine(_settings(model=model, home=home), with_store=False)
+    engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
     p = engine.profile
     s = p.safety
     roc = s.roc
@@ -377,21 +380,21 @@ def import_legacy(old: Path, new: Path) -> None:
 
 @bench_app.command("generate")
 @friendly
-def bench_generate(model: ModelOpt = None, device: DeviceOpt = None, home: HomeOpt = None,
+def bench_generate(model: ModelOpt = None, backend: BackendOpt = None, device: DeviceOpt = None, home: HomeOpt = None,
                    new_tokens: int = 64, repeats: int = 5, as_json: JsonOpt = False) -> None:
     """Tokens/s and time to first token for nf4 and none; capture overhead vs plain generate."""
     from isagi.bench.generate import run
 
-    _report(run(_settings(model=model, device=device, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
+    _report(run(_settings(model=model, backend=backend, device=device, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
 
 
 @bench_app.command("turn")
 @friendly
-def bench_turn(model: ModelOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 5, as_json: JsonOpt = False) -> None:
+def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 5, as_json: JsonOpt = False) -> None:
     """A full turn vs plain generation of the same reply; RETRIEVE vs a generated turn."""
     from isagi.bench.turn import run
 
-    _report(run(_settings(model=model, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
+    _report(run(_settings(model=model, backend=backend, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
 
 
 @bench_app.command("lookup")
@@ -461,11 +464,11 @@ def _default_benchmarks() -> Path:
 @friendly
 def eval_tiers(pairs: Annotated[Path | None, typer.Option("--pairs", help="JSONL of {first, second, relation}")] = None,
                no_generate: Annotated[bool, typer.Option("--no-generate", help="store the first query with a placeholder reply")] = False,
-               model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+               model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Tier of the second query of each pair after a fresh session took the first."""
     from isagi.evals.tiers import run
 
-    engine = _engine(_settings(model=model, home=home), with_store=False)
+    engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
     _report(run(engine, pairs, generate=not no_generate), as_json)
 
 
@@ -475,11 +478,11 @@ def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = Non
                 benign: Annotated[Path | None, typer.Option("--benign")] = None,
                 benchmarks: Annotated[Path | None, typer.Option("--benchmarks", help="directory of the public evaluation sets")] = None,
                 method: Annotated[str, typer.Option("--method", help="isagi | seed")] = "isagi",
-                model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+                model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """TPR/FPR per set at the shipped threshold and ROC AUC, out of sample."""
     from isagi.evals.safety import run
 
-    settings = _settings(model=model, home=home)
+    settings = _settings(model=model, backend=backend, home=home)
     engine = _engine(settings, with_store=False)
     bdir = benchmarks or (None if harmful or benign else _default_benchmarks())
     _report(run(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt, benchmarks_dir=bdir,
@@ -492,7 +495,7 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
                    pool: Annotated[list[str] | None, typer.Option("--pool", help="content | last (repeatable)")] = None,
                    shrinkage: Annotated[list[float] | None, typer.Option("--shrinkage", help="repeatable")] = None,
                    offset: Annotated[list[float] | None, typer.Option("--offset", help="repeatable")] = None,
-                   model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+                   model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Cross-validation on the calibration set only: how the safety state and its defaults were chosen."""
     from isagi.errors import InputError
     from isagi.evals.safety_cv import run
@@ -504,10 +507,10 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
     pools = pool or ["content"]
     if any(p not in ("content", "last") for p in pools):
         raise InputError(f"--pool {pools}: use 'content' or 'last'.")
-    from isagi.model import load_model
+    from isagi.engines import load_engine
 
-    settings = _settings(model=model, home=home)
-    lm = load_model(settings)  # no profile needed: this is what a profile's choices rest on
+    settings = _settings(model=model, backend=backend, home=home)
+    lm = load_engine(settings)  # no profile needed: this is what a profile's choices rest on
     _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools,
                 shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0]), as_json)
 
@@ -515,11 +518,11 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
 @eval_app.command("ogd")
 @friendly
 def eval_ogd(benchmarks: Annotated[Path | None, typer.Option("--benchmarks")] = None, alpha: float = 0.15,
-             model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+             model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Safe vs regular OGD exploration; refusals and perplexity with and without Q_f ablation."""
     from isagi.evals.ogd import pipeline_turn, run
 
-    engine = _engine(_settings(model=model, home=home), with_store=False)
+    engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
     _report(run(engine.lm, engine.profile.safety, alpha=alpha, benchmarks_dir=benchmarks or _default_benchmarks(),
                 system_prompt=engine.settings.system_prompt, pipeline=pipeline_turn(engine)), as_json)
 

@@ -18,6 +18,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 QUANT_CHOICES = ("nf4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Settings:
     model: str = "default"
     quant: str = "nf4"
     device: str = "auto"
+    backend: str = "auto"  # auto | llamacpp | transformers (isagi.engines.choose_backend)
+    threads: int | None = None  # llama.cpp threads; None: every core (os.cpu_count())
     database_url: str | None = None
     layer: int | None = None  # None: the model's default (2/3 of its depth)
     safety_layer: int | None = None  # None: the model's default for safety (3/5 of its depth)
@@ -96,6 +99,10 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"quantisation {s.quant!r} is unknown; use one of {', '.join(QUANT_CHOICES)}.")
     if s.device not in DEVICE_CHOICES:
         raise ConfigError(f"device {s.device!r} is unknown; use one of {', '.join(DEVICE_CHOICES)}.")
+    if s.backend not in BACKEND_CHOICES:
+        raise ConfigError(f"backend {s.backend!r} is unknown; use one of {', '.join(BACKEND_CHOICES)} (ISAGI_BACKEND or --backend).")
+    if s.threads is not None and s.threads < 1:
+        raise ConfigError(f"threads={s.threads}: use at least 1 (ISAGI_THREADS).")
     if s.k < 2:
         raise ConfigError(f"k={s.k} is too small; the UGT basis needs at least 2 dimensions.")
     if s.layer is not None and s.layer < 1:
@@ -145,6 +152,10 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["quant"] = v.lower()
     if v := env.get("ISAGI_DEVICE"):
         values["device"] = v.lower()
+    if v := env.get("ISAGI_BACKEND"):
+        values["backend"] = v.lower()
+    if v := env.get("ISAGI_THREADS"):
+        values["threads"] = _int("ISAGI_THREADS", v)
     if v := env.get("ISAGI_DATABASE_URL"):
         values["database_url"] = v
     if v := env.get("ISAGI_LAYER"):

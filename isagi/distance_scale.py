@@ -65,7 +65,7 @@ def calibrate(distances: dict[str, np.ndarray]) -> DistanceScale:
 def calibrate_on_pairs(lm: Any, layer: int, basis: Any, system_prompt: str) -> DistanceScale:
     """Run the calibration pairs through the model and fit the scale."""
     from isagi.data import load_pairs
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
     from isagi.ugt import project
 
     rows = load_pairs("calibration")

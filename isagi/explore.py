@@ -16,9 +16,9 @@ Safe OGD steers generation with s = α ‖h(p)‖ P_safe v̂, P_safe = I − Q_f
 by construction the step has no component along the forbidden subspace
 (‖Q_fᵀ s‖ = 0 up to float error). Regular OGD uses s = α ‖h(p)‖ v̂. The
 vector is added to the residual stream after layer L for every position of
-the step (prompt and reply) through :func:`isagi.hooks.steer_layer`, which
-lives inside :class:`isagi.generation.Generation`'s ``with`` block and is
-removed however the block ends.
+the step (prompt and reply) through the engine's steering (a forward hook on
+transformers, a control vector on llama.cpp), which lives inside the
+decoding's ``with`` block and is removed however the block ends.
 
 What each step reports:
 - ``teh``: TEH (DESIGN §4 formula, :func:`isagi.safety.teh`) of the mean of
@@ -50,7 +50,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from isagi.errors import InputError
 from isagi.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
@@ -178,38 +177,30 @@ def generate_reply(
     max_new_tokens: int,
     steer: np.ndarray | None = None,
     system_prompt: str | None = None,
-) -> tuple[str, np.ndarray, list[int], torch.Tensor]:
-    """Greedy reply to ``prompt`` (optionally steered): text, reply states at L, ids, prompt ids.
+) -> tuple[str, np.ndarray, list[int], list[dict[str, str]]]:
+    """Greedy reply to ``prompt`` (optionally steered): text, reply states at L, ids, the chat.
 
-    The states are the layer-L outputs as the capture hook sees them, before the
-    steering hook adds its vector (Generation installs capture first).
+    The states are the layer-L outputs before the steering vector is added
+    (the engine's capture reads them so, on either backend).
     """
-    from isagi.generation import Generation, GenerationOptions
+    from isagi.engines.base import GenerationOptions
 
-    ids = lm.chat_ids(messages_for(prompt, system_prompt))
-    vec = None if steer is None else torch.as_tensor(np.asarray(steer, np.float32))
-    with Generation(
-        lm, ids, layer, GenerationOptions(max_new_tokens=max_new_tokens), steer=vec
-    ) as gen:
+    messages = messages_for(prompt, system_prompt)
+    vec = None if steer is None else np.asarray(steer, np.float32)
+    with lm.generation(messages, layer, GenerationOptions(max_new_tokens=max_new_tokens), steer=vec) as gen:
         gen.prefill()
         text = "".join(ev.text for ev in gen.stream())
         states = gen.reply_hidden()
         new_ids = list(gen.new_ids)
-    return text.strip(), states, new_ids, ids
+    return text.strip(), states, new_ids, messages
 
 
-def coherence(lm: Any, prompt_ids: torch.Tensor, reply_ids: Sequence[int]) -> float:
+def coherence(lm: Any, messages: list[dict[str, str]], reply_ids: Sequence[int]) -> float:
     """1 − mean NLL of the reply tokens given the prompt (unsteered model) / ln |V|, in [0, 1]."""
     if not reply_ids:
         return 0.0
-    reply = torch.tensor([list(reply_ids)], dtype=torch.long, device=prompt_ids.device)
-    full = torch.cat([prompt_ids, reply], dim=1)
-    with torch.inference_mode():
-        logits = lm.model(input_ids=full).logits[0].float()
-    p = prompt_ids.shape[1]
-    logp = torch.log_softmax(logits[p - 1 : -1], dim=-1)
-    nll = -logp.gather(1, reply[0].unsqueeze(1)).mean().item()
-    return float(np.clip(1.0 - nll / math.log(logits.shape[-1]), 0.0, 1.0))
+    nll = lm.reply_nll(messages, list(reply_ids))
+    return float(np.clip(1.0 - nll / math.log(lm.vocab_size), 0.0, 1.0))
 
 
 def explore(
@@ -233,7 +224,7 @@ def explore(
     product's system prompt (``Settings.system_prompt``), so hidden states are
     read in the frame the safety profile was calibrated in.
     """
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
 
     seed = seed.strip()
     if not seed:
@@ -275,7 +266,7 @@ def explore(
         h_plain, h_div = H[0], H[1]
         v = ogd_direction(h_plain, h_div, h_prev)
         s = step_vector(v, float(np.linalg.norm(h_plain)), alpha, Q if safe else None)
-        text, R, new_ids, prompt_ids = generate_reply(
+        text, R, new_ids, step_chat = generate_reply(
             lm, prompt, L, max_new_tokens, steer=s, system_prompt=system_prompt
         )
         R = R.astype(np.float64)
@@ -301,7 +292,7 @@ def explore(
                 teh_max=float(teh_checks.max()),
                 teh_response=teh_resp,
                 over_threshold=bool(teh_checks.max() > profile.reply_threshold),
-                coherence=coherence(lm, prompt_ids, new_ids),
+                coherence=coherence(lm, step_chat, new_ids),
                 continuity=cont,
                 forbidden_fraction=float(np.linalg.norm(Q.T @ s) / s_norm) if s_norm else 0.0,
                 step_norm=s_norm,

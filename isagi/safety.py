@@ -574,7 +574,7 @@ def _chat(system_prompt: str, text: str) -> list[dict[str, str]]:
 def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
     """Hidden states (n, d), labels (1 harmful / 0 benign), categories and rows of the calibration set."""
     from isagi.data.safety import load_safety_calibration
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
 
     rows = load_safety_calibration()
     H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in rows], layer, progress=progress,
@@ -585,41 +585,8 @@ def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Cal
 
 
 def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16) -> list[np.ndarray]:
-    """Greedy replies to ``prompts`` and the layer-``layer`` states of their tokens (batched)."""
-    import torch
-
-    from isagi.generation import left_padded, mask_positions, pad_id
-    from isagi.hooks import capture_layer
-
-    stops = lm.stop_token_ids
-    out: list[np.ndarray] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        ids, mask = left_padded(lm, chunk)
-        width = ids.shape[1]
-        with torch.inference_mode():
-            gen = lm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=pad_id(lm))
-        new = gen[:, width:]
-        # One teacher-forced pass over prompt + reply gives every reply token's state.
-        full_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
-        lengths = []
-        for i in range(len(chunk)):
-            n = 0
-            for t in new[i].tolist():
-                n += 1
-                if t in stops:
-                    n -= 1
-                    break
-            lengths.append(n)
-        positions = mask_positions(full_mask)
-        with capture_layer(lm.model, layer, keep_all=True) as cap, torch.inference_mode():
-            lm.model(input_ids=gen, attention_mask=full_mask, position_ids=positions, logits_to_keep=1)
-            states = cap.full[-1].float().cpu().numpy()
-        for i, n in enumerate(lengths):
-            # the state at position p is the state "after feeding token p": reply tokens are fed at width..width+n-1
-            out.append(states[i, width : width + n])
-    return out
+    """Greedy replies to ``prompts`` and the layer-``layer`` states (n, d) of their tokens (the engine's own batching)."""
+    return lm.reply_states(prompts, layer, max_new_tokens=max_new_tokens, batch_size=batch_size)
 
 
 def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[str, int, int], None] | None = None) -> SafetyProfile:

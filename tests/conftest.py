@@ -28,10 +28,32 @@ def settings_default(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 @pytest.fixture(scope="session")
 def default_lm(settings_default: Settings):
-    """The real SmolLM2-135M-Instruct in NF4, loaded once for the whole test session."""
+    """The real SmolLM2-135M-Instruct in NF4 through transformers (a LoadedModel), loaded once."""
     from isagi.model import load_model
 
     return load_model(settings_default)
+
+
+@pytest.fixture(scope="session")
+def default_hf(default_lm):
+    """``default_lm`` behind the engine seam: the transformers + bitsandbytes engine."""
+    from isagi.engines.hf import TransformersEngine
+
+    return TransformersEngine(default_lm, backend_reason="tests")
+
+
+@pytest.fixture(scope="session")
+def default_llama(settings_default: Settings):
+    """The embedded GGUF as it is, through llama.cpp (what ``auto`` picks on a CPU), loaded once."""
+    from isagi.engines import load_engine
+
+    return load_engine(settings_default.with_overrides(backend="llamacpp"))
+
+
+@pytest.fixture(scope="session", params=["llamacpp", "transformers"])
+def default_model(request: pytest.FixtureRequest):
+    """The default model behind each backend in turn: tests using it run on both."""
+    return request.getfixturevalue("default_llama" if request.param == "llamacpp" else "default_hf")
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, context: int = 256):
@@ -54,11 +76,13 @@ def tiny_model(kind: str = "llama", seed: int = 0, context: int = 256):
 
 
 @pytest.fixture(scope="session")
-def default_engine(settings_default: Settings, default_lm, tmp_path_factory: pytest.TempPathFactory):
-    """An Engine on the real default model and its profile, with a history store in a temp dir."""
+def default_engine(settings_default: Settings, default_model, tmp_path_factory: pytest.TempPathFactory):
+    """An Engine on the real default model and its profile (each backend in turn), with a
+    history store in a temp dir."""
     from isagi.agent import Engine
     from isagi.profile import load_or_build_profile
 
+    default_lm = default_model
     profile = load_or_build_profile(default_lm, settings_default)
     settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("engine-home"))
     return Engine.start(settings, lm=default_lm, profile=profile)

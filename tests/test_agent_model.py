@@ -20,18 +20,49 @@ def test_repeated_question_is_retrieved_without_generation(default_engine) -> No
     assert again.reply_text == first.reply_text and again.new_tokens == 0
 
 
-def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_engine) -> None:
-    from isagi.hooks import capture_layer
+class _Passes:
+    """Model evaluations during a block: forward calls (transformers) or tokens evaluated (llama.cpp)."""
 
+    def __init__(self, engine) -> None:
+        self.engine, self.stack = engine, None
+
+    def __enter__(self) -> _Passes:
+        from contextlib import ExitStack
+
+        from isagi.hooks import capture_layer
+
+        self.stack = ExitStack()
+        if self.engine.backend == "transformers":
+            self.cap = self.stack.enter_context(capture_layer(self.engine.model, 1))
+        else:
+            self.start = self.engine.evaluated_tokens
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def forward_calls(self) -> int:
+        if self.engine.backend == "transformers":
+            return len(self.cap.last)
+        return self.engine.evaluated_tokens - self.start
+
+    def prefills(self, prompt_tokens: int) -> int:
+        """How many times the prompt was evaluated."""
+        if self.engine.backend == "transformers":
+            return len(self.cap.last)
+        return (self.engine.evaluated_tokens - self.start) / prompt_tokens
+
+
+def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_engine) -> None:
     s = default_engine.new_session()
     default_engine.turn(s, "Why do cats purr?")
-    with capture_layer(default_engine.lm.model, 1) as passes:
+    with _Passes(default_engine.lm) as passes:
         cached = default_engine.turn(s, "Why do cats purr?")
-    assert cached.tier == "RETRIEVE" and passes.last == [], "an exact repeat runs no forward pass"
+    assert cached.tier == "RETRIEVE" and passes.forward_calls() == 0, "an exact repeat runs no forward pass"
     s.prompt_states.clear()
-    with capture_layer(default_engine.lm.model, 1) as passes:
+    with _Passes(default_engine.lm) as passes:
         fresh = default_engine.turn(s, "Why do cats purr?")
-    assert fresh.tier == "RETRIEVE" and len(passes.last) == 1, "without the cache: one prefill"
+    assert fresh.tier == "RETRIEVE" and passes.prefills(fresh.prompt_tokens) == 1, "without the cache: one prefill"
     assert cached.distance == pytest.approx(fresh.distance, abs=1e-6)
     assert cached.teh_prompt == pytest.approx(fresh.teh_prompt, rel=1e-6)
     assert cached.reply_text == fresh.reply_text
@@ -68,15 +99,21 @@ def test_alarming_but_benign_prompt_is_answered(default_engine) -> None:
     assert r.verdict == "ok" and r.generated and r.new_tokens > 0
 
 
+def _left_behind(engine) -> int:
+    """Forward hooks (transformers), or a decoding still holding the KV cache (llama.cpp)."""
+    if engine.backend == "transformers":
+        return count_forward_hooks(engine.model)
+    return int(engine.owner is not None)
+
+
 def test_hooks_are_removed_when_the_consumer_raises(default_engine) -> None:
     s = default_engine.new_session()
-    model = default_engine.lm.model
-    before = count_forward_hooks(model)
+    before = _left_behind(default_engine.lm)
     with pytest.raises(RuntimeError):
         for event in default_engine.stream_turn(s, "Tell me a long story about a dragon."):
             if event.kind == "token":
                 raise RuntimeError("client went away")
-    assert count_forward_hooks(model) == before
+    assert _left_behind(default_engine.lm) == before
     assert not default_engine.generation_lock.locked()
 
 

@@ -82,3 +82,12 @@ def test_web_on_a_taken_port_is_one_line_error_before_loading(tmp_path: Path) ->
     assert f"--port {port + 1}" in out.stderr and f"PORT={port + 1}" in out.stderr
     # refused before anything was loaded or written
     assert not (tmp_path / "models").exists() and not (tmp_path / "profiles").exists()
+
+
+def test_a_backend_that_cannot_load_the_model_is_one_line_error(tmp_path: Path) -> None:
+    out = _isagi(["info", "--backend", "llamacpp", "--model", "someone/some-model"], tmp_path, timeout=300)
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    assert out.returncode == 2 and lines[-1].startswith("error:") and "needs a GGUF model" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = _isagi(["info", "--backend", "vllm"], tmp_path, timeout=300)
+    assert out.returncode == 2 and "auto, llamacpp, transformers" in out.stderr and "Traceback" not in out.stderr

@@ -81,8 +81,10 @@ class _Profile:
 
 
 @pytest.fixture()
-def tiny() -> _TinyLM:
-    return _TinyLM()
+def tiny() -> Any:
+    from isagi.engines.hf import TransformersEngine
+
+    return TransformersEngine(_TinyLM())
 
 
 @pytest.fixture()
@@ -130,18 +132,21 @@ def test_keyword_is_the_last_content_word() -> None:
     assert keyword_for("time") == "time"
 
 
-def test_capture_sees_the_layer_output_before_the_steering_is_added(tiny: _TinyLM) -> None:
+def test_capture_sees_the_layer_output_before_the_steering_is_added(tiny: Any) -> None:
     """explore adds the step itself to the captured states; that is right only if
-    Generation's capture hook runs before its steering hook."""
-    from isagi.generation import Generation, GenerationOptions
+    the engine's capture reads the layer before its steering is added."""
+    from isagi.engines.base import GenerationOptions
 
-    ids = tiny.chat_ids([{"role": "user", "content": "hello"}])
-    s = torch.full((D,), 5.0)
-    with Generation(tiny, ids, 2, GenerationOptions(max_new_tokens=1)) as g:
+    chat = [{"role": "user", "content": "hello"}]
+    s = np.full((D,), 5.0, dtype=np.float32)
+    with tiny.generation(chat, 2, GenerationOptions(max_new_tokens=1), also_capture=(3,)) as g:
         plain = g.prefill()
-    with Generation(tiny, ids, 2, GenerationOptions(max_new_tokens=1), steer=s) as g:
+        plain_next = g.prompt_states(3)
+    with tiny.generation(chat, 2, GenerationOptions(max_new_tokens=1), steer=s, also_capture=(3,)) as g:
         steered = g.prefill()
+        steered_next = g.prompt_states(3)
     assert np.allclose(plain, steered, atol=1e-5)
+    assert not np.allclose(plain_next, steered_next, atol=1e-3)  # the vector did act on the next layer
 
 
 def test_tiny_chain_safe_and_regular(tiny: _TinyLM, profile: _Profile) -> None:
@@ -180,13 +185,14 @@ def test_empty_seed_is_refused(tiny: _TinyLM, profile: _Profile) -> None:
 
 
 @pytest.mark.model
-def test_safe_chain_on_the_default_model(default_lm: Any, settings_default: Any) -> None:
+def test_safe_chain_on_the_default_model(default_model: Any, settings_default: Any) -> None:
     from isagi.profile import load_or_build_profile
 
+    default_lm = default_model
     sp = load_or_build_profile(default_lm, settings_default).safety
     if sp is None:
         pytest.skip("the profile has no safety calibration")
-    hooks_before = count_forward_hooks(default_lm.model)  # transformers may keep hooks of its own
+    hooks_before = _hooks(default_lm)  # transformers may keep hooks of its own
     result = explore(
         default_lm,
         sp,
@@ -200,7 +206,14 @@ def test_safe_chain_on_the_default_model(default_lm: Any, settings_default: Any)
         assert step.text.strip()
         assert step.teh_max < sp.reply_threshold and not step.over_threshold
         assert step.forbidden_fraction < 1e-4
-    assert count_forward_hooks(default_lm.model) == hooks_before
+    assert _hooks(default_lm) == hooks_before
+
+
+def _hooks(engine: Any) -> int:
+    """Forward hooks (transformers) or the steering control vector's presence (llama.cpp) left behind."""
+    if engine.backend == "transformers":
+        return count_forward_hooks(engine.model)
+    return int(engine.owner is not None)
 
 
 def test_xstest_refusal_rule() -> None:
@@ -219,7 +232,7 @@ def test_ablation_attack_zeroes_the_forbidden_component_and_unhooks(tiny: _TinyL
 
     Q = _orthonormal(D, 3, seed=5)
     c = np.random.default_rng(6).normal(size=D)
-    ids = tiny.chat_ids([{"role": "user", "content": "hello there"}])
+    ids = tiny.loaded.chat_ids([{"role": "user", "content": "hello there"}])
     with ablate_forbidden(tiny.model, 2, Q, c), capture_layer(tiny.model, 2, keep_all=True) as cap:
         tiny.model(input_ids=ids)
     H = cap.full[-1][0].numpy().astype(np.float64)

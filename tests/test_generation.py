@@ -191,8 +191,11 @@ def test_the_safety_state_is_the_mean_over_the_message_in_one_pass_or_batched() 
         gen.prefill()
         pooled = gen.prompt_state(3, span=(a, b))
         last = gen.prompt_state(3)
-        with pytest.raises(ValueError, match="keeps only the last position"):
-            gen.prompt_state(2, span=(a, b))
+        main_states = gen.prompt_states(2)  # the main layer keeps the whole prompt too (pooling is above)
+    assert main_states.shape == (ids.shape[1], lm.hidden_size)
+    with torch.inference_mode():
+        ref2 = lm.model(ids, output_hidden_states=True).hidden_states[2][0]
+    np.testing.assert_allclose(main_states, ref2.numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(pooled, ref, rtol=1e-5, atol=1e-5)
     assert not np.allclose(pooled, last)
     batched = prompt_hidden_states(lm, chats, 3, pool="content")
@@ -201,6 +204,14 @@ def test_the_safety_state_is_the_mean_over_the_message_in_one_pass_or_batched() 
     np.testing.assert_allclose(batched[1], ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="pool="):
         prompt_hidden_states(lm, chats, 3, pool="max")
+    # The same through the engine seam: per-token states from the engine, pooled above it.
+    from isagi.engines.hf import TransformersEngine
+    from isagi.pooling import prompt_hidden_states as pooled_states
+
+    engine = TransformersEngine(lm)
+    np.testing.assert_allclose(pooled_states(engine, chats, 3, pool="content", batch_size=2), batched, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(pooled_states(engine, chats, 3, batch_size=2), prompt_hidden_states(lm, chats, 3),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_an_empty_message_is_stood_for_by_the_last_prompt_token() -> None:

@@ -12,12 +12,18 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
+def default_lm(default_model):
+    """Each backend in turn (the name the tests below were written with)."""
+    return default_model
+
+
+@pytest.fixture(scope="module")
 def safety(default_lm, settings_default) -> SafetyProfile:
     return build_safety_profile(default_lm, default_lm.default_safety_layer, settings_default.system_prompt)
 
 
 def _h(lm, settings, texts: list[str], layer: int) -> np.ndarray:
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
 
     msgs = [[{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": t}] for t in texts]
     return prompt_hidden_states(lm, msgs, layer, pool="content")

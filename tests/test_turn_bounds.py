@@ -42,7 +42,9 @@ def _engine(tmp_path: Any, **overrides: Any) -> Engine:
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT))
     lm = LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id="stub", source="config",
                      fingerprint="test", quant="none", device=torch.device("cpu"), device_reason="test")
-    return Engine(settings, lm, profile=None)
+    from isagi.engines.hf import TransformersEngine
+
+    return Engine(settings, TransformersEngine(lm), profile=None)
 
 
 def _session(exchanges: list[tuple[str, str, str]]) -> Session:

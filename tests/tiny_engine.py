@@ -31,8 +31,9 @@ import torch
 from isagi.agent import Engine
 from isagi.config import Settings, load_settings
 from isagi.distance_scale import SEED
-from isagi.generation import prompt_hidden_states
+from isagi.engines.hf import TransformersEngine
 from isagi.model import LoadedModel
+from isagi.pooling import prompt_hidden_states
 from isagi.profile import Profile
 from isagi.safety import SafetyProfile
 from isagi.ugt import Zones, fit_basis, project
@@ -64,8 +65,8 @@ class ByteTokenizer:
 
 
 @functools.cache
-def tiny_lm() -> LoadedModel:
-    """The tiny model, built once per test process (it is only read)."""
+def tiny_lm() -> TransformersEngine:
+    """The tiny model behind the transformers engine, built once per test process (it is only read)."""
     from tests.conftest import tiny_model
 
     # Matrices this small run fastest on one thread; on a shared machine, many
@@ -79,9 +80,10 @@ def tiny_lm() -> LoadedModel:
         keep = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool)
         keep[32:127] = True
         model.lm_head.weight[~keep] = 0.0
-    return LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id="tiny/llama-random", source="config",
-                       fingerprint="tiny-" + "0" * 59, quant="none", device=torch.device("cpu"),
-                       device_reason="test")
+    loaded = LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id="tiny/llama-random", source="config",
+                         fingerprint="tiny-" + "0" * 59, quant="none", device=torch.device("cpu"),
+                         device_reason="test")
+    return TransformersEngine(loaded, backend_reason="tests: a tiny random model")
 
 
 def _random_texts(rng: np.random.Generator, n: int) -> list[str]:

@@ -1,7 +1,9 @@
 """``isagi bench turn``: what the living manifold costs a turn, and what RETRIEVE saves.
 
-In one run, on the configured model: plain ``model.generate`` of a reply to a
-question (``generate_s``); a full ISAGI turn producing the same reply in a
+In one run, on the configured model and backend: plain generation of a reply
+to a question without ISAGI (``generate_s``: llama-cpp-python's own ``Llama``
+on the llama.cpp backend, same GGUF and threads; ``model.generate`` on the
+transformers backend); a full ISAGI turn producing the same reply in a
 fresh session, with lookup, TEH on the prompt and on the streaming reply,
 metric update, memory store, history row and ``.miku`` autosave
 (``turn_s``); the same question asked again, answered from memory
@@ -21,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from isagi.config import Settings
-from isagi.generation import GenerationOptions
+from isagi.engines.base import GenerationOptions
 
 QUESTION = "Explain in a few sentences why the sky is blue."
 
@@ -42,7 +42,6 @@ def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> f
 
 def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
     from isagi.agent import Engine
-    from isagi.generation import Generation
     from isagi.safety import ReplyGuard
 
     with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
@@ -53,13 +52,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         lm = engine.lm
         options = GenerationOptions(max_new_tokens=new_tokens)
         messages = [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": QUESTION}]
-        ids = lm.chat_ids(messages)
-
-        def plain() -> tuple[float, list[int]]:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                out = lm.model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-            return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
+        plain = _plain_generator(lm, messages, new_tokens)
 
         plain()  # warm-up
         gen_t, turn_t, ret_t, ret_u = [], [], [], []
@@ -73,7 +66,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             start = time.perf_counter()
             result = engine.turn(session, QUESTION, options=options)
             turn_t.append(time.perf_counter() - start)
-            same = same and result.reply_text.strip() == lm.tokenizer.decode(plain_ids, skip_special_tokens=True).strip()
+            same = same and result.reply_text.strip() == lm.detokenize(plain_ids).strip()
             start = time.perf_counter()
             again = engine.turn(session, QUESTION, options=options)
             ret_t.append(time.perf_counter() - start)
@@ -84,7 +77,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             ret_u.append(time.perf_counter() - start)
             assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
         safety_layer = engine.profile.safety.layer
-        with Generation(lm, ids, engine.layer, options, also_capture=(safety_layer,)) as gen:
+        with lm.generation(messages, engine.layer, options, also_capture=(safety_layer,)) as gen:
             gen.prefill()
             for _ in gen.stream():
                 pass
@@ -99,6 +92,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
     med = statistics.median
     return {
         "model": lm.model_id,
+        "backend": lm.backend,
         "device": str(lm.device),
         "quant": lm.quant,
         "question": QUESTION,
@@ -106,6 +100,8 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         "same_reply_as_generate": same,
         "generate_s": round(med(gen_t), 4),
         "turn_s": round(med(turn_t), 4),
+        "turn_s_range": [round(min(turn_t), 4), round(max(turn_t), 4)],
+        "generate_s_range": [round(min(gen_t), 4), round(max(gen_t), 4)],
         "turn_ratio": round(med(turn_t) / med(gen_t), 4),
         "retrieve_s": round(med(ret_t), 5),
         "retrieve_speedup": round(med(turn_t) / med(ret_t), 1),
@@ -114,3 +110,33 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         "teh_s": round(teh_s, 5),
         "teh_share": round(teh_s / med(turn_t), 5),
     }
+
+
+def _plain_generator(lm: Any, messages: list[dict[str, str]], new_tokens: int) -> Any:
+    """A callable timing one plain greedy generation of the reply, without ISAGI: (seconds, new ids)."""
+    ids = lm.chat_tokens(messages)
+    stops = lm.stop_token_ids
+    if lm.backend == "llamacpp":
+        from isagi.bench.plain_llama import PlainLlama
+
+        llm = PlainLlama(lm.source, n_threads=lm.n_threads, n_ctx=lm.context_length)
+
+        def plain_llama() -> tuple[float, list[int]]:
+            seconds, _first, new = llm.generate(ids, new_tokens, stop_ids=stops)
+            return seconds, new
+
+        return plain_llama
+
+    import torch
+
+    prompt = torch.tensor([ids])
+
+    def plain_hf() -> tuple[float, list[int]]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = lm.model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        new = out[0, prompt.shape[1]:].tolist()
+        cut = next((i for i, t in enumerate(new) if t in stops), len(new))
+        return time.perf_counter() - start, new[:cut]
+
+    return plain_hf

@@ -175,7 +175,7 @@ def reply_nll(
 
 def pipeline_turn(engine: Any) -> Callable[[str, int], tuple[str, str]]:
     """One full ISAGI turn in a fresh, unsaved, unrecorded session: ``(reply, verdict)``."""
-    from isagi.generation import GenerationOptions
+    from isagi.engines.base import GenerationOptions
 
     def turn(prompt: str, max_new_tokens: int) -> tuple[str, str]:
         session = engine.new_session(autosave=False)
@@ -233,6 +233,13 @@ def run(
     ``system_prompt``: pass ``Settings.system_prompt`` so every chat is read in
     the frame the safety profile was calibrated in (the product's own frame).
     """
+    if getattr(lm, "backend", "transformers") != "transformers":
+        from isagi.errors import ConfigError
+
+        raise ConfigError(
+            "isagi eval ogd ablates the forbidden subspace with a forward hook, which only the "
+            "transformers engine has: run it with --backend transformers."
+        )
     L = int(layer if layer is not None else profile.layer)
     seeds = list(seeds) if seeds else list(DEFAULT_SEEDS)
     say = progress or (lambda _msg: None)
@@ -263,6 +270,7 @@ def run(
             }
         )
 
+    lm = getattr(lm, "loaded", lm)  # the batched attack below works on the torch model itself
     adv = sample(load_advbench(benchmarks_dir), n_prompts)
     alp = sample(load_alpaca_seed(benchmarks_dir, with_input=True), n_prompts)
     replies: dict[str, dict[str, list[list[int]]]] = {}

@@ -51,7 +51,7 @@ _CACHE: dict[tuple[Any, ...], np.ndarray] = {}  # hidden states per (model, laye
 
 def _states(lm: Any, system_prompt: str, layer: int, texts: list[str]) -> np.ndarray:
     """Hidden states of ``texts``; both methods of one run share them."""
-    from isagi.generation import prompt_hidden_states
+    from isagi.pooling import prompt_hidden_states
 
     key = (lm.fingerprint, layer, system_prompt, tuple(texts))
     if key not in _CACHE:

@@ -47,7 +47,7 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
         offsets: list[float], progress: Any = None) -> dict[str, Any]:
     """Calibration states at ``layers`` (one forward pass per batch and pooling), then :func:`grid`."""
     from isagi.data.safety import load_safety_calibration
-    from isagi.generation import prompt_hidden_states_at
+    from isagi.pooling import prompt_hidden_states_at
     from isagi.safety import _chat
 
     rows = load_safety_calibration()

@@ -49,7 +49,7 @@ def load_pairs_file(path: Path | None) -> list[dict[str, Any]]:
 
 
 def run(engine: Any, pairs: Path | None, *, generate: bool = False, progress: Any = None) -> dict[str, Any]:
-    from isagi.generation import GenerationOptions
+    from isagi.engines.base import GenerationOptions
 
     rows = load_pairs_file(pairs)
     counts: dict[str, Counter[str]] = {r: Counter() for r in RELATIONS}

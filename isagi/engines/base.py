@@ -1,0 +1,214 @@
+"""The engine seam: what a turn needs from a language model, and nothing more.
+
+Owns the :class:`ModelEngine` protocol (one loaded model behind one backend)
+and the :class:`Decoding` protocol (one reply: a prefill that keeps its KV
+cache, then a streaming decode from it), plus the plain data types both
+backends share (:class:`GenerationOptions`, :class:`TokenEvent`).
+
+Everything above this seam (agent, profile, safety, explore, evals, benches)
+talks only to these protocols; :mod:`isagi.engines.hf` (transformers +
+bitsandbytes) and :mod:`isagi.engines.llamacpp` (llama.cpp through
+llama-cpp-python) implement them. States cross the seam *unpooled*: a prefill
+hands back the per-token states of the prompt at the layers asked for, and
+pooling (last token, mean over the message's span, ...) lives above it in
+:mod:`isagi.pooling`, so the safety code chooses its positions without the
+backends knowing.
+
+Layer numbering is transformers' ``hidden_states`` convention everywhere:
+layer ``L`` (1..num_layers) is the output of decoder block ``L - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+BACKENDS = ("llamacpp", "transformers")
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How to pick tokens. Greedy unless ``do_sample``."""
+
+    max_new_tokens: int = 256
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 50
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks only: decode exactly max_new_tokens
+
+
+@dataclass
+class TokenEvent:
+    """One decoded token: the text it adds (possibly empty mid-character) and its id."""
+
+    text: str
+    token_id: int
+
+
+@runtime_checkable
+class Decoding(Protocol):
+    """One reply: a single prefill, then decoding from its KV cache.
+
+    Used as a context manager; whatever it installs on the model (hooks,
+    callbacks, control vectors) lives exactly as long as the ``with`` block.
+    """
+
+    new_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "cancelled" once the stream ends
+
+    def __enter__(self) -> Decoding: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def prefill(self) -> np.ndarray:
+        """Run the prompt once (keeping its KV cache); h (d,) at the main layer's last prompt token."""
+        ...
+
+    def prompt_states(self, layer: int | None = None) -> np.ndarray:
+        """States (T, d) of every prompt token at ``layer`` (main layer by default), after prefill."""
+        ...
+
+    def prompt_state(self, layer: int | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
+        """The last prompt token's state, or the mean over ``span`` (pooled above the protocol)."""
+        ...
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Decode from the prefill's cache until a stop token, the length limit or :meth:`stop`."""
+        ...
+
+    def stop(self) -> None:
+        """End decoding after the current token (thread-safe; checked between tokens)."""
+        ...
+
+    def reply_hidden(self, layer: int | None = None) -> np.ndarray:
+        """States (n, d) of the reply tokens fed back so far at ``layer`` (the guard's checkpoints)."""
+        ...
+
+
+@runtime_checkable
+class ModelEngine(Protocol):
+    """A loaded chat model behind one backend."""
+
+    backend: str  # "llamacpp" or "transformers"
+    backend_reason: str  # why this backend was chosen (``isagi info``)
+    model_id: str
+    source: str
+    fingerprint: str
+    quant: str
+    device: str
+    device_reason: str
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def default_layer(self) -> int: ...
+
+    @property
+    def default_safety_layer(self) -> int: ...
+
+    @property
+    def context_length(self) -> int | None: ...
+
+    @property
+    def stop_token_ids(self) -> set[int]: ...
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` in the model's chat template, ready to answer."""
+        ...
+
+    def content_span(self, messages: list[dict[str, str]]) -> tuple[int, int]:
+        """Token positions ``[start, end)`` of the last message's text in :meth:`chat_tokens`."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` alone (no template, no special tokens)."""
+        ...
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of ``ids`` without special tokens."""
+        ...
+
+    def generation(
+        self,
+        messages: list[dict[str, str]],
+        layer: int,
+        options: GenerationOptions | None = None,
+        *,
+        also_capture: tuple[int, ...] = (),
+        steer: np.ndarray | None = None,
+    ) -> Decoding:
+        """A reply to ``messages`` capturing ``layer`` (and ``also_capture``); ``steer`` adds a
+        vector to the output of ``layer`` (explore only; captured states are read before it)."""
+        ...
+
+    def iter_prompt_states(
+        self,
+        chats: list[list[dict[str, str]]],
+        layers: list[int],
+        *,
+        batch_size: int = 16,
+        progress: Callable[[int], None] | None = None,
+    ) -> Iterator[dict[int, np.ndarray]]:
+        """Per chat, in order: {layer: states (T, d) of every prompt token} (calibration)."""
+        ...
+
+    def reply_states(
+        self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
+    ) -> list[np.ndarray]:
+        """Greedy replies to ``chats`` and the ``layer`` states (n, d) of their tokens."""
+        ...
+
+    def reply_nll(self, messages: list[dict[str, str]], reply_ids: list[int]) -> float:
+        """Mean negative log-likelihood of ``reply_ids`` after ``messages`` (unsteered)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def footprint_bytes(self) -> int: ...
+
+
+def check_layer(layer: int, num_layers: int) -> None:
+    """Raise :class:`~isagi.errors.ConfigError` for a layer outside 1..num_layers."""
+    if not 1 <= layer <= num_layers:
+        from isagi.errors import ConfigError
+
+        raise ConfigError(
+            f"layer {layer} is out of range for this model: use 1..{num_layers} (ISAGI_LAYER or --layer)."
+        )
+
+
+def span_by_difference(full: list[int], empty: list[int]) -> tuple[int, int]:
+    """Token positions ``[start, end)`` of the last message's text in ``full``.
+
+    ``empty`` is the same chat with the last message's text removed: what the
+    two share at the front and at the back is the template; the rest is the
+    message. Works for any chat template without parsing it. An empty message
+    is stood for by the last prompt token.
+    """
+    start = 0
+    while start < min(len(full), len(empty)) and full[start] == empty[start]:
+        start += 1
+    back = 0
+    while back < min(len(full), len(empty)) - start and full[-1 - back] == empty[-1 - back]:
+        back += 1
+    end = len(full) - back
+    if end <= start:
+        return len(full) - 1, len(full)
+    return start, end

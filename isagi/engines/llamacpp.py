@@ -1,0 +1,671 @@
+"""The llama.cpp engine: a GGUF on the CPU through llama-cpp-python's low-level API.
+
+Owns loading a GGUF (the embedded default is read as it is, no conversion),
+the chat template (the GGUF's own Jinja template, rendered as transformers
+renders it, then tokenised by llama.cpp), reading layer outputs, decoding
+with llama.cpp's sampler chain, steering through the control-vector API, and
+cancelling between tokens.
+
+Layer outputs. llama.cpp names the residual stream after block ``il``
+(0-based) ``l_out-<il>``; that is transformers' ``hidden_states[il + 1]``,
+so ISAGI's layer ``L`` is ``l_out-<L-1>`` (checked numerically by the
+model-tier test against transformers fp32 on the dequantised GGUF). They are
+read in the scheduler's eval callback (``llama_context_params.cb_eval``):
+on the ``ask`` call the callback says which nodes it wants; the scheduler
+then splits the graph after each wanted node and calls back with the data,
+which on the CPU backend is host memory, copied out with numpy.
+
+What the callback costs, measured on the embedded SmolLM2-135M Q4_1, 2 threads,
+64 greedy tokens (``/tmp`` scripts while writing this; rerun the figures with
+``isagi bench generate``): the decode graph has ~936 nodes, so an installed
+callback is ~936 Python calls per token even when it wants nothing. Plain
+decoding ~105 tokens/s; callback installed but returning ``False`` at once
+~100 tokens/s (~5 %); callback capturing two layers at every token ~90
+tokens/s. The alternative with no callback on the decode context at all -- a
+second context holding the KV cache that re-evaluates each guard window of 8
+reply tokens as one batch to capture them -- ran at ~56 tokens/s: on two
+cores an 8-token batch costs about four single-token steps, far more than the
+callback. So ISAGI uses ONE context with the callback installed; it answers
+``False`` at once whenever nothing is being captured, and while capturing it
+checks node names only for nodes that are ``l_out`` candidates, remembered by
+their index in the graph (the decode graph's node order repeats from token to
+token; a wrong guess is caught on the data call, which always checks the
+name, and the token is re-evaluated with full name checks). The prefill
+therefore is evaluated exactly once and every reply token once, with its
+states at the layers asked for.
+
+Calibration (prompt states only, no decoding after them) goes one step
+further: once the last wanted layer is copied the callback answers ``False``
+on the data call, which ends the graph's compute, so the later blocks and the
+output head (a third of SmolLM2's weights) are skipped; 621 of 936 nodes run
+for layers 18 and 20. Such a context's KV cache above those layers is left
+unwritten, so it is cleared before any other use.
+
+Under CPU contention (several processes on two cores) llama.cpp's threads
+wait on each other at every node; ``ISAGI_THREADS=1`` then runs faster than
+two threads. Benchmarks in this repository are rough for that reason.
+
+Steering: ``llama_set_adapter_cvec`` adds a vector to ``l_out-<il>`` for
+``il_start <= il <= il_end``; its buffer starts at ``il = 1`` (block 0 has no
+control tensor), so ISAGI's layer ``L`` (>= 2) is slot ``L - 2`` of the
+buffer. The captured state at a steered layer is read after the vector is
+added; the engine subtracts it again, so states mean what the transformers
+engine's capture hook sees (before its steering hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from isagi.engines.base import GenerationOptions, TokenEvent, check_layer
+from isagi.errors import ModelLoadError
+from isagi.pooling import last_token, span_mean
+
+_GGML_MAX_DIMS = 4
+
+
+class _GgmlTensor(ctypes.Structure):
+    """The leading fields of ``struct ggml_tensor`` (vendor/llama.cpp/ggml/include/ggml.h)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+_NAME_OFFSET = _GgmlTensor.name.offset
+_GGML_TYPE_F32 = 0
+_LOG_SILENCER: Any = None
+
+
+def _silence_llama_log(llama_cpp: Any) -> None:
+    """llama.cpp logs every load step to stderr; ISAGI reports its own errors."""
+    global _LOG_SILENCER
+    if _LOG_SILENCER is None:
+        _LOG_SILENCER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_a: None)
+        llama_cpp.llama_log_set(_LOG_SILENCER, None)
+
+
+class _Capture:
+    """The eval callback's state: which ``l_out`` nodes to copy, and what was copied."""
+
+    def __init__(self) -> None:
+        self.wanted: dict[bytes, int] | None = None  # name -> ISAGI layer, None: capture nothing
+        self.rows: dict[int, list[np.ndarray]] = {}
+        self.index = 0  # node index within the current graph compute
+        self.guess: dict[int, bool] = {}  # node index -> wanted, learned from names
+        self.n_tokens = 0
+        self.missed = False
+        self.truncate = False  # stop the graph once every wanted layer is read (prompt states only)
+        self.pending = 0
+
+    def start(self, wanted: dict[bytes, int], n_tokens: int, truncate: bool = False) -> None:
+        if n_tokens != self.n_tokens:
+            self.guess = {}
+        self.wanted, self.n_tokens = wanted, n_tokens
+        self.rows = {layer: [] for layer in wanted.values()}
+        self.index = 0
+        self.missed = False
+        self.truncate, self.pending = truncate, len(wanted)
+
+    def stop(self) -> None:
+        self.wanted = None
+
+    def callback(self, t: int, ask: bool, _user: Any) -> bool:
+        wanted = self.wanted
+        if wanted is None:
+            return False
+        if ask:
+            i = self.index
+            self.index = i + 1
+            guess = self.guess.get(i)
+            if guess is None:
+                name = ctypes.string_at(t + _NAME_OFFSET, 16).split(b"\0", 1)[0]
+                guess = self.guess[i] = name in wanted
+            return guess
+        tensor = _GgmlTensor.from_address(t)
+        layer = wanted.get(tensor.name)
+        if layer is None or tensor.type != _GGML_TYPE_F32:
+            self.missed = True  # the remembered node order was wrong for this graph
+            return True
+        d, n = int(tensor.ne[0]), int(tensor.ne[1])
+        buf = (ctypes.c_float * (d * n)).from_address(tensor.data)
+        self.rows[layer].append(np.ctypeslib.as_array(buf).reshape(n, d).copy())
+        self.pending -= 1
+        # False ends this graph's compute: the later layers and the output head are skipped.
+        return not (self.truncate and self.pending == 0)
+
+    def complete(self) -> bool:
+        return not self.missed and all(self.rows.values())
+
+
+class LlamaCppEngine:
+    """A GGUF model in one llama.cpp context (see the module docstring for the design)."""
+
+    backend = "llamacpp"
+    device = "cpu"
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        model_id: str,
+        fingerprint: str,
+        n_threads: int | None = None,
+        n_ctx: int = 4096,
+        backend_reason: str = "",
+    ) -> None:
+        import llama_cpp
+
+        self._ll = ll = llama_cpp
+        _silence_llama_log(ll)
+        ll.llama_backend_init()
+        self.model_id, self.source, self.fingerprint = model_id, str(path), fingerprint
+        self.backend_reason = backend_reason
+        self.n_threads = int(n_threads or os.cpu_count() or 1)
+        self.device_reason = f"llama.cpp runs GGUF models on the CPU ({self.n_threads} threads)"
+        params = ll.llama_model_default_params()
+        self._model = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path}: is it a complete GGUF file? Re-download it, or "
+                "use --backend transformers with a Hugging Face model directory."
+            )
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        self._n_embd = int(ll.llama_model_n_embd(self._model))
+        self._n_layer = int(ll.llama_model_n_layer(self._model))
+        self._n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
+        desc = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self._model, desc, len(desc))
+        # e.g. "llama ?B Q4_1": the GGUF's own quantisation, part of the profile key
+        self.quant = "gguf-" + (desc.value.decode("utf-8", "replace").split() or ["unknown"])[-1]
+        self._capture = _Capture()
+        self._cb = ll.ggml_backend_sched_eval_callback(self._capture.callback)  # kept alive with the engine
+        cparams = ll.llama_context_default_params()
+        self._n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
+        cparams.n_ctx = self._n_ctx
+        cparams.n_batch = cparams.n_ubatch = 512
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.cb_eval = self._cb
+        cparams.cb_eval_user_data = None
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {self._n_ctx} tokens for {path}.")
+        self._mem = ll.llama_get_memory(self._ctx)
+        self._template = self._load_template()
+        self._stop_ids: set[int] | None = None
+        self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
+        self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
+        self.evaluated_tokens = 0  # tokens run through the model (tests: no prompt token twice)
+
+    # -- facts ----------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self._n_layer
+
+    @property
+    def hidden_size(self) -> int:
+        return self._n_embd
+
+    @property
+    def default_layer(self) -> int:
+        return max(1, round(self._n_layer * 2 / 3))
+
+    @property
+    def default_safety_layer(self) -> int:
+        return max(1, round(self._n_layer * 3 / 5))
+
+    @property
+    def context_length(self) -> int:
+        return self._n_ctx
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        if self._stop_ids is None:
+            self._stop_ids = {t for t in range(self._n_vocab) if self._ll.llama_vocab_is_eog(self._vocab, t)}
+        return set(self._stop_ids)
+
+    def check_layer(self, layer: int) -> None:
+        """Layers 1..num_layers-1: the last block's output holds only the logit rows in llama.cpp."""
+        check_layer(layer, self._n_layer - 1)
+
+    def footprint_bytes(self) -> int:
+        return int(self._ll.llama_model_size(self._model)) + int(self._ll.llama_state_get_size(self._ctx))
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self._ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            self._ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- text -----------------------------------------------------------------
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _load_template(self) -> Any:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        source = self._ll.llama_model_chat_template(self._model, None)
+        if not source:
+            raise ModelLoadError(
+                f"{self.source} has no chat template; ISAGI needs an instruction-tuned (chat) model."
+            )
+
+        def raise_exception(message: str) -> None:
+            from jinja2.exceptions import TemplateError
+
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(source.decode("utf-8") if isinstance(source, bytes) else source)
+
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(256)
+        n = self._ll.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._ll.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        data = text.encode("utf-8", "surrogatepass")
+        cap = len(data) + 16
+        buf = (self._ll.llama_token * cap)()
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, cap, False, special)
+        if n < 0:
+            cap = -n
+            buf = (self._ll.llama_token * cap)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, cap, False, special)
+        return [int(t) for t in buf[:n]]
+
+    def chat_text(self, messages: list[dict[str, str]]) -> str:
+        eos = self._piece(self._ll.llama_vocab_eos(self._vocab), special=True).decode("utf-8", "replace")
+        bos = self._piece(self._ll.llama_vocab_bos(self._vocab), special=True).decode("utf-8", "replace")
+        return self._template.render(messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenize(self.chat_text(messages), special=True)
+
+    def content_span(self, messages: list[dict[str, str]]) -> tuple[int, int]:
+        from isagi.engines.base import span_by_difference
+
+        return span_by_difference(self.chat_tokens(messages),
+                                  self.chat_tokens([*messages[:-1], {**messages[-1], "content": ""}]))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenize(text, special=False))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return b"".join(self._piece(t) for t in ids).decode("utf-8", "replace")
+
+    # -- compute --------------------------------------------------------------
+    def _clear(self, owner: object | None) -> None:
+        self._ll.llama_memory_clear(self._mem, True)
+        self.owner = owner
+
+    def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
+                truncate: bool = False) -> dict[int, np.ndarray]:
+        """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
+
+        ``truncate``: stop computing once the captured layers are read; the KV cache
+        above them and the logits are then left unwritten, so only for states alone.
+        """
+        with self.lock:
+            return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate)
+
+    def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
+                       truncate: bool = False) -> dict[int, np.ndarray]:
+        ll = self._ll
+        rows: dict[int, list[np.ndarray]] = {layer: [] for layer in (capture or {}).values()}
+        n_batch = 512
+        for off in range(0, len(ids), n_batch):
+            chunk = ids[off : off + n_batch]
+            for attempt in range(2):
+                if capture:
+                    self._capture.start(capture, len(chunk), truncate=truncate)
+                    if attempt:
+                        self._capture.guess = {}
+                try:
+                    status = self._run_batch(chunk, start + off, all_logits=all_logits, last=off + len(chunk) == len(ids))
+                finally:
+                    self._capture.stop()
+                if status != 0:
+                    raise RuntimeError(f"llama_decode failed with status {status} (context {self._n_ctx} tokens)")
+                self.evaluated_tokens += len(chunk)
+                if not capture or self._capture.complete():
+                    break
+                # A remembered node index pointed at the wrong node: evaluate this chunk again, checking names.
+                ll.llama_memory_seq_rm(self._mem, 0, start + off, -1)
+                self.evaluated_tokens -= len(chunk)
+            else:  # pragma: no cover - the graph has no such node
+                raise RuntimeError(f"llama.cpp produced no {sorted(capture or {})} outputs")
+            for layer, got in (self._capture.rows.items() if capture else ()):
+                rows[layer].append(np.concatenate(got) if len(got) > 1 else got[0])
+        return {layer: np.concatenate(parts).astype(np.float32, copy=False) for layer, parts in rows.items() if parts}
+
+    def _run_batch(self, chunk: list[int], pos: int, *, all_logits: bool, last: bool) -> int:
+        ll = self._ll
+        if not all_logits:  # positions follow the sequence; logits for the last token only
+            arr = (ll.llama_token * len(chunk))(*chunk)
+            return int(ll.llama_decode(self._ctx, ll.llama_batch_get_one(arr, len(chunk))))
+        batch = ll.llama_batch_init(len(chunk), 0, 1)
+        try:
+            for i, tok in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = pos + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = True
+            batch.n_tokens = len(chunk)
+            return int(ll.llama_decode(self._ctx, batch))
+        finally:
+            ll.llama_batch_free(batch)
+
+    @staticmethod
+    def _names(layers: list[int]) -> dict[bytes, int]:
+        return {f"l_out-{layer - 1}".encode(): layer for layer in layers}
+
+    def _logits(self, i: int = -1) -> np.ndarray:
+        ptr = self._ll.llama_get_logits_ith(self._ctx, i)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def generation(
+        self,
+        messages: list[dict[str, str]],
+        layer: int,
+        options: GenerationOptions | None = None,
+        *,
+        also_capture: tuple[int, ...] = (),
+        steer: np.ndarray | None = None,
+        capture_reply: bool = True,
+    ) -> LlamaCppDecoding:
+        """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
+        return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
+                                steer=steer, capture_reply=capture_reply)
+
+    def iter_prompt_states(
+        self,
+        chats: list[list[dict[str, str]]],
+        layers: list[int],
+        *,
+        batch_size: int = 16,
+        progress: Callable[[int], None] | None = None,
+    ) -> Iterator[dict[int, np.ndarray]]:
+        for layer in layers:
+            self.check_layer(layer)
+        names = self._names(layers)
+        for chat in chats:
+            ids = self.chat_tokens(chat)
+            self._clear(None)
+            states = self._decode(ids, 0, capture=names, truncate=True)
+            yield states
+            if progress is not None:  # one prompt at a time: progress moves with every prompt
+                progress(1)
+
+    def reply_states(
+        self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
+    ) -> list[np.ndarray]:
+        out = []
+        for chat in chats:
+            with self.generation(chat, layer, GenerationOptions(max_new_tokens=max_new_tokens)) as gen:
+                for _ in gen.stream():
+                    pass
+                out.append(gen.reply_hidden(layer))
+        return out
+
+    def reply_nll(self, messages: list[dict[str, str]], reply_ids: list[int]) -> float:
+        if not reply_ids:
+            return math.inf
+        prompt = self.chat_tokens(messages)
+        ids = prompt + list(reply_ids)
+        self._clear(None)
+        self._decode(ids, 0, capture=None, all_logits=True)
+        total = 0.0
+        for j, tok in enumerate(reply_ids):
+            logits = self._logits(len(prompt) - 1 + j).astype(np.float64)
+            top = logits.max()
+            total += float(top + math.log(np.exp(logits - top).sum()) - logits[tok])
+        return total / len(reply_ids)
+
+
+class _Utf8Stream:
+    """Bytes of token pieces to text deltas, holding back a split UTF-8 character."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.text = ""
+
+    def push(self, piece: bytes) -> str:
+        data = self.pending + piece
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                delta = data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            self.pending = data[cut:]
+            self.text += delta
+            return delta
+        delta = data.decode("utf-8", "replace")  # not a split character: genuinely invalid bytes
+        self.pending = b""
+        self.text += delta
+        return delta
+
+
+class LlamaCppDecoding:
+    """One reply in the engine's context: a single prefill, then decoding from its KV cache."""
+
+    def __init__(
+        self,
+        engine: LlamaCppEngine,
+        ids: list[int],
+        layer: int,
+        options: GenerationOptions | None = None,
+        *,
+        also_capture: tuple[int, ...] = (),
+        steer: np.ndarray | None = None,
+        capture_reply: bool = True,
+    ) -> None:
+        engine.check_layer(layer)
+        for extra in also_capture:
+            engine.check_layer(int(extra))
+        self.engine = engine
+        self.ids = list(ids)
+        self.layer = int(layer)
+        self.layers = sorted({self.layer, *(int(x) for x in also_capture)})
+        self.options = options or GenerationOptions()
+        self.steer = None if steer is None else np.asarray(steer, dtype=np.float32).reshape(-1)
+        self.new_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._stop = threading.Event()
+        self._prompt: dict[int, np.ndarray] | None = None
+        self._reply: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
+        self._utf8 = _Utf8Stream()
+        self._sampler: Any = None
+        self._entered = False
+        self._steering = False
+        self.capture_reply = capture_reply
+
+    # -- lifetime -------------------------------------------------------------
+    def __enter__(self) -> LlamaCppDecoding:
+        self._entered = True
+        try:
+            if self.steer is not None:
+                self._set_steer(self.steer)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._entered:
+            return
+        e = self.engine
+        try:
+            if self._steering:
+                e._ll.llama_set_adapter_cvec(e._ctx, None, 0, e.hidden_size, -1, -1)
+                self._steering = False
+            if self._sampler is not None:
+                e._ll.llama_sampler_free(self._sampler)
+                self._sampler = None
+            if e.owner is self:
+                e._clear(None)
+        finally:
+            self._entered = False
+
+    def _set_steer(self, vector: np.ndarray) -> None:
+        e = self.engine
+        if self.layer < 2:
+            from isagi.errors import ConfigError
+
+            raise ConfigError("llama.cpp cannot steer layer 1 (block 0 has no control vector); use a layer >= 2.")
+        if vector.shape != (e.hidden_size,):
+            raise ValueError(f"steering vector has shape {vector.shape}, expected ({e.hidden_size},)")
+        il = self.layer - 1
+        data = np.zeros(e.hidden_size * il, dtype=np.float32)  # slots for il = 1..il
+        data[e.hidden_size * (il - 1) :] = vector
+        ptr = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if e._ll.llama_set_adapter_cvec(e._ctx, ptr, data.size, e.hidden_size, il, il) != 0:
+            raise RuntimeError("llama.cpp refused the control vector")
+        self._steering = True
+
+    def _unsteer(self, layer: int, states: np.ndarray) -> np.ndarray:
+        if self.steer is not None and layer == self.layer:
+            return states - self.steer
+        return states
+
+    # -- the protocol ---------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def text(self) -> str:
+        return self._utf8.text
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def prefill(self) -> np.ndarray:
+        assert self._entered, "use the decoding inside a with block"
+        e = self.engine
+        e._clear(self)
+        states = e._decode(self.ids, 0, capture=e._names(self.layers))
+        self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
+        return last_token(self._prompt[self.layer])
+
+    def prompt_states(self, layer: int | None = None) -> np.ndarray:
+        assert self._prompt is not None, "call prefill() first"
+        layer = self.layer if layer is None else int(layer)
+        if layer not in self._prompt:
+            raise ValueError(f"layer {layer} is not captured: pass it in also_capture")
+        return self._prompt[layer]
+
+    def prompt_state(self, layer: int | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
+        states = self.prompt_states(layer)
+        return last_token(states) if span is None else span_mean(states, span)
+
+    def last_hidden(self) -> np.ndarray:
+        got = self._reply[self.layer]
+        return got[-1][0] if got else self.prompt_state()
+
+    def reply_hidden(self, layer: int | None = None) -> np.ndarray:
+        layer = self.layer if layer is None else int(layer)
+        if layer not in self._reply:
+            raise ValueError(f"layer {layer} is not captured: pass it in also_capture")
+        got = self._reply[layer]
+        if not got:
+            return np.zeros((0, self.engine.hidden_size), dtype=np.float32)
+        return np.concatenate(got)
+
+    def _make_sampler(self) -> Any:
+        ll, opts = self.engine._ll, self.options
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if opts.ignore_eos:
+            stops = sorted(self.engine.stop_token_ids)
+            bias = (ll.llama_logit_bias * len(stops))(*[ll.llama_logit_bias(t, -math.inf) for t in stops])
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_logit_bias(self.engine.vocab_size, len(stops), bias))
+        if opts.repetition_penalty != 1.0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(64, opts.repetition_penalty, 0.0, 0.0))
+        if opts.do_sample:
+            if opts.top_k > 0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(opts.top_k))
+            if opts.top_p < 1.0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(opts.top_p, 1))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(opts.temperature))
+            seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        else:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+        return chain
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Decode from the prefill's cache; every fed-back reply token is captured at the layers asked for."""
+        assert self._entered, "use the decoding inside a with block"
+        e = self.engine
+        if self._prompt is None:
+            self.prefill()
+        if e.owner is not self:
+            raise RuntimeError("another decoding used the model since this prefill; open a new one")
+        if self._sampler is None:
+            self._sampler = self._make_sampler()
+        opts = self.options
+        stop_ids = set() if opts.ignore_eos else e.stop_token_ids
+        names = e._names(self.layers) if self.capture_reply else None
+        pos = len(self.ids)
+        while True:
+            if self._stop.is_set():
+                self.finish_reason = "cancelled"
+                return
+            if len(self.new_ids) >= opts.max_new_tokens:
+                self.finish_reason = "length"
+                return
+            token = int(e._ll.llama_sampler_sample(self._sampler, e._ctx, -1))
+            if token in stop_ids:
+                self.finish_reason = "stop"
+                return
+            self.new_ids.append(token)
+            yield TokenEvent(self._utf8.push(e._piece(token)), token)
+            if len(self.new_ids) >= opts.max_new_tokens or self._stop.is_set():
+                continue  # no forward pass for a token that will not be continued
+            if pos >= e.context_length:
+                self.finish_reason = "length"
+                return
+            states = e._decode([token], pos, capture=names)
+            pos += 1
+            for layer, s in states.items():
+                self._reply[layer].append(self._unsteer(layer, s))

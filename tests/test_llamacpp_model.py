@@ -1,0 +1,211 @@
+"""The llama.cpp engine on the embedded GGUF: layer numbering checked against
+transformers fp32 on the same (dequantised) weights, the KV cache reused,
+cancel, steering, sampling, and nothing left installed afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from isagi.engines.base import GenerationOptions
+
+pytestmark = pytest.mark.model
+
+CHATS = [
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]
+    for text in ("What is the capital of France?", "How do I kill a Python process?",
+                 "Write a short poem about the sea and the wind.")
+]
+
+
+@pytest.fixture(scope="module")
+def fp32(settings_default):
+    """transformers in fp32 on the GGUF's dequantised weights (ISAGI_QUANT=none)."""
+    from isagi.engines import load_engine
+
+    return load_engine(settings_default.with_overrides(backend="transformers", quant="none"))
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def test_both_backends_read_the_same_chat_tokens_and_message_span(default_llama, fp32) -> None:
+    for chat in CHATS:
+        assert default_llama.chat_tokens(chat) == fp32.chat_tokens(chat)
+        assert default_llama.content_span(chat) == fp32.content_span(chat)
+        assert default_llama.count_tokens(chat[-1]["content"]) == fp32.count_tokens(chat[-1]["content"])
+
+
+def test_layer_numbering_agrees_with_transformers_fp32(default_llama, fp32) -> None:
+    """l_out-(L-1) of llama.cpp is transformers' hidden_states[L]: per-token cosine >= 0.98
+    at the memory layer and the safety layer (Q4_1 compute vs fp32 on its dequantised weights),
+    while the neighbouring layer is clearly further away (a numbering off by one would fail)."""
+    L, S = default_llama.default_layer, default_llama.default_safety_layer
+    layers = [L, S, L - 1]
+    ours = list(default_llama.iter_prompt_states(CHATS, layers))
+    ref = list(fp32.iter_prompt_states(CHATS, layers))
+    for a, b in zip(ours, ref, strict=True):
+        for layer in (L, S):
+            assert a[layer].shape == b[layer].shape
+            cos = _cos(a[layer][1:], b[layer][1:])  # position 0 is an attention sink with a huge norm
+            assert cos.min() >= 0.98, (layer, cos.min())
+        off_by_one = _cos(a[L][1:], b[L - 1][1:]).mean()
+        assert off_by_one < _cos(a[L][1:], b[L][1:]).mean() - 0.005
+
+
+def test_the_prompt_is_evaluated_once_and_decoding_continues_from_its_cache(default_llama) -> None:
+    e = default_llama
+    before = e.evaluated_tokens
+    with e.generation(CHATS[0], e.default_layer, GenerationOptions(max_new_tokens=8, ignore_eos=True),
+                      also_capture=(e.default_safety_layer,)) as gen:
+        h = gen.prefill()
+        assert e.evaluated_tokens - before == gen.prompt_tokens
+        np.testing.assert_array_equal(h, gen.prompt_states()[-1])
+        list(gen.stream())
+        assert len(gen.new_ids) == 8
+        # every reply token but the last was fed back once; the prompt was never evaluated again
+        assert e.evaluated_tokens - before == gen.prompt_tokens + 7
+        assert gen.reply_hidden().shape == gen.reply_hidden(e.default_safety_layer).shape == (7, e.hidden_size)
+    # the reply states are the same as evaluating prompt + reply in one pass
+    full = [*CHATS[0]]
+    ids = e.chat_tokens(full) + gen.new_ids[:7]
+    e._clear(None)
+    states = e._decode(ids, 0, capture=e._names([e.default_layer]))[e.default_layer]
+    assert _cos(states[-7:], gen.reply_hidden()).min() > 0.999
+
+
+def test_cancel_stops_between_tokens(default_llama) -> None:
+    with default_llama.generation(CHATS[2], default_llama.default_layer,
+                                  GenerationOptions(max_new_tokens=50, ignore_eos=True)) as gen:
+        for n, _event in enumerate(gen.stream(), 1):
+            if n == 3:
+                gen.stop()
+        assert gen.finish_reason == "cancelled" and len(gen.new_ids) == 3
+
+
+def _greedy(engine, steer=None, n=16) -> tuple[list[int], np.ndarray]:
+    with engine.generation(CHATS[2], engine.default_layer, GenerationOptions(max_new_tokens=n, ignore_eos=True),
+                           steer=steer, also_capture=(engine.default_layer + 1,)) as gen:
+        gen.prefill()
+        list(gen.stream())
+        return list(gen.new_ids), gen.prompt_states(engine.default_layer + 1)
+
+
+def test_steering_changes_the_reply_and_a_zero_vector_does_not(default_llama) -> None:
+    e = default_llama
+    plain_ids, plain_next = _greedy(e)
+    zero_ids, zero_next = _greedy(e, steer=np.zeros(e.hidden_size, np.float32))
+    assert zero_ids == plain_ids
+    np.testing.assert_allclose(zero_next, plain_next, rtol=1e-4, atol=1e-4)
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal(e.hidden_size).astype(np.float32)
+    v *= 4 * np.linalg.norm(plain_next[-1]) / np.linalg.norm(v)
+    with e.generation(CHATS[2], e.default_layer, GenerationOptions(max_new_tokens=16, ignore_eos=True), steer=v) as gen:
+        h = gen.prefill()
+        steered_ids = [ev.token_id for ev in gen.stream()]
+    assert steered_ids != plain_ids
+    # the captured state at the steered layer is read before the vector (as on transformers)
+    with e.generation(CHATS[2], e.default_layer) as gen:
+        np.testing.assert_allclose(h, gen.prefill(), rtol=1e-3, atol=1e-3)
+    assert _greedy(e)[0] == plain_ids  # the control vector is gone after the block
+
+
+def test_steering_layer_one_is_refused_with_a_clear_error(default_llama) -> None:
+    from isagi.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="layer >= 2"), default_llama.generation(
+            CHATS[0], 1, steer=np.ones(default_llama.hidden_size, np.float32)):
+        pass
+
+
+def test_sampling_with_a_seed_is_reproducible(default_llama) -> None:
+    opts = GenerationOptions(max_new_tokens=12, do_sample=True, temperature=1.0, seed=7, ignore_eos=True)
+
+    def sample(o: GenerationOptions) -> list[int]:
+        with default_llama.generation(CHATS[2], default_llama.default_layer, o) as gen:
+            return [ev.token_id for ev in gen.stream()]
+
+    first = sample(opts)
+    assert sample(opts) == first
+    others = [sample(GenerationOptions(**{**opts.__dict__, "seed": s})) for s in (8, 9, 10)]
+    assert any(o != first for o in others)
+
+
+def test_nothing_stays_installed_when_the_consumer_raises(default_llama) -> None:
+    e = default_llama
+    plain_ids, _ = _greedy(e)
+    with pytest.raises(RuntimeError, match="client"), e.generation(
+            CHATS[0], e.default_layer, steer=np.ones(e.hidden_size, np.float32)) as gen:
+        for _ in gen.stream():
+            raise RuntimeError("client went away")
+    assert e._capture.wanted is None and e.owner is None
+    assert _greedy(e)[0] == plain_ids  # no control vector left behind
+
+
+def test_a_layer_out_of_range_is_a_clear_error(default_llama) -> None:
+    from isagi.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="out of range"):
+        default_llama.generation(CHATS[0], default_llama.num_layers)
+
+
+def _every(rows: list, key, n: int) -> list:
+    """The first ``n`` rows of each group (groups by ``key(row)``), in order."""
+    seen: dict = {}
+    out = []
+    for r in rows:
+        k = key(r)
+        if seen.get(k, 0) < n:
+            seen[k] = seen.get(k, 0) + 1
+            out.append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_profile(default_llama, settings_default):
+    """A profile fitted on llama.cpp states of a few rows of the corpora.
+
+    The same fitting functions as a full profile (which reads ~2,000 prompts and
+    generates calibration replies: tens of minutes on a busy 2-core machine), on
+    two zone rows per zone and three safety rows per label and category, without
+    the reply threshold's calibration replies. It tests the turn's mechanics on
+    this backend; its thresholds mean little.
+    """
+    from isagi.data import load_zones
+    from isagi.data.safety import load_safety_calibration
+    from isagi.pooling import prompt_hidden_states
+    from isagi.profile import Profile
+    from isagi.safety import SAFETY_POOL, _chat, fit_safety_profile
+    from isagi.ugt import fit_basis, fit_zones, project
+
+    system, e = settings_default.system_prompt, default_llama
+    zones = _every(load_zones(), lambda r: r["zone"], 2)
+    H = prompt_hidden_states(e, [_chat(system, r["text"]) for r in zones], e.default_layer)
+    basis = fit_basis(H, 8)
+    rows = _every(load_safety_calibration(), lambda r: (r["label"], r["category"]), 3)
+    S = prompt_hidden_states(e, [_chat(system, r["text"]) for r in rows], e.default_safety_layer, pool=SAFETY_POOL)
+    safety = fit_safety_profile(S, np.array([r["label"] == "harmful" for r in rows], dtype=int),
+                                np.array([r["category"] for r in rows]), e.default_safety_layer)
+    return Profile(key="small", model_fingerprint=e.fingerprint, layer=e.default_layer, k=8, basis=basis,
+                   zones=fit_zones(project(basis, H), [r["zone"] for r in zones]), safety=safety,
+                   context_threshold=0.5)
+
+
+def test_the_turn_runs_end_to_end_on_llamacpp(default_llama, small_profile, settings_default, tmp_path) -> None:
+    from isagi.agent import Engine
+
+    engine = Engine(settings_default.with_overrides(home=tmp_path, backend="llamacpp"), default_llama, small_profile)
+    session = engine.new_session(autosave=False)
+    before = default_llama.evaluated_tokens
+    result = engine.turn(session, "Name three colours of the rainbow.", record=False)
+    assert result.verdict in ("ok", "refused", "withheld")
+    if result.verdict == "ok":
+        assert result.generated and result.new_tokens > 0 and result.reply.strip()
+        # one prefill of the prompt, then each reply token fed back once (the last one only when
+        # decoding went on to sample a stop token)
+        spent = default_llama.evaluated_tokens - before
+        assert spent in (result.prompt_tokens + result.new_tokens - 1, result.prompt_tokens + result.new_tokens)
+        again = engine.turn(session, "Name three colours of the rainbow.", record=False)
+        assert again.tier == "RETRIEVE" and again.reply == result.reply and not again.generated
+    assert default_llama.owner is None and default_llama._capture.wanted is None
