@@ -599,7 +599,7 @@ class WebUI:
             self.engine  # noqa: B018 - raises while loading
         except EngineLoading as exc:
             return (sid, self._warn(str(exc)), *self.view(sid, colour_by, owner))
-        self.registry.release(sid, owner=owner)
+        self.registry.release(sid, park=True, owner=owner)
         try:
             new = self.registry.create(owner, client)
         except SessionLimit as exc:
@@ -670,7 +670,7 @@ class WebUI:
         finally:
             _remove_upload(path)
         try:
-            self.registry.release(sid, owner=owner)
+            self.registry.release(sid, park=True, owner=owner)
             new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *(gr.skip(),) * 6)
@@ -769,9 +769,9 @@ class WebUI:
                 session = self.registry.entry(chosen, owner).session
             except (KeyError, EngineLoading, IsagiError) as exc:
                 return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
-            self.registry.release(sid, owner=owner)
-            note = (f"Switched to “{md_cell(_short(session.title or chosen, 80))}” ({session.turns} turns, "
-                    f"{len(session.memory)} trajectories), open in this browser.")
+            self.registry.release(sid, park=True, owner=owner)
+            note = (f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({session.turns} turns, "
+                    f"{len(session.memory)} trajectories).")
             return (chosen, note, *self.view(chosen, colour_by, owner), gr.Tabs(selected="chat"))
         summary = self._own_summary(chosen, owner)
         if summary is None:
@@ -786,7 +786,7 @@ class WebUI:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
         session.id = chosen
         try:
-            self.registry.release(sid, owner=owner)
+            self.registry.release(sid, park=True, owner=owner)
             new = self.registry.adopt(session, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *keep[2:])

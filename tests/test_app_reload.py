@@ -136,7 +136,7 @@ def test_resume_of_ones_own_live_session_switches_to_it(alice_world):
     live_before = set(ui.registry.live_ids("alice"))
     entry = ui.registry.entry(a, "alice")
     out = quiet(ui.resume, a, other_tab, "tier", request=ALICE)
-    assert out[0] == a and "Switched to" in out[1] and "copy" not in out[1]
+    assert out[0] == a and "Resumed" in out[1] and "copy" not in out[1]
     assert _user_texts(out[2]) == [f"{SECRET} one", f"{SECRET} two"]
     assert ui.registry.entry(a, "alice") is entry  # the live one, not a copy
     assert set(ui.registry.live_ids("alice")) == live_before - {other_tab}  # no new session
@@ -199,3 +199,18 @@ def test_a_closed_tabs_state_parks_its_session(tmp_path):
     assert sid not in registry and registry.holds(sid, "local")
     assert registry.entry(sid).session.messages[0]["text"] == "keep me"
     assert [b for b in blocks.blocks.values() if isinstance(b, gr.BrowserState)]
+
+
+def test_two_tabs_of_one_browser_share_the_session_and_new_chat_in_one_loses_nothing(alice_world):
+    """Browser storage is shared by a browser's tabs: a second tab opens the same session.
+    New chat (or an upload, or Resume) in one tab parks the old session, so the other
+    tab, still on it, goes on in it (same id, all its messages) instead of a new one."""
+    ui, engine, store, a = alice_world
+    tab2 = quiet(ui.on_load, a, "tier", ALICE)[LOAD_SID]
+    assert tab2 == a
+    b = quiet(ui.new_chat, a, "tier", ALICE)[0]
+    assert b != a and ui.registry.holds(a, "alice")
+    out = quiet(ui.send, "tab one goes on", a, 4, False, 0.7, "tier", ALICE)[-1]  # tab 1, still on a
+    assert out[STATE] == a
+    assert _user_texts(out[CHAT]) == [f"{SECRET} one", f"{SECRET} two", "tab one goes on"]
+    assert store.get_session(a, owner="alice").turns == 3
