@@ -674,7 +674,8 @@ class WebUI:
             new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *(gr.skip(),) * 6)
-        gr.Info(f"Loaded {len(session.memory)} trajectories and {session.turns} turns.")
+        # No pop-up notice: the note says it, and a later refused file replaces the note, so the
+        # page never says "Loaded" beside that error.
         return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {session.turns} turns.",
                 *self.view(new, colour_by, owner))
 
@@ -1106,8 +1107,11 @@ def build_blocks(ui: WebUI) -> Any:
         delete.click(R(ui.delete, ["chosen", "sid"]), [chosen, state], [table, sessions_note], api_name=False,
                      **light_q)
         save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
+        # The box is emptied once the file is read (loaded or refused): it never shows an earlier
+        # file beside a later error, and it takes the next file at once.
         upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
-                      [state, files_note, *view_out], api_name="load_miku", **light_q)
+                      [state, files_note, *view_out], api_name="load_miku", **light_q
+                      ).then(lambda: None, None, upload, api_name=False, queue=False)
         run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
                      **model_q)
     return demo

@@ -124,3 +124,27 @@ def test_resume_of_ones_own_live_session_does_not_fork(fake_url, context_of, scr
     wait_ready(tab2)
     wait_text(tab2, "#isagi-manifold-summary", a)
     assert session_id(tab2) == a
+
+
+def test_a_rejected_upload_does_not_still_say_loaded(fake_url, context_of, tmp_path, screenshot_dir):
+    """A good .miku, then a corrupted one: the page shows the error only, nothing that
+    still says "Loaded" (not the note, not a lingering notice), and the open session stays."""
+    page = open_page(context_of(), fake_url)
+    send_and_wait(page, "What is a prime number?")
+    open_tab(page, "Sessions")
+    page.click("#isagi-save")
+    page.wait_for_selector("#isagi-download a")
+    with page.expect_download() as dl:
+        page.locator("#isagi-download a").first.click()
+    good = tmp_path / "good.miku"
+    dl.value.save_as(good)
+    page.set_input_files("#isagi-upload input[type=file]", str(good))
+    wait_text(page, "#isagi-files-note", "Loaded")
+    sid = session_id(page)
+    bad = tmp_path / "corrupted.miku"
+    bad.write_bytes(b"MIKU" + bytes(range(256)) * 8)
+    page.set_input_files("#isagi-upload input[type=file]", str(bad))
+    wait_text(page, "#isagi-files-note", "Could not load corrupted.miku")
+    page.screenshot(path=str(screenshot_dir / "rejected-upload-after-a-good-one.png"), full_page=True)
+    assert "Loaded" not in page.inner_text("body")
+    assert session_id(page) == sid
