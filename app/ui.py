@@ -5,7 +5,10 @@ Owns the layout and the event handlers. Handlers get the browser's session
 :class:`~app.sessions.SessionRegistry`; the Session itself never enters
 Gradio's state. The server-side Session is the single source of truth: the
 chat display is re-rendered from ``session.messages`` (raw text, rendered as
-markdown only on the page) and is never read back from the browser.
+markdown only on the page) and is never read back from the browser. The id is
+also kept in the browser's storage (``gr.BrowserState``), so a page reload
+reopens the same session (:meth:`WebUI.on_load`); a load makes no session, the
+first message does.
 
 Model work (a turn, Regenerate, an exploration) runs in one Gradio
 concurrency group of size 1 (``concurrency_id="model"``), so generation on
