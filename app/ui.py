@@ -396,7 +396,7 @@ class WebUI:
             return None
 
     def on_tick(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
-        """While loading: refresh the banner; once ready: create the session and stop the timer."""
+        """While loading: refresh the banner; once ready: reopen the browser's session (if any), stop the timer."""
         import gradio as gr
 
         if not (self.holder.ready or self.holder.failed):
