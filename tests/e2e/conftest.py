@@ -121,6 +121,17 @@ def fake_url(tmp_path_factory: pytest.TempPathFactory):
         yield url
 
 
+@pytest.fixture(scope="session")
+def fake_auth_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL of a live app on the fake engine with ``ISAGI_AUTH="alice:a,bob:b"``
+    (or ``ISAGI_E2E_AUTH_URL``, a running server with those two users)."""
+    if url := os.environ.get("ISAGI_E2E_AUTH_URL"):
+        yield url.rstrip("/") + "/"
+        return
+    with live_server(tmp_path_factory, fake=True, auth=",".join(f"{u}:{p}" for u, p in TWO_USERS.items())) as url:
+        yield url
+
+
 def open_page(ctx, url: str):
     """A page of ``ctx`` on ``url``, once the app is ready (its banner counts live sessions)."""
     page = ctx.new_page()

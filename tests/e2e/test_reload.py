@@ -148,3 +148,36 @@ def test_a_rejected_upload_does_not_still_say_loaded(fake_url, context_of, tmp_p
     page.screenshot(path=str(screenshot_dir / "rejected-upload-after-a-good-one.png"), full_page=True)
     assert "Loaded" not in page.inner_text("body")
     assert session_id(page) == sid
+
+
+def _login(page, url: str, user: str, password: str) -> None:
+    page.goto(url)
+    page.locator("input[type=text]").first.fill(user)
+    page.locator("input[type=password]").first.fill(password)
+    page.get_by_role("button", name="Login").click()
+    wait_ready(page)
+
+
+def test_under_a_login_a_reload_keeps_the_users_session_and_another_user_gets_none_of_it(
+        fake_auth_url, context_of, screenshot_dir):
+    """One browser (one storage): alice chats and reloads (her session comes back); she
+    logs out and bob logs in on the same browser: the stored id is hers, so his page
+    opens nothing of it."""
+    secret = "zebra-quartz-4242"
+    ctx = context_of()
+    page = ctx.new_page()
+    page.set_default_timeout(120_000)
+    _login(page, fake_auth_url, "alice", "a")
+    send_and_wait(page, f"The code word is {secret}.")
+    a = session_id(page)
+    page.reload()
+    wait_ready(page)
+    wait_text(page, "#isagi-manifold-summary", a)
+    assert secret in page.inner_text("#isagi-chat")
+    page.goto(fake_auth_url + "logout")
+    _login(page, fake_auth_url, "bob", "b")
+    page.wait_for_timeout(1000)
+    body = page.inner_text("body")
+    page.screenshot(path=str(screenshot_dir / "reload-other-user-same-browser.png"), full_page=True)
+    assert secret not in body and a not in body
+    assert trajectories(page) == 0 and badges(page) == []
