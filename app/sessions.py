@@ -8,7 +8,9 @@ FAISS index must not be); every handler looks the Session up here.
 What it guarantees:
 
 - Isolation: each id maps to its own Session object; an adopted session whose
-  id is already live gets a fresh id, so two browsers never share one.
+  id is already live gets a fresh id, so two browsers never share one. A page
+  reload (the id kept in the browser's storage) reopens its owner's own session
+  under its id (:meth:`SessionRegistry.reopen`): tabs of one browser share it.
 - One user of a session at a time: each entry has a plain ``threading.Lock``
   (not an RLock: a streaming handler takes it in one worker thread and may
   release it in another), held for the whole of a turn, a save or a load.
@@ -287,6 +289,31 @@ class SessionRegistry:
             session.miku_path = self._autosave_path(session.id)
             self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
         return session.id
+
+    def reopen(self, session: Any, *, owner: str = LOCAL_OWNER, client: str | None = None) -> str:
+        """Make ``owner``'s saved ``session`` live again under its own id (a page reload,
+        a Resume); returns that id, never a fork.
+
+        If the id is already live or parked for ``owner`` (another tab of the same
+        browser got there first), that one is kept and ``session`` is dropped; an id
+        live or parked for another owner raises ``KeyError``. Raises
+        :class:`SessionLimit` at a cap.
+        """
+        sid = session.id
+        with self._guard:
+            entry = self._entries.get(sid)
+            parked = self._parked.get(sid)
+            if entry is not None or parked is not None:
+                if (entry.owner if entry is not None else parked[1]) != owner:  # type: ignore[index]
+                    raise KeyError(sid)
+            else:
+                self._admit(owner, client)
+                session.owner = owner
+                session.miku_path = self._autosave_path(sid)
+                self._entries[sid] = Entry(session, owner=owner, client=client, last_used=self._clock())
+                return sid
+        self.entry(sid, owner)  # live: touch it; parked: resume it from its file
+        return sid
 
     # -- using -------------------------------------------------------------------
     def entry(self, sid: str | None, owner: str = LOCAL_OWNER) -> Entry:

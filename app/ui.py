@@ -5,7 +5,10 @@ Owns the layout and the event handlers. Handlers get the browser's session
 :class:`~app.sessions.SessionRegistry`; the Session itself never enters
 Gradio's state. The server-side Session is the single source of truth: the
 chat display is re-rendered from the session's turns (``session.messages``: raw text, rendered as
-markdown only on the page) and is never read back from the browser.
+markdown only on the page) and is never read back from the browser. The id is
+also kept in the browser's storage (``gr.BrowserState``), so a page reload
+reopens the same session (:meth:`WebUI.on_load`); a load makes no session, the
+first message does.
 
 Model work (a turn, Regenerate, an exploration) runs in one Gradio
 concurrency group of size 1 (``concurrency_id="model"``), so generation on
@@ -352,18 +355,53 @@ class WebUI:
 
     # -- page load and loading banner --------------------------------------
     def on_load(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
+        """Page load: ``sid`` is the id the browser kept (its storage), or None.
+
+        A reload shows the same session (same id, conversation and memory): live,
+        parked, or reopened from its autosaved ``.miku`` when the history says it
+        is the caller's. An unknown id, another owner's, or none opens nothing: the
+        first message makes a session (a load never makes an empty one).
+        """
         owner, client = self.who(request)
         if owner is None:
             return (None, NOT_LOGGED_IN, *self.view(None, colour_by, None))
         if self.holder.ready:
             try:
-                sid, _ = self.registry.ensure(sid, owner, client)
+                sid = self._reattach(sid, owner, client)
             except SessionLimit as exc:
                 return (None, f"**{exc}**", *self.view(None, colour_by, owner))
         return (sid, self.status_line(owner), *self.view(sid, colour_by, owner))
 
+    def _reattach(self, sid: Any, owner: str, client: str | None) -> str | None:
+        """``owner``'s session ``sid`` made live under its own id, or None (unknown,
+        another owner's, or no saved state: nothing of it is read)."""
+        from isagi.errors import IsagiError
+        from isagi.session_io import load_session
+
+        if not is_session_id(sid):
+            return None
+        try:
+            self.registry.entry(sid, owner)  # live, or parked (evicted): resumed from its file
+            return sid
+        except KeyError:
+            pass
+        summary = self._own_summary(sid, owner)  # another owner's id: None, as an unknown one
+        path = self._autosave_of(summary) if summary is not None else None
+        if path is None:
+            return None
+        try:
+            session = load_session(self.engine, path)
+        except (IsagiError, EngineLoading) as exc:
+            log.warning("could not reopen session %s on page load: %s", sid, exc)
+            return None
+        session.id = sid
+        try:
+            return self.registry.reopen(session, owner=owner, client=client)
+        except KeyError:
+            return None
+
     def on_tick(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
-        """While loading: refresh the banner; once ready: create the session and stop the timer."""
+        """While loading: refresh the banner; once ready: reopen the browser's session (if any), stop the timer."""
         import gradio as gr
 
         if not (self.holder.ready or self.holder.failed):
@@ -576,7 +614,7 @@ class WebUI:
             self.engine  # noqa: B018 - raises while loading
         except EngineLoading as exc:
             return (sid, self._warn(str(exc)), *self.view(sid, colour_by, owner))
-        self.registry.release(sid, owner=owner)
+        self.registry.release(sid, park=True, owner=owner)
         try:
             new = self.registry.create(owner, client)
         except SessionLimit as exc:
@@ -647,11 +685,12 @@ class WebUI:
         finally:
             _remove_upload(path)
         try:
-            self.registry.release(sid, owner=owner)
+            self.registry.release(sid, park=True, owner=owner)
             new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *(gr.skip(),) * 6)
-        gr.Info(f"Loaded {len(session.memory)} trajectories and {len(session.turns)} turns.")
+        # No pop-up notice: the note says it, and a later refused file replaces the note, so the
+        # page never says "Loaded" beside that error.
         return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns.",
                 *self.view(new, colour_by, owner))
 
@@ -726,7 +765,8 @@ class WebUI:
         return None
 
     def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
-        """Open one of the caller's past sessions from its saved living state (its autosaved ``.miku``)."""
+        """Open one of the caller's past sessions: their own live (or parked) one is switched
+        to under its id, never forked; another from its saved living state (its autosaved ``.miku``)."""
         import gradio as gr
 
         from isagi.errors import IsagiError
@@ -739,6 +779,16 @@ class WebUI:
             return (sid, self._warn("Pick a session in the table first."), *keep[2:])
         if owner is not None and chosen == sid and self.registry.holds(sid, owner):
             return (sid, "That session is already open.", *self.view(sid, colour_by, owner), gr.Tabs(selected="chat"))
+        if owner is not None and is_session_id(chosen) and self.registry.holds(chosen, owner):
+            # The caller's own live (or parked) session, e.g. open in another tab: switch to it.
+            try:
+                session = self.registry.entry(chosen, owner).session
+            except (KeyError, EngineLoading, IsagiError) as exc:
+                return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
+            self.registry.release(sid, park=True, owner=owner)
+            note = (f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({len(session.turns)} turns, "
+                    f"{len(session.memory)} trajectories).")
+            return (chosen, note, *self.view(chosen, colour_by, owner), gr.Tabs(selected="chat"))
         summary = self._own_summary(chosen, owner)
         if summary is None:
             return (sid, self._warn(f"No session {md_cell(_short(chosen, 64))} in your history."), *keep[2:])
@@ -752,7 +802,7 @@ class WebUI:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
         session.id = chosen
         try:
-            self.registry.release(sid, owner=owner)
+            self.registry.release(sid, park=True, owner=owner)
             new = self.registry.adopt(session, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *keep[2:])
@@ -936,8 +986,16 @@ def build_blocks(ui: WebUI) -> Any:
     light_q = {"concurrency_limit": 8}
     with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
                    delete_cache=GRADIO_CACHE_DELETE) as demo:
-        # A closed tab's state: the server releases whatever that tab held (any owner).
-        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid, owner=None) if sid else None)
+        # A closed tab's state (Gradio drops it an hour after the tab closed): its session is saved
+        # and parked, not forgotten, so a page that has reopened it since (a reload) resumes it
+        # from its file under the same id.
+        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid, park=True, owner=None)
+                         if sid else None)
+        # The same id in the browser's storage, read at page load: a reload reopens the session.
+        # The storage key and "secret" are fixed so a restarted server still reads it; the secret
+        # is sent to the page (Gradio's obfuscation, not a protection): the server trusts the
+        # id no more than any other input (owner checks in every handler).
+        stored = gr.BrowserState(None, storage_key="isagi-session-id", secret="isagi-session-id-v1")
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
         status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
         timer = gr.Timer(2.0, active=not ui.holder.ready)
@@ -1021,8 +1079,12 @@ def build_blocks(ui: WebUI) -> Any:
         turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot]
         gen_in = [max_tokens, sample, temperature, colour_by]
 
-        demo.load(R(ui.on_load, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out],
+        demo.load(R(ui.on_load, ["sid", "colour_by"]), [stored, colour_by], [state, status, *view_out],
                   api_name=False, **light_q)
+        # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
+        # in the browser; None (none yet) leaves the stored id (Gradio writes only a value).
+        state.change(lambda sid: sid if is_session_id(sid) else gr.skip(), state, stored,
+                     api_name=False, queue=False)
         timer.tick(R(ui.on_tick, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out, timer],
                    show_progress="hidden", api_name=False, **light_q)
         send_fn = R(ui.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"])
@@ -1060,8 +1122,11 @@ def build_blocks(ui: WebUI) -> Any:
         delete.click(R(ui.delete, ["chosen", "sid"]), [chosen, state], [table, sessions_note], api_name=False,
                      **light_q)
         save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
+        # The box is emptied once the file is read (loaded or refused): it never shows an earlier
+        # file beside a later error, and it takes the next file at once.
         upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
-                      [state, files_note, *view_out], api_name="load_miku", **light_q)
+                      [state, files_note, *view_out], api_name="load_miku", **light_q
+                      ).then(lambda: None, None, upload, api_name=False, queue=False)
         run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
                      **model_q)
     return demo

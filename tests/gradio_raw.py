@@ -50,7 +50,7 @@ class RawGradio:
         c = self.components[comp_id]
         kind = c.get("type") or c.get("props", {}).get("name")
         props = c.get("props", {})
-        if kind in ("textbox", "state"):
+        if kind in ("textbox", "state", "browserstate"):
             return alice_id
         if kind == "slider":
             return props.get("minimum", 8)

@@ -60,7 +60,7 @@ def make_ui(tmp_path: Path, **settings_kw) -> tuple[WebUI, Engine, HistoryStore]
 @pytest.fixture
 def world(tmp_path):
     ui, engine, store = make_ui(tmp_path)
-    a = quiet(ui.on_load, None, "tier", ALICE)[0]
+    a = ui.registry.create("alice", "10.0.0.1")
     for q in (f"{SECRET} one", f"{SECRET} two"):
         quiet(ui.send, q, a, 4, False, 0.7, "tier", ALICE)
     yield ui, engine, store, a
@@ -88,12 +88,12 @@ def test_every_handler_answers_bob_as_for_an_unknown_id(world):
     ui, engine, store, a = world
     unknown = new_session_id()
     assert store.get_session(a, owner="alice").turns == 2
-    b = quiet(ui.on_load, None, "tier", BOB)[0]
+    b = ui.registry.create("bob", "10.0.0.2")
     assert b != a
-    # the page state holding alice's id: every event treats it as unknown
+    # the page state (or the browser's storage) holding alice's id: every event treats it as unknown
     page = quiet(ui.on_load, a, "tier", BOB)
-    assert page[0] not in (a, None)
-    assert "· 2 live session(s)" in page[1]  # bob's two, not the server's three
+    assert page[0] is None and SECRET not in text_of(page)  # nothing reopened, nothing made
+    assert "· 1 live session(s)" in page[1]  # bob's one, not the server's two
     out = quiet(ui.recolour, a, "tier", BOB)
     assert SECRET not in text_of(out)
     assert SECRET not in text_of(quiet(ui.view, a, "tier", "bob"))
@@ -190,9 +190,9 @@ def test_an_invalid_message_makes_no_session(tmp_path):
 def test_live_session_caps_per_client_user_and_overall(tmp_path):
     ui, engine, store = make_ui(tmp_path, max_sessions_per_client=3, max_sessions=5)
     one = req("alice", "10.0.0.1")
-    sids = [quiet(ui.on_load, None, "tier", one)[0] for _ in range(3)]
-    # a fourth page from the same client: the oldest empty session is reclaimed
-    fourth = quiet(ui.on_load, None, "tier", one)[0]
+    sids = [ui.registry.create("alice", "10.0.0.1") for _ in range(3)]
+    # a fourth session from the same client: the oldest empty session is reclaimed
+    fourth = ui.registry.create("alice", "10.0.0.1")
     assert fourth and sids[0] not in ui.registry and len(ui.registry.live_ids("alice")) == 3
     for sid in ui.registry.live_ids("alice"):  # all three in use now
         quiet(ui.send, "hello", sid, 2, False, 0.7, "tier", one)
@@ -207,8 +207,8 @@ def test_live_session_caps_per_client_user_and_overall(tmp_path):
     assert b1 and b2 and len(ui.registry) == 5
     out = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)
     assert "ISAGI_MAX_SESSIONS" in out[-1][ALERT] and len(ui.registry) == 5
-    page = quiet(ui.on_load, None, "tier", req("bob", "10.0.0.7"))
-    assert page[0] is None and "ISAGI_MAX_SESSIONS" in page[1] and len(ui.registry) == 5
+    page = quiet(ui.on_load, None, "tier", req("bob", "10.0.0.7"))  # a page load takes no slot
+    assert page[0] is None and "live session(s)" in page[1] and len(ui.registry) == 5
     store.close()
 
 
@@ -280,10 +280,10 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
         assert store.get_session(a, owner="alice").turns == 1
         # the same HTTP client (one event loop), now logged in as bob: his login cookie replaces hers
         bob = RawGradio(alice_http, "bob", "b")
-        states = {cid for cid, c in bob.components.items() if c.get("type") == "state"}
+        states = {cid for cid, c in bob.components.items() if c.get("type") in ("state", "browserstate")}
         texts = {component_id(bob, e) for e in ("isagi-chosen", "isagi-search", "isagi-input")}
         takes_an_id = [d for d in bob.deps() if set(d["inputs"]) & (states | texts)]
-        assert len(takes_an_id) >= 17
+        assert len(takes_an_id) >= 18  # the page load reads the browser storage; its sync takes the state
         assert sum(d.get("api_visibility") == "private" for d in takes_an_id) >= 7  # load, timer, ..., delete
         ran = 0
         for session_hash in ("bobfresh", "alicehash"):
@@ -306,7 +306,7 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
 def test_an_evicted_session_resumes_only_for_its_owner(tmp_path):
     ui, engine, store = make_ui(tmp_path)
     reg = ui.registry
-    a = quiet(ui.on_load, None, "tier", ALICE)[0]
+    a = ui.registry.create("alice", "10.0.0.1")
     quiet(ui.send, f"{SECRET} evicted", a, 4, False, 0.7, "tier", ALICE)
     assert reg.evict_idle(now=time.monotonic() + 10_000) == [a]
     assert a not in reg and reg.holds(a, "alice") and not reg.holds(a, "bob")

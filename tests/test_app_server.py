@@ -102,3 +102,28 @@ def test_importing_the_app_builds_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("host, auth, warned", [
+    ("0.0.0.0", None, True), ("192.168.1.5", None, True),
+    ("0.0.0.0", "ann:secret", False), ("127.0.0.1", None, False), ("localhost", None, False),
+])
+def test_serve_on_a_non_loopback_host_without_a_login_warns(tmp_path, monkeypatch, capsys, host, auth, warned):
+    """``isagi web --host`` off loopback without ISAGI_AUTH says who can use it and how to
+    require a login; with a login or on loopback it does not (nothing is loaded or bound)."""
+    import uvicorn
+
+    import app.server as server
+
+    ran: list[str] = []
+    monkeypatch.setattr(server, "check_port_free", lambda h, p: None)
+    monkeypatch.setattr(server, "create_app", lambda *a, **k: "the app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: ran.append(host))
+    settings = load_settings(environ={}, home=tmp_path, auth=auth)
+    server.serve(settings, host=host, port=7999)
+    err = " ".join(capsys.readouterr().err.split())
+    assert ran == [host]
+    risk = f"Listening on {host} without a login: anyone who can reach this machine can use it"
+    assert (risk in err and "ISAGI_AUTH=user:password" in err) is warned, err
+    if auth and host not in server.LOOPBACK:
+        assert "login required" in err

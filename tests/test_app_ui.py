@@ -62,7 +62,7 @@ def ui(tmp_path):
 
 def test_reply_streams_and_gets_a_badge(ui, monkeypatch):
     monkeypatch.setattr(app.ui, "STREAM_INTERVAL_S", 0.0)  # every token is a display update
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     outs = run(ui.send("tell me something", sid, 8))
     chats = [o[CHAT] for o in outs if isinstance(o[CHAT], list)]
     replies = [c[-2]["content"] for c in chats if len(c) >= 3 and c[-2]["role"] == "assistant"]
@@ -81,8 +81,8 @@ def test_reply_streams_and_gets_a_badge(ui, monkeypatch):
 
 
 def test_same_question_retrieves_but_never_across_browsers(ui):
-    a = ui.on_load(None)[0]
-    b = ui.on_load(None)[0]
+    a = ui.registry.create()
+    b = ui.registry.create()
     assert a != b
     first = run(ui.send("what is the capital of France?", a, 8))[-1]
     again = run(ui.send("what is the capital of France?", a, 8))[-1]
@@ -98,7 +98,7 @@ def test_same_question_retrieves_but_never_across_browsers(ui):
 @pytest.mark.parametrize("message, needle", [("   ", "empty"), ("x" * 9000, "8,000")])
 def test_bad_input_is_explained_and_runs_nothing(tmp_path, message, needle):
     ui, engine = make_ui(tmp_path)
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     outs = run(ui.send(message, sid, 8))
     assert len(outs) == 1 and needle in outs[0][ALERT]
     assert ui.registry.entry(sid).session.turns == []
@@ -108,7 +108,7 @@ def test_bad_input_is_explained_and_runs_nothing(tmp_path, message, needle):
 def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
     """Stop's cancel closes the handler: the engine must end, release its lock and record the turn."""
     ui, engine = make_ui(tmp_path)
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     gen = ui.send("long answer please", sid, 500)
     for _ in range(3):
         next(gen)
@@ -123,7 +123,7 @@ def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
 
 def test_stop_button_ends_generation_and_shows_it(tmp_path):
     ui, engine = make_ui(tmp_path)
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     outs: list = []
     t = threading.Thread(target=lambda: outs.extend(run(ui.send("go on and on", sid, 100000))))
     t.start()
@@ -148,7 +148,7 @@ def test_stop_button_ends_generation_and_shows_it(tmp_path):
 
 
 def test_regenerate_replaces_the_last_turn_everywhere(ui):
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     run(ui.send("What is the boiling point of water?", sid, 4))
     run(ui.send("Name three primary colours.", sid, 6))
     s = ui.registry.entry(sid).session
@@ -174,13 +174,13 @@ def test_regenerate_replaces_the_last_turn_everywhere(ui):
 
 
 def test_regenerate_without_a_turn_warns(ui):
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     out = run(ui.regenerate(sid, 4))
     assert len(out) == 1 and "Nothing to regenerate" in out[0][ALERT]
 
 
 def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     for q in ("How do plants make food?", "What is the boiling point of water?", "Name three primary colours."):
         run(ui.send(q, sid, 4))
     path, note = ui.save_miku(sid)
@@ -196,7 +196,7 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     assert out[0] == sid and "Could not load" in out[1]
     assert len(ui.registry.entry(sid).session.memory) == 3
     # a fresh browser loads the good file: same trajectories, its own id
-    other = ui.on_load(None)[0]
+    other = ui.registry.create()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = ui.load_miku(path, other)
@@ -213,7 +213,7 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
 
 
 def test_new_chat_starts_empty_and_saves_the_old(ui):
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     run(ui.send("remember me", sid, 4))
     path = ui.registry.entry(sid).session.miku_path
     new = ui.new_chat(sid)[0]
@@ -233,8 +233,9 @@ def test_loading_engine_is_reported_not_crashed(tmp_path):
     assert "converting" in ui.status_line()
     gate.set()
     assert holder.wait(30)
-    sid = ui.on_load(None)[0]
-    assert sid and badges(run(ui.send("hello", sid, 4))[-1][CHAT]) == ["explore"]
+    assert ui.on_load(None)[0] is None  # a page load makes no session: the first message does
+    out = run(ui.send("hello", None, 4))[-1]
+    assert out[STATE] in ui.registry and badges(out[CHAT]) == ["explore"]
 
 
 def test_info_line_and_chat_messages():
@@ -275,7 +276,7 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
     """An unexpected error mid-stream (a bug, not bad input) ends with a warning and the
     session as it was before the turn — never a reply stuck at "generating…"."""
     ui, engine = make_ui(tmp_path)
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     run(ui.send("What is the boiling point of water?", sid, 8))
     session = ui.registry.entry(sid).session
     before = (len(session.turns), len(session.memory), session.metric.growth)
@@ -303,7 +304,7 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
 
 def test_a_regenerate_that_crashes_keeps_the_turn_it_was_to_replace(tmp_path):
     ui, engine = make_ui(tmp_path)
-    sid = ui.on_load(None)[0]
+    sid = ui.registry.create()
     run(ui.send("What is the boiling point of water?", sid, 4))
     run(ui.send("How do plants make food?", sid, 4))
     session = ui.registry.entry(sid).session

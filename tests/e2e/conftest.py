@@ -50,10 +50,17 @@ def _health(url: str) -> tuple[int, dict]:
 
 
 @contextlib.contextmanager
-def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None) -> Iterator[str]:
+def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None,
+                fake: bool = False) -> Iterator[str]:
     """Start ``isagi web`` on a free port (with ``ISAGI_AUTH=auth`` when given) and
-    yield its URL once ``/health`` says ready; stop it afterwards."""
-    home = Path(os.environ["ISAGI_TEST_HOME"]) if os.environ.get("ISAGI_TEST_HOME") else tmp_path_factory.mktemp("isagi-home")
+    yield its URL once ``/health`` says ready; stop it afterwards.
+
+    ``fake=True`` serves the same app on the fake engine (:mod:`tests.e2e.fake_server`,
+    a fresh home, ready in seconds) instead of the default model."""
+    if fake or not os.environ.get("ISAGI_TEST_HOME"):
+        home = tmp_path_factory.mktemp("isagi-home")
+    else:
+        home = Path(os.environ["ISAGI_TEST_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = tmp_path_factory.mktemp("isagi-web-log") / "server.log"
@@ -61,11 +68,10 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
     env.pop("ISAGI_AUTH", None)
     if auth:
         env["ISAGI_AUTH"] = auth
+    command = (["-m", "tests.e2e.fake_server", "--port", str(port)] if fake
+               else ["-m", "isagi.cli", "web", "--port", str(port)])
     log = open(log_path, "w")  # noqa: SIM115 - closed in the teardown
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "isagi.cli", "web", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
@@ -102,6 +108,46 @@ def base_url(tmp_path_factory: pytest.TempPathFactory):
         return
     with live_server(tmp_path_factory) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def fake_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL of a live app on the fake engine (fast: for tests of the page and its sessions,
+    not of the model), or ``ISAGI_E2E_URL``'s running server (e.g. on the real model)."""
+    if url := os.environ.get("ISAGI_E2E_URL"):
+        yield url.rstrip("/") + "/"
+        return
+    with live_server(tmp_path_factory, fake=True) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def fake_auth_url(tmp_path_factory: pytest.TempPathFactory):
+    """URL of a live app on the fake engine with ``ISAGI_AUTH="alice:a,bob:b"``
+    (or ``ISAGI_E2E_AUTH_URL``, a running server with those two users)."""
+    if url := os.environ.get("ISAGI_E2E_AUTH_URL"):
+        yield url.rstrip("/") + "/"
+        return
+    with live_server(tmp_path_factory, fake=True, auth=",".join(f"{u}:{p}" for u, p in TWO_USERS.items())) as url:
+        yield url
+
+
+def open_page(ctx, url: str):
+    """A page of ``ctx`` on ``url``, once the app is ready (its banner counts live sessions)."""
+    page = ctx.new_page()
+    page.set_default_timeout(120_000)
+    page.goto(url)
+    wait_ready(page)
+    return page
+
+
+def wait_ready(page) -> None:
+    """Wait until the page is usable: the input is there and the load event has run."""
+    page.wait_for_selector("#isagi-input textarea")
+    page.wait_for_function(
+        "() => { const e = document.querySelector('#isagi-status'); "
+        "return !!e && e.innerText.includes('live session(s)'); }"
+    )
 
 
 TWO_USERS = {"alice": "a", "bob": "b"}
@@ -141,15 +187,7 @@ def new_page(browser, base_url):
     def make():
         ctx = browser.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
         contexts.append(ctx)
-        page = ctx.new_page()
-        page.set_default_timeout(120_000)
-        page.goto(base_url)
-        page.wait_for_selector("#isagi-input textarea")
-        page.wait_for_function(
-            "() => { const e = document.querySelector('#isagi-manifold-summary'); "
-            "return !!e && e.innerText.includes('session'); }"
-        )
-        return page
+        return open_page(ctx, base_url)
 
     yield make
     for ctx in contexts:

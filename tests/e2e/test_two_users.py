@@ -102,13 +102,14 @@ def test_bob_calling_every_event_by_fn_index_gets_nothing_of_alices(auth_url: st
     import httpx
 
     raw = RawGradio(httpx.Client(base_url=auth_url, timeout=300), "bob", "b")
-    state_ids = {cid for cid, c in raw.components.items() if c.get("type") == "state"}
+    state_ids = {cid for cid, c in raw.components.items() if c.get("type") in ("state", "browserstate")}
     text_ids = {component_id(raw, "isagi-chosen"), component_id(raw, "isagi-search"), component_id(raw, "isagi-input")}
     takes_an_id = [d for d in raw.deps() if set(d["inputs"]) & (state_ids | text_ids)]
     names = sorted(str(d.get("api_name")) for d in takes_an_id)
     # the page's events that take a session id: load, timer, send, submit, regenerate, stop,
-    # new chat, clear, recolour, list/search (x2), resume, export x2, delete, save, upload
-    assert len(takes_an_id) >= 17, names
+    # new chat, clear, recolour, list/search (x2), resume, export x2, delete, save, upload, and the
+    # sync of the state to the browser's storage (the load reads the stored id)
+    assert len(takes_an_id) >= 18, names
     assert any(d.get("api_visibility") == "private" for d in takes_an_id)
     seen: list[tuple[str, str, bool]] = []
     for session_hash in (uuid.uuid4().hex[:11], a_client.session_hash):

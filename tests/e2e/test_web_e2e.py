@@ -147,11 +147,11 @@ def test_two_browsers_never_share_memory(new_page, screenshot_dir):
     a, b = new_page(), new_page()
     for p in (a, b):
         set_max_tokens(p, SHORT)
-    assert session_id(a) != session_id(b)
     question = "What is the boiling point of water at sea level?"
     assert send_and_wait(a, question) != "RETRIEVE"
     # b asks the same question while a is still open: not answered from a's memory
     assert send_and_wait(b, question) != "RETRIEVE"
+    assert session_id(a) != session_id(b)  # (a page has a session from its first message on)
     # while both send at once, the queue serialises them and each stays its own
     send(a, question)
     send(b, "Name three colours of the rainbow.")
@@ -182,8 +182,13 @@ def test_save_reload_load_restores_the_manifold(new_page, tmp_path, screenshot_d
     dl.value.save_as(saved)
     assert saved.stat().st_size > 0
 
-    page.reload()
-    wait_text(page, "#isagi-manifold-summary", "session")
+    sid = session_id(page)
+    page.reload()  # a reload keeps the session (its id is in the browser's storage)
+    wait_text(page, "#isagi-manifold-summary", sid)
+    assert trajectories(page) == n
+    page.click("#isagi-new")  # a new, empty chat; the file is loaded into a fresh session
+    page.wait_for_function(
+        "sid => !document.querySelector('#isagi-manifold-summary').innerText.includes(sid)", arg=sid)
     assert trajectories(page) == 0
     open_tab(page, "Sessions")
     page.set_input_files("#isagi-upload input[type=file]", str(saved))
