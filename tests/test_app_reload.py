@@ -23,6 +23,9 @@ from tests.tiny_engine import tiny_engine
 
 STATE, CHAT = 0, 1
 LOAD_SID, LOAD_STATUS, LOAD_CHAT = 0, 1, 2
+# self-contained questions (a follow-up such as "secret one" is only answered from
+# memory in its own context: see isagi.sameness.depends_on_context)
+Q1, Q2 = f"What do volcanoes have to do with {SECRET}?", f"How do glaciers move past {SECRET}?"
 
 
 def _talk(ui: WebUI, who, *texts: str, sid: str | None = None) -> str:
@@ -39,7 +42,7 @@ def _user_texts(chat: list[dict]) -> list[str]:
 @pytest.fixture
 def alice_world(tmp_path):
     ui, engine, store = make_ui(tmp_path)
-    a = _talk(ui, ALICE, f"{SECRET} one", f"{SECRET} two")
+    a = _talk(ui, ALICE, Q1, Q2)
     yield ui, engine, store, a
     store.close()
 
@@ -50,11 +53,11 @@ def test_a_reload_shows_the_same_live_session(alice_world):
     n_live = len(ui.registry)
     page = quiet(ui.on_load, a, "tier", ALICE)
     assert page[LOAD_SID] == a
-    assert _user_texts(page[LOAD_CHAT]) == [f"{SECRET} one", f"{SECRET} two"]
+    assert _user_texts(page[LOAD_CHAT]) == [Q1, Q2]
     assert ui.registry.entry(a, "alice") is entry  # the same live object, not a copy
     assert len(ui.registry) == n_live
     # and the conversation goes on in it: the repeated question is answered from its memory
-    out = quiet(ui.send, f"{SECRET} one", page[LOAD_SID], 4, False, 0.7, "tier", ALICE)[-1]
+    out = quiet(ui.send, Q1, page[LOAD_SID], 4, False, 0.7, "tier", ALICE)[-1]
     assert out[STATE] == a and "isagi-tier-retrieve" in out[CHAT][-1]["content"]
 
 
@@ -79,7 +82,7 @@ def test_a_reload_after_a_server_restart_reopens_the_autosave(alice_world, tmp_p
     ui2 = WebUI(holder, SessionRegistry(lambda: holder.engine, idle_s=600), ui.settings)
     page = quiet(ui2.on_load, a, "tier", ALICE)
     assert page[LOAD_SID] == a, "the same id, not a fork"
-    assert _user_texts(page[LOAD_CHAT]) == [f"{SECRET} one", f"{SECRET} two"]
+    assert _user_texts(page[LOAD_CHAT]) == [Q1, Q2]
     s = ui2.registry.entry(a, "alice").session
     assert s.owner == "alice" and s.metric.growth == pytest.approx(growth)
     np.testing.assert_array_equal(s.memory.to_columns()["query_x"], cols["query_x"])
@@ -136,7 +139,7 @@ def test_resume_of_ones_own_live_session_switches_to_it(alice_world):
     entry = ui.registry.entry(a, "alice")
     out = quiet(ui.resume, a, other_tab, "tier", request=ALICE)
     assert out[0] == a and "Resumed" in out[1] and "copy" not in out[1]
-    assert _user_texts(out[2]) == [f"{SECRET} one", f"{SECRET} two"]
+    assert _user_texts(out[2]) == [Q1, Q2]
     assert ui.registry.entry(a, "alice") is entry  # the live one, not a copy
     assert set(ui.registry.live_ids("alice")) == live_before - {other_tab}  # no new session
     assert [s.id for s in store.list_sessions(owner="alice")].count(a) == 1
@@ -210,5 +213,5 @@ def test_two_tabs_of_one_browser_share_the_session_and_new_chat_in_one_loses_not
     assert b != a and ui.registry.holds(a, "alice")
     out = quiet(ui.send, "tab one goes on", a, 4, False, 0.7, "tier", ALICE)[-1]  # tab 1, still on a
     assert out[STATE] == a
-    assert _user_texts(out[CHAT]) == [f"{SECRET} one", f"{SECRET} two", "tab one goes on"]
+    assert _user_texts(out[CHAT]) == [Q1, Q2, "tab one goes on"]
     assert store.get_session(a, owner="alice").turns == 3
