@@ -13,6 +13,7 @@ import functools
 import io
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -271,6 +272,29 @@ def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeO
     out.print("[bold]TEH ROC on calibration[/] (threshold → TPR / FPR)")
     for t, tpr, fpr in list(zip(roc["thresholds"], roc["tpr"], roc["fpr"], strict=False))[:: max(1, len(roc["thresholds"]) // 12)]:
         out.print(f"  {t:8.2f}%  →  {tpr:.3f} / {fpr:.3f}")
+
+
+@profile_app.command("build")
+@friendly
+def profile_build(
+    out_dir: Annotated[Path, typer.Option("--out", help="directory to write the profile into (as <key>/)")],
+    model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None,
+) -> None:
+    """Calibrate the configured model now (no cache is read) and write its profile to --out.
+
+    `isagi profile build --out isagi/profiles --backend llamacpp` (and
+    `--backend transformers`) remakes the profiles that ship with the package.
+    """
+    from isagi.engines import load_engine
+    from isagi.profile import build_for, save_profile
+
+    settings = _settings(model=model, backend=backend, home=home)
+    lm = load_engine(settings)
+    started = time.perf_counter()
+    profile = build_for(lm, settings, progress=_progress_printer())
+    path = save_profile(profile, out_dir)
+    out.print(f"profile {profile.key} ({lm.backend}, {lm.model_id}) written to {path} "
+              f"in {time.perf_counter() - started:.0f} s", highlight=False)
 
 
 # -- sessions and files --------------------------------------------------------

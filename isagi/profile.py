@@ -278,14 +278,40 @@ def load_profile(directory: Path, key: str) -> Profile | None:
     )
 
 
-def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None = None) -> Profile:
-    """The profile for this model and settings: from the cache, or calibrated now and cached."""
+def shipped_profiles_dir() -> Path:
+    """Profiles that ship with the package: the embedded default model's, one per backend.
+
+    Made by ``isagi profile build --out isagi/profiles`` (see the README of that
+    directory); found by key like any cached profile, so a change of model,
+    setting, corpus or calibration code simply misses them and calibrates anew.
+    """
+    return Path(__file__).resolve().parent / "profiles"
+
+
+def key_for(lm: Any, settings: Any) -> tuple[str, int, int, str]:
+    """(profile key, layer, safety layer, quantisation) of ``lm`` under ``settings``."""
     layer = settings.layer or lm.default_layer
     safety_layer = getattr(settings, "safety_layer", None) or lm.default_safety_layer
     quant = lm.quant  # the engine's: "gguf" for llama.cpp, the setting for transformers
     key = profile_key(lm.fingerprint, quant, layer, settings.k, settings.system_prompt, safety_layer,
                       getattr(lm, "backend", "transformers"))
-    cached = load_profile(settings.profiles_dir, key)
+    return key, layer, safety_layer, quant
+
+
+def build_for(lm: Any, settings: Any, *, progress: Progress | None = None) -> Profile:
+    """Calibrate ``lm`` under ``settings`` now (no cache is read): ``isagi profile build``."""
+    _key, layer, safety_layer, quant = key_for(lm, settings)
+    return build_profile(
+        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=quant,
+        safety_layer=safety_layer, progress=progress,
+    )
+
+
+def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None = None) -> Profile:
+    """The profile for this model and settings: from the cache, the package's shipped
+    profiles, or calibrated now and cached."""
+    key, layer, safety_layer, quant = key_for(lm, settings)
+    cached = load_profile(settings.profiles_dir, key) or load_profile(shipped_profiles_dir(), key)
     if cached is not None:
         if cached.distance_scale is None:  # a profile cached before the scale existed
             from isagi.distance_scale import calibrate_on_pairs
@@ -295,9 +321,6 @@ def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None =
             cached.distance_scale = calibrate_on_pairs(lm, layer, cached.basis, settings.system_prompt)
             save_profile(cached, settings.profiles_dir)
         return cached
-    profile = build_profile(
-        lm, layer=layer, k=settings.k, system_prompt=settings.system_prompt, quant=quant,
-        safety_layer=safety_layer, progress=progress,
-    )
+    profile = build_for(lm, settings, progress=progress)
     save_profile(profile, settings.profiles_dir)
     return profile
