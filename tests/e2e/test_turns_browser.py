@@ -1,0 +1,81 @@
+"""Regenerate and Stop in the real browser (Debian's Chromium through Playwright), on a
+live app with the tiny real engine (:mod:`tests.e2e.fake_server`), so they run anywhere
+in seconds; ``ISAGI_E2E_URL`` runs them against a running server on the real model.
+
+- Regenerate replaces the last turn: the chat, the history store (Sessions table) and
+  the autosaved file count the same turns afterwards.
+- Stop, then a question: the stopped reply never enters the next prompt (the prompt is
+  exactly as long as in a session without the stopped turn).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.e2e.conftest import open_page
+from tests.e2e.test_reload import table_ids, user_messages
+from tests.e2e.test_web_e2e import badges, open_tab, send, send_and_wait, session_id, set_max_tokens
+
+pytestmark = pytest.mark.browser
+
+
+def prompt_tokens(page) -> int:
+    """The prompt size shown beside the latest reply ("P + N tokens")."""
+    info = page.locator("#isagi-chat .isagi-info").last.inner_text()
+    return int(re.search(r"(\d+) \+ \d+ tokens", info).group(1))
+
+
+def table_turns(page, sid: str) -> int:
+    """The turns column of ``sid``'s row in the Sessions table."""
+    assert sid in table_ids(page)
+    text = page.inner_text("#isagi-sessions")
+    return int(re.search(re.escape(sid) + r"\s+.*?\s+(\d+)\s+\d{4}-\d\d-\d\d", text, re.S).group(1))
+
+
+def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_dir):
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        page = open_page(ctx, fake_url)
+        for q in ("What is a lighthouse?", "Why is the sea salty?"):
+            send_and_wait(page, q)
+        sid = session_id(page)
+        n_badges = len(badges(page))
+        page.click("#isagi-regen")
+        page.wait_for_function(
+            "() => !document.querySelector('#isagi-chat').innerText.includes('generating')", timeout=120_000)
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(screenshot_dir / "regenerate-replaces.png"), full_page=True)
+        assert session_id(page) == sid
+        assert len(user_messages(page)) == 2 and len(badges(page)) == n_badges  # replaced, not added
+        assert table_turns(page, sid) == 2  # the history store counts the same turns
+        open_tab(page, "Chat")
+    finally:
+        ctx.close()
+
+
+def test_stop_then_a_question_starts_clean(fake_url, browser, screenshot_dir):
+    """The same two questions with and without a stopped story between them: the second
+    question's prompt is exactly as long either way (greedy replies are the same)."""
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        control = open_page(ctx, fake_url)
+        send_and_wait(control, "Say hello.")
+        send_and_wait(control, "Say hello again.")
+        clean_prompt = prompt_tokens(control)
+        other = browser.new_context(viewport={"width": 1440, "height": 1000})
+        page = open_page(other, fake_url)
+        send_and_wait(page, "Say hello.")
+        set_max_tokens(page, 2048)
+        send(page, "Write a very long story about a lighthouse keeper.")
+        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.length > 400",
+                               timeout=120_000)
+        page.click("#isagi-stop")
+        page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
+        send_and_wait(page, "Say hello again.")
+        page.screenshot(path=str(screenshot_dir / "stop-then-question.png"), full_page=True)
+        assert prompt_tokens(page) == clean_prompt, "the stopped story entered the next prompt"
+        other.close()
+    finally:
+        ctx.close()
