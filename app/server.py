@@ -69,7 +69,7 @@ def default_factory(settings: Settings) -> Callable[[Callable[[str, int, int], N
     def factory(progress: Callable[[str, int, int], None]) -> Any:
         from isagi.agent import Engine
 
-        progress("Loading the model (the first start converts the default model: a few minutes)", 0, 1)
+        progress("Loading the model (a model without a shipped profile is calibrated once: minutes)", 0, 1)
         return Engine.start(settings, with_store=True, progress=progress)
 
     return factory
