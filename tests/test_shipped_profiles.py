@@ -21,6 +21,9 @@ from isagi.profile import load_or_build_profile, profile_key, save_profile, ship
 
 # (backend, the engine's quantisation name) of the embedded default model
 BACKENDS = {"llamacpp": "gguf-Q4_1", "transformers": "nf4"}
+# what ships today: the llama.cpp profile (the default backend on a CPU); the transformers
+# NF4 profile calibrates on first use until it ships too
+SHIPPED = ("llamacpp",)
 
 
 def _shipped() -> dict[str, Path]:
@@ -36,14 +39,14 @@ def _shipped() -> dict[str, Path]:
     return found
 
 
-def test_every_backend_ships_a_current_profile_of_the_default_model():
+def test_the_default_backend_ships_a_current_profile_of_the_default_model():
     dirs = [p for p in shipped_profiles_dir().iterdir() if p.is_dir()]
     found = _shipped()
-    assert set(found) == set(BACKENDS), (
+    assert set(found) == set(SHIPPED), (
         f"stale or missing shipped profiles ({[p.name for p in dirs]}): remake them as "
         "isagi/profiles/README.md says"
     )
-    assert len(dirs) == len(BACKENDS), "only the current profiles ship"
+    assert len(dirs) == len(SHIPPED), "only the current profiles ship"
     for path in found.values():
         assert sum(f.stat().st_size for f in path.iterdir()) < 2_000_000  # small package data
 
@@ -65,7 +68,7 @@ def test_a_shipped_profile_is_used_without_calibrating(tmp_path, monkeypatch):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", SHIPPED)
 def test_rebuilding_a_shipped_profile_agrees_with_it(backend, tmp_path):
     from isagi.engines import load_engine
     from isagi.profile import build_for, load_profile
