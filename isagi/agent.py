@@ -362,7 +362,10 @@ class Engine:
         else:  # an exact repeat: same prompt, same states; a generation prefills on demand
             h, h_safety = cached
         x = project(session.basis, h)
-        zone, _ = route(self.profile.zones, x)
+        # Zones live in the profile's coordinates; a session may carry its own basis
+        # (an imported research session with another k), so route in the profile's.
+        zone_x = x if session.basis is self.profile.basis else project(self.profile.basis, h)
+        zone, _ = route(self.profile.zones, zone_x)
         return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt)
 
     def _teh(self, h_safety: np.ndarray) -> float:

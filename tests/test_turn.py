@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from isagi.errors import InputError, StorageError
@@ -169,3 +170,20 @@ def test_agent_and_session_io_do_not_import_each_other() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_session_with_its_own_basis_of_another_k_routes_zones_in_the_profiles(tmp_path):
+    """An imported research session keeps its own UGT basis (here k=3, the profile's is 8):
+    its turns still run, the zone routed in the profile's coordinates."""
+    import dataclasses
+
+    from isagi.ugt import fit_basis
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path, max_new_tokens=4)
+    s = engine.new_session(autosave=False)
+    rng = np.random.default_rng(0)
+    own = fit_basis(rng.standard_normal((20, engine.lm.hidden_size)), 3)
+    s = dataclasses.replace(s, basis=own, metric=type(s.metric)(k=3), memory=type(s.memory)(k=3))
+    turn = engine.turn(s, "What is a lighthouse for?")
+    assert turn.verdict == "ok" and turn.zone in engine.profile.zones.names
