@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,38 @@ STOP_WAIT_S = 10.0
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies: every minute, those older than 10 minutes
 NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
+
+KEEP: Any = object()  # an output a handler leaves as it is on the page (``gr.skip()`` at the boundary)
+
+
+@dataclass
+class TurnUpdate:
+    """One update of the page by a turn (Send, Enter, Regenerate), by output name.
+
+    The turn events' outputs, in order: the session id, the chat, the message box,
+    the alert line and the five manifold panels. A field left ``KEEP`` does not
+    change on the page. ``out()`` is the tuple Gradio takes.
+    """
+
+    state: Any = KEEP
+    chat: Any = KEEP
+    textbox: Any = KEEP
+    alert: Any = KEEP
+    turn: Any = KEEP
+    summary: Any = KEEP
+    map: Any = KEEP
+    growth: Any = KEEP
+    teh: Any = KEEP
+
+    def with_view(self, view: tuple[Any, ...]) -> TurnUpdate:
+        """This update with the chat and the panels of ``WebUI._view_of``."""
+        chat, turn, summary, map_, growth, teh = view
+        return replace(self, chat=chat, turn=turn, summary=summary, map=map_, growth=growth, teh=teh)
+
+    def out(self) -> tuple[Any, ...]:
+        import gradio as gr
+
+        return tuple(gr.skip() if (v := getattr(self, f.name)) is KEEP else v for f in fields(self))
 
 CSS = """
 .isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
@@ -428,29 +461,28 @@ class WebUI:
         self, message: str, sid: str | None, max_tokens: float = 0, sample: bool = False,
         temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
     ) -> Iterator[tuple[Any, ...]]:
-        """Run a turn, streaming: yields (state, chat, textbox, alert, turn, summary, map, growth, teh).
+        """Run a turn, streaming :class:`TurnUpdate` tuples (state, chat, textbox, alert, panels).
 
         The message is checked before any session is made: an invalid message
         never creates one. ``sid`` of another owner is an unknown id: a new
         session of the caller's is made for the message.
         """
-        import gradio as gr
-
         from isagi.errors import IsagiError
 
         owner, client = self.who(request)
         if owner is None:
-            yield (sid, gr.skip(), gr.skip(), self._warn(NOT_LOGGED_IN), *(gr.skip(),) * 5)
+            yield TurnUpdate(state=sid, alert=self._warn(NOT_LOGGED_IN)).out()
             return
         try:
             engine = self.engine
             checked = engine.check(message)  # validated once, here: the turn takes it as it is
             sid, entry = self.registry.ensure(sid, owner, client)
         except (EngineLoading, IsagiError) as exc:
-            yield (sid, gr.skip(), gr.skip(), self._warn(str(exc)), *(gr.skip(),) * 5)
+            yield TurnUpdate(state=sid, alert=self._warn(str(exc))).out()
             return
         options = self._options(max_tokens, sample, temperature)
-        yield from self._turn(sid, entry, checked, options, colour_by, textbox="", owner=owner)
+        for update in self._turn(sid, checked, options, colour_by, owner=owner, clear_box=True):
+            yield update.out()
 
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
@@ -461,8 +493,6 @@ class WebUI:
         The last turn is undone in the session (metric, memory, turns) and the new
         one takes its place in the history store and the autosaved file too.
         """
-        import gradio as gr
-
         owner, _ = self.who(request)
         try:
             if owner is None:
@@ -470,37 +500,37 @@ class WebUI:
             entry = self.registry.entry(sid, owner)
         except (KeyError, EngineLoading) as exc:
             msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
-            yield (sid, gr.skip(), gr.skip(), self._warn(msg), *(gr.skip(),) * 5)
+            yield TurnUpdate(state=sid, alert=self._warn(msg)).out()
             return
         session = entry.session
         snap = entry.undo
         if snap is None or len(session.turns) != snap.n_turns + 1:
-            yield (sid, gr.skip(), gr.skip(), self._warn("Nothing to regenerate: send a message first."),
-                   *(gr.skip(),) * 5)
+            yield TurnUpdate(state=sid, alert=self._warn("Nothing to regenerate: send a message first.")).out()
             return
         text = session.turns[snap.n_turns].user_text
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
-        yield from self._turn(sid, entry, text, options, colour_by, textbox=gr.skip(), undo=True, owner=owner)
+        for update in self._turn(sid, text, options, colour_by, undo=True, owner=owner):
+            yield update.out()
 
     def _turn(
-        self, sid: str, entry: Entry, message: Any, options: Any, colour_by: str, *,
-        textbox: Any, undo: bool = False, owner: str = LOCAL_OWNER,
-    ) -> Iterator[tuple[Any, ...]]:
-        import gradio as gr
+        self, sid: str, message: Any, options: Any, colour_by: str, *,
+        undo: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
+    ) -> Iterator[TurnUpdate]:
+        """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
-        from isagi.errors import IsagiError
-
-        skip = gr.skip()
-        try:
-            ctx = self.registry.using(sid, timeout=STOP_WAIT_S, owner=owner)
-            entry = ctx.__enter__()
-        except SessionBusy as exc:
-            yield (sid, skip, skip, self._warn(str(exc)), *(skip,) * 5)
-            return
-        except KeyError:  # dropped meanwhile (e.g. reclaimed while empty): the next message makes one
-            yield (None, skip, skip, self._warn("This chat was closed; send your message again."), *(skip,) * 5)
-            return
-        try:
+        ``undo`` (Regenerate) first puts the session back as it was before its last
+        turn; the new turn replaces that one, or, if it fails on a bug, the old one
+        stays. ``clear_box`` empties the message box once the message is shown.
+        """
+        with contextlib.ExitStack() as held:
+            try:
+                entry = held.enter_context(self.registry.using(sid, timeout=STOP_WAIT_S, owner=owner))
+            except SessionBusy as exc:
+                yield TurnUpdate(state=sid, alert=self._warn(str(exc)))
+                return
+            except KeyError:  # dropped meanwhile (e.g. reclaimed while empty): the next message makes one
+                yield TurnUpdate(state=None, alert=self._warn("This chat was closed; send your message again."))
+                return
             session = entry.session
             before = None
             if undo and entry.undo is not None:
@@ -509,77 +539,77 @@ class WebUI:
             entry.stop.clear()
             entry.stop_requested_at = entry.stop_latency_s = None
             entry.undo = take_snapshot(session)
-            history = chat_messages(session.messages)
-            text = getattr(message, "text", message)
-            user = {"role": "user", "content": safe_markdown(text)}
-            reply, info = "", pending_html(None, None)
-            yield (sid, [*history, user, {"role": "assistant", "content": info}], textbox, "", *(skip,) * 5)
-            events = self.engine.stream_turn(session, message, options=options, stop=entry.stop,
-                                             replaces_last=undo)
-            finished = False
-            last = 0.0
-            try:
-                for ev in events:
-                    if ev.kind == "decision":
-                        info = pending_html(ev.tier, ev.distance)
-                    elif ev.kind == "token":
-                        reply += ev.text
-                        now = time.monotonic()
-                        if now - last < STREAM_INTERVAL_S:
-                            continue
-                        last = now
-                    elif ev.kind == "done":
-                        finished = True
-                        continue
-                    shown = [*history, user]
-                    if reply:
-                        shown.append({"role": "assistant", "content": reply})
-                    shown.append({"role": "assistant", "content": info})
-                    yield (sid, shown, skip, skip, *(skip,) * 5)
-            except IsagiError as exc:
-                yield (sid, chat_messages(session.messages), skip, self._warn(str(exc)), *(skip,) * 5)
-                return
-            except Exception as exc:
-                # A bug, not bad input: log it, put the session back as it was before
-                # this turn, and say so, instead of leaving the reply "generating…".
-                log.exception("turn failed in session %s", sid)
-                finished = True
-                restore_snapshot(session, entry.undo)
-                if before is not None:  # a failed Regenerate: the turn it was to replace stays
-                    restore_snapshot(session, before[0])
+            failure = yield from self._stream(sid, entry, message, options, replaces_last=undo, clear_box=clear_box)
+            if failure is not None:
+                if before is not None and not isinstance(failure, _BadInput):
+                    restore_snapshot(session, before[0])  # a failed Regenerate: the turn it was to replace stays
                     session.turns[:] = before[2]
                     entry.undo = before[1]
-                yield (sid, chat_messages(session.messages), skip,
-                       self._warn(f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it "
-                                  "was before it; try again, and report the error if it repeats."),
-                       *(skip,) * 5)
+                yield TurnUpdate(state=sid, chat=chat_messages(session.messages), alert=failure.alert)
                 return
-            finally:
-                if not finished:
-                    # Closed by Stop's cancel or a lost client: end the model work now and let the
-                    # turn be recorded (as cancelled) instead of holding the model.
-                    if not entry.stop.is_set():
-                        entry.stop_requested_at = time.monotonic()
-                    entry.stop.set()
-                    try:
-                        for _ in events:
-                            pass
-                    except Exception as exc:  # never mask the close
-                        log.warning("draining a cancelled turn failed: %s", exc)
-                if entry.stop_requested_at is not None:
-                    entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
-            alert = ""
-            last_bot = _reply_fields(session.last_turn) or {}
-            if last_bot.get("verdict") == "refused":
-                alert = "⚠️ This request was refused by the geometric safety layer (TEH over the threshold): nothing was generated."
-            elif last_bot.get("verdict") == "withheld":
-                alert = "⚠️ The reply was withheld: its TEH went over the threshold while it streamed."
-            elif last_bot.get("verdict") == "cancelled":
-                alert = "Stopped: the generation was ended; the partial reply is kept."
-            chat, *panels = self._view_of(session, colour_by)
-            yield (sid, chat, skip, alert, *panels)
+            yield TurnUpdate(state=sid, alert=verdict_alert(_reply_fields(session.last_turn)),
+                             ).with_view(self._view_of(session, colour_by))
+
+    def _stream(
+        self, sid: str, entry: Entry, message: Any, options: Any, *, replaces_last: bool, clear_box: bool,
+    ) -> Iterator[TurnUpdate]:
+        """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
+
+        A turn closed early (Stop's cancel, a lost client) is ended at once and
+        recorded as cancelled instead of holding the model. A bug (not bad input)
+        is logged and the session is put back as it was before this turn.
+        """
+        from isagi.errors import IsagiError
+
+        session = entry.session
+        history = chat_messages(session.messages)
+        text = getattr(message, "text", message)
+        user = {"role": "user", "content": safe_markdown(text)}
+        reply, info = "", pending_html(None, None)
+        yield TurnUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
+                         textbox="" if clear_box else KEEP)
+        events = self.engine.stream_turn(session, message, options=options, stop=entry.stop,
+                                         replaces_last=replaces_last)
+        finished = False
+        last = 0.0
+        try:
+            for ev in events:
+                if ev.kind == "decision":
+                    info = pending_html(ev.tier, ev.distance)
+                elif ev.kind == "token":
+                    reply += ev.text
+                    now = time.monotonic()
+                    if now - last < STREAM_INTERVAL_S:
+                        continue
+                    last = now
+                elif ev.kind == "done":
+                    finished = True
+                    continue
+                shown = [*history, user, *([{"role": "assistant", "content": reply}] if reply else []),
+                         {"role": "assistant", "content": info}]
+                yield TurnUpdate(state=sid, chat=shown)
+        except IsagiError as exc:
+            return _BadInput(self._warn(str(exc)))
+        except Exception as exc:
+            log.exception("turn failed in session %s", sid)
+            finished = True
+            restore_snapshot(session, entry.undo)
+            return _Failure(self._warn(
+                f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it was before it; "
+                "try again, and report the error if it repeats."))
         finally:
-            ctx.__exit__(None, None, None)
+            if not finished:
+                if not entry.stop.is_set():
+                    entry.stop_requested_at = time.monotonic()
+                entry.stop.set()
+                try:
+                    for _ in events:
+                        pass
+                except Exception as exc:  # never mask the close
+                    log.warning("draining a cancelled turn failed: %s", exc)
+            if entry.stop_requested_at is not None:
+                entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
+        return None
 
     def stop(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Ask the running turn to stop, wait until it has, and show the final state."""
@@ -937,6 +967,31 @@ def gr_skip() -> Any:
     import gradio as gr
 
     return gr.skip()
+
+
+
+@dataclass
+class _Failure:
+    """A turn that failed on a bug: the session was put back; ``alert`` says so."""
+
+    alert: str
+
+
+class _BadInput(_Failure):
+    """A turn refused as bad input (an IsagiError): the session is as it was."""
+
+
+def verdict_alert(reply: dict[str, Any] | None) -> str:
+    """The alert line after a turn: why nothing (or only part) was generated, or nothing."""
+    verdict = (reply or {}).get("verdict")
+    if verdict == "refused":
+        return ("⚠️ This request was refused by the geometric safety layer (TEH over the threshold): "
+                "nothing was generated.")
+    if verdict == "withheld":
+        return "⚠️ The reply was withheld: its TEH went over the threshold while it streamed."
+    if verdict == "cancelled":
+        return "Stopped: the generation was ended; the partial reply is kept."
+    return ""
 
 
 # --------------------------------------------------------------------------- layout
