@@ -21,9 +21,12 @@ from isagi.profile import load_or_build_profile, profile_key, save_profile, ship
 
 # (backend, the engine's quantisation name) of the embedded default model
 BACKENDS = {"llamacpp": "gguf-Q4_1", "transformers": "nf4"}
-# what ships today: the llama.cpp profile (the default backend on a CPU); the transformers
-# NF4 profile calibrates on first use until it ships too
-SHIPPED = ("llamacpp",)
+# what ships: a profile for each backend of the embedded model
+SHIPPED = ("llamacpp", "transformers")
+# what the model tier rebuilds: the llama.cpp calibration takes minutes on 2 cores; the NF4
+# one through bitsandbytes' CPU kernels 38 min, beyond any test's time (rebuild it by hand:
+# isagi/profiles/README.md)
+REBUILT_IN_TESTS = ("llamacpp",)
 
 
 def _shipped() -> dict[str, Path]:
@@ -68,7 +71,7 @@ def test_a_shipped_profile_is_used_without_calibrating(tmp_path, monkeypatch):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("backend", SHIPPED)
+@pytest.mark.parametrize("backend", REBUILT_IN_TESTS)
 def test_rebuilding_a_shipped_profile_agrees_with_it(backend, tmp_path):
     from isagi.engines import load_engine
     from isagi.profile import build_for, load_profile

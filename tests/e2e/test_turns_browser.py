@@ -42,12 +42,12 @@ def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_d
             send_and_wait(page, q)
         sid = session_id(page)
         n_badges = len(badges(page))
-        before = page.inner_text("#isagi-turn")
         page.click("#isagi-regen")
-        # done when the Turn panel shows the new turn: its final update comes after the turn is recorded
-        page.wait_for_function(
-            "(before) => document.querySelector('#isagi-turn').innerText !== before",
-            arg=before, timeout=120_000)
+        # the new turn streams ("generating…"), then its final info line replaces that
+        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.includes('generating')",
+                               timeout=120_000, polling=50)
+        page.wait_for_function("() => !document.querySelector('#isagi-chat').innerText.includes('generating')",
+                               timeout=120_000)
         page.wait_for_timeout(500)
         page.screenshot(path=str(screenshot_dir / "regenerate-replaces.png"), full_page=True)
         assert session_id(page) == sid
