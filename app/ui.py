@@ -73,7 +73,7 @@ class TurnUpdate:
     """One update of the page by a turn (Send, Enter, Regenerate), by output name.
 
     The turn events' outputs, in order: the session id, the chat, the message box,
-    the alert line and the five manifold panels. A field left ``KEEP`` does not
+    the alert line, the five manifold panels and the status banner. A field left ``KEEP`` does not
     change on the page. ``out()`` is the tuple Gradio takes.
     """
 
@@ -86,6 +86,7 @@ class TurnUpdate:
     map: Any = KEEP
     growth: Any = KEEP
     teh: Any = KEEP
+    status: Any = KEEP  # the banner (its live-session count changes when a message makes a session)
 
     def with_view(self, view: tuple[Any, ...]) -> TurnUpdate:
         """This update with the chat and the panels of ``WebUI._view_of``."""
@@ -548,7 +549,7 @@ class WebUI:
                 yield TurnUpdate(state=sid, chat=chat_messages(session.messages), alert=failure.alert)
                 return
             yield TurnUpdate(state=sid, alert=verdict_alert(_reply_fields(session.last_turn)),
-                             ).with_view(self._view_of(session, colour_by))
+                             status=self.status_line(owner)).with_view(self._view_of(session, colour_by))
 
     def _stream(
         self, sid: str, entry: Entry, message: Any, options: Any, *, replaces_last: bool, clear_box: bool,
@@ -1131,7 +1132,7 @@ def build_blocks(ui: WebUI) -> Any:
                 ex_steps = gr.Markdown("", elem_id="isagi-steps")
 
         view_out = [chat, turn, summary, map_plot, growth_plot, teh_plot]
-        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot]
+        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status]
         gen_in = [max_tokens, sample, temperature, colour_by]
 
         demo.load(R(ui.on_load, ["sid", "colour_by"]), [stored, colour_by], [state, status, *view_out],

@@ -24,8 +24,9 @@ from isagi.agent import Engine
 from isagi.session_io import load_session
 from tests.tiny_engine import tiny_engine
 
-# send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh)
+# send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh, status)
 STATE, CHAT, TEXTBOX, ALERT, TURN, SUMMARY, MAP = range(7)
+STATUS = 9
 
 
 def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, Engine]:
@@ -234,8 +235,10 @@ def test_loading_engine_is_reported_not_crashed(tmp_path):
     gate.set()
     assert holder.wait(30)
     assert ui.on_load(None)[0] is None  # a page load makes no session: the first message does
+    assert "0 live session(s)" in ui.status_line()
     out = run(ui.send("hello", None, 4))[-1]
     assert out[STATE] in ui.registry and badges(out[CHAT]) == ["explore"]
+    assert "1 live session(s)" in out[STATUS]  # the banner counts the session the message made
 
 
 def test_info_line_and_chat_messages():
