@@ -56,6 +56,36 @@ def default_model(request: pytest.FixtureRequest):
     return request.getfixturevalue("default_llama" if request.param == "llamacpp" else "default_hf")
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path):
+    """A blank history database: a SQLite file (in a directory that does not exist yet)
+    or a fresh schema on the PostgreSQL server named by ISAGI_TEST_POSTGRES_URL."""
+    from tests import history_db
+
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'new-dir' / 'history.db'}"
+        return
+    if not history_db.PG_URL:
+        pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
+    schema, url = history_db.fresh_pg_schema()
+    try:
+        yield url
+    finally:
+        history_db.drop_pg_schema(schema)
+
+
+@pytest.fixture
+def store(db_url: str):
+    """A HistoryStore on ``db_url``, closed after the test."""
+    from storage.history import HistoryStore
+
+    s = HistoryStore(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 def tiny_model(kind: str = "llama", seed: int = 0, context: int = 256):
     """A tiny random decoder model of the given family, built from a config (no download)."""
     import torch

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,51 +14,6 @@ from alembic.migration import MigrationContext
 from isagi.errors import StorageError
 from storage.history import LOCAL_OWNER, Base, HistoryStore, TurnRecord, make_title
 from storage.migrations import head_revision, upgrade_to_head
-
-PG_URL = os.environ.get("ISAGI_TEST_POSTGRES_URL")
-
-
-def _fresh_pg_schema() -> tuple[str, str]:
-    """A new, empty PostgreSQL schema and a URL whose connections use it."""
-    schema = "t_" + uuid.uuid4().hex[:12]
-    engine = sa.create_engine(PG_URL)
-    with engine.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    engine.dispose()
-    url = sa.make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-    return schema, url.render_as_string(hide_password=False)
-
-
-def _drop_pg_schema(schema: str) -> None:
-    engine = sa.create_engine(PG_URL)
-    with engine.begin() as conn:
-        conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-    engine.dispose()
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A blank database: a SQLite file (in a directory that does not exist yet)
-    or a fresh schema on the PostgreSQL server named by ISAGI_TEST_POSTGRES_URL."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'new-dir' / 'history.db'}"
-        return
-    if not PG_URL:
-        pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
-    schema, url = _fresh_pg_schema()
-    try:
-        yield url
-    finally:
-        _drop_pg_schema(schema)
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[HistoryStore]:
-    s = HistoryStore(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def rec(i: int, **kw) -> TurnRecord:

@@ -6,7 +6,6 @@ on a real SQLite file made at revision 0001 and on PostgreSQL."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,30 +15,6 @@ from alembic import command
 from isagi.errors import StorageError
 from storage.history import LOCAL_OWNER, HistoryStore, TurnRecord, remove_session_files
 from storage.migrations import alembic_config, head_revision
-from tests.test_history import PG_URL, _drop_pg_schema, _fresh_pg_schema
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'history.db'}"
-        return
-    if not PG_URL:
-        pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
-    schema, url = _fresh_pg_schema()
-    try:
-        yield url
-    finally:
-        _drop_pg_schema(schema)
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[HistoryStore]:
-    s = HistoryStore(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _two_owners(store: HistoryStore) -> None:
@@ -118,6 +93,8 @@ def test_owner_is_required_by_every_call(store: HistoryStore) -> None:
 
 def _at_revision_0001_with_rows(url: str) -> None:
     """A database migrated only to 0001 (the schema before owners), with rows in it."""
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
