@@ -198,3 +198,32 @@ def new_page(browser, base_url):
 def screenshot_dir() -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     return SCREENSHOTS
+
+
+def shown_rows(page) -> list[dict[str, str]]:
+    """The Sessions table as the page shows it now: one dict per row, keyed by its headers
+    (id, title, turns, updated (UTC), state). Read cell by cell through the grid's ARIA
+    roles, so a title holding an id or a date is never taken for another column (the
+    hidden sizing row of Gradio's virtual table is not a row)."""
+    headers = page.eval_on_selector_all("#isagi-sessions th[role=columnheader]",
+                                        "hs => hs.map(h => h.getAttribute('title'))")
+    rows = page.eval_on_selector_all(
+        "#isagi-sessions [role=row]:has([role=gridcell])",
+        "rs => rs.map(r => Array.from(r.querySelectorAll('[role=gridcell]')).map(c => c.textContent.trim()))")
+    return [dict(zip(headers, r, strict=False)) for r in rows]
+
+
+def table_rows(page) -> list[dict[str, str]]:
+    """The Sessions table's rows after a refresh (opens the Sessions tab)."""
+    from tests.e2e.test_web_e2e import open_tab
+
+    open_tab(page, "Sessions")
+    page.click("#isagi-refresh")
+    page.wait_for_function("() => document.body.innerText.includes('most recent session(s)')")
+    page.wait_for_timeout(500)
+    return shown_rows(page)
+
+
+def table_ids(page) -> list[str]:
+    """Session ids of the Sessions table after a refresh."""
+    return [row["id"] for row in table_rows(page)]

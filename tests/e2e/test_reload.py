@@ -12,11 +12,9 @@ anywhere; ``ISAGI_E2E_URL`` runs them against a running server instead (the real
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.e2e.conftest import open_page, wait_ready
+from tests.e2e.conftest import open_page, table_ids, wait_ready
 from tests.e2e.test_web_e2e import (
     badges,
     open_tab,
@@ -34,15 +32,6 @@ def user_messages(page) -> list[str]:
         "Array.from(document.querySelectorAll('#isagi-chat .message-row.user-row, #isagi-chat .user-row'))"
         ".map(e => e.innerText.trim()).filter(t => t.length)"
     )
-
-
-def table_ids(page) -> list[str]:
-    """Session ids of the Sessions table after a refresh."""
-    open_tab(page, "Sessions")
-    page.click("#isagi-refresh")
-    page.wait_for_function("() => document.body.innerText.includes('most recent session(s)')")
-    page.wait_for_timeout(500)
-    return re.findall(r"\b[0-9a-f]{12}\b", page.inner_text("#isagi-sessions"))
 
 
 @pytest.fixture

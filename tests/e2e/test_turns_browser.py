@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import open_page
-from tests.e2e.test_reload import table_ids, user_messages
+from tests.e2e.conftest import open_page, table_rows
+from tests.e2e.test_reload import user_messages
 from tests.e2e.test_web_e2e import badges, open_tab, send, send_and_wait, session_id, set_max_tokens
 
 pytestmark = pytest.mark.browser
@@ -29,9 +29,8 @@ def prompt_tokens(page) -> int:
 
 def table_turns(page, sid: str) -> int:
     """The turns column of ``sid``'s row in the Sessions table."""
-    assert sid in table_ids(page)
-    text = page.inner_text("#isagi-sessions")
-    return int(re.search(re.escape(sid) + r"\s+.*?\s+(\d+)\s+\d{4}-\d\d-\d\d", text, re.S).group(1))
+    (row,) = [r for r in table_rows(page) if r["id"] == sid]
+    return int(row["turns"])
 
 
 def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_dir):

@@ -11,12 +11,12 @@ Marked ``model`` (a live server on the real model); the browser test also
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
 import pytest
 
+from tests.e2e.conftest import shown_rows
 from tests.gradio_raw import RawGradio, component_id
 
 pytestmark = pytest.mark.model
@@ -142,14 +142,6 @@ def _login_page(browser: Any, url: str, user: str, password: str) -> tuple[Any, 
     return ctx, page
 
 
-def _table_session_ids(page: Any) -> list[str]:
-    """The id column of the Sessions table (rows are id, title, turns, updated, state): a
-    title may hold any text, e.g. an id bob typed himself in an earlier test on this server."""
-    lines = [ln.strip() for ln in page.inner_text("#isagi-sessions").splitlines() if ln.strip()]
-    return [lines[i - 3] for i, ln in enumerate(lines)
-            if re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", ln) and i >= 3]
-
-
 @pytest.mark.browser
 def test_bob_in_the_browser_does_not_see_alices_session(auth_url: str, browser, alice, screenshot_dir) -> None:
     """alice's page lists her session (the control); bob's page does not, finds nothing
@@ -165,7 +157,7 @@ def test_bob_in_the_browser_does_not_see_alices_session(auth_url: str, browser, 
     ctx, page = _login_page(browser, auth_url, "bob", "b")
     try:
         body = page.inner_text("body")
-        assert sid not in _table_session_ids(page) and SECRET not in body
+        assert sid not in [r["id"] for r in shown_rows(page)] and SECRET not in body
         page.locator("#isagi-search textarea, #isagi-search input").first.fill(SECRET)
         page.click("#isagi-refresh")
         page.wait_for_function("() => document.body.innerText.includes('0 session(s) with messages')")
