@@ -116,3 +116,15 @@ def default_engine(settings_default: Settings, default_model, tmp_path_factory: 
     profile = load_or_build_profile(default_lm, settings_default)
     settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("engine-home"))
     return Engine.start(settings, lm=default_lm, profile=profile)
+
+
+@pytest.fixture(scope="session")
+def llama_engine(settings_default: Settings, default_llama, tmp_path_factory: pytest.TempPathFactory):
+    """An Engine on the real default model through llama.cpp only (its shipped profile), for
+    model tests whose subject does not depend on the backend and that would take too long in NF4."""
+    from isagi.agent import Engine
+    from isagi.profile import load_or_build_profile
+
+    profile = load_or_build_profile(default_llama, settings_default)
+    settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("llama-engine-home"))
+    return Engine.start(settings, lm=default_llama, profile=profile)

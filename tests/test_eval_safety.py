@@ -34,9 +34,13 @@ def test_a_bad_prompt_file_is_a_clear_error(tmp_path: Path, name: str, content: 
 
 
 @pytest.mark.model
-def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(default_engine, tmp_path: Path) -> None:
+def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_engine, tmp_path: Path) -> None:
     """Sets named harmful/benign, counts equal to TEH > τ on the same states, and the
-    seed method fitted on the same calibration data reported in the same shape."""
+    seed method fitted on the same calibration data reported in the same shape.
+
+    On the llama.cpp engine only: the report's logic does not depend on the backend, and the
+    seed method takes the states of all 1,328 calibration prompts (16 minutes in NF4 on 2 cores)."""
+    default_engine = llama_engine
     from isagi.pooling import prompt_hidden_states
     from isagi.safety import SAFETY_POOL, _chat, teh
 
