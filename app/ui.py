@@ -98,6 +98,7 @@ class TurnUpdate:
 
         return tuple(gr.skip() if (v := getattr(self, f.name)) is KEEP else v for f in fields(self))
 
+
 CSS = """
 .isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
 .isagi-tier { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff;
