@@ -105,26 +105,25 @@ def tiny_model(kind: str = "llama", seed: int = 0, context: int = 256):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def _engine_on(lm, settings_default: Settings, home: Path):
+    """An Engine on ``lm`` with its profile (the shipped one for the default model) and a
+    history store under ``home``."""
+    from isagi.agent import Engine
+    from isagi.profile import load_or_build_profile
+
+    profile = load_or_build_profile(lm, settings_default)
+    return Engine.start(settings_default.with_overrides(home=home), lm=lm, profile=profile)
+
+
 @pytest.fixture(scope="session")
 def default_engine(settings_default: Settings, default_model, tmp_path_factory: pytest.TempPathFactory):
     """An Engine on the real default model and its profile (each backend in turn), with a
     history store in a temp dir."""
-    from isagi.agent import Engine
-    from isagi.profile import load_or_build_profile
-
-    default_lm = default_model
-    profile = load_or_build_profile(default_lm, settings_default)
-    settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("engine-home"))
-    return Engine.start(settings, lm=default_lm, profile=profile)
+    return _engine_on(default_model, settings_default, tmp_path_factory.mktemp("engine-home"))
 
 
 @pytest.fixture(scope="session")
 def llama_engine(settings_default: Settings, default_llama, tmp_path_factory: pytest.TempPathFactory):
-    """An Engine on the real default model through llama.cpp only (its shipped profile), for
-    model tests whose subject does not depend on the backend and that would take too long in NF4."""
-    from isagi.agent import Engine
-    from isagi.profile import load_or_build_profile
-
-    profile = load_or_build_profile(default_llama, settings_default)
-    settings = settings_default.with_overrides(home=tmp_path_factory.mktemp("llama-engine-home"))
-    return Engine.start(settings, lm=default_llama, profile=profile)
+    """An Engine on the real default model through llama.cpp only, for model tests whose
+    subject does not depend on the backend and that would take too long in NF4."""
+    return _engine_on(default_llama, settings_default, tmp_path_factory.mktemp("llama-engine-home"))

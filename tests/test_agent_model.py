@@ -3,8 +3,6 @@ the safety guard, hooks, and an exact save/load round trip."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from isagi.hooks import count_forward_hooks
@@ -150,20 +148,20 @@ def test_save_load_round_trip_gives_the_same_next_turn(default_engine, tmp_path)
     assert ra.distance == pytest.approx(rb.distance, abs=1e-9)
 
 
-# every 2nd pair of each relation on llama.cpp (all of them: 259 s); on the transformers NF4 path (bitsandbytes' CPU kernels prefill
-# about 10x slower: every 4th pair took 297 s on 2 cores) every 8th pair of each relation
+# The share of each relation's pairs the test runs: every 2nd on llama.cpp (all of them
+# took 259 s on 2 cores); every 8th in NF4, whose CPU kernels prefill about 10x slower.
 PAIR_STEP = {"llamacpp": 2, "transformers": 8}
 
 
 def test_tier_rules_on_the_projects_own_pairs(default_engine, tmp_path) -> None:
     import json
 
-    from isagi.data import PAIR_FILES
-    from isagi.evals.tiers import load_pairs_file, run
+    from isagi.data import load_pairs
+    from isagi.evals.tiers import run
 
     step = PAIR_STEP[default_engine.lm.backend]
     for name in ("calibration", "test"):
-        rows = load_pairs_file(Path(str(default_engine_pairs_path(PAIR_FILES, name))))
+        rows = load_pairs(name)
         by_relation: dict[str, list[dict]] = {}
         for row in rows:
             by_relation.setdefault(row["relation"], []).append(row)
@@ -177,12 +175,6 @@ def test_tier_rules_on_the_projects_own_pairs(default_engine, tmp_path) -> None:
         assert rel["unrelated"]["RETRIEVE"] == 0 and rel["unrelated"]["AUGMENT"] == 0, result["violations"]
         assert rel["paraphrase"]["EXPLORE"] == 0, result["violations"]
         assert result["duplicate_retrieve_rate"] >= 0.95, result
-
-
-def default_engine_pairs_path(pair_files, name):
-    from importlib.resources import files
-
-    return files("isagi.data").joinpath(pair_files[name])
 
 
 def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:

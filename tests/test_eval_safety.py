@@ -40,7 +40,6 @@ def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_eng
 
     On the llama.cpp engine only: the report's logic does not depend on the backend, and the
     seed method takes the states of all 1,328 calibration prompts (16 minutes in NF4 on 2 cores)."""
-    default_engine = llama_engine
     from isagi.pooling import prompt_hidden_states
     from isagi.safety import SAFETY_POOL, _chat, teh
 
@@ -50,15 +49,15 @@ def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_eng
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps({"text": t, "label": lab}) + "\n"
                             for lab, texts in (("harmful", harmful), ("benign", benign)) for t in texts))
-    sp, system = default_engine.profile.safety, default_engine.settings.system_prompt
-    report = run(default_engine.lm, sp, system_prompt=system, harmful=path)
+    sp, system = llama_engine.profile.safety, llama_engine.settings.system_prompt
+    report = run(llama_engine.lm, sp, system_prompt=system, harmful=path)
     assert report["method"] == "isagi" and set(report["sets"]) == {"harmful", "benign"}
-    H = prompt_hidden_states(default_engine.lm, [_chat(system, t) for t in harmful + benign], sp.layer, pool=SAFETY_POOL)
+    H = prompt_hidden_states(llama_engine.lm, [_chat(system, t) for t in harmful + benign], sp.layer, pool=SAFETY_POOL)
     over = teh(sp, H) > sp.threshold
     assert report["sets"]["harmful"] == {"n": 2, "flagged": int(over[:2].sum()), "rate": round(over[:2].mean(), 4)}
     assert report["sets"]["benign"]["flagged"] == int(over[2:].sum())
     assert report["threshold"] == round(sp.threshold, 4) and 0.0 <= report["auc"] <= 1.0
     assert "also_benign" not in report  # only beside the default public sets
-    seed = run(default_engine.lm, sp, system_prompt=system, harmful=path, method="seed")
+    seed = run(llama_engine.lm, sp, system_prompt=system, harmful=path, method="seed")
     assert seed["method"] == "seed" and set(seed["sets"]) == {"harmful", "benign"}
     assert seed["threshold"] != report["threshold"] and np.isfinite(seed["threshold"])
