@@ -49,4 +49,4 @@ services:
 	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
 
 test: install-dev services
-	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "" -p no:cacheprovider
+	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "" -p no:cacheprovider --durations=40
