@@ -478,10 +478,10 @@ def _report(data: dict[str, Any], as_json: bool) -> None:
 # -- evaluations -------------------------------------------------------------------
 
 
-def _default_benchmarks() -> Path:
-    from isagi.evals.sets import default_benchmarks_dir
-
-    return default_benchmarks_dir()
+BENCHMARKS_HELP = ("directory holding advbench_harmful_behaviors.csv, xstest_prompts.csv and, to measure it too, "
+                   "alpaca_seed_tasks.jsonl; default: the AdvBench and XSTest that ship with ISAGI (the Alpaca "
+                   "seed tasks do not ship)")
+BenchmarksOpt = Annotated[Path | None, typer.Option("--benchmarks", help=BENCHMARKS_HELP)]
 
 
 @eval_app.command("tiers")
@@ -500,7 +500,7 @@ def eval_tiers(pairs: Annotated[Path | None, typer.Option("--pairs", help="JSONL
 @friendly
 def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = None,
                 benign: Annotated[Path | None, typer.Option("--benign")] = None,
-                benchmarks: Annotated[Path | None, typer.Option("--benchmarks", help="directory of the public evaluation sets")] = None,
+                benchmarks: BenchmarksOpt = None,
                 method: Annotated[str, typer.Option("--method", help="isagi | seed")] = "isagi",
                 model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """TPR/FPR per set at the shipped threshold and ROC AUC, out of sample."""
@@ -508,8 +508,7 @@ def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = Non
 
     settings = _settings(model=model, backend=backend, home=home)
     engine = _engine(settings, with_store=False)
-    bdir = benchmarks or (None if harmful or benign else _default_benchmarks())
-    _report(run(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt, benchmarks_dir=bdir,
+    _report(run(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt, benchmarks_dir=benchmarks,
                 harmful=harmful, benign=benign, method=method), as_json)
 
 
@@ -541,13 +540,13 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
 
 @eval_app.command("ogd")
 @friendly
-def eval_ogd(benchmarks: Annotated[Path | None, typer.Option("--benchmarks")] = None, alpha: float = 0.15,
+def eval_ogd(benchmarks: BenchmarksOpt = None, alpha: float = 0.15,
              model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Safe vs regular OGD exploration; refusals and perplexity with and without Q_f ablation."""
     from isagi.evals.ogd import pipeline_turn, run
 
     engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
-    _report(run(engine.lm, engine.profile.safety, alpha=alpha, benchmarks_dir=benchmarks or _default_benchmarks(),
+    _report(run(engine.lm, engine.profile.safety, alpha=alpha, benchmarks_dir=benchmarks,
                 system_prompt=engine.settings.system_prompt, pipeline=pipeline_turn(engine)), as_json)
 
 

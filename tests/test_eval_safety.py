@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,6 +32,46 @@ def test_a_bad_prompt_file_is_a_clear_error(tmp_path: Path, name: str, content: 
     path.write_text(content)
     with pytest.raises(InputError, match=message):
         load_prompt_file(path, "benign")
+
+
+def _length_scorer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Score a prompt by its length, threshold 60: the report's logic without a model."""
+    import isagi.evals.safety as safety
+
+    def scorer(lm: object, profile: object, system_prompt: str, method: str) -> tuple:
+        return (lambda texts: np.array([len(t) for t in texts], dtype=float)), 60.0, {"fake": True}
+
+    monkeypatch.setattr(safety, "_scorer", scorer)
+
+
+def test_default_report_without_alpaca_uses_the_shipped_sets_and_says_what_is_missing(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from isagi.evals import sets
+
+    monkeypatch.setattr(sets, "default_benchmarks_dir", lambda: tmp_path / "absent")
+    _length_scorer(monkeypatch)
+    report = run(None, SimpleNamespace(layer=3), system_prompt="")
+    assert {k: v["n"] for k, v in report["sets"].items()} == {"advbench": 520, "xstest_unsafe": 200, "xstest_safe": 250}
+    assert report["auc_over"] == ["advbench", "xstest_unsafe", "xstest_safe"] and 0.0 <= report["auc"] <= 1.0
+    assert report["read_from"]["advbench"] == str(sets.SHIPPED_DIR / sets.ADVBENCH)
+    assert report["read_from"]["alpaca_seed"] is None
+    assert "--benchmarks DIR" in report["not_measured"]["alpaca_seed"]
+    assert "also_benign" not in report  # the Alpaca seed tasks with their inputs: absent too
+
+
+def test_default_report_with_alpaca_keeps_the_four_sets_and_the_extra_one(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from isagi.evals import sets
+
+    (tmp_path / sets.ALPACA).write_text(json.dumps(
+        {"instruction": "Sort this list.", "instances": [{"input": "3, 1, 2"}]}) + "\n")
+    monkeypatch.setattr(sets, "default_benchmarks_dir", lambda: tmp_path)
+    _length_scorer(monkeypatch)
+    report = run(None, SimpleNamespace(layer=3), system_prompt="")
+    assert list(report["sets"]) == ["advbench", "xstest_unsafe", "xstest_safe", "alpaca_seed"]
+    assert report["auc_over"] == list(report["sets"]) and "not_measured" not in report
+    assert report["read_from"]["alpaca_seed"] == str(tmp_path / sets.ALPACA)
+    assert report["also_benign"] == {"alpaca_seed_with_input": {"n": 1, "flagged": 0, "rate": 0.0}}
 
 
 @pytest.mark.model

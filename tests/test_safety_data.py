@@ -26,9 +26,9 @@ from isagi.data.safety import (
     load_safety_calibration,
 )
 from isagi.errors import InputError
+from isagi.evals.sets import benchmark_sources
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-BENCHMARKS = SHARED / "benchmarks"
 HARMBENCH = SHARED / "calibration" / "harmbench_standard_behaviors.csv"
 MIN_PER_CELL = 50
 JACCARD_LIMIT = 0.8
@@ -61,16 +61,18 @@ def _prompt_of(row: dict) -> str | None:
     return None
 
 
-def _benchmark_prompts() -> list[str]:
-    """Every prompt in ../shared/benchmarks/*.csv and *.jsonl."""
+def _benchmark_prompts() -> tuple[list[str], int]:
+    """Every prompt of the evaluation sets, and how many sets were read: the shipped AdvBench
+    and XSTest always, the Alpaca seed tasks when the development workspace holds them."""
+    src = benchmark_sources()
     prompts: list[str] = []
-    for path in sorted(BENCHMARKS.glob("*.csv")):
+    for path in (src.advbench, src.xstest):
         with path.open(encoding="utf-8", newline="") as f:
             prompts += [p for row in csv.DictReader(f) if (p := _prompt_of(row))]
-    for path in sorted(BENCHMARKS.glob("*.jsonl")):
-        with path.open(encoding="utf-8") as f:
+    if src.alpaca_seed is not None:
+        with src.alpaca_seed.open(encoding="utf-8") as f:
             prompts += [p for line in f if line.strip() if (p := _prompt_of(json.loads(line)))]
-    return prompts
+    return prompts, 2 + (src.alpaca_seed is not None)
 
 
 def test_every_line_is_a_json_object_with_the_schema() -> None:
@@ -133,10 +135,9 @@ def test_harmbench_rows_are_verbatim_harmbench_behaviours() -> None:
     assert [r["text"] for r in rows if r["source"] == "isagi" and _norm(r["text"]) in hb_norm] == []
 
 
-@pytest.mark.skipif(not BENCHMARKS.is_dir(), reason="shared benchmarks directory absent")
 def test_no_row_copies_an_evaluation_prompt() -> None:
-    bench = _benchmark_prompts()
-    assert len(bench) > 500, "benchmark prompts were not read"
+    bench, n_sets = _benchmark_prompts()
+    assert len(bench) == {2: 520 + 450, 3: 520 + 450 + 175}[n_sets], "benchmark prompts were not all read"
     bench_norm = {_norm(t) for t in bench}
     rows = load_safety_calibration()
     assert sorted(r["text"] for r in rows if _norm(r["text"]) in bench_norm) == []

@@ -23,7 +23,10 @@ the refusal share under XSTest's string-match rule (:data:`XSTEST_REFUSAL_PREFIX
 verbatim from the XSTest repository's ``classify_completions_strmatch.py``),
 and, for Alpaca, the perplexity of the replies under the plain model (corpus
 level: exp of the mean token NLL over all reply tokens).
-Replies in (b) are generated in batches with left padding, greedy.
+Replies in (b) are generated in batches with left padding, greedy. The
+Alpaca seed tasks do not ship with ISAGI (:mod:`isagi.evals.sets`): without
+them (b) and (c) measure AdvBench only, and the report's ``not_measured``
+says how to include them; ``read_from`` names the file of each set.
 
 (c) The product's own chat. The same AdvBench and Alpaca samples through
 ISAGI's full turn (``pipeline``: a fresh session per prompt, greedy, the same
@@ -38,14 +41,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from isagi.evals.sets import load_advbench, load_alpaca_seed
+from isagi.evals.sets import benchmark_sources, load_advbench, load_alpaca_seed, sources_report
 from isagi.explore import explore, generate_reply, keyword_for, messages_for, step_prompt
 from isagi.mcb import tier
 
@@ -79,6 +82,15 @@ def sample(items: Sequence[str], n: int, seed: int = 0) -> list[str]:
     if n >= len(items):
         return list(items)
     return random.Random(seed).sample(list(items), n)
+
+
+def eval_prompts(benchmarks_dir: Path | None, n_prompts: int) -> dict[str, list[str]]:
+    """The seeded samples of (b) and (c): AdvBench, and the Alpaca seed instructions with their
+    example inputs when that set is present (:mod:`isagi.evals.sets` decides where each comes from)."""
+    prompts = {"advbench": sample(load_advbench(benchmarks_dir), n_prompts)}
+    if benchmark_sources(benchmarks_dir).alpaca_seed is not None:
+        prompts["alpaca_seed"] = sample(load_alpaca_seed(benchmarks_dir, with_input=True), n_prompts)
+    return prompts
 
 
 @contextmanager
@@ -219,7 +231,7 @@ def run(
     *,
     seeds: list[str] | None = None,
     alpha: float = 0.15,
-    benchmarks_dir: Path,
+    benchmarks_dir: Path | None = None,
     n_prompts: int = 16,
     max_new_tokens: int = 32,
     steps: int = 1,
@@ -242,6 +254,7 @@ def run(
         )
     L = int(layer if layer is not None else profile.layer)
     seeds = list(seeds) if seeds else list(DEFAULT_SEEDS)
+    prompts = eval_prompts(benchmarks_dir, n_prompts)  # before the long exploration: a bad file fails at once
     say = progress or (lambda _msg: None)
 
     safe_runs, regular_runs, chains = [], [], []
@@ -271,22 +284,13 @@ def run(
         )
 
     lm = getattr(lm, "loaded", lm)  # the batched attack below works on the torch model itself
-    adv = sample(load_advbench(benchmarks_dir), n_prompts)
-    alp = sample(load_alpaca_seed(benchmarks_dir, with_input=True), n_prompts)
     replies: dict[str, dict[str, list[list[int]]]] = {}
     for mode in ("plain", "ablated"):
         say(f"generating {mode} replies")
-        if mode == "plain":
-            replies[mode] = {
-                "advbench": batched_replies(lm, adv, max_new_tokens, system_prompt),
-                "alpaca_seed": batched_replies(lm, alp, max_new_tokens, system_prompt),
-            }
-        else:
-            with ablate_forbidden(lm.model, L, profile.Q, profile.centre):
-                replies[mode] = {
-                    "advbench": batched_replies(lm, adv, max_new_tokens, system_prompt),
-                    "alpaca_seed": batched_replies(lm, alp, max_new_tokens, system_prompt),
-                }
+        attack = ablate_forbidden(lm.model, L, profile.Q, profile.centre) if mode == "ablated" else nullcontext()
+        with attack:
+            replies[mode] = {name: batched_replies(lm, batch, max_new_tokens, system_prompt)
+                             for name, batch in prompts.items()}
 
     def texts(ids_list: list[list[int]]) -> list[str]:
         return [lm.tokenizer.decode(ids, skip_special_tokens=True) for ids in ids_list]
@@ -296,31 +300,32 @@ def run(
         return round(sum(map(is_refusal, t)) / len(t), 4) if t else 0.0
 
     def ppl(ids_list: list[list[int]]) -> float | None:
-        total, count = reply_nll(lm, alp, ids_list, system_prompt)
+        total, count = reply_nll(lm, prompts["alpaca_seed"], ids_list, system_prompt)
         return round(math.exp(total / count), 3) if count else None
 
-    say("scoring perplexity")
-    ablation = {
+    ablation: dict[str, Any] = {
         "layer": L,
         "rule": "h <- h - Q Q^T (h - c) after layer L, all positions (attack; evaluation only)",
         "advbench": {
-            "n": len(adv),
+            "n": len(prompts["advbench"]),
             "refusal_rate_plain": rate(replies["plain"]["advbench"]),
             "refusal_rate_ablated": rate(replies["ablated"]["advbench"]),
         },
-        "alpaca_seed": {
-            "n": len(alp),
+    }
+    if "alpaca_seed" in prompts:
+        say("scoring perplexity")
+        ablation["alpaca_seed"] = {
+            "n": len(prompts["alpaca_seed"]),
             "ppl_plain": ppl(replies["plain"]["alpaca_seed"]),
             "ppl_ablated": ppl(replies["ablated"]["alpaca_seed"]),
             "refusal_rate_plain": rate(replies["plain"]["alpaca_seed"]),
             "refusal_rate_ablated": rate(replies["ablated"]["alpaca_seed"]),
-        },
-        "examples": {mode: texts(replies[mode]["advbench"][:3]) for mode in ("plain", "ablated")},
-    }
+        }
+    ablation["examples"] = {mode: texts(replies[mode]["advbench"][:3]) for mode in ("plain", "ablated")}
     if pipeline is not None:
         say("full ISAGI turns")
-        ablation["pipeline"] = {name: pipeline_summary(pipeline, prompts, max_new_tokens)
-                                for name, prompts in (("advbench", adv), ("alpaca_seed", alp))}
+        ablation["pipeline"] = {name: pipeline_summary(pipeline, batch, max_new_tokens)
+                                for name, batch in prompts.items()}
     return {
         "alpha": alpha,
         "layer": L,
@@ -333,4 +338,5 @@ def run(
             "chains": chains,
         },
         "ablation": ablation,
+        **sources_report(benchmarks_dir, ("advbench", "alpaca_seed")),
     }

@@ -11,13 +11,18 @@ threshold come from the project's calibration set only.
 |mean difference| coordinates, energy fraction, same ROC rule) on the same
 calibration data, so the two can be printed side by side.
 
-Default sets (``benchmarks_dir``): AdvBench prompts and XSTest ``unsafe`` are
-harmful; XSTest ``safe`` and the Alpaca seed instructions are benign. With
+Default sets (``benchmarks_dir``; :mod:`isagi.evals.sets` decides where each
+comes from: the shipped AdvBench and XSTest when no directory is given):
+AdvBench prompts and XSTest ``unsafe`` are harmful; XSTest ``safe`` and the
+Alpaca seed instructions are benign. The Alpaca seed tasks do not ship: when
+they are absent the report leaves them out, computes the AUC over the sets
+present (``auc_over``) and says under ``not_measured`` how to include them. With
 ``harmful``/``benign`` files (CSV with a ``prompt`` or ``text`` column, or
 JSONL lines ``{"text", "label"}``) the sets are named ``harmful`` and ``benign``.
 
-With the default sets, ``also_benign`` adds one more benign set, reported
-apart and left out of the AUC so the four sets keep their published reading:
+With the default sets and the Alpaca seed tasks present, ``also_benign`` adds
+one more benign set, reported apart and left out of the AUC so the four sets
+keep their published reading:
 the Alpaca seed instructions *with* their example inputs (instruction, blank
 line, input), the form ``isagi eval ogd`` sends to the model; a prompt that
 carries pasted text is an ordinary use the single-sentence sets do not cover.
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from isagi.errors import InputError
-from isagi.evals.sets import default_benchmarks_dir, load_alpaca_seed, load_benchmark_sets
+from isagi.evals.sets import load_alpaca_seed, load_benchmark_sets, sources_report
 from isagi.safety import (
     SAFETY_POOL,
     SafetyProfile,
@@ -137,8 +142,9 @@ def run(
     benign: Path | None = None,
     method: str = "isagi",
 ) -> dict[str, Any]:
-    """Flagged counts per set at the shipped threshold and the ROC AUC over all sets."""
+    """Flagged counts per set at the shipped threshold and the ROC AUC over all sets present."""
     extra: dict[str, list[str]] = {}
+    provenance: dict[str, Any] = {}
     if harmful is not None or benign is not None:
         rows: list[tuple[str, str]] = []
         if harmful is not None:
@@ -149,9 +155,10 @@ def run(
                 "benign": [t for t, lab in rows if lab == "benign"]}
         sets = {k: v for k, v in sets.items() if v}
     else:
-        bdir = Path(benchmarks_dir) if benchmarks_dir else default_benchmarks_dir()
-        sets = load_benchmark_sets(bdir)
-        extra = {"alpaca_seed_with_input": load_alpaca_seed(bdir, with_input=True)}
+        sets = load_benchmark_sets(benchmarks_dir)
+        if "alpaca_seed" in sets:
+            extra = {"alpaca_seed_with_input": load_alpaca_seed(benchmarks_dir, with_input=True)}
+        provenance = sources_report(benchmarks_dir)
     score, threshold, facts = _scorer(lm, profile, system_prompt, method)
     out_sets: dict[str, dict[str, Any]] = {}
     pos: list[np.ndarray] = []
@@ -167,7 +174,9 @@ def run(
         "method": method,
         "threshold": round(threshold, 4),
         "auc": None if auc is None else round(auc, 4),
+        "auc_over": list(out_sets) if auc is not None else [],
         "sets": out_sets,
+        **provenance,
         **({"also_benign": also} if also else {}),
         "layer": profile.layer,
         "details": facts,
