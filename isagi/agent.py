@@ -52,7 +52,7 @@ from isagi.cog import Metric, Tier, TierThresholds
 from isagi.config import Settings
 from isagi.decide import Candidate, Decision, decide
 from isagi.distance_scale import SEED as SEED_SCALE
-from isagi.engines.base import Decoding, GenerationOptions
+from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions
 from isagi.errors import InputError
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
@@ -227,6 +227,10 @@ class Engine:
         if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
             related = None  # the related exchange does not fit beside the message: answer without it
         history = self.fitting_history(session, text, related) if with_history else []
+        if related is not None and _holds_exchange(history, related):
+            # the related exchange is in the history already: once is enough
+            history = self.fitting_history(session, text)
+            related = None
         return self._prompt_messages(text, related, history)
 
     def _prompt_messages(
@@ -500,16 +504,28 @@ def clean_message(message: str | None) -> str:
 def prompt_messages(
     system: str, text: str, related: dict[str, Any] | None = None, history: list[dict[str, str]] | None = None
 ) -> list[dict[str, str]]:
-    """The chat for the model: system prompt, a related exchange, history, then the message."""
-    msgs = [{"role": "system", "content": system}]
+    """The chat for the model: system prompt, history, a related exchange, then the message.
+
+    The related exchange goes after the history, next to the message it helps with, so the
+    prompt still starts with the previous turn's prompt and reply (whose KV cache the
+    engine can reuse, :mod:`isagi.engines.kv_prefix`)."""
+    msgs = [{"role": "system", "content": system}, *(history or [])]
     if related is not None:
         msgs += [
             {"role": "user", "content": related["query_text"]},
             {"role": "assistant", "content": related["reply_text"]},
         ]
-    msgs += history or []
     msgs.append({"role": "user", "content": text})
     return msgs
+
+
+def _holds_exchange(history: list[dict[str, str]], related: dict[str, Any]) -> bool:
+    """Whether ``history`` has the user message and reply of ``related`` as one exchange."""
+    return any(
+        a["role"] == "user" and a["content"] == related["query_text"]
+        and b["role"] == "assistant" and b["content"] == related["reply_text"]
+        for a, b in zip(history, history[1:], strict=False)
+    )
 
 
 def count_tokens(lm: Any, text: str) -> int:
@@ -550,11 +566,14 @@ def _prefill(
     Without ``compute`` (the states are known) nothing runs yet: a later
     generation from this prompt prefills on demand.
     """
-    gen = slot.open(messages)
+    span = lm.content_span(messages)
+    # The tokens before the message (system prompt, template) may come from a saved KV cache:
+    # the safety state is read over the message's own tokens, h at the last one.
+    gen = slot.open(messages, reuse_prefix=span[0])
     if not compute:
         return None, None, gen.prompt_tokens
     h = gen.prefill()
-    h_safety = gen.prompt_state(safety_layer, span=lm.content_span(messages))
+    h_safety = gen.prompt_state(safety_layer, span=span)
     return h, h_safety, gen.prompt_tokens
 
 
@@ -571,7 +590,9 @@ def _generate(
     reply is ``withheld``. Stop (``stop`` set) ends decoding after the current
     token: ``cancelled``. Returns a :class:`Generated`.
     """
-    gen = slot.open(messages) if messages is not None else slot.current
+    # A prompt other than the lookup one (history, a related exchange) is only decoded from:
+    # the engine may reuse the KV cache of an earlier turn's prompt and reply that it extends.
+    gen = slot.open(messages, reuse_prefix=REUSE_ANY) if messages is not None else slot.current
     assert gen is not None
     layer = guard.profile.layer
     teh_reply: float | None = None
@@ -606,9 +627,10 @@ class _OpenGeneration:
         self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
-    def open(self, messages: list[dict[str, str]]) -> Decoding:
+    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0) -> Decoding:
         self.close()
-        self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture)
+        self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture,
+                                          reuse_prefix=reuse_prefix)
         self.current.__enter__()
         self.messages = messages
         return self.current

@@ -209,3 +209,58 @@ def test_the_turn_runs_end_to_end_on_llamacpp(default_llama, small_profile, sett
         again = engine.turn(session, "Name three colours of the rainbow.", record=False)
         assert again.tier == "RETRIEVE" and again.reply == result.reply and not again.generated
     assert default_llama.owner is None and default_llama._capture.wanted is None
+
+
+def test_a_prompt_that_extends_an_earlier_one_evaluates_only_its_new_tokens(default_llama) -> None:
+    from isagi.engines.base import REUSE_ANY
+
+    e = default_llama
+    e.prefixes.clear()
+    opts = GenerationOptions(max_new_tokens=12, ignore_eos=True)
+    with e.generation(CHATS[0], e.default_layer, opts) as first:
+        list(first.stream())
+    assert len(e.prefixes) == 1  # its prompt and fed-back reply were kept on close
+    follow = [*CHATS[0], {"role": "assistant", "content": first.text},
+              {"role": "user", "content": "And what is the capital of Spain?"}]
+    ids = e.chat_tokens(follow)
+    kept = len(first.ids) + 11  # the last reply token is never fed back
+    before = e.evaluated_tokens
+    with e.generation(follow, e.default_layer, GenerationOptions(max_new_tokens=1),
+                      also_capture=(e.default_safety_layer,), reuse_prefix=REUSE_ANY) as gen:
+        h = gen.prefill()
+        reused = gen._prompt_start
+        logits = e._logits().copy()
+        # the shared prefix (at least the first prompt) was not evaluated again
+        assert len(first.ids) <= reused <= kept
+        assert e.evaluated_tokens - before == len(ids) - reused
+        with pytest.raises(ValueError, match="saved KV cache"):
+            gen.prompt_states()
+        with pytest.raises(ValueError, match="saved KV cache"):
+            gen.prompt_state(e.default_safety_layer, span=(0, 4))
+        span = e.content_span(follow)
+        pooled = gen.prompt_state(e.default_safety_layer, span=span)
+    # the same prompt evaluated whole: the same last state, message state and next-token logits
+    e._clear(None)
+    full = e._decode(ids, 0, capture=e._names([e.default_layer, e.default_safety_layer]))
+    assert _cos(h, full[e.default_layer][-1]) > 0.999
+    assert _cos(pooled, full[e.default_safety_layer][span[0]:span[1]].mean(axis=0)) > 0.999
+    whole = e._logits()
+    assert int(np.argmax(whole)) == int(np.argmax(logits)) and _cos(whole, logits) > 0.999
+
+
+def test_a_prefix_is_reused_only_as_far_as_the_caller_allows(default_llama) -> None:
+    e = default_llama
+    e.prefixes.clear()
+    with e.generation(CHATS[0], e.default_layer, GenerationOptions(max_new_tokens=2)) as first:
+        list(first.stream())
+    span = e.content_span(CHATS[0])
+    before = e.evaluated_tokens
+    with e.generation(CHATS[0], e.default_layer, reuse_prefix=span[0]) as gen:
+        gen.prefill()
+        assert gen._prompt_start == span[0]  # the message itself is evaluated again
+        assert e.evaluated_tokens - before == len(gen.ids) - span[0]
+        gen.prompt_state(e.default_layer, span=span)
+    steer = np.zeros(e.hidden_size, dtype=np.float32)
+    with e.generation(CHATS[0], e.default_layer, steer=steer, reuse_prefix=span[0]) as steered:
+        steered.prefill()
+        assert steered._prompt_start == 0  # a steered prompt never takes an unsteered KV cache

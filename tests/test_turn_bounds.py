@@ -140,7 +140,8 @@ def test_the_related_exchange_fits_the_budget_too(tmp_path: Any) -> None:
     s = _session([(f"q{i}", "a" * 30, "ok") for i in range(6)])
     related = {"query_text": "earlier", "reply_text": "r" * 60}
     with_related = engine._prompt(s, "now", related)
-    assert with_related[1:3] == [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "r" * 60}]
+    # after the history, just before the message (the prompt still starts as the last turn's did)
+    assert with_related[-3:-1] == [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "r" * 60}]
     assert engine.prompt_tokens(with_related) <= 200
     assert len(with_related) < len(engine._prompt(s, "now", None)) + 2, "history gave way to the related exchange"
     too_big = {"query_text": "earlier", "reply_text": "r" * 400}
@@ -197,3 +198,15 @@ def test_piped_invalid_utf8_and_nul_only_lines_give_one_line_errors(tmp_path: An
     assert "Traceback" not in result.output and result.exception is None
     assert "not valid text" in result.output and "empty" in result.output
     assert result.stdout.count("\n") == 2, "one (empty) reply line per input line"
+
+
+def test_a_related_exchange_already_in_the_history_is_not_repeated(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, prompt_token_budget=400, max_message_tokens=50, max_new_tokens=16)
+    s = _session([("q0", "a0", "ok"), ("q1", "a1", "ok")])
+    in_history = {"query_text": "q0", "reply_text": "a0"}
+    prompt = engine._prompt(s, "now", in_history)
+    assert prompt == engine._prompt(s, "now", None)
+    assert [m["content"] for m in prompt].count("q0") == 1
+    elsewhere = {"query_text": "q0", "reply_text": "another reply"}  # same question, other answer
+    assert engine._prompt(s, "now", elsewhere)[-3:-1] == [
+        {"role": "user", "content": "q0"}, {"role": "assistant", "content": "another reply"}]

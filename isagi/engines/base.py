@@ -43,6 +43,9 @@ class GenerationOptions:
     ignore_eos: bool = False  # benchmarks only: decode exactly max_new_tokens
 
 
+REUSE_ANY = 1 << 62  # ``generation(reuse_prefix=...)``: any shared prefix may come from a saved KV cache
+
+
 @dataclass
 class TokenEvent:
     """One decoded token: the text it adds (possibly empty mid-character) and its id."""
@@ -152,9 +155,17 @@ class ModelEngine(Protocol):
         *,
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
+        reuse_prefix: int = 0,
     ) -> Decoding:
         """A reply to ``messages`` capturing ``layer`` (and ``also_capture``); ``steer`` adds a
-        vector to the output of ``layer`` (explore only; captured states are read before it)."""
+        vector to the output of ``layer`` (explore only; captured states are read before it).
+
+        ``reuse_prefix``: at most this many leading prompt tokens may come from the KV cache
+        of an earlier decoding that shared them instead of being evaluated again (llama.cpp
+        does; transformers ignores it). Their states are then not computed: ``prompt_states``
+        refuses, and so does ``prompt_state`` with a span inside them; the last prompt token
+        is always evaluated. 0 (the default) evaluates the whole prompt; :data:`REUSE_ANY`
+        allows any shared prefix (the caller needs the reply, not the prompt's states)."""
         ...
 
     def iter_prompt_states(

@@ -103,6 +103,7 @@ class TransformersEngine:
         *,
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
+        reuse_prefix: int = 0,  # noqa: ARG002 - no KV cache kept between generations here
     ) -> Any:
         import torch
 

@@ -41,6 +41,13 @@ output head (a third of SmolLM2's weights) are skipped; 621 of 936 nodes run
 for layers 18 and 20. Such a context's KV cache above those layers is left
 unwritten, so it is cleared before any other use.
 
+Prompts that extend an earlier one. A decoding's KV cache (its prompt and
+the reply tokens fed back) is saved when it closes (:mod:`isagi.engines.kv_prefix`);
+a later decoding allowed to (``reuse_prefix``) loads the saved cache that
+shares the longest prefix with its prompt and evaluates only the rest. A
+chat turn's prompt is the previous turn's prompt, reply and the new message,
+so a turn evaluates its new tokens only, whichever sessions ran in between.
+
 Under CPU contention (several processes on two cores) llama.cpp's threads
 wait on each other at every node; ``ISAGI_THREADS=1`` then runs faster than
 two threads. Benchmarks in this repository are rough for that reason.
@@ -67,6 +74,7 @@ from typing import Any
 import numpy as np
 
 from isagi.engines.base import GenerationOptions, TokenEvent, check_layer
+from isagi.engines.kv_prefix import PrefixStore
 from isagi.errors import ModelLoadError
 from isagi.pooling import last_token, span_mean
 
@@ -219,6 +227,7 @@ class LlamaCppEngine:
         self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
         self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
         self.evaluated_tokens = 0  # tokens run through the model (tests: no prompt token twice)
+        self.prefixes = PrefixStore()  # KV caches of recent decodings, for prompts that extend them
 
     # -- facts ----------------------------------------------------------------
     @property
@@ -338,6 +347,34 @@ class LlamaCppEngine:
         self._ll.llama_memory_clear(self._mem, True)
         self.owner = owner
 
+    def _save_prefix(self, tokens: list[int]) -> None:
+        """Keep the KV cache of sequence 0, which holds exactly ``tokens``, in :attr:`prefixes`."""
+        ll = self._ll
+        with self.lock:
+            size = int(ll.llama_state_seq_get_size(self._ctx, 0))
+            buf = (ctypes.c_uint8 * size)()
+            got = int(ll.llama_state_seq_get_data(self._ctx, buf, size, 0))
+        if got:
+            self.prefixes.put(tokens, bytes(buf)[:got])
+
+    def _restore_prefix(self, ids: list[int], limit: int) -> int:
+        """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
+        sequence 0, cut to that prefix or ``limit`` tokens; returns how many leading tokens
+        need no evaluation (never all of them: the last prompt token is evaluated for its logits)."""
+        found = self.prefixes.best(ids[:limit])
+        if found is None:
+            return 0
+        _tokens, data, shared = found
+        ll = self._ll
+        with self.lock:
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            if not int(ll.llama_state_seq_set_data(self._ctx, buf, len(data), 0)):
+                ll.llama_memory_clear(self._mem, True)
+                return 0
+            start = min(shared, len(ids) - 1)
+            ll.llama_memory_seq_rm(self._mem, 0, start, -1)
+        return start
+
     def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
                 truncate: bool = False) -> dict[int, np.ndarray]:
         """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
@@ -412,11 +449,12 @@ class LlamaCppEngine:
         *,
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
+        reuse_prefix: int = 0,
         capture_reply: bool = True,
     ) -> LlamaCppDecoding:
         """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
         return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
-                                steer=steer, capture_reply=capture_reply)
+                                steer=steer, reuse_prefix=reuse_prefix, capture_reply=capture_reply)
 
     def iter_prompt_states(
         self,
@@ -498,6 +536,7 @@ class LlamaCppDecoding:
         *,
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
+        reuse_prefix: int = 0,
         capture_reply: bool = True,
     ) -> None:
         engine.check_layer(layer)
@@ -519,6 +558,10 @@ class LlamaCppDecoding:
         self._entered = False
         self._steering = False
         self.capture_reply = capture_reply
+        # a saved KV cache may stand in for a shared prefix (never under steering: its KV differs)
+        self.reuse_prefix = int(reuse_prefix) if self.steer is None else 0
+        self._prompt_start = 0  # prompt positions before this came from a saved KV cache
+        self._kv_len = 0  # tokens (prompt, then fed-back reply) in the KV cache
 
     # -- lifetime -------------------------------------------------------------
     def __enter__(self) -> LlamaCppDecoding:
@@ -543,6 +586,8 @@ class LlamaCppDecoding:
                 e._ll.llama_sampler_free(self._sampler)
                 self._sampler = None
             if e.owner is self:
+                if self._kv_len and not self._steering and self.steer is None:
+                    e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
                 e._clear(None)
         finally:
             self._entered = False
@@ -584,20 +629,35 @@ class LlamaCppDecoding:
         assert self._entered, "use the decoding inside a with block"
         e = self.engine
         e._clear(self)
-        states = e._decode(self.ids, 0, capture=e._names(self.layers))
+        start = e._restore_prefix(self.ids, self.reuse_prefix) if self.reuse_prefix else 0
+        states = e._decode(self.ids[start:], start, capture=e._names(self.layers))
+        self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
         return last_token(self._prompt[self.layer])
 
-    def prompt_states(self, layer: int | None = None) -> np.ndarray:
+    def _evaluated_states(self, layer: int | None) -> np.ndarray:
+        """States of the prompt positions this decoding evaluated (from ``_prompt_start``)."""
         assert self._prompt is not None, "call prefill() first"
         layer = self.layer if layer is None else int(layer)
         if layer not in self._prompt:
             raise ValueError(f"layer {layer} is not captured: pass it in also_capture")
         return self._prompt[layer]
 
+    def prompt_states(self, layer: int | None = None) -> np.ndarray:
+        states = self._evaluated_states(layer)
+        if self._prompt_start:
+            raise ValueError(f"the first {self._prompt_start} prompt tokens came from a saved KV cache "
+                             "(reuse_prefix): their states were not computed")
+        return states
+
     def prompt_state(self, layer: int | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
-        states = self.prompt_states(layer)
-        return last_token(states) if span is None else span_mean(states, span)
+        states = self._evaluated_states(layer)
+        if span is None:
+            return last_token(states)
+        if span[0] < self._prompt_start:
+            raise ValueError(f"span {span} starts inside the {self._prompt_start} prompt tokens taken from a "
+                             "saved KV cache (reuse_prefix): their states were not computed")
+        return span_mean(states, (span[0] - self._prompt_start, span[1] - self._prompt_start))
 
     def last_hidden(self) -> np.ndarray:
         got = self._reply[self.layer]
@@ -667,5 +727,6 @@ class LlamaCppDecoding:
                 return
             states = e._decode([token], pos, capture=names)
             pos += 1
+            self._kv_len = pos
             for layer, s in states.items():
                 self._reply[layer].append(self._unsteer(layer, s))
