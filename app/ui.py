@@ -1094,7 +1094,7 @@ def build_blocks(ui: WebUI) -> Any:
                     map_plot = gr.Plot(label="Trajectory map", elem_id="isagi-map")
                     growth_plot = gr.Plot(label="Metric growth", elem_id="isagi-growth")
                     teh_plot = gr.Plot(label="TEH", elem_id="isagi-teh")
-            with gr.Tab("Sessions", id="sessions"):
+            with gr.Tab("Sessions", id="sessions") as sessions_tab:
                 gr.Markdown("Your past sessions from the history store (with a login, each user sees "
                             "only their own). Every session autosaves its living state; resume one to "
                             "continue it with its memory and metric.")
@@ -1188,4 +1188,6 @@ def build_blocks(ui: WebUI) -> Any:
                       ).then(lambda: None, None, upload, api_name=False, queue=False)
         run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
                      **model_q)
+        # opening the tab shows the list as it is now (wired last: earlier events keep their fn_index)
+        sessions_tab.select(list_fn, query, [table, sessions_note], api_name=False, **light_q)
     return demo

@@ -170,3 +170,16 @@ def test_under_a_login_a_reload_keeps_the_users_session_and_another_user_gets_no
     page.screenshot(path=str(screenshot_dir / "reload-other-user-same-browser.png"), full_page=True)
     assert secret not in body and a not in body
     assert trajectories(page) == 0 and badges(page) == []
+
+
+def test_opening_the_sessions_tab_lists_ones_sessions_without_a_refresh(fake_url, context_of):
+    from tests.e2e.conftest import shown_rows
+    from tests.e2e.test_web_e2e import open_tab
+
+    page = open_page(context_of(), fake_url)
+    send_and_wait(page, "What is a lighthouse?")
+    sid = session_id(page)
+    open_tab(page, "Sessions")  # no click on Search / refresh
+    page.wait_for_function("() => document.body.innerText.includes('most recent session(s)')")
+    page.wait_for_timeout(500)
+    assert sid in [row["id"] for row in shown_rows(page)]
