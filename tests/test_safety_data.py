@@ -183,3 +183,26 @@ def test_loader_rejects_a_malformed_row(monkeypatch: pytest.MonkeyPatch) -> None
             load_safety_calibration()
     monkeypatch.setattr(safety, "load_jsonl", lambda _name: [good])
     assert load_safety_calibration() == [good]
+
+
+CANDIDATE_JACCARD_LIMIT = 0.5  # issue 13: no calibration row may reach a token Jaccard above 0.5
+
+
+def test_candidate_rows_are_well_formed_balanced_and_no_near_copies() -> None:
+    from isagi.data import load_jsonl
+
+    rows = load_jsonl("safety_candidates.jsonl")
+    existing = {_norm(r["text"]) for r in load_safety_calibration()}
+    assert len(rows) >= 800
+    for r in rows:
+        assert set(r) == {"text", "label", "category", "source", "kind"}, r
+        assert r["label"] in ("harmful", "benign") and r["category"] in safety.SAFETY_CATEGORIES
+        assert r["source"] == "isagi" and r["text"].strip()
+        assert _norm(r["text"]) not in existing
+    cells = Counter((r["label"], r["category"]) for r in rows)
+    assert len(cells) == 16 and min(cells.values()) >= 50
+    assert len({_norm(r["text"]) for r in rows}) == len(rows)
+    bench = [_tokens(t) for t in _benchmark_prompts()[0]]
+    near = [(r["text"], round(best, 2)) for r in rows
+            if (best := max(_jaccard(_tokens(r["text"]), b) for b in bench)) > CANDIDATE_JACCARD_LIMIT]
+    assert near == []
