@@ -320,8 +320,12 @@ def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = Fals
         _print_json([{k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in r.__dict__.items()}
                      for r in rows])
         return
-    for r in rows:
-        out.print(f"{r.id}  {r.updated_at}  {r.turns:>4} turns  {r.title}", highlight=False)
+    if not rows:
+        out.print(f"No sessions of owner {owner!r} in the history store yet.", highlight=False)
+        return
+    from isagi.tables import sessions_table
+
+    out.print(sessions_table(rows))
 
 
 @sessions_app.command("show")

@@ -71,6 +71,9 @@ def test_sessions_list_as_text_and_json(chatted: dict[str, Any]) -> None:
     home, sid = str(chatted["home"]), chatted["id"]
     text = invoke("sessions", "list", "--home", home)
     assert text.exit_code == 0 and sid in text.output and "What is the boiling" in text.output
+    header = next(line for line in text.output.splitlines() if "title" in line)
+    assert all(h in header for h in ("id", "owner", "title", "turns", "updated (UTC)")), text.output
+    assert ".5" not in text.output.split(sid, 1)[1].splitlines()[0], "dates without microseconds"
     data = json.loads(invoke("sessions", "list", "--home", home, "--json").stdout)
     assert [(d["id"], d["turns"], d["title"]) for d in data] == [(sid, 3, WATER)]
 
