@@ -20,6 +20,11 @@ def test_repeated_question_is_retrieved_without_generation(default_engine) -> No
     assert again.reply_text == first.reply_text and again.new_tokens == 0
 
 
+def _forget_saved_kv(lm) -> None:
+    if getattr(lm, "prefixes", None) is not None:
+        lm.prefixes.clear()
+
+
 class _Passes:
     """Model evaluations during a block: forward calls (transformers) or tokens evaluated (llama.cpp)."""
 
@@ -62,7 +67,9 @@ def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_en
     s.prompt_states.clear()
     with _Passes(default_engine.lm) as passes:
         fresh = default_engine.turn(s, "Why do cats purr?")
-    assert fresh.tier == "RETRIEVE" and passes.prefills(fresh.prompt_tokens) == 1, "without the cache: one prefill"
+    # without the state cache: one prefill, at most (llama.cpp may take the system prompt's part
+    # from a saved KV cache and evaluate the message only)
+    assert fresh.tier == "RETRIEVE" and 0 < passes.prefills(fresh.prompt_tokens) <= 1, "without the cache: one prefill"
     assert cached.distance == pytest.approx(fresh.distance, abs=1e-6)
     assert cached.teh_prompt == pytest.approx(fresh.teh_prompt, rel=1e-6)
     assert cached.reply_text == fresh.reply_text
@@ -142,7 +149,11 @@ def test_save_load_round_trip_gives_the_same_next_turn(default_engine, tmp_path)
     # built in bulk, the original one grew record by record)
     assert a["distance"] == pytest.approx(b["distance"], abs=1e-9)
     assert {**a, "distance": None} == {**b, "distance": None}
+    # each from a cold engine: a KV cache saved by an earlier decoding (llama.cpp) is engine
+    # state, not session state, and greedy decoding may take another token after one
+    _forget_saved_kv(default_engine.lm)
     ra = default_engine.turn(s, probe, record=False)
+    _forget_saved_kv(default_engine.lm)
     rb = default_engine.turn(restored, probe, record=False)
     assert (ra.tier, ra.teh_prompt, ra.reply_text) == (rb.tier, rb.teh_prompt, rb.reply_text)
     assert ra.distance == pytest.approx(rb.distance, abs=1e-9)
