@@ -264,3 +264,19 @@ def test_a_prefix_is_reused_only_as_far_as_the_caller_allows(default_llama) -> N
     with e.generation(CHATS[0], e.default_layer, steer=steer, reuse_prefix=span[0]) as steered:
         steered.prefill()
         assert steered._prompt_start == 0  # a steered prompt never takes an unsteered KV cache
+
+
+def test_alternating_capture_sets_evaluate_each_prompt_once(default_llama, monkeypatch) -> None:
+    # node indices remembered for one set of wanted layers must not be used for another set
+    # (each wrong guess cost a second evaluation of the whole batch)
+    e = default_llama
+    ids = e.chat_tokens(CHATS[0])
+    batches = []
+    run_batch = e._run_batch
+    monkeypatch.setattr(e, "_run_batch", lambda *a, **k: batches.append(1) or run_batch(*a, **k))
+    for layers in ([e.default_layer, e.default_safety_layer], [e.default_layer], [e.default_safety_layer]) * 2:
+        e._clear(None)
+        batches.clear()
+        states = e._decode(ids, 0, capture=e._names(layers))
+        assert sorted(states) == sorted(layers)
+        assert len(batches) == 1, f"evaluated {len(batches)} times for {layers}"

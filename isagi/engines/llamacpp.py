@@ -123,15 +123,18 @@ class _Capture:
         self.rows: dict[int, list[np.ndarray]] = {}
         self.index = 0  # node index within the current graph compute
         self.guess: dict[int, bool] = {}  # node index -> wanted, learned from names
+        self.guessed_for: dict[bytes, int] | None = None  # the wanted nodes ``guess`` was learned for
         self.n_tokens = 0
         self.missed = False
         self.truncate = False  # stop the graph once every wanted layer is read (prompt states only)
         self.pending = 0
 
     def start(self, wanted: dict[bytes, int], n_tokens: int, truncate: bool = False) -> None:
-        if n_tokens != self.n_tokens:
+        # the remembered node indices hold for one graph shape and one set of wanted nodes: a
+        # guess left by another set would be wrong every time and cost a re-evaluation
+        if n_tokens != self.n_tokens or wanted != self.guessed_for:
             self.guess = {}
-        self.wanted, self.n_tokens = wanted, n_tokens
+        self.wanted, self.n_tokens, self.guessed_for = wanted, n_tokens, wanted
         self.rows = {layer: [] for layer in wanted.values()}
         self.index = 0
         self.missed = False
