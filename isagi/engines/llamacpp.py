@@ -353,23 +353,23 @@ class LlamaCppEngine:
     def _save_prefix(self, tokens: list[int]) -> None:
         """Keep the KV cache of sequence 0, which holds exactly ``tokens``, in :attr:`prefixes`."""
         ll = self._ll
-        with self.lock:
+        with self.lock:  # the store too: one engine may be used from several threads
             size = int(ll.llama_state_seq_get_size(self._ctx, 0))
             buf = (ctypes.c_uint8 * size)()
             got = int(ll.llama_state_seq_get_data(self._ctx, buf, size, 0))
-        if got:
-            self.prefixes.put(tokens, bytes(buf)[:got])
+            if got:
+                self.prefixes.put(tokens, bytes(buf)[:got])
 
     def _restore_prefix(self, ids: list[int], limit: int) -> int:
         """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
         sequence 0, cut to that prefix or ``limit`` tokens; returns how many leading tokens
         need no evaluation (never all of them: the last prompt token is evaluated for its logits)."""
-        found = self.prefixes.best(ids[:limit])
-        if found is None:
-            return 0
-        _tokens, data, shared = found
         ll = self._ll
         with self.lock:
+            found = self.prefixes.best(ids[:limit])
+            if found is None:
+                return 0
+            _tokens, data, shared = found
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
             if not int(ll.llama_state_seq_set_data(self._ctx, buf, len(data), 0)):
                 ll.llama_memory_clear(self._mem, True)
