@@ -226,11 +226,11 @@ class Engine:
         """
         if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
             related = None  # the related exchange does not fit beside the message: answer without it
-        history = self.fitting_history(session, text, related) if with_history else []
+        history = self.fitting_history(session, text) if with_history else []
         if related is not None and _holds_exchange(history, related):
-            # the related exchange is in the history already: once is enough
-            history = self.fitting_history(session, text)
-            related = None
+            related = None  # the related exchange is in the history already: once is enough
+        elif related is not None and with_history:
+            history = self.fitting_history(session, text, related)  # room for it beside the history
         return self._prompt_messages(text, related, history)
 
     def _prompt_messages(

@@ -358,7 +358,7 @@ class LlamaCppEngine:
             buf = (ctypes.c_uint8 * size)()
             got = int(ll.llama_state_seq_get_data(self._ctx, buf, size, 0))
             if got:
-                self.prefixes.put(tokens, bytes(buf)[:got])
+                self.prefixes.put(tokens, ctypes.string_at(buf, got))
 
     def _restore_prefix(self, ids: list[int], limit: int) -> int:
         """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
@@ -589,7 +589,7 @@ class LlamaCppDecoding:
                 e._ll.llama_sampler_free(self._sampler)
                 self._sampler = None
             if e.owner is self:
-                if self._kv_len and not self._steering and self.steer is None:
+                if self._kv_len and self.steer is None:  # a steered KV cache is no prefix for others
                     e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
                 e._clear(None)
         finally:
