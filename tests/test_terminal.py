@@ -179,9 +179,11 @@ def test_isagi_chat_in_a_terminal_ctrl_c_stops_the_reply_then_leaves(tmp_path: P
         time.sleep(0.5)  # some tokens stream
         os.write(fd, b"\x03")
         _read_until(fd, b"stopped", seen)
+        del seen[: seen.index(b"stopped")]  # the first prompt's "you> " must not count as this one
         _read_until(fd, b"you> ", seen)
         os.write(fd, QUESTION.encode() + b"\r")
         del seen[:]
+        _read_until(fd, b"isagi> ", seen)
         _read_until(fd, b"you> ", seen)  # answered, back at the prompt
         os.write(fd, b"\x03")
         _, status = os.waitpid(pid, 0)
