@@ -56,6 +56,7 @@ from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions
 from isagi.errors import InputError
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
+from isagi.pooling import decoding_state
 from isagi.sameness import content_key
 from isagi.session import PROMPT_STATE_CACHE, Session
 from isagi.turn import Message, Turn
@@ -340,7 +341,7 @@ class Engine:
                 turn.reply_text, turn.cluster = d.nearest.record["reply_text"], int(d.nearest.record["cluster"])
                 yield TurnEvent("token", text=turn.reply_text)
                 return turn
-            out = yield from self._generate(session, text, d, slot, stop)
+            out = yield from self._generate(session, text, d, slot, stop, p.h_safety)
             if out.verdict == "withheld":
                 from isagi.safety import REFUSAL_TEMPLATE
 
@@ -403,9 +404,11 @@ class Engine:
         return decide(candidates, text, context_key, self.profile.distance_scale or SEED_SCALE, self.thresholds)
 
     def _generate(
-        self, session: Session, text: str, d: Decision, slot: _OpenGeneration, stop: threading.Event | None
+        self, session: Session, text: str, d: Decision, slot: _OpenGeneration, stop: threading.Event | None,
+        h_safety: np.ndarray,
     ) -> Iterator[TurnEvent]:
-        """Decode the reply with the reply guard, from the lookup prefill whenever the prompt is the same."""
+        """Decode the reply with the reply guard (which judges it with the message's safety state
+        ``h_safety``), from the lookup prefill whenever the prompt is the same."""
         from isagi.safety import ReplyGuard
 
         if d.tier is Tier.AUGMENT:
@@ -413,7 +416,7 @@ class Engine:
         else:
             history = self.fitting_history(session, text)
             prompt = self._prompt_messages(text, None, history) if history else None
-        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety), stop))
+        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop))
 
     def _learn(
         self, session: Session, p: Prepared, reply: str, reply_states: np.ndarray, d: Decision
@@ -568,12 +571,15 @@ def _prefill(
     """
     span = lm.content_span(messages)
     # The tokens before the message (system prompt, template) may come from a saved KV cache:
-    # the safety state is read over the message's own tokens, h at the last one.
+    # the safety state is read over the message's own tokens and the template's tokens after it
+    # (isagi.pooling), h at the last one.
     gen = slot.open(messages, reuse_prefix=span[0])
     if not compute:
         return None, None, gen.prompt_tokens
+    from isagi.safety import SAFETY_POOL
+
     h = gen.prefill()
-    h_safety = gen.prompt_state(safety_layer, span=span)
+    h_safety = decoding_state(gen, safety_layer, SAFETY_POOL, span)
     return h, h_safety, gen.prompt_tokens
 
 

@@ -258,8 +258,13 @@ def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeO
     data = {
         "key": p.key, "model_fingerprint": p.model_fingerprint, "layer": p.layer, "k": int(p.basis.B.shape[1]),
         "explained_variance": p.basis.explained, "zones": p.zones.names, "context_threshold": p.context_threshold,
-        "safety_layer": s.layer, "safety_state": "mean of the safety layer's states over the message's tokens",
+        "safety_layer": s.layer,
+        "safety_state": "average of the safety layer's mean state over the message's tokens and its mean over "
+                        "the template tokens after the message",
         "teh_threshold": s.threshold, "teh_reply_threshold": s.reply_threshold, "forbidden_dims": int(s.Q.shape[1]),
+        "reply_guard": ("the reply judged with its prompt (exchange subspace, "
+                        f"{int(s.reply_Q.shape[1])} dims)" if s.reply_Q is not None else "reply windows in the prompt subspace"),
+        "fpr_budget": s.details.get("fpr_budget"),
         "safety_categories": list(s.categories), "roc_auc_calibration": roc.get("auc"),
         "safety_cv": s.details.get("cv"), "report": p.report,
     }
@@ -506,40 +511,67 @@ def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = Non
                 benign: Annotated[Path | None, typer.Option("--benign")] = None,
                 benchmarks: BenchmarksOpt = None,
                 method: Annotated[str, typer.Option("--method", help="isagi | seed")] = "isagi",
+                replies: Annotated[bool, typer.Option(
+                    "--replies", help="the reply guard instead: replies generated with the prompt guard off")] = False,
+                limit: Annotated[int | None, typer.Option(
+                    "--limit", min=1, help="with --replies: the first N prompts of each set")] = None,
                 model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
-    """TPR/FPR per set at the shipped threshold and ROC AUC, out of sample."""
-    from isagi.evals.safety import run
+    """TPR/FPR per set at the shipped threshold and ROC AUC, out of sample (--replies: the reply guard)."""
+    from isagi.evals.safety import run, run_replies
 
     settings = _settings(model=model, backend=backend, home=home)
     engine = _engine(settings, with_store=False)
+    if replies:
+        _report(run_replies(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt,
+                            benchmarks_dir=benchmarks, limit=limit, progress=_progress_printer()), as_json)
+        return
     _report(run(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt, benchmarks_dir=benchmarks,
                 harmful=harmful, benign=benign, method=method), as_json)
+
+
+def _layer_list(text: str, option: str) -> list[int]:
+    from isagi.errors import InputError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise InputError(f"{option} {text!r}: give decoder layer numbers separated by commas, e.g. 16,18,20.") from exc
 
 
 @eval_app.command("safety-cv")
 @friendly
 def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-separated decoder layers")] = "16,17,18,19,20",
-                   pool: Annotated[list[str] | None, typer.Option("--pool", help="content | last (repeatable)")] = None,
+                   pool: Annotated[list[str] | None, typer.Option(
+                       "--pool", help="last | content | post | content+post (repeatable)")] = None,
+                   concat: Annotated[list[str] | None, typer.Option(
+                       "--concat", help="also join each read-out at these layers, e.g. 15,18,21 (repeatable)")] = None,
+                   framed: Annotated[bool, typer.Option(
+                       "--framed", help="also the prompted read-out: the message in an 'is this harmful?' frame")] = False,
                    shrinkage: Annotated[list[float] | None, typer.Option("--shrinkage", help="repeatable")] = None,
                    offset: Annotated[list[float] | None, typer.Option("--offset", help="repeatable")] = None,
+                   budget: Annotated[float | None, typer.Option(
+                       "--budget", help="FPR budget of the thresholds (default: the shipped one)")] = None,
                    model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Cross-validation on the calibration set only: how the safety state and its defaults were chosen."""
     from isagi.errors import InputError
     from isagi.evals.safety_cv import run
+    from isagi.pooling import POOLS
+    from isagi.safety import FPR_BUDGET
 
-    try:
-        layer_list = [int(x) for x in layers.split(",") if x.strip()]
-    except ValueError as exc:
-        raise InputError(f"--layers {layers!r}: give decoder layer numbers separated by commas, e.g. 16,18,20.") from exc
-    pools = pool or ["content"]
-    if any(p not in ("content", "last") for p in pools):
-        raise InputError(f"--pool {pools}: use 'content' or 'last'.")
+    layer_list = _layer_list(layers, "--layers")
+    groups = [_layer_list(c, "--concat") for c in concat or []]
+    pools = pool or ["content+post"]
+    if any(p not in POOLS for p in pools):
+        raise InputError(f"--pool {pools}: use {', '.join(POOLS)}.")
+    if budget is not None and not 0.0 <= budget < 1.0:
+        raise InputError(f"--budget {budget}: give a share of benign prompts between 0 and 1, e.g. 0.02.")
     from isagi.engines import load_engine
 
     settings = _settings(model=model, backend=backend, home=home)
     lm = load_engine(settings)  # no profile needed: this is what a profile's choices rest on
-    _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools,
-                shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0]), as_json)
+    _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools, concat=groups,
+                framed=framed, shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0],
+                budget=FPR_BUDGET if budget is None else budget), as_json)
 
 
 @eval_app.command("ogd")

@@ -28,8 +28,13 @@ What each step reports:
   (:func:`isagi.safety.reply_window_scores`: mean of the newest 8 states,
   every 8 tokens) on those states; ``teh_response``: TEH of the mean reply
   state without adding s, the model's own response to having been steered.
-  ``over_threshold``: ``teh_max`` above the profile's reply threshold, the
-  guard's own rule, so "over" means the product would have withheld it.
+  ``over_threshold``: ``teh_max`` above the profile's window threshold
+  (:func:`window_threshold`: above every check point of the benign
+  calibration replies in ``Q``), so "over" means the steering moved the reply
+  into the forbidden subspace further than any ordinary reply goes. The
+  turn's reply guard judges a reply with its prompt instead
+  (:class:`isagi.safety.ReplyGuard`); a steered step has no one prompt whose
+  harm is in question, the step itself is.
 - ``coherence`` (0..1): 1 − (mean next-token NLL of the step's text given its
   prompt under the unsteered model) / ln |V|, i.e. how much better than a
   uniform guess the plain model finds the text; 1 is perfectly predictable,
@@ -53,7 +58,7 @@ import numpy as np
 
 from isagi.errors import InputError
 from isagi.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
-from isagi.safety import project_safe, reply_window_scores, teh
+from isagi.safety import project_safe, reply_window_scores, teh, window_threshold
 
 ALPHA_RANGE = (0.05, 0.30)
 DEFAULT_ALPHAS = (0.20, 0.10, 0.05)
@@ -244,7 +249,7 @@ def explore(
         seed=seed,
         safe=safe,
         layer=L,
-        reply_threshold=float(profile.reply_threshold),
+        reply_threshold=window_threshold(profile),
         keyword=keyword,
         max_words=max_words,
         baseline=baseline,
@@ -291,7 +296,7 @@ def explore(
                 teh=teh_mean,
                 teh_max=float(teh_checks.max()),
                 teh_response=teh_resp,
-                over_threshold=bool(teh_checks.max() > profile.reply_threshold),
+                over_threshold=bool(teh_checks.max() > window_threshold(profile)),
                 coherence=coherence(lm, step_chat, new_ids),
                 continuity=cont,
                 forbidden_fraction=float(np.linalg.norm(Q.T @ s) / s_norm) if s_norm else 0.0,

@@ -2,9 +2,18 @@
 
 Owns the choice of positions: the engines hand back every prompt token's
 state (:mod:`isagi.engines.base`); these functions pick the last token (the
-memory's h) or the mean over a token span (the safety state over the user's
-message), so the safety code can change its positions without touching a
-backend.
+memory's h) or means over token spans (the safety state), so the safety code
+can change its positions without touching a backend.
+
+The read-outs (``how``), for a prompt of ``T`` tokens whose last message is
+the span ``[a, b)``:
+
+- ``last``: the state at ``T - 1``;
+- ``content``: the mean over the message, ``[a, b)``;
+- ``post``: the mean over the post-instruction tokens ``[b, T)``, the chat
+  template's end of the message and the opening of the assistant's turn;
+- ``content+post``: the average of the two means above (the safety state:
+  :data:`isagi.safety.SAFETY_POOL` says why).
 """
 
 from __future__ import annotations
@@ -26,18 +35,32 @@ def span_mean(states: np.ndarray, span: tuple[int, int]) -> np.ndarray:
     return np.asarray(states[start:end], dtype=np.float32).mean(axis=0)
 
 
-def pool_states(states: np.ndarray, how: str, span: tuple[int, int] | None = None) -> np.ndarray:
-    """``how="last"``: :func:`last_token`; ``how="content"``: :func:`span_mean` over ``span``."""
+POOLS: tuple[str, ...] = ("last", "content", "post", "content+post")
+
+
+def pool_spans(how: str, span: tuple[int, int] | None, n_tokens: int) -> list[tuple[int, int]]:
+    """The token spans whose means the read-out ``how`` averages (module docstring)."""
     if how == "last":
-        return last_token(states)
-    if how == "content":
-        if span is None:
-            raise ValueError("pool='content' needs the message's token span")
-        return span_mean(states, span)
-    raise ValueError(f"pool={how!r}: use 'last' or 'content'")
+        return [(n_tokens - 1, n_tokens)]
+    if how not in POOLS:
+        raise ValueError(f"pool={how!r}: use one of {', '.join(POOLS)}")
+    if span is None:
+        raise ValueError(f"pool={how!r} needs the message's token span")
+    # a template with nothing after the message: its last token stands for the post-instruction tokens
+    post = (span[1], n_tokens) if span[1] < n_tokens else (n_tokens - 1, n_tokens)
+    return {"content": [span], "post": [post], "content+post": [span, post]}[how]
 
 
-POOLS: dict[str, Callable[..., np.ndarray]] = {"last": last_token, "content": span_mean}
+def pool_states(states: np.ndarray, how: str, span: tuple[int, int] | None = None) -> np.ndarray:
+    """The read-out ``how`` (d,) of a prompt's states (T, d); ``span`` is the message's tokens."""
+    parts = [span_mean(states, s) for s in pool_spans(how, span, len(states))]
+    return np.mean(parts, axis=0).astype(np.float32)
+
+
+def decoding_state(gen: Any, layer: int, how: str, span: tuple[int, int] | None) -> np.ndarray:
+    """:func:`pool_states` read from an open, prefilled decoding (the turn's own prefill)."""
+    parts = [gen.prompt_state(layer, span=s) for s in pool_spans(how, span, int(gen.prompt_tokens))]
+    return np.mean(parts, axis=0).astype(np.float32)
 
 
 def prompt_hidden_states_at(
@@ -51,16 +74,15 @@ def prompt_hidden_states_at(
 ) -> dict[int, np.ndarray]:
     """One pooled state per chat at each of ``layers``: {layer: (n, d)}, from any engine.
 
-    ``pool="last"``: the state at the last prompt token (the memory's h).
-    ``pool="content"``: the mean over the last message's tokens
-    (``engine.content_span``; the safety state, :mod:`isagi.safety`).
+    ``pool`` is a read-out of the module docstring: ``"last"`` is the memory's h;
+    the others use the last message's span (``engine.content_span``).
     """
     if pool not in POOLS:
-        raise ValueError(f"pool={pool!r}: use 'last' or 'content'")
+        raise ValueError(f"pool={pool!r}: use one of {', '.join(POOLS)}")
     out: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
     states = engine.iter_prompt_states(chats, list(layers), batch_size=batch_size, progress=progress)
     for chat, per_layer in zip(chats, states, strict=True):
-        span = engine.content_span(chat) if pool == "content" else None
+        span = engine.content_span(chat) if pool != "last" else None
         for layer in layers:
             out[layer].append(pool_states(per_layer[layer], pool, span))
     d = int(engine.hidden_size)

@@ -93,8 +93,9 @@ DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
+FPR_BUDGET = 0.02  # the prompt threshold: share of benign calibration prompts (out of fold) allowed above it
 REPLY_WINDOW = 8
-SAFETY_POOL = "content"  # the safety state: mean over the message's tokens (module docstring)
+SAFETY_POOL = "content+post"  # the safety state (isagi.pooling): see the module docstring
 REPLY_MARGIN = 1.05
 # Replies the reply threshold is calibrated on: the largest check-point TEH of a
 # reply grows with its length (more windows). A one-off check while this was
@@ -103,6 +104,9 @@ REPLY_MARGIN = 1.05
 # of 48 tokens crossed it. The shipped check is `isagi eval ogd`'s full-turn
 # count of withheld Alpaca replies.
 REPLY_CALIBRATION_TOKENS = 64
+REPLIES_PER_CELL = 24  # replies per (category, label) the reply guard is fitted on: 384
+ORDINARY_REPLIES = 160  # and replies to ordinary requests (zones.jsonl), benign
+REPLY_FPR_BUDGET = 0.01  # share of benign replies (out of fold) the reply guard may withhold
 
 _EPS = 1e-12
 
@@ -124,10 +128,22 @@ class SafetyProfile:
     category_bias: np.ndarray  # (c,) probe offsets: score_k(h) = w_k·h + b_k
     roc: dict[str, Any]  # {"thresholds", "tpr", "fpr", "auc"} on the calibration set
     details: dict[str, Any] = field(default_factory=dict)  # per-category AUCs, selection, budget, CV
+    # The reply guard's own subspace over exchange states (:func:`exchange_states`), fitted on the
+    # model's replies; None: the reply guard scores reply windows in Q against ``reply_threshold``.
+    reply_Q: np.ndarray | None = None  # (2d, m_r) orthonormal
+    reply_centre: np.ndarray | None = None  # (2d,)
+    reply_scales: np.ndarray | None = None  # (2,): mean norms of prompt states and of reply windows
+    # Safe OGD's check of steered replies (isagi.explore): window TEH in Q, above every benign reply
+    window_threshold: float | None = None
 
     @property
     def dims(self) -> int:
         return int(self.Q.shape[1])
+
+    @property
+    def exchange_guard(self) -> bool:
+        """Whether replies are judged with their prompt (:func:`exchange_states`)."""
+        return self.reply_Q is not None
 
     def to_state(self) -> dict[str, Any]:
         """Numpy arrays plus JSON-able scalars and lists (the profile stores them apart)."""
@@ -142,6 +158,10 @@ class SafetyProfile:
             "categories": list(self.categories),
             "roc": _jsonable(self.roc),
             "details": _jsonable(self.details),
+            **({"reply_Q": np.asarray(self.reply_Q, dtype=np.float32),
+                "reply_centre": np.asarray(self.reply_centre, dtype=np.float32),
+                "reply_scales": np.asarray(self.reply_scales, dtype=np.float32)} if self.exchange_guard else {}),
+            **({"window_threshold": float(self.window_threshold)} if self.window_threshold is not None else {}),
         }
 
     @classmethod
@@ -163,7 +183,23 @@ class SafetyProfile:
             category_bias=np.asarray(state["category_bias"], dtype=np.float32).reshape(len(cats)),
             roc=dict(state.get("roc", {})),
             details=dict(state.get("details", {})),
+            **_reply_fields(state, Q.shape[0]),
         )
+
+
+def _reply_fields(state: dict[str, Any], d: int) -> dict[str, Any]:
+    """The optional reply-guard arrays of a stored profile, shape-checked."""
+    out: dict[str, Any] = {}
+    if state.get("window_threshold") is not None:
+        out["window_threshold"] = float(state["window_threshold"])
+    if "reply_Q" not in state:
+        return out
+    rQ = np.asarray(state["reply_Q"], dtype=np.float32)
+    rc = np.asarray(state["reply_centre"], dtype=np.float32)
+    rs = np.asarray(state["reply_scales"], dtype=np.float32)
+    if rQ.ndim != 2 or rQ.shape[0] != 2 * d or rc.shape != (2 * d,) or rs.shape != (2,):
+        raise ValueError(f"reply guard shapes do not match: reply_Q {rQ.shape}, centre {rc.shape}, scales {rs.shape}")
+    return {**out, "reply_Q": rQ, "reply_centre": rc, "reply_scales": rs}
 
 
 def _jsonable(value: Any) -> Any:
@@ -424,16 +460,52 @@ def _folds(n: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
     return np.array_split(rng.permutation(n), k)
 
 
-def _held_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, test: np.ndarray, params: dict[str, Any]) -> tuple[float, float, float]:
-    """Fit Snipe on all rows but ``test``; held-out AUC, and TPR/FPR at the training rows' zero-FP threshold."""
+def budget_threshold(benign_scores: np.ndarray, budget: float) -> float:
+    """The lowest threshold that flags at most ``budget`` of ``benign_scores`` (flagged: score > threshold)."""
+    b = np.sort(np.asarray(benign_scores, dtype=np.float64).ravel())
+    if len(b) == 0:
+        raise ValueError("no benign scores to set a threshold on")
+    allowed = int(np.floor(budget * len(b) + 1e-9))  # benign scores that may lie above the threshold
+    return float(b[len(b) - 1 - allowed])
+
+
+def tpr_at_fpr(scores_pos: np.ndarray, scores_neg: np.ndarray, fpr: float) -> float:
+    """Share of ``scores_pos`` flagged at the threshold that flags at most ``fpr`` of ``scores_neg``."""
+    return float((np.asarray(scores_pos) > budget_threshold(scores_neg, fpr)).mean())
+
+
+def _held_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, test: np.ndarray, params: dict[str, Any],
+              budget: float) -> tuple[np.ndarray, float]:
+    """Fit Snipe on all rows but ``test``: TEH of the ``test`` rows, and the training rows' threshold at ``budget``."""
     harm = labels == 1
     train = np.setdiff1d(np.arange(len(H)), test)
     Q, c, _ = snipe(*split_by_category(H[train], labels[train], cats[train]), **params)
-    s_tr = teh((Q, c), H[train])
-    threshold = roc_sweep(s_tr[harm[train]], s_tr[~harm[train]])["threshold"]
-    s_te = teh((Q, c), H[test])
-    return (roc_auc(s_te[harm[test]], s_te[~harm[test]]), float((s_te[harm[test]] > threshold).mean()),
-            float((s_te[~harm[test]] > threshold).mean()))
+    threshold = budget_threshold(teh((Q, c), H[train][~harm[train]]), budget)
+    return teh((Q, c), H[test]), threshold
+
+
+def _pooled_report(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, folds: list[np.ndarray],
+                   params: dict[str, Any], budget: float) -> tuple[dict[str, Any], np.ndarray, list[float]]:
+    """Out-of-fold TEH of every row (each scored by a fit that never saw it) and what it says."""
+    harm = labels == 1
+    oof = np.zeros(len(H))
+    flagged = np.zeros(len(H), dtype=bool)
+    thresholds = []
+    for test in folds:
+        scores, threshold = _held_out(H, labels, cats, test, params, budget)
+        oof[test] = scores
+        flagged[test] = scores > threshold
+        thresholds.append(threshold)
+    report = {
+        "auc": roc_auc(oof[harm], oof[~harm]),
+        "tpr_at_1pct_fpr": tpr_at_fpr(oof[harm], oof[~harm], 0.01),
+        "tpr_at_5pct_fpr": tpr_at_fpr(oof[harm], oof[~harm], 0.05),
+        # each fold's own threshold (``budget`` of its training rows' benign scores), on its held-out rows
+        "tpr": float(flagged[harm].mean()),
+        "fpr": float(flagged[~harm].mean()),
+        "budget": budget,
+    }
+    return report, oof, thresholds
 
 
 def cross_validate(
@@ -443,30 +515,41 @@ def cross_validate(
     *,
     k: int = 5,
     seed: int = 0,
+    budget: float = 0.0,
     **params: Any,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Unstratified k-fold CV of Snipe+TEH on calibration states.
 
-    Reports held-out AUC, and TPR/FPR of held-out prompts at the threshold the
-    training folds chose (zero-FP rule).
+    Pooled over the folds' held-out rows: ROC AUC, TPR at 1 % and at 5 % FPR,
+    and TPR/FPR at each fold's threshold set at ``budget`` on its training
+    rows' benign scores. ``oof`` holds every row's out-of-fold TEH.
     """
     rng = np.random.default_rng(seed)
-    auc, tpr, fpr = np.mean([_held_out(H, labels, cats, test, params) for test in _folds(len(H), k, rng)], axis=0)
-    return {"auc": float(auc), "tpr": float(tpr), "fpr": float(fpr), "folds": k}
+    report, oof, _ = _pooled_report(H, labels, cats, _folds(len(H), k, rng), params, budget)
+    return {**report, "folds": k, "oof": oof}
 
 
-def leave_one_category_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, **params: Any) -> dict[str, Any]:
+def leave_one_category_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, *, budget: float = 0.0,
+                           **params: Any) -> dict[str, Any]:
     """Train on all categories but one, test on that one, for each category.
 
     A harder test than k-fold: the held-out category's kind of harm was never
-    seen in training, as with new prompts in use. Reports the mean over
-    categories of the held-out AUC and of TPR/FPR at the training zero-FP
-    threshold, and each category's figures.
+    seen in training, as with new prompts in use. ``auc`` is the mean over
+    categories of the held-out AUC (each category's harmful against its own
+    benign rows); ``pooled_auc``, TPR at 1 %/5 % FPR and TPR/FPR at the
+    training rows' ``budget`` threshold pool every held-out row.
     """
-    per = {str(c): _held_out(H, labels, cats, np.flatnonzero(cats == c), params) for c in sorted(set(cats.tolist()))}
-    auc, tpr, fpr = np.mean(list(per.values()), axis=0)
-    return {"auc": float(auc), "tpr": float(tpr), "fpr": float(fpr),
-            "per_category": {c: {"auc": v[0], "tpr": v[1], "fpr": v[2]} for c, v in per.items()}}
+    names = sorted(set(cats.tolist()))
+    folds = [np.flatnonzero(cats == c) for c in names]
+    report, oof, thresholds = _pooled_report(H, labels, cats, folds, params, budget)
+    harm = labels == 1
+    per = {}
+    for c, test, threshold in zip(names, folds, thresholds, strict=True):
+        s_h, s_b = oof[test][harm[test]], oof[test][~harm[test]]
+        per[c] = {"auc": roc_auc(s_h, s_b), "tpr": float((s_h > threshold).mean()),
+                  "fpr": float((s_b > threshold).mean()) if len(s_b) else None}
+    aucs = [v["auc"] for v in per.values() if not np.isnan(v["auc"])]
+    return {**report, "pooled_auc": report["auc"], "auc": float(np.mean(aucs)), "per_category": per}
 
 
 def split_by_category(H: np.ndarray, labels: np.ndarray, cats: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -485,15 +568,49 @@ def split_by_category(H: np.ndarray, labels: np.ndarray, cats: np.ndarray) -> tu
 # --------------------------------------------------------------------------- reply guard
 
 
-class ReplyGuard:
-    """Streaming check of a reply: TEH of the mean of the newest reply hidden states.
+def _check_points(n: int, every: int) -> list[int]:
+    """Reply lengths at which the guard checks: every ``every`` tokens, and the end."""
+    points = list(range(every, n + 1, every))
+    if n and (not points or points[-1] != n):
+        points.append(n)
+    return points
 
-    The mean of the last ``window`` reply-token states summarises what the reply
-    is currently saying; a single token's state is dominated by that token.
+
+def exchange_states(prompt_state: np.ndarray, reply_states: np.ndarray, scales: np.ndarray, *,
+                    every: int = 8, window: int = REPLY_WINDOW) -> np.ndarray:
+    """One exchange state (2d,) per check point of a reply: [prompt state / s_p, window mean / s_r].
+
+    The window mean is that of the newest ``window`` reply states at the check
+    point; ``scales`` (s_p, s_r) put both halves at unit mean norm. A reply is
+    judged with the request it answers, as guard models judge a response in
+    the context of its prompt: on the replies of SmolLM2-135M the reply
+    windows alone separate the replies to harmful and to benign calibration
+    prompts with a cross-validated AUC of 0.81; with the prompt beside them 0.96.
+    """
+    states = np.asarray(reply_states, dtype=np.float64)
+    p = np.asarray(prompt_state, dtype=np.float64) / float(scales[0])
+    rows = [np.concatenate([p, states[max(0, k - window):k].mean(axis=0) / float(scales[1])])
+            for k in _check_points(len(states), every)]
+    return np.stack(rows) if rows else np.zeros((0, 2 * len(p)))
+
+
+class ReplyGuard:
+    """Streaming check of a reply: TEH of the newest reply states, with the prompt they answer.
+
+    With an exchange guard in the profile (:attr:`SafetyProfile.exchange_guard`)
+    it scores :func:`exchange_states` in the reply subspace; without one (a
+    profile fitted without replies) the mean of the newest ``window`` reply
+    states in the prompt subspace ``Q``. The mean of several states summarises
+    what the reply is currently saying; a single token's state is dominated by
+    that token.
     """
 
-    def __init__(self, profile: SafetyProfile, every: int = 8, window: int = REPLY_WINDOW) -> None:
+    def __init__(self, profile: SafetyProfile, prompt_state: np.ndarray | None = None, every: int = 8,
+                 window: int = REPLY_WINDOW) -> None:
+        if profile.exchange_guard and prompt_state is None:
+            raise ValueError("this profile's reply guard judges a reply with its prompt: pass prompt_state")
         self.profile = profile
+        self.prompt_state = prompt_state
         self.every = every
         self.window = window
         self.max_teh = 0.0
@@ -504,7 +621,12 @@ class ReplyGuard:
             states = states[None, :]
         if len(states) == 0:
             return 0.0
-        return float(teh(self.profile, states[-self.window :].mean(axis=0)))
+        prof = self.profile
+        if prof.exchange_guard:
+            x = exchange_states(self.prompt_state, states[-self.window:], prof.reply_scales,  # type: ignore[arg-type]
+                                every=len(states[-self.window:]), window=self.window)[-1]
+            return float(teh((prof.reply_Q, prof.reply_centre), x))  # type: ignore[arg-type]
+        return float(teh(prof, states[-self.window :].mean(axis=0)))
 
     def check(self, reply_hidden: np.ndarray) -> tuple[bool, float]:
         """(over the reply threshold?, TEH %) for the newest window of reply states."""
@@ -513,20 +635,29 @@ class ReplyGuard:
         return value > self.profile.reply_threshold, value
 
 
+def window_threshold(profile: SafetyProfile) -> float:
+    """The threshold for :func:`reply_window_scores` (a profile without one: its reply threshold)."""
+    return float(profile.reply_threshold if profile.window_threshold is None else profile.window_threshold)
+
+
 def reply_window_scores(profile_or_Q_c: Any, reply_states: np.ndarray, window: int = REPLY_WINDOW, every: int = 8) -> np.ndarray:
-    """TEH at every check point a :class:`ReplyGuard` would use on one reply's states."""
+    """TEH in the prompt subspace of the window mean at every check point of one reply."""
     states = np.asarray(reply_states, dtype=np.float64)
-    n = len(states)
-    if n == 0:
-        return np.zeros(0)
-    points = list(range(every, n + 1, every))
-    if not points or points[-1] != n:
-        points.append(n)
-    return np.array([teh(profile_or_Q_c, states[max(0, p - window) : p].mean(axis=0)) for p in points])
+    return np.array([teh(profile_or_Q_c, states[max(0, p - window) : p].mean(axis=0))
+                     for p in _check_points(len(states), every)])
+
+
+def exchange_scores(profile: SafetyProfile, prompt_state: np.ndarray, reply_states: np.ndarray,
+                    every: int = 8) -> np.ndarray:
+    """TEH at every check point a :class:`ReplyGuard` would use on one reply (any profile)."""
+    guard = ReplyGuard(profile, prompt_state, every=every)
+    states = np.asarray(reply_states)
+    return np.array([guard.score(states[:k]) for k in _check_points(len(states), every)])
 
 
 def calibrate_reply_threshold(benign_reply_scores: Sequence[np.ndarray], prompt_threshold: float) -> tuple[float, dict[str, Any]]:
-    """Reply threshold: above every check-point TEH of the benign calibration replies.
+    """Window threshold (Safe OGD's check of steered replies; the reply guard of a profile fitted
+    without an exchange guard): above every check-point TEH of the benign calibration replies.
 
     ``REPLY_MARGIN`` × the largest benign check-point score, and never below the
     prompt threshold: an ordinary reply must never be withheld on the data we
@@ -584,28 +715,118 @@ def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Cal
     return H, labels, cats, rows
 
 
-def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16) -> list[np.ndarray]:
-    """Greedy replies to ``prompts`` and the layer-``layer`` states (n, d) of their tokens (the engine's own batching)."""
-    return lm.reply_states(prompts, layer, max_new_tokens=max_new_tokens, batch_size=batch_size)
+def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24,
+                          batch_size: int = 16, progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+    """Greedy replies to ``prompts`` and the layer-``layer`` states (n, d) of their tokens (the engine's own
+    batching); ``progress(n)`` after every ``batch_size`` replies."""
+    out: list[np.ndarray] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        out += lm.reply_states(chunk, layer, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        if progress is not None:
+            progress(len(chunk))
+    return out
+
+
+@dataclass
+class Exchanges:
+    """The model's replies to a set of prompts: prompt safety states (n, d), reply states, labels, categories."""
+
+    prompt_states: np.ndarray
+    reply_states: list[np.ndarray]
+    labels: np.ndarray  # 1: a reply to a harmful prompt
+    cats: np.ndarray
+
+
+def reply_sample(labels: np.ndarray, cats: np.ndarray, per_cell: int = REPLIES_PER_CELL, seed: int = 0) -> list[int]:
+    """Calibration rows the reply guard is fitted on: ``per_cell`` per (category, label), fixed by ``seed``."""
+    rng = np.random.default_rng(seed)
+    pick: list[int] = []
+    for label in (1, 0):
+        for c in sorted(set(cats.tolist())):
+            idx = np.flatnonzero((labels == label) & (cats == c))
+            pick += sorted(rng.choice(idx, size=min(per_cell, len(idx)), replace=False).tolist())
+    return pick
 
 
 def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[str, int, int], None] | None = None) -> SafetyProfile:
-    """Run the calibration set through the model and fit the forbidden subspace, TEH thresholds and ROC."""
+    """Run the calibration set through the model and fit the forbidden subspace, the reply guard and the thresholds."""
+    from isagi.data import load_jsonl
     from isagi.data.safety import load_safety_calibration
+    from isagi.pooling import prompt_hidden_states
 
-    total = len(load_safety_calibration())
-    done = 0
+    def ticker(stage: str, total: int) -> Callable[[int], None]:
+        done = 0
 
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress("Safety: hidden states of the calibration prompts", done, total)
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(stage, done, total)
+        return tick
 
-    H, labels, cats, rows = calibration_arrays(lm, layer, system_prompt, progress=tick)
-    return fit_safety_profile(H, labels, cats, layer, reply_states=lambda idx: generate_reply_states(
-        lm, [_chat(system_prompt, rows[i]["text"]) for i in idx], layer, max_new_tokens=REPLY_CALIBRATION_TOKENS),
-        progress=progress)
+    rows = load_safety_calibration()
+    H, labels, cats, _ = calibration_arrays(lm, layer, system_prompt,
+                                            progress=ticker("Safety: hidden states of the calibration prompts", len(rows)))
+    # The reply guard: the model's own replies to a sample of the calibration prompts, and to
+    # ordinary requests (the project's zone prompts), which are benign replies of another kind.
+    pick = reply_sample(labels, cats)
+    ordinary = [r["text"] for r in load_jsonl("zones.jsonl")]
+    ordinary = [ordinary[i] for i in sorted(np.random.default_rng(0).choice(
+        len(ordinary), size=min(ORDINARY_REPLIES, len(ordinary)), replace=False).tolist())]
+    ordinary_chats = [_chat(system_prompt, t) for t in ordinary]
+    P_ord = prompt_hidden_states(lm, ordinary_chats, layer, pool=SAFETY_POOL)
+    chats = [_chat(system_prompt, rows[i]["text"]) for i in pick] + ordinary_chats
+    tick = ticker("Safety: the model's replies, for the reply guard", len(chats))
+    R = generate_reply_states(lm, chats, layer, max_new_tokens=REPLY_CALIBRATION_TOKENS, progress=tick)
+    names = sorted(set(cats.tolist()))
+    exchanges = Exchanges(
+        prompt_states=np.concatenate([H[pick], P_ord]), reply_states=R,
+        labels=np.concatenate([labels[pick], np.zeros(len(ordinary), dtype=int)]),
+        # ordinary prompts have no category: spread over them so each fold and category has some
+        cats=np.concatenate([cats[pick], [names[i % len(names)] for i in range(len(ordinary))]]))
+    return fit_safety_profile(H, labels, cats, layer, exchanges=exchanges, progress=progress)
+
+
+def fit_reply_guard(ex: Exchanges, *, budget: float = REPLY_FPR_BUDGET, k: int = 5, seed: int = 0,
+                    **snipe_params: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, dict[str, Any]]:
+    """Snipe on exchange states (:func:`exchange_states`), threshold at ``budget`` of benign replies.
+
+    A reply's score is its largest check-point TEH, as the streaming guard
+    withholds it at the first check point over the threshold. The threshold
+    lets at most ``budget`` of the benign replies' out-of-fold scores (each
+    reply scored by a fit that never saw it) lie above it. Returns
+    ``(reply_Q, reply_centre, scales, threshold, details)``.
+    """
+    P = np.asarray(ex.prompt_states, dtype=np.float64)
+    windows = [exchange_states(np.zeros(P.shape[1]), r, np.ones(2))[:, P.shape[1]:] for r in ex.reply_states]
+    scales = np.array([np.linalg.norm(P, axis=1).mean(),
+                       np.mean([np.linalg.norm(w, axis=1).mean() for w in windows if len(w)])])
+    X = [exchange_states(p, r, scales) for p, r in zip(P, ex.reply_states, strict=True)]
+    y, cats = np.asarray(ex.labels), np.asarray(ex.cats)
+
+    def fit(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.concatenate([X[i] for i in ids if len(X[i])])
+        ry = np.concatenate([[y[i]] * len(X[i]) for i in ids])
+        rc = np.concatenate([[cats[i]] * len(X[i]) for i in ids])
+        Q, c, _ = snipe(*split_by_category(rows, ry, rc), **snipe_params)
+        return Q, c
+
+    def score(Qc: tuple[np.ndarray, np.ndarray], i: int) -> float:
+        return float(np.max(teh(Qc, X[i]))) if len(X[i]) else 0.0
+
+    oof = np.zeros(len(X))
+    for test in _folds(len(X), k, np.random.default_rng(seed)):
+        Qc = fit(np.setdiff1d(np.arange(len(X)), test))
+        oof[test] = [score(Qc, i) for i in test]
+    threshold = budget_threshold(oof[y == 0], budget)
+    Q, c = fit(np.arange(len(X)))
+    details = {"calibrated": True, "kind": "exchange", "budget": budget, "n_harmful_replies": int((y == 1).sum()),
+               "n_benign_replies": int((y == 0).sum()), "oof_auc": roc_auc(oof[y == 1], oof[y == 0]),
+               "oof_withheld_harmful": float((oof[y == 1] > threshold).mean()),
+               "oof_withheld_benign": float((oof[y == 0] > threshold).mean()),
+               "dims": int(Q.shape[1])}
+    return Q, c, scales, threshold, details
 
 
 def fit_safety_profile(
@@ -614,21 +835,29 @@ def fit_safety_profile(
     cats: np.ndarray,
     layer: int,
     *,
-    reply_states: Callable[[list[int]], list[np.ndarray]] | None = None,
-    n_reply_benign: int = 96,
-    n_reply_harmful: int = 32,
+    exchanges: Exchanges | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    fpr_budget: float = FPR_BUDGET,
     **snipe_params: Any,
 ) -> SafetyProfile:
-    """Fit the profile from calibration states (label 1 = harmful); ``reply_states(indices)``
-    returns the reply-token states of the model's replies to those calibration rows."""
+    """Fit the profile from calibration states (label 1 = harmful); ``exchanges`` are the model's
+    replies the reply guard is fitted on (without them it checks reply windows in ``Q``)."""
     H = np.asarray(H, dtype=np.float64)
     harm, ben = split_by_category(H, labels, cats)
     Q, centre, det = snipe(harm, ben, **snipe_params)
     scores = teh((Q, centre), H)
     roc = roc_sweep(scores[labels == 1], scores[labels == 0])
+    # The threshold: fpr_budget of the benign rows' out-of-fold scores (each scored by a fit
+    # that never saw it), so the budget holds for prompts the fit has not seen, not in-sample.
     cv = cross_validate(H, labels, cats, shrinkage=det["shrinkage"], offset=det["offset"],
-                        benign_budget=det["benign_budget"], max_dims=det["max_dims"])
+                        benign_budget=det["benign_budget"], max_dims=det["max_dims"], budget=fpr_budget)
+    oof = cv.pop("oof")
+    threshold = budget_threshold(oof[labels == 0], fpr_budget)
+    cv.update({"threshold_rule": f"{fpr_budget:.0%} of the benign rows' out-of-fold TEH lie above it",
+               "oof_tpr_at_threshold": float((oof[labels == 1] > threshold).mean()),
+               "oof_fpr_at_threshold": float((oof[labels == 0] > threshold).mean())})
+    roc.update({"threshold": threshold, "tpr_at_threshold": float((scores[labels == 1] > threshold).mean()),
+                "fpr_at_threshold": float((scores[labels == 0] > threshold).mean())})
     cat_names = det.pop("categories")
     dirs = det.pop("category_directions")
     det.pop("category_bias")
@@ -638,46 +867,37 @@ def fit_safety_profile(
         m = cats == c
         s_h, s_b = scores[m & (labels == 1)], scores[m & (labels == 0)]
         per_cat[c] = {"auc": roc_auc(s_h, s_b) if len(s_b) else None,
-                      "tpr": float((s_h > roc["threshold"]).mean()),
-                      "fpr": float((s_b > roc["threshold"]).mean()) if len(s_b) else None,
+                      "tpr": float((s_h > threshold).mean()),
+                      "fpr": float((s_b > threshold).mean()) if len(s_b) else None,
                       "n_harmful": int(len(s_h)), "n_benign": int(len(s_b))}
 
-    # Reply threshold: the model's own replies to a subset of the calibration prompts.
-    reply_threshold, reply_det = roc["threshold"], {"calibrated": False}
-    if reply_states is not None:
-        rng = np.random.default_rng(0)
-        ben_idx = np.flatnonzero(labels == 0)
-        harm_idx = np.flatnonzero(labels == 1)
-        pick_b = rng.choice(ben_idx, size=min(len(ben_idx), n_reply_benign), replace=False).tolist()
-        pick_h = rng.choice(harm_idx, size=min(len(harm_idx), n_reply_harmful), replace=False).tolist()
+    reply: dict[str, Any] = {"reply_threshold": threshold, "window_threshold": None}
+    reply_det: dict[str, Any] = {"calibrated": False}
+    if exchanges is not None:
         if progress:
-            progress("Safety: replies for the reply threshold", 0, 1)
-        states = reply_states([*pick_b, *pick_h])
-        b_scores = [reply_window_scores((Q, centre), s) for s in states[: len(pick_b)]]
-        h_scores = [reply_window_scores((Q, centre), s) for s in states[len(pick_b) :]]
-        reply_threshold, reply_det = calibrate_reply_threshold(b_scores, roc["threshold"])
-        h_max = np.array([s.max() if len(s) else 0.0 for s in h_scores])
-        reply_det.update({
-            "calibrated": True,
-            "harmful_replies_flagged": float((h_max > reply_threshold).mean()) if len(h_max) else None,
-            "n_benign_replies": len(pick_b),
-            "n_harmful_replies": len(pick_h),
-        })
+            progress("Safety: fitting the reply guard", 0, 1)
+        rQ, rc, rs, r_thr, reply_det = fit_reply_guard(exchanges, **snipe_params)
+        benign = [r for r, lab in zip(exchanges.reply_states, exchanges.labels, strict=True) if lab == 0]
+        w_thr, w_det = calibrate_reply_threshold([reply_window_scores((Q, centre), r) for r in benign], threshold)
+        reply_det["window"] = w_det
+        reply = {"reply_Q": rQ.astype(np.float32), "reply_centre": rc.astype(np.float32),
+                 "reply_scales": rs.astype(np.float32), "reply_threshold": r_thr, "window_threshold": w_thr}
         if progress:
-            progress("Safety: replies for the reply threshold", 1, 1)
+            progress("Safety: fitting the reply guard", 1, 1)
 
     det.update({"cv": cv, "per_category": per_cat, "reply": reply_det, "n_calibration": int(len(H)),
+                "fpr_budget": fpr_budget,
                 "teh_definition": "100*||Q Q^T (h-c)||/||h-c||; theorem: TEH(c + (I-QQ^T)(h-c)) = 0"})
     return SafetyProfile(
         Q=Q.astype(np.float32),
         centre=centre.astype(np.float32),
-        threshold=float(roc["threshold"]),
-        reply_threshold=float(reply_threshold),
+        threshold=float(threshold),
         layer=int(layer),
         categories=cat_names,
         category_directions=dirs.astype(np.float32),
         category_bias=bias.astype(np.float32),
-        roc=thin_roc({k: roc[k] for k in ("thresholds", "tpr", "fpr", "auc", "threshold", "f1",
+        roc=thin_roc({k: roc[k] for k in ("thresholds", "tpr", "fpr", "auc", "threshold",
                                            "tpr_at_threshold", "fpr_at_threshold")}),
         details=det,
+        **reply,
     )

@@ -12,7 +12,13 @@ from isagi.engines import choose_backend
 from isagi.engines.base import Decoding, GenerationOptions, ModelEngine, span_by_difference
 from isagi.engines.hf import TransformersEngine
 from isagi.errors import ConfigError
-from isagi.pooling import last_token, pool_states, prompt_hidden_states_at, span_mean
+from isagi.pooling import (
+    decoding_state,
+    last_token,
+    pool_states,
+    prompt_hidden_states_at,
+    span_mean,
+)
 from tests.conftest import tiny_model
 
 
@@ -120,6 +126,31 @@ def test_pooling_picks_the_last_token_or_the_span_mean() -> None:
         pool_states(states, "content")
     with pytest.raises(ValueError, match="pool="):
         pool_states(states, "max")
+
+
+def test_post_instruction_read_outs_average_the_tokens_after_the_message() -> None:
+    states = np.arange(18, dtype=np.float32).reshape(6, 3)  # message (1, 3), template tokens 3..5
+    post = states[3:].mean(0)
+    assert np.allclose(pool_states(states, "post", (1, 3)), post)
+    # the average of the two means, not the mean over [1, 6): the 3 template tokens weigh as much as the message
+    assert np.allclose(pool_states(states, "content+post", (1, 3)), (states[1:3].mean(0) + post) / 2)
+    assert not np.allclose(pool_states(states, "content+post", (1, 3)), states[1:].mean(0))
+    # nothing after the message: the last token stands in rather than an empty mean (NaN)
+    assert np.allclose(pool_states(states, "post", (1, 6)), states[-1])
+
+
+def test_decoding_state_reads_the_same_spans_from_an_open_decoding() -> None:
+    states = np.random.default_rng(0).normal(size=(7, 4)).astype(np.float32)
+
+    class Open:
+        prompt_tokens = 7
+
+        def prompt_state(self, layer: int, span: tuple[int, int]) -> np.ndarray:
+            assert layer == 5
+            return span_mean(states, span)
+
+    for how in ("content", "post", "content+post", "last"):
+        assert np.allclose(decoding_state(Open(), 5, how, (2, 4)), pool_states(states, how, (2, 4)), atol=1e-6)
 
 
 def test_span_by_difference_finds_the_message_and_stands_in_for_an_empty_one() -> None:

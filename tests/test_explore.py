@@ -77,6 +77,7 @@ class _Profile:
     centre: np.ndarray
     threshold: float = 50.0
     reply_threshold: float = 50.0
+    window_threshold: float | None = None
     layer: int = 2
 
 

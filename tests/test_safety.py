@@ -221,3 +221,82 @@ def test_leave_one_category_out_tests_each_category_on_a_fit_that_never_saw_it()
     out = grid({("content", 3): H, ("last", 3): H[:, ::-1]}, labels, cats, shrinkages=[0.2], offsets=[0.0, 1.0])
     assert len(out["rows"]) == 4
     assert out["best"] == max(out["rows"], key=lambda r: (r["loco_auc"], r["kfold_auc"]))
+
+
+def test_budget_threshold_flags_at_most_the_budget_and_tpr_at_fpr_reads_it():
+    from isagi.safety import budget_threshold, tpr_at_fpr
+
+    benign = np.arange(100, dtype=float)  # 0..99
+    for budget in (0.0, 0.01, 0.05, 0.2):
+        t = budget_threshold(benign, budget)
+        assert (benign > t).mean() <= budget + 1e-12
+        assert (benign >= t).mean() > budget  # the lowest such threshold: one step down would exceed it
+    assert budget_threshold(benign, 0.0) == 99.0
+    assert tpr_at_fpr(np.array([98.5, 99.5, 50.0, 120.0]), benign, 0.01) == 0.75  # threshold 98
+
+
+def _exchanges(seed: int = 0, d: int = 40, n: int = 48):
+    """Replies whose harm shows only together with their prompt: harmful prompts lie along e0,
+    replies to them along e1; benign prompts and replies along neither."""
+    from isagi.safety import Exchanges
+
+    rng = np.random.default_rng(seed)
+    labels = np.array([1] * n + [0] * n)
+    cats = np.array(["a", "b"] * n)
+    P = rng.normal(size=(2 * n, d)) + 10.0
+    P[:n, 0] += 6.0
+    R = []
+    for lab in labels:
+        r = rng.normal(size=(int(rng.integers(9, 30)), d)) + 10.0
+        if lab:
+            r[:, 1] += 4.0
+        R.append(r)
+    return Exchanges(prompt_states=P, reply_states=R, labels=labels, cats=cats)
+
+
+def test_the_reply_guard_is_fitted_on_replies_and_judges_a_reply_with_its_prompt():
+    from isagi.safety import exchange_scores, fit_reply_guard
+
+    ex = _exchanges()
+    rQ, rc, scales, threshold, det = fit_reply_guard(ex, budget=0.05, benign_budget=0.5)
+    assert rQ.shape[0] == 2 * 40 and np.allclose(rQ.T @ rQ, np.eye(rQ.shape[1]), atol=1e-6)
+    assert det["oof_auc"] > 0.95 and det["oof_withheld_benign"] <= 0.05 + 1e-9
+    prof, _ = _profile()
+    import dataclasses
+
+    prof = dataclasses.replace(prof, reply_Q=rQ, reply_centre=rc, reply_scales=scales, reply_threshold=threshold)
+    assert prof.exchange_guard
+    with pytest.raises(ValueError, match="prompt_state"):
+        ReplyGuard(prof)
+    fresh = _exchanges(seed=1)
+    withheld = [bool((exchange_scores(prof, p, r) > threshold).any())
+                for p, r in zip(fresh.prompt_states, fresh.reply_states, strict=True)]
+    harmful, benign = np.array(withheld[:48]), np.array(withheld[48:])
+    assert harmful.mean() > 0.8 and benign.mean() < 0.15
+    # the streaming guard's last check equals the scores' last check point
+    p, r = fresh.prompt_states[0], fresh.reply_states[0]
+    guard = ReplyGuard(prof, p)
+    assert guard.score(r) == pytest.approx(exchange_scores(prof, p, r)[-1])
+    # and the reply fields survive a save and a load
+    state = prof.to_state()
+    back = SafetyProfile.from_state(state)
+    assert np.array_equal(back.reply_Q, prof.reply_Q.astype(np.float32)) and back.exchange_guard
+    state["reply_centre"] = state["reply_centre"][:-1]
+    with pytest.raises(ValueError, match="reply guard"):
+        SafetyProfile.from_state(state)
+
+
+def test_fit_safety_profile_sets_the_threshold_at_its_budget_out_of_fold():
+    harm, ben, _ = _toy(seed=6)
+    H = np.concatenate([*harm.values(), *ben.values()])
+    labels = np.array([1] * sum(map(len, harm.values())) + [0] * sum(map(len, ben.values())))
+    cats = np.array([c for c, v in harm.items() for _ in v] + [c for c, v in ben.items() for _ in v])
+    from isagi.safety import fit_safety_profile
+
+    loose = fit_safety_profile(H, labels, cats, 18, fpr_budget=0.10, benign_budget=0.2)
+    strict = fit_safety_profile(H, labels, cats, 18, fpr_budget=0.0, benign_budget=0.2)
+    assert strict.threshold >= loose.threshold
+    assert loose.details["cv"]["oof_fpr_at_threshold"] <= 0.10 + 1e-9
+    assert strict.details["cv"]["oof_fpr_at_threshold"] == 0.0
+    assert 0.0 <= loose.details["cv"]["tpr_at_1pct_fpr"] <= loose.details["cv"]["tpr_at_5pct_fpr"] <= 1.0
+    assert not strict.exchange_guard and strict.window_threshold is None  # no replies given

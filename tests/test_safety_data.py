@@ -31,7 +31,7 @@ from isagi.evals.sets import benchmark_sources
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 HARMBENCH = SHARED / "calibration" / "harmbench_standard_behaviors.csv"
 MIN_PER_CELL = 50
-JACCARD_LIMIT = 0.8
+JACCARD_LIMIT = 0.5  # issue 13: no calibration row may reach a token Jaccard above 0.5 to an evaluation prompt
 PROMPT_FIELDS = ("prompt", "instruction", "text")
 
 
@@ -82,7 +82,8 @@ def test_every_line_is_a_json_object_with_the_schema() -> None:
         assert line.strip(), f"blank line {lineno}"
         row = json.loads(line)
         assert isinstance(row, dict), lineno
-        assert set(row) == {"text", "label", "category", "source"}, lineno
+        assert set(row) - {"kind"} == {"text", "label", "category", "source"}, lineno
+        assert row.get("kind", "question") in ROW_KINDS, lineno
         assert isinstance(row["text"], str) and row["text"] == row["text"].strip(), lineno
         assert 3 <= len(row["text"].split()) <= 60, f"line {lineno} is not a short prompt"
         assert row["label"] in SAFETY_LABELS, lineno
@@ -142,13 +143,13 @@ def test_no_row_copies_an_evaluation_prompt() -> None:
     rows = load_safety_calibration()
     assert sorted(r["text"] for r in rows if _norm(r["text"]) in bench_norm) == []
 
-    # nor a near-copy: token-set Jaccard >= 0.8 against any benchmark prompt
+    # nor a near-copy: token-set Jaccard above 0.5 against any benchmark prompt
     bench_tokens = [_tokens(t) for t in bench]
     near = []
     for r in rows:
         mine = _tokens(r["text"])
         best = max(_jaccard(mine, b) for b in bench_tokens)
-        if best >= JACCARD_LIMIT:
+        if best > JACCARD_LIMIT:
             near.append((r["text"], round(best, 2)))
     assert near == []
 
@@ -185,24 +186,26 @@ def test_loader_rejects_a_malformed_row(monkeypatch: pytest.MonkeyPatch) -> None
     assert load_safety_calibration() == [good]
 
 
-CANDIDATE_JACCARD_LIMIT = 0.5  # issue 13: no calibration row may reach a token Jaccard above 0.5
+HARMFUL_FORMS = ("question", "imperative", "first_person", "roleplay", "fiction_wrapper", "indirect", "short",
+                 "pasted_text")
+BORDERLINE_KINDS = ("homonym", "figurative", "safe_target", "safe_context", "definition", "history",
+                    "public_figure", "discrimination_fact", "safety_help", "pasted_text")
+ROW_KINDS = frozenset(HARMFUL_FORMS + BORDERLINE_KINDS)
 
 
-def test_candidate_rows_are_well_formed_balanced_and_no_near_copies() -> None:
-    from isagi.data import load_jsonl
-
-    rows = load_jsonl("safety_candidates.jsonl")
-    existing = {_norm(r["text"]) for r in load_safety_calibration()}
-    assert len(rows) >= 800
-    for r in rows:
-        assert set(r) == {"text", "label", "category", "source", "kind"}, r
-        assert r["label"] in ("harmful", "benign") and r["category"] in safety.SAFETY_CATEGORIES
-        assert r["source"] == "isagi" and r["text"].strip()
-        assert _norm(r["text"]) not in existing
-    cells = Counter((r["label"], r["category"]) for r in rows)
-    assert len(cells) == 16 and min(cells.values()) >= 50
-    assert len({_norm(r["text"]) for r in rows}) == len(rows)
-    bench = [_tokens(t) for t in _benchmark_prompts()[0]]
-    near = [(r["text"], round(best, 2)) for r in rows
-            if (best := max(_jaccard(_tokens(r["text"]), b) for b in bench)) > CANDIDATE_JACCARD_LIMIT]
-    assert near == []
+def test_the_written_borderline_and_harmful_rows_are_many_balanced_and_varied() -> None:
+    """Issue 13: at least 400 new benign borderline and 400 new harmful rows (the rows with a
+    ``kind``), balanced over the categories, harmful ones in many forms, not one template."""
+    rows = [r for r in load_safety_calibration() if "kind" in r]
+    harmful = [r for r in rows if r["label"] == "harmful"]
+    benign = [r for r in rows if r["label"] == "benign"]
+    assert len(harmful) >= 400 and len(benign) >= 400
+    for group in (harmful, benign):
+        per_cat = Counter(r["category"] for r in group)
+        assert set(per_cat) == set(SAFETY_CATEGORIES)
+        assert max(per_cat.values()) - min(per_cat.values()) <= 0.1 * max(per_cat.values())
+    assert {r["kind"] for r in harmful} == set(HARMFUL_FORMS)
+    assert {r["kind"] for r in benign} == set(BORDERLINE_KINDS)
+    assert max(Counter(r["kind"] for r in harmful).values()) <= 0.2 * len(harmful)
+    # not AdvBench's "Write a script that ..." form only
+    assert sum(r["text"].lower().startswith(("write a", "create a", "develop a")) for r in harmful) < 0.2 * len(harmful)

@@ -111,6 +111,9 @@ def tiny_profile() -> Profile:
         layer=SAFETY_LAYER, categories=cats,
         category_directions=(dirs / np.linalg.norm(dirs, axis=1, keepdims=True)).astype(np.float32),
         category_bias=np.zeros(len(cats), np.float32), roc={}, details={},
+        # an exchange reply guard, as the shipped profiles have: replies are judged with their prompt
+        reply_Q=np.linalg.qr(rng.standard_normal((2 * d, 2)))[0].astype(np.float32),
+        reply_centre=np.zeros(2 * d, np.float32), reply_scales=np.ones(2, np.float32), window_threshold=100.0,
     )
     return Profile(key="tiny-profile", model_fingerprint=lm.fingerprint, layer=LAYER, k=int(basis.B.shape[1]),
                    basis=basis, zones=zones, safety=safety, context_threshold=0.0, distance_scale=SEED)

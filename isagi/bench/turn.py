@@ -42,7 +42,8 @@ def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> f
 
 def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
     from isagi.agent import Engine
-    from isagi.safety import ReplyGuard
+    from isagi.pooling import decoding_state
+    from isagi.safety import SAFETY_POOL, ReplyGuard
 
     with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
         engine = Engine.start(settings, with_store=False)
@@ -85,7 +86,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             pool_t = []  # the safety state itself: the message's token span and the mean over it
             for _ in range(repeats):
                 start = time.perf_counter()
-                h = gen.prompt_state(safety_layer, span=lm.content_span(messages))
+                h = decoding_state(gen, safety_layer, SAFETY_POOL, lm.content_span(messages))
                 pool_t.append(time.perf_counter() - start)
             states = gen.reply_hidden(safety_layer)
         teh_s = statistics.median(pool_t) + statistics.median(

@@ -51,6 +51,7 @@ import torch
 from isagi.evals.sets import benchmark_sources, load_advbench, load_alpaca_seed, sources_report
 from isagi.explore import explore, generate_reply, keyword_for, messages_for, step_prompt
 from isagi.mcb import tier
+from isagi.safety import window_threshold
 
 DEFAULT_SEEDS: tuple[str, ...] = (
     "the ocean",
@@ -329,7 +330,7 @@ def run(
     return {
         "alpha": alpha,
         "layer": L,
-        "reply_threshold": float(profile.reply_threshold),
+        "reply_threshold": window_threshold(profile),
         "max_new_tokens": max_new_tokens,
         "steps_per_chain": steps,
         "exploration": {

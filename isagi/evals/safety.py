@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,77 @@ def run(
         "layer": profile.layer,
         "details": facts,
     }
+
+
+# --------------------------------------------------------------------------- the reply guard
+
+
+def run_replies(
+    lm: Any,
+    profile: SafetyProfile,
+    *,
+    system_prompt: str,
+    benchmarks_dir: Path | None = None,
+    max_new_tokens: int = 64,
+    limit: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """The reply guard alone: the model's greedy replies with the prompt guard off.
+
+    Harmful: the AdvBench prompts; benign: XSTest's safe prompts and, when
+    present, the Alpaca seed instructions. A reply counts as withheld when any
+    of the guard's check points (:func:`isagi.safety.exchange_scores`, every 8
+    tokens and at the end) goes over the reply threshold, as the streaming
+    guard would stop it there. ``limit`` takes the first ``limit`` prompts of
+    each set (for a quicker look; the figures are then for that sample).
+    """
+    from isagi.pooling import prompt_hidden_states
+    from isagi.safety import exchange_scores, generate_reply_states
+
+    sets = load_benchmark_sets(benchmarks_dir)
+    groups = {"harmful": ["advbench"], "benign": [n for n in ("xstest_safe", "alpaca_seed") if n in sets]}
+    by_set: dict[str, dict[str, Any]] = {}
+    flags: dict[str, list[bool]] = {"harmful": [], "benign": []}
+    prompt_flags: list[bool] = []
+    for group, names in groups.items():
+        for name in names:
+            texts = sets[name][:limit] if limit else sets[name]
+            chats = [_chat(system_prompt, t) for t in texts]
+            P = prompt_hidden_states(lm, chats, profile.layer, pool=SAFETY_POOL)
+            R = generate_reply_states(lm, chats, profile.layer, max_new_tokens=max_new_tokens,
+                                      progress=_counter(progress, f"Replies to {name}", len(chats)))
+            withheld = [bool(len(r)) and bool((exchange_scores(profile, p, r) > profile.reply_threshold).any())
+                        for p, r in zip(P, R, strict=True)]
+            flags[group] += withheld
+            by_set[name] = {"n": len(withheld), "withheld": int(sum(withheld)),
+                            "rate": round(sum(withheld) / max(len(withheld), 1), 4)}
+            if group == "harmful":
+                prompt_flags += (np.asarray(teh(profile, P)) > profile.threshold).tolist()
+    out = {group: {"n": len(v), "withheld": int(sum(v)), "rate": round(sum(v) / max(len(v), 1), 4)}
+           for group, v in flags.items()}
+    caught = [a or b for a, b in zip(prompt_flags, flags["harmful"], strict=True)]
+    return {
+        "replies": {**out, "by_set": by_set,
+                    # more keys: with the prompt guard on as in a turn, the harmful requests stopped by either guard
+                    "harmful_stopped_by_either_guard": round(sum(caught) / max(len(caught), 1), 4)},
+        "prompt_guard": "off (every reply generated)",
+        "reply_threshold": round(float(profile.reply_threshold), 4),
+        "reply_guard": "exchange" if profile.exchange_guard else "window",
+        "max_new_tokens": max_new_tokens,
+        "limit": limit,
+        "layer": profile.layer,
+        **sources_report(benchmarks_dir),
+    }
+
+
+def _counter(progress: Callable[[str, int, int], None] | None, stage: str, total: int) -> Callable[[int], None] | None:
+    """``progress(stage, done, total)`` as a callback that is told how many more are done."""
+    if progress is None:
+        return None
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(stage, done, total)
+    return tick
