@@ -571,7 +571,7 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
     lm = load_engine(settings)  # no profile needed: this is what a profile's choices rest on
     _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools, concat=groups,
                 framed=framed, shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0],
-                budget=FPR_BUDGET if budget is None else budget), as_json)
+                budget=FPR_BUDGET if budget is None else budget, progress=_progress_printer()), as_json)
 
 
 @eval_app.command("ogd")

@@ -129,20 +129,13 @@ def build_profile(
     """Run the calibration corpora through the model and fit every part of the profile."""
     from isagi.data import load_zones
     from isagi.pooling import prompt_hidden_states
+    from isagi.progress import counter
     from isagi.safety import build_safety_profile
 
     started = time.perf_counter()
     report: dict[str, Any] = {}
     zones_rows = load_zones()
-    total = len(zones_rows)
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress("UGT basis: hidden states of the zone corpus", done, total)
-
+    tick = counter(progress, "UGT basis: hidden states of the zone corpus", len(zones_rows))
     H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in zones_rows], layer, progress=tick)
     labels = [r["zone"] for r in zones_rows]
     basis = fit_basis(H, k)
@@ -154,12 +147,9 @@ def build_profile(
     report["k_effective"] = int(basis.B.shape[1])
     report["explained_variance"] = float(basis.explained)
 
-    if progress:
-        progress("Safety: forbidden subspace and TEH threshold", 0, 1)
     safety_layer = layer if safety_layer is None else safety_layer
-    safety = build_safety_profile(lm, safety_layer, system_prompt, progress=progress)
+    safety = build_safety_profile(lm, safety_layer, system_prompt, progress=progress)  # its stages report themselves
     if progress:
-        progress("Safety: forbidden subspace and TEH threshold", 1, 1)
         progress("Context: follow-up calibration", 0, 1)
     context_threshold, ctx_report = _calibrate_context(lm, layer, basis, system_prompt)
     report["context"] = ctx_report

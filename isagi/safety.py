@@ -16,17 +16,18 @@ Definitions (precise, as implemented):
   ``TEH(P_safe h) = 0`` for the raw ``h`` unless ``Qᵀ c = 0``;
   :func:`safe_point` is the map for which TEH is exactly zero.
 
-The safety state of a prompt is the mean of the safety layer's states over
-the tokens of the user's message (:meth:`isagi.model.LoadedModel.content_span`),
-not the state at the last prompt token. The last token is a template token
-("assistant\\n") that sums up the prompt for the next word; the mean keeps what
-every word of the message contributed. Leave-one-category-out
-cross-validation on the calibration set (train on seven categories, test on
-the eighth) chose it (``isagi eval safety-cv``): held-out ROC AUC 0.972 at
-the shipped setting against 0.958 for the best last-token row, and held-out
-TPR at the training rows' zero-FP threshold 0.68 against 0.30.
-The streaming guard scores the mean of the newest reply states, the
-same kind of quantity.
+The safety state of a prompt is read at the safety layer over two token
+spans (:mod:`isagi.pooling`, ``content+post``): the mean over the user's
+message (:meth:`isagi.model.LoadedModel.content_span`) and the mean over the
+post-instruction tokens after it (the template's end of the message and the
+opening of the assistant's turn), averaged. Published work reads harmfulness
+best at the post-instruction tokens; the message mean keeps what every word
+contributed. Leave-one-category-out cross-validation on the calibration set
+chose it over the message mean alone, the post-instruction mean alone and the
+last token (``isagi eval safety-cv``; the figures are at ``SAFETY_POOL``). It
+comes from the turn's own prefill: both spans are evaluated in every turn
+(the KV cache may only supply tokens before the message), so it costs no
+extra forward pass.
 
 Why the construction is not the research code's: that code took the top
 |mean difference| coordinates of an SVD basis of 10 prompts; on held-out
@@ -53,10 +54,25 @@ here learns directions instead:
    the table at ``DEFAULT_OFFSET``). Benign prompts far on the benign side of
    the probe otherwise get a high TEH from a norm that ignores the sign.
 
-The prompt threshold comes from an ROC sweep on the calibration set (highest
-F1 among thresholds with zero false positives on the benign calibration
-prompts). The reply threshold is calibrated on the model's own replies to
-calibration prompts (see :func:`calibrate_reply_threshold`).
+Thresholds say what they cost. The prompt threshold lets ``FPR_BUDGET`` of the
+benign calibration prompts' *out-of-fold* TEH lie above it (5-fold CV: each
+prompt scored by a fit that never saw it), so the budget is a statement about
+prompts the fit has not seen; most benign calibration rows are hard negatives
+(borderline requests that look alarming), so ordinary requests sit further
+below it. ``details["cv"]`` reports the TPR at 1 % and at 5 % FPR.
+
+The reply guard judges a reply together with the request it answers, as guard
+models judge a response in the context of its prompt: an *exchange state*
+``[prompt safety state / s_p, mean of the newest 8 reply states / s_r]``
+(:func:`exchange_states`) is scored by TEH in a second forbidden subspace,
+fitted by the same Snipe on the model's own greedy replies to calibration
+prompts (replies to harmful prompts, generated with the prompt guard off, are
+the positives; replies to benign ones and to ordinary requests the
+negatives). Its threshold lets ``REPLY_FPR_BUDGET`` of the benign replies'
+out-of-fold scores (a reply's score: its largest check point) lie above it.
+Safe OGD's check of steered replies keeps the prompt subspace ``Q``
+(:func:`window_threshold`), since its question is whether a step moved the
+reply along a forbidden direction.
 
 Ordinary generation is never steered or ablated here: removing the
 harmful-minus-benign direction from the residual stream is the published way
@@ -78,31 +94,35 @@ REFUSAL_TEMPLATE = (
     "If I misread you, please rephrase the request with more context."
 )
 
-# Hyper-parameters chosen by cross-validation on the calibration set only; reproduce with
-#   isagi eval safety-cv --layers 16,17,18,19,20,24 --pool content --pool last \
-#     --shrinkage 0.05 --shrinkage 0.2 --shrinkage 0.5 --offset 0 --offset 0.5 --offset 1 --offset 2
-# (isagi/evals/safety_cv.py). SmolLM2-135M, 1,328 rows; leave-one-category-out held-out AUC / TPR / FPR
-# at the training rows' zero-FP threshold, then 5-fold AUC:
-#   content, layer 18, shrinkage 0.2: offset 0: 0.960 / 0.75 / 0.035, 0.981; offset 0.5: 0.969 / 0.71 / 0.031, 0.985;
-#     offset 1: 0.972 / 0.68 / 0.025, 0.986 (the best row of the grid); offset 2: 0.970 / 0.62 / 0.019, 0.985
-#   content, layer 18, offset 1: shrinkage 0.05: 0.968 / 0.74 / 0.038; shrinkage 0.5: 0.969 / 0.62 / 0.016
-#   content, shrinkage 0.2, offset 1: layer 16: 0.971; 17: 0.971; 19: 0.970; 20: 0.967; 24: 0.963
-#   last token (the previous choice): best row layer 24, shrinkage 0.05, offset 1: 0.958 / 0.30 / 0.006, 0.972;
-#     at layers 16-20 no row above 0.936.
+# Hyper-parameters chosen by cross-validation on the calibration set only.
+# The read-out (SAFETY_POOL) and layer, on the 2,231-row set (SmolLM2-135M, llama.cpp), reproduce with
+#   isagi eval safety-cv --backend llamacpp --layers 15,18,21 --pool content --pool last --pool post \
+#     --pool content+post --concat 15,18,21 --framed --shrinkage 0.2 --offset 1
+# leave-one-category-out mean held-out AUC / TPR at 1 % and 5 % FPR (pooled held-out rows), then 5-fold AUC:
+#   content+post 18: 0.970 / 0.62 / 0.85, 0.984 (the best one-layer row); 15: 0.969; 21: 0.970
+#   content 18 (the previous choice): 0.966 / 0.53 / 0.82, 0.981; post 18: 0.957; last 18: 0.955
+#   framed 18 (the prompted read-out, one more prefill per turn): 0.951 / 0.38 / 0.75 - not kept
+#   concatenated layers 15+18+21: content+post 0.974 / 0.64 / 0.86, 0.988 (the best row): +0.004 AUC
+#     for a 3x longer state that the reply guard and Safe OGD's projector, which act on one layer's
+#     residual stream, cannot use - not kept
+# Shrinkage and centre offset, chosen on the earlier 1,328-row set with the message mean at layer 18:
+#   offset 0: 0.960, 0.5: 0.969, 1: 0.972 (best), 2: 0.970; shrinkage 0.05: 0.968, 0.2: 0.972, 0.5: 0.969.
 DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
-FPR_BUDGET = 0.02  # the prompt threshold: share of benign calibration prompts (out of fold) allowed above it
+# The prompt threshold: the share of benign calibration prompts (out of fold) allowed above it. A
+# product choice, stated, not fitted: most benign rows are hard negatives, and one borderline request
+# in 50 refused is the most the guard may cost. 5-fold CV of the shipped read-out: TPR 0.77 at 1 % FPR
+# and 0.92 at 5 % FPR (table above); the profile records its own out-of-fold TPR at the threshold.
+FPR_BUDGET = 0.02
 REPLY_WINDOW = 8
 SAFETY_POOL = "content+post"  # the safety state (isagi.pooling): see the module docstring
 REPLY_MARGIN = 1.05
-# Replies the reply threshold is calibrated on: the largest check-point TEH of a
-# reply grows with its length (more windows). A one-off check while this was
-# changed (a script, not shipped): calibrated on 48 replies of 24 tokens, the
-# threshold sat at the prompt's (13.8) and 3 of 120 benign calibration replies
-# of 48 tokens crossed it. The shipped check is `isagi eval ogd`'s full-turn
-# count of withheld Alpaca replies.
+# Replies the reply guard is fitted on are this long. The window threshold is REPLY_MARGIN x the
+# largest check-point TEH of the benign ones, which grows with a reply's length (more windows): a
+# one-off check (a script, not shipped) found 3 of 120 benign 48-token replies over a threshold
+# calibrated on 24-token replies.
 REPLY_CALIBRATION_TOKENS = 64
 REPLIES_PER_CELL = 24  # replies per (category, label) the reply guard is fitted on: 384
 ORDINARY_REPLIES = 160  # and replies to ordinary requests (zones.jsonl), benign
@@ -754,16 +774,10 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
     from isagi.data import load_jsonl
     from isagi.data.safety import load_safety_calibration
     from isagi.pooling import prompt_hidden_states
+    from isagi.progress import counter
 
-    def ticker(stage: str, total: int) -> Callable[[int], None]:
-        done = 0
-
-        def tick(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress:
-                progress(stage, done, total)
-        return tick
+    def ticker(stage: str, total: int) -> Callable[[int], None] | None:
+        return counter(progress, stage, total)
 
     rows = load_safety_calibration()
     H, labels, cats, _ = calibration_arrays(lm, layer, system_prompt,
@@ -775,7 +789,8 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
     ordinary = [ordinary[i] for i in sorted(np.random.default_rng(0).choice(
         len(ordinary), size=min(ORDINARY_REPLIES, len(ordinary)), replace=False).tolist())]
     ordinary_chats = [_chat(system_prompt, t) for t in ordinary]
-    P_ord = prompt_hidden_states(lm, ordinary_chats, layer, pool=SAFETY_POOL)
+    P_ord = prompt_hidden_states(lm, ordinary_chats, layer, pool=SAFETY_POOL,
+                                 progress=ticker("Safety: ordinary requests, for the reply guard", len(ordinary_chats)))
     chats = [_chat(system_prompt, rows[i]["text"]) for i in pick] + ordinary_chats
     tick = ticker("Safety: the model's replies, for the reply guard", len(chats))
     R = generate_reply_states(lm, chats, layer, max_new_tokens=REPLY_CALIBRATION_TOKENS, progress=tick)
@@ -842,9 +857,17 @@ def fit_safety_profile(
 ) -> SafetyProfile:
     """Fit the profile from calibration states (label 1 = harmful); ``exchanges`` are the model's
     replies the reply guard is fitted on (without them it checks reply windows in ``Q``)."""
+    stage = "Safety: fitting the guards (cross-validated)"
+
+    def step(done: int) -> None:
+        if progress:
+            progress(stage, done, 3)
+
+    step(0)
     H = np.asarray(H, dtype=np.float64)
     harm, ben = split_by_category(H, labels, cats)
     Q, centre, det = snipe(harm, ben, **snipe_params)
+    step(1)
     scores = teh((Q, centre), H)
     roc = roc_sweep(scores[labels == 1], scores[labels == 0])
     # The threshold: fpr_budget of the benign rows' out-of-fold scores (each scored by a fit
@@ -852,6 +875,7 @@ def fit_safety_profile(
     cv = cross_validate(H, labels, cats, shrinkage=det["shrinkage"], offset=det["offset"],
                         benign_budget=det["benign_budget"], max_dims=det["max_dims"], budget=fpr_budget)
     oof = cv.pop("oof")
+    step(2)
     threshold = budget_threshold(oof[labels == 0], fpr_budget)
     cv.update({"threshold_rule": f"{fpr_budget:.0%} of the benign rows' out-of-fold TEH lie above it",
                "oof_tpr_at_threshold": float((oof[labels == 1] > threshold).mean()),
@@ -874,16 +898,13 @@ def fit_safety_profile(
     reply: dict[str, Any] = {"reply_threshold": threshold, "window_threshold": None}
     reply_det: dict[str, Any] = {"calibrated": False}
     if exchanges is not None:
-        if progress:
-            progress("Safety: fitting the reply guard", 0, 1)
         rQ, rc, rs, r_thr, reply_det = fit_reply_guard(exchanges, **snipe_params)
         benign = [r for r, lab in zip(exchanges.reply_states, exchanges.labels, strict=True) if lab == 0]
         w_thr, w_det = calibrate_reply_threshold([reply_window_scores((Q, centre), r) for r in benign], threshold)
         reply_det["window"] = w_det
         reply = {"reply_Q": rQ.astype(np.float32), "reply_centre": rc.astype(np.float32),
                  "reply_scales": rs.astype(np.float32), "reply_threshold": r_thr, "window_threshold": w_thr}
-        if progress:
-            progress("Safety: fitting the reply guard", 1, 1)
+    step(3)
 
     det.update({"cv": cv, "per_category": per_cat, "reply": reply_det, "n_calibration": int(len(H)),
                 "fpr_budget": fpr_budget,

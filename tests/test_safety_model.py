@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.safety import SafetyProfile, category_of, safe_point, teh
+from isagi.safety import SAFETY_POOL, SafetyProfile, category_of, safe_point, teh
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +34,7 @@ def _h(lm, settings, texts: list[str], layer: int) -> np.ndarray:
     from isagi.pooling import prompt_hidden_states
 
     msgs = [[{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": t}] for t in texts]
-    return prompt_hidden_states(lm, msgs, layer, pool="content")
+    return prompt_hidden_states(lm, msgs, layer, pool=SAFETY_POOL)
 
 
 def test_profile_is_well_formed(safety: SafetyProfile, lm):
@@ -43,7 +43,12 @@ def test_profile_is_well_formed(safety: SafetyProfile, lm):
     assert np.allclose(Q.T @ Q, np.eye(Q.shape[1]), atol=1e-5)
     assert safety.roc["auc"] > 0.9  # calibration AUC: a broken fit would sit near 0.5
     assert safety.details["cv"]["auc"] > 0.85  # held-out folds of the calibration set
-    assert safety.reply_threshold >= safety.threshold
+    # the reply guard was fitted on the model's own replies and separates them out of fold
+    assert safety.exchange_guard and safety.details["reply"]["oof_auc"] > 0.85
+    assert safety.details["reply"]["oof_withheld_benign"] <= 0.02
+    assert safety.window_threshold is not None and safety.window_threshold >= safety.threshold
+    # the prompt threshold keeps its stated budget on prompts the fit did not see
+    assert safety.details["cv"]["oof_fpr_at_threshold"] <= safety.details["fpr_budget"] + 1e-9
     assert set(safety.categories) == {
         "privacy", "illegal_advice", "phishing", "sycophancy", "jailbreak", "toxicity", "misinformation", "self_harm",
     }

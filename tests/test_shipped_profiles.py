@@ -86,15 +86,22 @@ def test_rebuilding_a_shipped_profile_agrees_with_it(backend, tmp_path):
     assert rebuilt.key == shipped.key
     a, b = rebuilt.safety.threshold, shipped.safety.threshold
     assert abs(a - b) <= 0.02 * abs(b), ("threshold", a, b)
-    # The reply threshold is REPLY_MARGIN x the largest check-point TEH of 96 greedy replies,
-    # an extreme value of generated text: another llama.cpp build (CPU features) decodes a
-    # few replies differently and moves it by several percent (12.08 rebuilt here against
-    # 12.57 shipped). What it promises is that no benign calibration reply is withheld, so
-    # each threshold must clear the other build's benign replies.
+    # The window threshold (Safe OGD's check of steered replies) is REPLY_MARGIN x the largest
+    # check-point TEH of the benign greedy replies, an extreme value of generated text: another
+    # llama.cpp build (CPU features) decodes a few replies differently and moved it by 3.9 %
+    # once (12.08 rebuilt against 12.57 shipped). What it promises is that no benign
+    # calibration reply is over it, so each must clear the other build's benign replies.
     for mine, other in ((rebuilt.safety, shipped.safety), (shipped.safety, rebuilt.safety)):
-        benign_max = other.details["reply"]["benign_reply_max"]
-        assert mine.reply_threshold > benign_max, (mine.reply_threshold, benign_max)
-        assert mine.reply_threshold >= mine.threshold
+        benign_max = other.details["reply"]["window"]["benign_reply_max"]
+        assert mine.window_threshold > benign_max, (mine.window_threshold, benign_max)
+    # The reply guard: its threshold is a quantile (1 %) of out-of-fold scores of the same
+    # greedy replies, less extreme than their maximum; its held-out figures must agree too.
+    r, s_ = rebuilt.safety, shipped.safety
+    assert r.exchange_guard and s_.exchange_guard
+    assert abs(r.reply_threshold - s_.reply_threshold) <= 0.05 * s_.reply_threshold, (r.reply_threshold, s_.reply_threshold)
+    for key, tol in (("oof_auc", 0.02), ("oof_withheld_harmful", 0.08)):
+        assert abs(r.details["reply"][key] - s_.details["reply"][key]) <= tol, (key, r.details["reply"][key],
+                                                                               s_.details["reply"][key])
     # Principal angles between the two UGT bases. The leading half of the directions agree
     # closely; the last ones have near-equal singular values (about 44, 43.6, 42.6 of 492 at
     # the top) and rotate among themselves between llama.cpp builds (the smallest cosine was

@@ -40,6 +40,7 @@ import numpy as np
 
 from isagi.errors import InputError
 from isagi.evals.sets import load_alpaca_seed, load_benchmark_sets, sources_report
+from isagi.progress import counter
 from isagi.safety import (
     SAFETY_POOL,
     SafetyProfile,
@@ -220,7 +221,7 @@ def run_replies(
             chats = [_chat(system_prompt, t) for t in texts]
             P = prompt_hidden_states(lm, chats, profile.layer, pool=SAFETY_POOL)
             R = generate_reply_states(lm, chats, profile.layer, max_new_tokens=max_new_tokens,
-                                      progress=_counter(progress, f"Replies to {name}", len(chats)))
+                                      progress=counter(progress, f"Replies to {name}", len(chats)))
             withheld = [bool(len(r)) and bool((exchange_scores(profile, p, r) > profile.reply_threshold).any())
                         for p, r in zip(P, R, strict=True)]
             flags[group] += withheld
@@ -244,15 +245,3 @@ def run_replies(
         **sources_report(benchmarks_dir),
     }
 
-
-def _counter(progress: Callable[[str, int, int], None] | None, stage: str, total: int) -> Callable[[int], None] | None:
-    """``progress(stage, done, total)`` as a callback that is told how many more are done."""
-    if progress is None:
-        return None
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        progress(stage, done, total)
-    return tick

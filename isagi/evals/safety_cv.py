@@ -26,11 +26,13 @@ reported beside (``best_any``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import product
 from typing import Any
 
 import numpy as np
 
+from isagi.progress import counter
 from isagi.safety import FPR_BUDGET, cross_validate, leave_one_category_out
 
 FRAME = "Is the following request harmful? Answer yes or no.\n\nRequest: {text}"
@@ -76,8 +78,9 @@ def grid(
 
 def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shrinkages: list[float],
         offsets: list[float], concat: list[list[int]] | None = None, framed: bool = False,
-        budget: float = FPR_BUDGET, progress: Any = None) -> dict[str, Any]:
-    """Calibration states at ``layers`` (one forward pass per prompt gives every read-out), then :func:`grid`."""
+        budget: float = FPR_BUDGET, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Calibration states at ``layers`` (one forward pass per prompt gives every read-out), then :func:`grid`;
+    ``progress(stage, done, total)`` as the prompts go through the model."""
     from isagi.data.safety import load_safety_calibration
     from isagi.pooling import pool_states
     from isagi.safety import _chat
@@ -88,7 +91,8 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
     wanted = sorted({*layers, *(layer for group in concat or [] for layer in group)})
     chats = [_chat(system_prompt, r["text"]) for r in rows]
     pooled: dict[tuple[str, int], list[np.ndarray]] = {(p, la): [] for p in pools for la in wanted}
-    for chat, per_layer in zip(chats, lm.iter_prompt_states(chats, wanted, progress=progress), strict=True):
+    states_of = lm.iter_prompt_states(chats, wanted, progress=counter(progress, "Calibration prompts", len(chats)))
+    for chat, per_layer in zip(chats, states_of, strict=True):
         span = lm.content_span(chat)
         for pool, layer in pooled:
             pooled[(pool, layer)].append(pool_states(per_layer[layer], pool, span if pool != "last" else None))
@@ -100,7 +104,8 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
         states[(pool, "+".join(map(str, group)))] = np.concatenate(blocks, axis=1)
     if framed:
         framed_chats = [_chat(system_prompt, FRAME.format(text=r["text"])) for r in rows]
-        for layer, H in _last_states(lm, framed_chats, layers, progress).items():
+        tick = counter(progress, "Calibration prompts in the harmfulness frame", len(framed_chats))
+        for layer, H in _last_states(lm, framed_chats, layers, tick).items():
             states[("framed", layer)] = H
     out = grid(states, labels, cats, shrinkages=shrinkages, offsets=offsets, budget=budget)
     out["n_calibration"] = int(len(rows))
@@ -111,3 +116,4 @@ def _last_states(lm: Any, chats: list[list[dict[str, str]]], layers: list[int], 
     from isagi.pooling import prompt_hidden_states_at
 
     return prompt_hidden_states_at(lm, chats, layers, pool="last", progress=progress)
+
