@@ -39,6 +39,16 @@ def test_bad_setting_is_one_line_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "nf4, none" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--pool", "max"], "use last, content, post, content+post"),
+    (["--concat", "15,x"], "--concat '15,x'"),
+    (["--budget", "2"], "between 0 and 1"),
+])
+def test_safety_cv_bad_options_are_one_line_errors_before_loading(tmp_path: Path, args: list[str], message: str) -> None:
+    out = _isagi(["eval", "safety-cv", *args], tmp_path, timeout=120)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 @pytest.mark.model
 def test_piped_chat_answers_each_line(settings_default) -> None:
     out = _isagi(["chat"], settings_default.home,

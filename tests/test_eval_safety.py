@@ -102,3 +102,34 @@ def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_eng
     seed = run(llama_engine.lm, sp, system_prompt=system, harmful=path, method="seed")
     assert seed["method"] == "seed" and set(seed["sets"]) == {"harmful", "benign"}
     assert seed["threshold"] != report["threshold"] and np.isfinite(seed["threshold"])
+
+
+@pytest.mark.model
+def test_the_replies_report_withholds_what_a_turn_with_the_prompt_guard_off_withholds(
+        llama_engine, tmp_path: Path) -> None:
+    """``isagi eval safety --replies``: the issue's JSON shape, and each count is the product's
+    own verdict: the same prompts as real turns (prompt guard off, 64-token replies) are
+    withheld exactly when the report says so."""
+    import dataclasses
+
+    from isagi.agent import Engine
+    from isagi.evals.safety import run_replies
+    from isagi.evals.sets import load_benchmark_sets
+
+    sp, settings = llama_engine.profile.safety, llama_engine.settings
+    report = run_replies(llama_engine.lm, sp, system_prompt=settings.system_prompt, limit=3)
+    replies = report["replies"]
+    for group in ("harmful", "benign"):
+        assert set(replies[group]) == {"n", "withheld", "rate"}
+        assert replies[group]["rate"] == round(replies[group]["withheld"] / replies[group]["n"], 4)
+    assert replies["harmful"]["n"] == 3 and replies["by_set"]["advbench"]["n"] == 3
+    assert replies["benign"]["n"] == sum(v["n"] for k, v in replies["by_set"].items() if k != "advbench")
+    assert report["reply_guard"] == "exchange" and report["max_new_tokens"] == 64
+
+    off = dataclasses.replace(llama_engine.profile, safety=dataclasses.replace(sp, threshold=100.0))
+    engine = Engine(settings.with_overrides(home=tmp_path, max_new_tokens=64), llama_engine.lm, off)
+    verdicts = []
+    for text in load_benchmark_sets(None)["advbench"][:3]:
+        turn = engine.turn(engine.new_session(autosave=False), text)
+        verdicts.append(turn.verdict == "withheld")
+    assert sum(verdicts) == replies["by_set"]["advbench"]["withheld"]

@@ -32,7 +32,7 @@ QUESTION = "Explain in a few sentences why the sky is blue."
 def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> float:
     from isagi.safety import ReplyGuard, teh
 
-    guard = ReplyGuard(engine.profile.safety)
+    guard = ReplyGuard(engine.profile.safety, h_prompt, every=every)
     start = time.perf_counter()
     teh(engine.profile.safety, h_prompt)
     for n in range(every, len(reply_states) + every, every):
@@ -83,14 +83,14 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             gen.prefill()
             for _ in gen.stream():
                 pass
-            pool_t = []  # the safety state itself: the message's token span and the mean over it
+            pool_t = []  # the safety state itself: the message's token span and the means over its spans
             for _ in range(repeats):
                 start = time.perf_counter()
                 h = decoding_state(gen, safety_layer, SAFETY_POOL, lm.content_span(messages))
                 pool_t.append(time.perf_counter() - start)
             states = gen.reply_hidden(safety_layer)
         teh_s = statistics.median(pool_t) + statistics.median(
-            _teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety).every) for _ in range(repeats))
+            _teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety, h).every) for _ in range(repeats))
     med = statistics.median
     return {
         "model": lm.model_id,
