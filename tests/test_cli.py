@@ -63,7 +63,7 @@ def test_piped_chat_answers_each_line(settings_default) -> None:
 @pytest.mark.model
 def test_profile_show_prints_the_safety_calibration_and_its_roc(settings_default) -> None:
     """``isagi profile show --json`` exposes what the guard runs on: the stored ROC
-    (monotone, from (0, 0) to (1, 1)) and a threshold on it with no false positive."""
+    (monotone, from (0, 0) to (1, 1)) and a threshold on it within the stated FPR budget."""
     import json
 
     out = _isagi(["profile", "show", "--json"], settings_default.home)
@@ -74,7 +74,9 @@ def test_profile_show_prints_the_safety_calibration_and_its_roc(settings_default
     assert len(roc["thresholds"]) == len(roc["tpr"]) == len(roc["fpr"]) >= 2
     assert roc["tpr"][0] == roc["fpr"][0] == 0.0 and roc["tpr"][-1] == roc["fpr"][-1] == 1.0
     assert all(b >= a for a, b in zip(roc["tpr"], roc["tpr"][1:], strict=False))
-    assert roc["fpr_at_threshold"] == 0.0 and roc["threshold"] == data["teh_threshold"]
+    # the threshold lets at most the stated budget of benign prompts out of fold above it; in sample
+    # (the fit saw them) no more than that lie above it either
+    assert roc["threshold"] == data["teh_threshold"] and 0.0 <= roc["fpr_at_threshold"] <= data["fpr_budget"]
     assert 0.5 < data["safety_cv"]["auc"] <= 1.0
 
 

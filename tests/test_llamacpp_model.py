@@ -201,7 +201,7 @@ def test_the_turn_runs_end_to_end_on_llamacpp(default_llama, small_profile, sett
     result = engine.turn(session, "Name three colours of the rainbow.", record=False)
     assert result.verdict in ("ok", "refused", "withheld")
     if result.verdict == "ok":
-        assert result.generated and result.new_tokens > 0 and result.reply.strip()
+        assert result.generated and result.new_tokens > 0 and result.reply_text.strip()
         # one prefill of the prompt, then each reply token fed back once (the last one only when
         # decoding went on to sample a stop token)
         spent = default_llama.evaluated_tokens - before

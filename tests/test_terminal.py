@@ -23,6 +23,19 @@ STORY = "Tell me a long story about a dragon."
 QUESTION = "What is 3 times 4?"
 
 
+@pytest.fixture(autouse=True)
+def default_sigint() -> Iterator[None]:
+    """Each test starts with Python's own Ctrl-C handler, whatever the test run inherited: a run
+    started in the background by a non-interactive shell (``make test &``) has SIGINT ignored,
+    and a child process inherits that, so the terminal would never see Ctrl-C."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def consoles() -> tuple[Console, Console, io.StringIO]:
     buf = io.StringIO()
     return Console(file=buf, width=200), Console(file=io.StringIO(), width=200), buf

@@ -157,8 +157,13 @@ def test_under_a_login_a_reload_keeps_the_users_session_and_another_user_gets_no
     page = ctx.new_page()
     page.set_default_timeout(120_000)
     _login(page, fake_auth_url, "alice", "a")
+    kept_before = page.evaluate("() => localStorage.getItem('isagi-session-id')")
     send_and_wait(page, f"The code word is {secret}.")
     a = session_id(page)
+    # The browser keeps the id through one more event after the first message (state.change ->
+    # gr.BrowserState); on the tiny engine the reply can end first. A reload before that write
+    # opens nothing (1 run in 3 here), so wait for the write: what a reload seconds later meets.
+    page.wait_for_function("v => localStorage.getItem('isagi-session-id') !== v", arg=kept_before)
     page.reload()
     wait_ready(page)
     wait_text(page, "#isagi-manifold-summary", a)
