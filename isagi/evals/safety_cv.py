@@ -82,7 +82,7 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
     """Calibration states at ``layers`` (one forward pass per prompt gives every read-out), then :func:`grid`;
     ``progress(stage, done, total)`` as the prompts go through the model."""
     from isagi.data.safety import load_safety_calibration
-    from isagi.pooling import pool_states
+    from isagi.pooling import pool_states, prompt_hidden_states_at
     from isagi.safety import _chat
 
     rows = load_safety_calibration()
@@ -105,15 +105,9 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
     if framed:
         framed_chats = [_chat(system_prompt, FRAME.format(text=r["text"])) for r in rows]
         tick = counter(progress, "Calibration prompts in the harmfulness frame", len(framed_chats))
-        for layer, H in _last_states(lm, framed_chats, layers, tick).items():
+        for layer, H in prompt_hidden_states_at(lm, framed_chats, layers, pool="last", progress=tick).items():
             states[("framed", layer)] = H
     out = grid(states, labels, cats, shrinkages=shrinkages, offsets=offsets, budget=budget)
     out["n_calibration"] = int(len(rows))
     return out
-
-
-def _last_states(lm: Any, chats: list[list[dict[str, str]]], layers: list[int], progress: Any) -> dict[int, np.ndarray]:
-    from isagi.pooling import prompt_hidden_states_at
-
-    return prompt_hidden_states_at(lm, chats, layers, pool="last", progress=progress)
 
