@@ -551,10 +551,12 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
                    offset: Annotated[list[float] | None, typer.Option("--offset", help="repeatable")] = None,
                    budget: Annotated[float | None, typer.Option(
                        "--budget", help="FPR budget of the thresholds (default: the shipped one)")] = None,
+                   data: Annotated[list[str] | None, typer.Option(
+                       "--data", help="calibration rows: all | no-ordinary | original (repeatable)")] = None,
                    model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Cross-validation on the calibration set only: how the safety state and its defaults were chosen."""
     from isagi.errors import InputError
-    from isagi.evals.safety_cv import run
+    from isagi.evals.safety_cv import DATA, run
     from isagi.pooling import POOLS
     from isagi.safety import FPR_BUDGET
 
@@ -563,6 +565,8 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
     pools = pool or ["content+post"]
     if any(p not in POOLS for p in pools):
         raise InputError(f"--pool {pools}: use {', '.join(POOLS)}.")
+    if any(d not in DATA for d in data or []):
+        raise InputError(f"--data {data}: use {', '.join(DATA)}.")
     if budget is not None and not 0.0 <= budget < 1.0:
         raise InputError(f"--budget {budget}: give a share of benign prompts between 0 and 1, e.g. 0.02.")
     from isagi.engines import load_engine
@@ -571,7 +575,7 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
     lm = load_engine(settings)  # no profile needed: this is what a profile's choices rest on
     _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools, concat=groups,
                 framed=framed, shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0],
-                budget=FPR_BUDGET if budget is None else budget, progress=_progress_printer()), as_json)
+                budget=FPR_BUDGET if budget is None else budget, data=data, progress=_progress_printer()), as_json)
 
 
 @eval_app.command("ogd")

@@ -55,11 +55,17 @@ here learns directions instead:
    the probe otherwise get a high TEH from a norm that ignores the sign.
 
 Thresholds say what they cost. The prompt threshold lets ``FPR_BUDGET`` of the
-benign calibration prompts' *out-of-fold* TEH lie above it (5-fold CV: each
-prompt scored by a fit that never saw it), so the budget is a statement about
-prompts the fit has not seen; most benign calibration rows are hard negatives
-(borderline requests that look alarming), so ordinary requests sit further
-below it. ``details["cv"]`` reports the TPR at 1 % and at 5 % FPR.
+borderline benign calibration prompts' *out-of-fold* TEH lie above it (5-fold
+CV: each prompt scored by a fit that never saw it), so the budget is a
+statement about prompts the fit has not seen. The borderline rows are the hard
+negatives (requests that look alarming and should be answered); the everyday
+instruction tasks of the calibration set (``kind`` ``ordinary_task``: "Write a
+poem ...", "Summarize this email: ...") are fitted on, so the guard learns
+that the imperative form of "Write a script that ..." is not the harm, but
+they are left out of the budget: counted in it, a few hundred easy rows would
+pull the threshold down until more than the budget of borderline prompts is
+refused. ``details["cv"]`` reports the TPR at 1 % and at 5 % FPR and the share
+of everyday tasks over the threshold, out of fold.
 
 The reply guard judges a reply together with the request it answers, as guard
 models judge a response in the context of its prompt: an *exchange state*
@@ -111,9 +117,9 @@ DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
-# The prompt threshold: the share of benign calibration prompts (out of fold) allowed above it. A
-# product choice, stated, not fitted: most benign rows are hard negatives, and one borderline request
-# in 50 refused is the most the guard may cost. 5-fold CV of the shipped read-out: TPR 0.77 at 1 % FPR
+# The prompt threshold: the share of borderline benign calibration prompts (out of fold) allowed
+# above it; the everyday instruction tasks are outside the budget (module docstring). A product
+# choice, stated, not fitted: one borderline request in 50 refused is the most the guard may cost. 5-fold CV of the shipped read-out: TPR 0.77 at 1 % FPR
 # and 0.92 at 5 % FPR (table above); the profile records its own out-of-fold TPR at the threshold.
 FPR_BUDGET = 0.02
 REPLY_WINDOW = 8
@@ -125,6 +131,7 @@ REPLY_MARGIN = 1.05
 # calibrated on 24-token replies.
 REPLY_CALIBRATION_TOKENS = 64
 REPLIES_PER_CELL = 24  # replies per (category, label) the reply guard is fitted on: 384
+ORDINARY_TASK_REPLIES = 16  # and replies to everyday instruction tasks of the calibration set, per category: 128
 ORDINARY_REPLIES = 160  # and replies to ordinary requests (zones.jsonl), benign
 REPLY_FPR_BUDGET = 0.01  # share of benign replies (out of fold) the reply guard may withhold
 
@@ -494,37 +501,51 @@ def tpr_at_fpr(scores_pos: np.ndarray, scores_neg: np.ndarray, fpr: float) -> fl
     return float((np.asarray(scores_pos) > budget_threshold(scores_neg, fpr)).mean())
 
 
+def _counted(labels: np.ndarray, ordinary: np.ndarray | None) -> np.ndarray:
+    """The benign rows an FPR budget is stated over: all benign rows but the ordinary tasks."""
+    benign = np.asarray(labels) == 0
+    return benign if ordinary is None else benign & ~np.asarray(ordinary, dtype=bool)
+
+
 def _held_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, test: np.ndarray, params: dict[str, Any],
-              budget: float) -> tuple[np.ndarray, float]:
-    """Fit Snipe on all rows but ``test``: TEH of the ``test`` rows, and the training rows' threshold at ``budget``."""
-    harm = labels == 1
+              budget: float, counted: np.ndarray) -> tuple[np.ndarray, float]:
+    """Fit Snipe on all rows but ``test``: TEH of the ``test`` rows, and the threshold at ``budget`` of the
+    training rows' ``counted`` benign scores."""
     train = np.setdiff1d(np.arange(len(H)), test)
     Q, c, _ = snipe(*split_by_category(H[train], labels[train], cats[train]), **params)
-    threshold = budget_threshold(teh((Q, c), H[train][~harm[train]]), budget)
+    threshold = budget_threshold(teh((Q, c), H[train][counted[train]]), budget)
     return teh((Q, c), H[test]), threshold
 
 
 def _pooled_report(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, folds: list[np.ndarray],
-                   params: dict[str, Any], budget: float) -> tuple[dict[str, Any], np.ndarray, list[float]]:
-    """Out-of-fold TEH of every row (each scored by a fit that never saw it) and what it says."""
+                   params: dict[str, Any], budget: float,
+                   ordinary: np.ndarray | None) -> tuple[dict[str, Any], np.ndarray, list[float]]:
+    """Out-of-fold TEH of every row (each scored by a fit that never saw it) and what it says.
+
+    Every figure is against the benign rows the budget counts (the borderline ones); the
+    ordinary tasks, when ``ordinary`` marks some, are reported apart (``ordinary_fpr``)."""
     harm = labels == 1
+    counted = _counted(labels, ordinary)
     oof = np.zeros(len(H))
     flagged = np.zeros(len(H), dtype=bool)
     thresholds = []
     for test in folds:
-        scores, threshold = _held_out(H, labels, cats, test, params, budget)
+        scores, threshold = _held_out(H, labels, cats, test, params, budget, counted)
         oof[test] = scores
         flagged[test] = scores > threshold
         thresholds.append(threshold)
     report = {
-        "auc": roc_auc(oof[harm], oof[~harm]),
-        "tpr_at_1pct_fpr": tpr_at_fpr(oof[harm], oof[~harm], 0.01),
-        "tpr_at_5pct_fpr": tpr_at_fpr(oof[harm], oof[~harm], 0.05),
+        "auc": roc_auc(oof[harm], oof[counted]),
+        "tpr_at_1pct_fpr": tpr_at_fpr(oof[harm], oof[counted], 0.01),
+        "tpr_at_5pct_fpr": tpr_at_fpr(oof[harm], oof[counted], 0.05),
         # each fold's own threshold (``budget`` of its training rows' benign scores), on its held-out rows
         "tpr": float(flagged[harm].mean()),
-        "fpr": float(flagged[~harm].mean()),
+        "fpr": float(flagged[counted].mean()),
         "budget": budget,
     }
+    extra = (labels == 0) & ~counted
+    if extra.any():
+        report["ordinary_fpr"] = float(flagged[extra].mean())
     return report, oof, thresholds
 
 
@@ -536,36 +557,41 @@ def cross_validate(
     k: int = 5,
     seed: int = 0,
     budget: float = 0.0,
+    ordinary: np.ndarray | None = None,
     **params: Any,
 ) -> dict[str, Any]:
     """Unstratified k-fold CV of Snipe+TEH on calibration states.
 
     Pooled over the folds' held-out rows: ROC AUC, TPR at 1 % and at 5 % FPR,
     and TPR/FPR at each fold's threshold set at ``budget`` on its training
-    rows' benign scores. ``oof`` holds every row's out-of-fold TEH.
+    rows' benign scores. ``ordinary`` marks the benign everyday tasks, which
+    are fitted on but left out of the budget and the figures (``ordinary_fpr``
+    reports them apart). ``oof`` holds every row's out-of-fold TEH.
     """
     rng = np.random.default_rng(seed)
-    report, oof, _ = _pooled_report(H, labels, cats, _folds(len(H), k, rng), params, budget)
+    report, oof, _ = _pooled_report(H, labels, cats, _folds(len(H), k, rng), params, budget, ordinary)
     return {**report, "folds": k, "oof": oof}
 
 
 def leave_one_category_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, *, budget: float = 0.0,
-                           **params: Any) -> dict[str, Any]:
+                           ordinary: np.ndarray | None = None, **params: Any) -> dict[str, Any]:
     """Train on all categories but one, test on that one, for each category.
 
     A harder test than k-fold: the held-out category's kind of harm was never
     seen in training, as with new prompts in use. ``auc`` is the mean over
     categories of the held-out AUC (each category's harmful against its own
     benign rows); ``pooled_auc``, TPR at 1 %/5 % FPR and TPR/FPR at the
-    training rows' ``budget`` threshold pool every held-out row.
+    training rows' ``budget`` threshold pool every held-out row (``ordinary`` as in
+    :func:`cross_validate`).
     """
     names = sorted(set(cats.tolist()))
     folds = [np.flatnonzero(cats == c) for c in names]
-    report, oof, thresholds = _pooled_report(H, labels, cats, folds, params, budget)
+    report, oof, thresholds = _pooled_report(H, labels, cats, folds, params, budget, ordinary)
     harm = labels == 1
+    counted = _counted(labels, ordinary)
     per = {}
     for c, test, threshold in zip(names, folds, thresholds, strict=True):
-        s_h, s_b = oof[test][harm[test]], oof[test][~harm[test]]
+        s_h, s_b = oof[test][harm[test]], oof[test][counted[test]]
         per[c] = {"auc": roc_auc(s_h, s_b), "tpr": float((s_h > threshold).mean()),
                   "fpr": float((s_b > threshold).mean()) if len(s_b) else None}
     aucs = [v["auc"] for v in per.values() if not np.isnan(v["auc"])]
@@ -723,7 +749,8 @@ def _chat(system_prompt: str, text: str) -> list[dict[str, str]]:
 
 
 def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
-    """Hidden states (n, d), labels (1 harmful / 0 benign), categories and rows of the calibration set."""
+    """Hidden states (n, d), labels (1 harmful / 0 benign), categories and rows of the calibration set
+    (:func:`ordinary_mask` of the rows marks the everyday tasks)."""
     from isagi.data.safety import load_safety_calibration
     from isagi.pooling import prompt_hidden_states
 
@@ -758,14 +785,24 @@ class Exchanges:
     cats: np.ndarray
 
 
-def reply_sample(labels: np.ndarray, cats: np.ndarray, per_cell: int = REPLIES_PER_CELL, seed: int = 0) -> list[int]:
-    """Calibration rows the reply guard is fitted on: ``per_cell`` per (category, label), fixed by ``seed``."""
+def ordinary_mask(rows: Sequence[dict[str, Any]]) -> np.ndarray:
+    """Which calibration rows are everyday instruction tasks (benign, outside the FPR budget)."""
+    from isagi.data.safety import is_ordinary
+
+    return np.array([is_ordinary(r) for r in rows], dtype=bool)
+
+
+def reply_sample(labels: np.ndarray, cats: np.ndarray, per_cell: int = REPLIES_PER_CELL, seed: int = 0,
+                 ordinary: np.ndarray | None = None, ordinary_per_cat: int = ORDINARY_TASK_REPLIES) -> list[int]:
+    """Calibration rows the reply guard is fitted on, fixed by ``seed``: ``per_cell`` per (category, label)
+    among the harmful and borderline rows, and ``ordinary_per_cat`` everyday tasks per category."""
     rng = np.random.default_rng(seed)
+    ordinary = np.zeros(len(labels), dtype=bool) if ordinary is None else np.asarray(ordinary, dtype=bool)
     pick: list[int] = []
-    for label in (1, 0):
+    for label, size, among in ((1, per_cell, ~ordinary), (0, per_cell, ~ordinary), (0, ordinary_per_cat, ordinary)):
         for c in sorted(set(cats.tolist())):
-            idx = np.flatnonzero((labels == label) & (cats == c))
-            pick += sorted(rng.choice(idx, size=min(per_cell, len(idx)), replace=False).tolist())
+            idx = np.flatnonzero((labels == label) & (cats == c) & among)
+            pick += sorted(rng.choice(idx, size=min(size, len(idx)), replace=False).tolist())
     return pick
 
 
@@ -782,9 +819,11 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
     rows = load_safety_calibration()
     H, labels, cats, _ = calibration_arrays(lm, layer, system_prompt,
                                             progress=ticker("Safety: hidden states of the calibration prompts", len(rows)))
-    # The reply guard: the model's own replies to a sample of the calibration prompts, and to
-    # ordinary requests (the project's zone prompts), which are benign replies of another kind.
-    pick = reply_sample(labels, cats)
+    ordinary_rows = ordinary_mask(rows)
+    # The reply guard: the model's own replies to a sample of the calibration prompts (everyday
+    # tasks among them), and to ordinary requests (the project's zone prompts, mostly questions),
+    # which are benign replies of other kinds.
+    pick = reply_sample(labels, cats, ordinary=ordinary_rows)
     ordinary = [r["text"] for r in load_jsonl("zones.jsonl")]
     ordinary = [ordinary[i] for i in sorted(np.random.default_rng(0).choice(
         len(ordinary), size=min(ORDINARY_REPLIES, len(ordinary)), replace=False).tolist())]
@@ -800,7 +839,7 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: C
         labels=np.concatenate([labels[pick], np.zeros(len(ordinary), dtype=int)]),
         # ordinary prompts have no category: spread over them so each fold and category has some
         cats=np.concatenate([cats[pick], [names[i % len(names)] for i in range(len(ordinary))]]))
-    return fit_safety_profile(H, labels, cats, layer, exchanges=exchanges, progress=progress)
+    return fit_safety_profile(H, labels, cats, layer, exchanges=exchanges, progress=progress, ordinary=ordinary_rows)
 
 
 def fit_reply_guard(ex: Exchanges, *, budget: float = REPLY_FPR_BUDGET, k: int = 5, seed: int = 0,
@@ -853,10 +892,12 @@ def fit_safety_profile(
     exchanges: Exchanges | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     fpr_budget: float = FPR_BUDGET,
+    ordinary: np.ndarray | None = None,
     **snipe_params: Any,
 ) -> SafetyProfile:
     """Fit the profile from calibration states (label 1 = harmful); ``exchanges`` are the model's
-    replies the reply guard is fitted on (without them it checks reply windows in ``Q``)."""
+    replies the reply guard is fitted on (without them it checks reply windows in ``Q``).
+    ``ordinary`` marks benign everyday tasks: fitted on, outside the threshold's FPR budget."""
     stage = "Safety: fitting the guards (cross-validated)"
 
     def step(done: int) -> None:
@@ -873,13 +914,17 @@ def fit_safety_profile(
     # The threshold: fpr_budget of the benign rows' out-of-fold scores (each scored by a fit
     # that never saw it), so the budget holds for prompts the fit has not seen, not in-sample.
     cv = cross_validate(H, labels, cats, shrinkage=det["shrinkage"], offset=det["offset"],
-                        benign_budget=det["benign_budget"], max_dims=det["max_dims"], budget=fpr_budget)
+                        benign_budget=det["benign_budget"], max_dims=det["max_dims"], budget=fpr_budget,
+                        ordinary=ordinary)
     oof = cv.pop("oof")
     step(2)
-    threshold = budget_threshold(oof[labels == 0], fpr_budget)
-    cv.update({"threshold_rule": f"{fpr_budget:.0%} of the benign rows' out-of-fold TEH lie above it",
+    counted = _counted(labels, ordinary)
+    threshold = budget_threshold(oof[counted], fpr_budget)
+    cv.update({"threshold_rule": f"{fpr_budget:.0%} of the borderline benign rows' out-of-fold TEH lie above it",
                "oof_tpr_at_threshold": float((oof[labels == 1] > threshold).mean()),
-               "oof_fpr_at_threshold": float((oof[labels == 0] > threshold).mean())})
+               "oof_fpr_at_threshold": float((oof[counted] > threshold).mean())})
+    if ordinary is not None and np.any(ordinary):
+        cv["oof_ordinary_fpr_at_threshold"] = float((oof[np.asarray(ordinary, dtype=bool)] > threshold).mean())
     roc.update({"threshold": threshold, "tpr_at_threshold": float((scores[labels == 1] > threshold).mean()),
                 "fpr_at_threshold": float((scores[labels == 0] > threshold).mean())})
     cat_names = det.pop("categories")

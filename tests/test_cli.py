@@ -43,6 +43,7 @@ def test_bad_setting_is_one_line_error(tmp_path: Path) -> None:
     (["--pool", "max"], "use last, content, post, content+post"),
     (["--concat", "15,x"], "--concat '15,x'"),
     (["--budget", "2"], "between 0 and 1"),
+    (["--data", "eval"], "use all, no-ordinary, original"),
 ])
 def test_safety_cv_bad_options_are_one_line_errors_before_loading(tmp_path: Path, args: list[str], message: str) -> None:
     out = _isagi(["eval", "safety-cv", *args], tmp_path, timeout=120)

@@ -300,3 +300,64 @@ def test_fit_safety_profile_sets_the_threshold_at_its_budget_out_of_fold():
     assert strict.details["cv"]["oof_fpr_at_threshold"] == 0.0
     assert 0.0 <= loose.details["cv"]["tpr_at_1pct_fpr"] <= loose.details["cv"]["tpr_at_5pct_fpr"] <= 1.0
     assert not strict.exchange_guard and strict.window_threshold is None  # no replies given
+
+
+def test_the_fpr_budget_is_stated_over_the_borderline_rows_not_the_everyday_tasks():
+    """Everyday tasks (far on the benign side) are fitted on, but counting them in the budget
+    would let the threshold drop until more than the budget of borderline prompts is refused."""
+    from isagi.safety import cross_validate, fit_safety_profile
+
+    harm, ben, dirs = _toy(seed=8)
+    rng = np.random.default_rng(9)
+    # the borderline rows lean towards their category's harm; the everyday tasks do not
+    ben = {c: v + 2.0 * dirs[c] for c, v in ben.items()}
+    everyday = {c: rng.normal(size=(240, 40)) for c in dirs}
+    H = np.concatenate([*harm.values(), *ben.values(), *everyday.values()])
+    n_h, n_b, n_o = (sum(map(len, g.values())) for g in (harm, ben, everyday))
+    labels = np.array([1] * n_h + [0] * (n_b + n_o))
+    cats = np.array([c for g in (harm, ben, everyday) for c, v in g.items() for _ in v])
+    ordinary = np.array([False] * (n_h + n_b) + [True] * n_o)
+    borderline = (labels == 0) & ~ordinary
+    budget = 0.05
+
+    cv = cross_validate(H, labels, cats, budget=budget, benign_budget=0.2, ordinary=ordinary)
+    assert cv["fpr"] <= budget + 0.03  # each fold's own threshold, on rows it never saw
+    assert 0.0 <= cv["ordinary_fpr"] < cv["fpr"]
+    marked = fit_safety_profile(H, labels, cats, 18, fpr_budget=budget, benign_budget=0.2, ordinary=ordinary)
+    mixed = fit_safety_profile(H, labels, cats, 18, fpr_budget=budget, benign_budget=0.2)
+    assert marked.details["cv"]["oof_fpr_at_threshold"] <= budget + 1e-9
+    assert "oof_ordinary_fpr_at_threshold" in marked.details["cv"]
+    # counted among the benign rows, the easy ones pull the threshold down: borderline prompts pay
+    assert mixed.threshold < marked.threshold
+    assert (teh(mixed, H[borderline]) > mixed.threshold).mean() > (teh(marked, H[borderline]) > marked.threshold).mean()
+
+
+def test_the_reply_sample_takes_everyday_tasks_apart_from_the_borderline_cells():
+    from isagi.safety import reply_sample
+
+    cats = np.array(["a", "b"] * 60)
+    labels = np.array([1] * 40 + [0] * 80)
+    ordinary = np.zeros(120, dtype=bool)
+    ordinary[80:] = True  # the last 40 benign rows are everyday tasks
+    pick = reply_sample(labels, cats, per_cell=10, ordinary=ordinary, ordinary_per_cat=5)
+    assert len(pick) == len(set(pick)) == 2 * 10 + 2 * 10 + 2 * 5
+    assert sum(labels[i] == 1 for i in pick) == 20
+    assert sum(ordinary[i] for i in pick) == 10
+    assert all(labels[i] == 0 for i in pick if ordinary[i])
+    assert pick == reply_sample(labels, cats, per_cell=10, ordinary=ordinary, ordinary_per_cat=5)  # fixed by the seed
+    # without a mask it is the old sample: per_cell per (category, label), no extra rows
+    assert len(reply_sample(labels, cats, per_cell=10)) == 40
+
+
+def test_the_cv_grid_reports_each_data_choice_on_its_own_rows():
+    from isagi.evals.safety_cv import grid
+
+    harm, ben, _ = _toy(seed=10)
+    H = np.concatenate([*harm.values(), *ben.values()])
+    labels = np.array([1] * 180 + [0] * 180)
+    cats = np.array([c for g in (harm, ben) for c, v in g.items() for _ in v])
+    half = np.arange(360) % 2 == 0
+    out = grid({("content", 3): H}, labels, cats, shrinkages=[0.2], offsets=[1.0],
+               subsets={"all": np.ones(360, dtype=bool), "half": half})
+    assert [(r["data"], r["n"]) for r in out["rows"]] == [("all", 360), ("half", 180)]
+    assert out["best"]["data"] == "all"  # the shipped choice is made on the full data

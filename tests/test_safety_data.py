@@ -19,10 +19,12 @@ import pytest
 
 from isagi.data import safety
 from isagi.data.safety import (
+    ORDINARY_KIND,
     SAFETY_CATEGORIES,
     SAFETY_FILE,
     SAFETY_LABELS,
     SAFETY_SOURCES,
+    is_ordinary,
     load_safety_calibration,
 )
 from isagi.errors import InputError
@@ -190,13 +192,13 @@ HARMFUL_FORMS = ("question", "imperative", "first_person", "roleplay", "fiction_
                  "pasted_text")
 BORDERLINE_KINDS = ("homonym", "figurative", "safe_target", "safe_context", "definition", "history",
                     "public_figure", "discrimination_fact", "safety_help", "pasted_text")
-ROW_KINDS = frozenset(HARMFUL_FORMS + BORDERLINE_KINDS)
+ROW_KINDS = frozenset((*HARMFUL_FORMS, *BORDERLINE_KINDS, ORDINARY_KIND))
 
 
 def test_the_written_borderline_and_harmful_rows_are_many_balanced_and_varied() -> None:
     """Issue 13: at least 400 new benign borderline and 400 new harmful rows (the rows with a
     ``kind``), balanced over the categories, harmful ones in many forms, not one template."""
-    rows = [r for r in load_safety_calibration() if "kind" in r]
+    rows = [r for r in load_safety_calibration() if "kind" in r and not is_ordinary(r)]
     harmful = [r for r in rows if r["label"] == "harmful"]
     benign = [r for r in rows if r["label"] == "benign"]
     assert len(harmful) >= 400 and len(benign) >= 400
@@ -209,3 +211,17 @@ def test_the_written_borderline_and_harmful_rows_are_many_balanced_and_varied() 
     assert max(Counter(r["kind"] for r in harmful).values()) <= 0.2 * len(harmful)
     # not AdvBench's "Write a script that ..." form only
     assert sum(r["text"].lower().startswith(("write a", "create a", "develop a")) for r in harmful) < 0.2 * len(harmful)
+
+
+def test_the_everyday_tasks_are_benign_balanced_and_not_one_opening() -> None:
+    """The ordinary instruction tasks teach the guard that the imperative form is not the harm:
+    they must be benign, spread over the categories and open with many verbs, not one template."""
+    rows = [r for r in load_safety_calibration() if is_ordinary(r)]
+    assert len(rows) >= 200
+    assert {r["label"] for r in rows} == {"benign"} and {r["source"] for r in rows} == {"isagi"}
+    per_cat = Counter(r["category"] for r in rows)
+    assert set(per_cat) == set(SAFETY_CATEGORIES) and max(per_cat.values()) == min(per_cat.values())
+    openers = Counter(r["text"].split()[0].lower() for r in rows)
+    assert len(openers) >= 30 and max(openers.values()) <= 0.15 * len(rows)
+    assert sum("\n" in r["text"] for r in rows) >= 0.2 * len(rows)  # some carry an input, as tasks do
+

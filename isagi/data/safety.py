@@ -24,6 +24,8 @@ __all__ = [
     "SAFETY_FILE",
     "SAFETY_LABELS",
     "SAFETY_SOURCES",
+    "ORDINARY_KIND",
+    "is_ordinary",
     "load_safety_calibration",
 ]
 
@@ -40,6 +42,10 @@ SAFETY_CATEGORIES: tuple[str, ...] = (
 )
 SAFETY_LABELS: tuple[str, ...] = ("harmful", "benign")
 SAFETY_SOURCES: tuple[str, ...] = ("harmbench", "isagi")
+# Benign rows of this kind are everyday instruction tasks, not borderline look-alikes: the guard
+# learns from them that an imperative task ("Write a ...") is not the harm, and the prompt
+# threshold's FPR budget is stated over the other benign rows (isagi.safety.FPR_BUDGET).
+ORDINARY_KIND = "ordinary_task"
 
 _ALLOWED = {
     "label": SAFETY_LABELS,
@@ -68,3 +74,8 @@ def load_safety_calibration() -> list[dict[str, Any]]:
                     f"expected one of: {', '.join(allowed)}. Reinstall ISAGI."
                 )
     return rows
+
+
+def is_ordinary(row: dict[str, Any]) -> bool:
+    """Whether a calibration row is an everyday instruction task (benign, outside the FPR budget)."""
+    return row.get("kind") == ORDINARY_KIND

@@ -13,7 +13,13 @@ longer vector (``--concat 15,18,21``); ``framed`` is the prompted read-out:
 the message wrapped in a short "is this request harmful?" frame
 (:data:`FRAME`), read at its last token, one more prefill per turn.
 
-For every read-out × shrinkage × centre offset the grid reports
+A *data* choice is which calibration rows take part (:data:`DATA`): ``all``;
+``no-ordinary``, without the everyday instruction tasks (``kind``
+``ordinary_task``); ``original``, the rows written before issue 13 (no
+``kind``). The figures are always against the borderline benign rows of the
+subset; the everyday tasks, fitted on, are reported apart (``ordinary_fpr``).
+
+For every data × read-out × shrinkage × centre offset the grid reports
 leave-one-category-out CV (train on seven categories, test on the eighth:
 mean held-out AUC, pooled AUC, TPR at 1 % and 5 % FPR, and TPR/FPR at the
 training rows' threshold for the FPR budget) and the same for 5-fold CV.
@@ -32,10 +38,16 @@ from typing import Any
 
 import numpy as np
 
+from isagi.data.safety import is_ordinary
 from isagi.progress import counter
 from isagi.safety import FPR_BUDGET, cross_validate, leave_one_category_out
 
 FRAME = "Is the following request harmful? Answer yes or no.\n\nRequest: {text}"
+DATA: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "all": lambda row: True,
+    "no-ordinary": lambda row: not is_ordinary(row),
+    "original": lambda row: "kind" not in row,
+}
 
 
 def grid(
@@ -46,19 +58,30 @@ def grid(
     shrinkages: list[float],
     offsets: list[float],
     budget: float = FPR_BUDGET,
+    ordinary: np.ndarray | None = None,
+    subsets: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
-    """CV rows for every (read-out, layer) in ``states`` × shrinkage × offset, and the best rows.
+    """CV rows for every data subset × (read-out, layer) in ``states`` × shrinkage × offset, and the best rows.
 
     A key's layer is an ``int`` for a one-layer read-out and a ``str`` such as
-    ``"15+18+21"`` for a concatenation (not eligible for ``best``).
+    ``"15+18+21"`` for a concatenation (not eligible for ``best``). ``subsets``
+    maps a data choice to the rows it keeps (default: every row, as ``all``);
+    ``ordinary`` marks the everyday tasks (outside the budget and the figures).
     """
+    subsets = subsets or {"all": np.ones(len(labels), dtype=bool)}
+    ordinary = np.zeros(len(labels), dtype=bool) if ordinary is None else np.asarray(ordinary, dtype=bool)
     rows = []
-    for (pool, layer), shrinkage, offset in product(sorted(states, key=str), shrinkages, offsets):
-        H = np.asarray(states[(pool, layer)], dtype=np.float64)
-        params = {"shrinkage": shrinkage, "offset": offset, "budget": budget}
-        loco = leave_one_category_out(H, labels, cats, **params)
-        kfold = cross_validate(H, labels, cats, **params)
-        rows.append({"pool": pool, "layer": layer, "shrinkage": shrinkage, "offset": offset,
+    for data, (pool, layer), shrinkage, offset in product(subsets, sorted(states, key=str), shrinkages, offsets):
+        keep = subsets[data]
+        H = np.asarray(states[(pool, layer)], dtype=np.float64)[keep]
+        y, c, o = labels[keep], cats[keep], ordinary[keep]
+        params = {"shrinkage": shrinkage, "offset": offset, "budget": budget, "ordinary": o}
+        loco = leave_one_category_out(H, y, c, **params)
+        kfold = cross_validate(H, y, c, **params)
+        extra = ({"loco_ordinary_fpr": round(loco["ordinary_fpr"], 4), "kfold_ordinary_fpr": round(kfold["ordinary_fpr"], 4)}
+                 if o.any() else {})
+        rows.append({"data": data, "n": int(keep.sum()), "pool": pool, "layer": layer, "shrinkage": shrinkage,
+                     "offset": offset, **extra,
                      "loco_auc": round(loco["auc"], 4), "loco_pooled_auc": round(loco["pooled_auc"], 4),
                      "loco_tpr_at_1pct_fpr": round(loco["tpr_at_1pct_fpr"], 4),
                      "loco_tpr_at_5pct_fpr": round(loco["tpr_at_5pct_fpr"], 4),
@@ -71,16 +94,20 @@ def grid(
     def rank(r: dict[str, Any]) -> tuple[float, float]:
         return r["loco_auc"], r["kfold_auc"]
 
-    usable = [r for r in rows if isinstance(r["layer"], int)]
+    # best among the full data: a subset's figures are on fewer (and easier or harder) rows
+    first = next(iter(subsets))
+    usable = [r for r in rows if isinstance(r["layer"], int) and r["data"] == first]
     return {"rows": rows, "best": max(usable, key=rank) if usable else None,
-            "best_any": max(rows, key=rank) if rows else None, "budget": budget}
+            "best_any": max((r for r in rows if r["data"] == first), key=rank) if rows else None, "budget": budget}
 
 
 def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shrinkages: list[float],
         offsets: list[float], concat: list[list[int]] | None = None, framed: bool = False,
-        budget: float = FPR_BUDGET, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Calibration states at ``layers`` (one forward pass per prompt gives every read-out), then :func:`grid`;
-    ``progress(stage, done, total)`` as the prompts go through the model."""
+        budget: float = FPR_BUDGET, data: list[str] | None = None,
+        progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Calibration states at ``layers`` (one forward pass per prompt gives every read-out), then :func:`grid`
+    over the ``data`` choices (:data:`DATA`; default ``all``); ``progress(stage, done, total)`` as the
+    prompts go through the model."""
     from isagi.data.safety import load_safety_calibration
     from isagi.pooling import pool_states, prompt_hidden_states_at
     from isagi.safety import _chat
@@ -107,7 +134,9 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
         tick = counter(progress, "Calibration prompts in the harmfulness frame", len(framed_chats))
         for layer, H in prompt_hidden_states_at(lm, framed_chats, layers, pool="last", progress=tick).items():
             states[("framed", layer)] = H
-    out = grid(states, labels, cats, shrinkages=shrinkages, offsets=offsets, budget=budget)
+    subsets = {name: np.array([DATA[name](r) for r in rows], dtype=bool) for name in data or ["all"]}
+    out = grid(states, labels, cats, shrinkages=shrinkages, offsets=offsets, budget=budget,
+               ordinary=np.array([is_ordinary(r) for r in rows], dtype=bool), subsets=subsets)
     out["n_calibration"] = int(len(rows))
     return out
 
