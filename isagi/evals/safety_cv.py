@@ -40,7 +40,7 @@ import numpy as np
 
 from isagi.data.safety import is_ordinary
 from isagi.progress import counter
-from isagi.safety import FPR_BUDGET, cross_validate, leave_one_category_out
+from isagi.safety import FPR_BUDGET, cross_validate, leave_one_category_out, ordinary_mask
 
 FRAME = "Is the following request harmful? Answer yes or no.\n\nRequest: {text}"
 DATA: dict[str, Callable[[dict[str, Any]], bool]] = {
@@ -136,7 +136,7 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
             states[("framed", layer)] = H
     subsets = {name: np.array([DATA[name](r) for r in rows], dtype=bool) for name in data or ["all"]}
     out = grid(states, labels, cats, shrinkages=shrinkages, offsets=offsets, budget=budget,
-               ordinary=np.array([is_ordinary(r) for r in rows], dtype=bool), subsets=subsets)
+               ordinary=ordinary_mask(rows), subsets=subsets)
     out["n_calibration"] = int(len(rows))
     return out
 
