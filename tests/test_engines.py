@@ -218,3 +218,17 @@ def test_reply_states_and_reply_nll(engine) -> None:
     p = ids.shape[1] - 2
     expected = -(logp[p - 1, 5] + logp[p, 6]).item() / 2
     assert engine.reply_nll(CHAT, [5, 6]) == pytest.approx(expected, rel=1e-4)
+
+
+def test_isagi_blas_keeps_to_one_thread_beside_the_model() -> None:
+    """OpenBLAS threads busy-wait after each call and take the cores from the model's threads:
+    ISAGI's own small linear algebra runs on one (isagi.engines.cpu_share)."""
+    from threadpoolctl import threadpool_info
+
+    from isagi.engines.cpu_share import keep_blas_single_threaded
+
+    keep_blas_single_threaded()
+    blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    assert blas, "numpy's OpenBLAS was not found"
+    assert {p["num_threads"] for p in blas} == {1}
+    assert any("faiss" in p["filepath"] for p in blas)

@@ -281,3 +281,28 @@ def test_alternating_capture_sets_evaluate_each_prompt_once(default_llama, monke
         states = e._decode(ids, 0, capture=e._names(layers))
         assert sorted(states) == sorted(layers)
         assert len(batches) == 1, f"evaluated {len(batches)} times for {layers}"
+
+
+def test_greedy_decoding_gives_plain_llama_cpp_reply_token_for_token(default_llama) -> None:
+    """The engine's greedy path (argmax of the logits, capture callback installed, two layers
+    read at every reply token) decodes exactly what llama-cpp-python's own ``Llama`` decodes
+    on the same GGUF with the same attention kernel: the benches compare the same reply."""
+    from isagi.bench.plain_llama import PlainLlama
+
+    e = default_llama
+    plain = PlainLlama(e.source, n_threads=e.n_threads, n_ctx=e.context_length)
+    for chat in CHATS:
+        e.prefixes.clear()
+        with e.generation(chat, e.default_layer, GenerationOptions(max_new_tokens=48),
+                          also_capture=(e.default_safety_layer,)) as gen:
+            gen.prefill()
+            for _ in gen.stream():
+                pass
+            ours = list(gen.new_ids)
+            states = gen.reply_hidden(e.default_safety_layer)
+            fed_back = len(ours) if gen.finish_reason == "stop" else len(ours) - 1
+        _s, _f, theirs = plain.generate(e.chat_tokens(chat), 48, stop_ids=e.stop_token_ids)
+        assert ours == theirs
+        # every fed-back reply token (all of them when the model ended the reply) has its own state
+        assert states.shape == (fed_back, e.hidden_size)
+        assert len({row.tobytes() for row in states}) == len(states)

@@ -1,8 +1,8 @@
 """llama-cpp-python's own high-level ``Llama`` generation: the no-ISAGI baseline of the benches.
 
 Owns one thing: greedy generation of a fixed prompt (token ids) with
-``llama_cpp.Llama`` on the same GGUF and thread count as ISAGI's llama.cpp
-engine, timed (total and time to first token), so ``isagi bench generate``
+``llama_cpp.Llama`` on the same GGUF, thread count and attention kernel as
+ISAGI's llama.cpp engine, timed (total and time to first token), so ``isagi bench generate``
 and ``isagi bench turn`` can say what ISAGI's engine costs against it.
 """
 
@@ -18,8 +18,10 @@ class PlainLlama:
     def __init__(self, path: str | Path, *, n_threads: int, n_ctx: int = 4096) -> None:
         from llama_cpp import Llama
 
+        # flash attention as in ISAGI's context (llama.cpp's default AUTO picks it on the CPU;
+        # ``Llama`` would turn it off): the same arithmetic, so both produce the same greedy reply
         self.llm = Llama(model_path=str(path), n_threads=n_threads, n_threads_batch=n_threads, n_ctx=n_ctx,
-                         n_batch=512, verbose=False)
+                         n_batch=512, flash_attn=True, verbose=False)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, *, stop_ids: set[int] | None = None) -> tuple[float, float, list[int]]:
         """(seconds, seconds to the first token, new token ids) of one greedy generation."""

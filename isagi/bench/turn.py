@@ -50,6 +50,9 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         from storage.history import HistoryStore
 
         engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
+        from isagi.persist import default_keeper
+
+        engine.keep = default_keeper(engine, engine.store)  # the turn writes its history rows and its file
         lm = engine.lm
         options = GenerationOptions(max_new_tokens=new_tokens)
         messages = [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": QUESTION}]
@@ -78,6 +81,8 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
             again = engine.turn(session, QUESTION, options=options)
             ret_u.append(time.perf_counter() - start)
             assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
+        rows = engine.store.get_turns(session.id, owner=session.owner)
+        assert len(rows) >= 3, f"the history store holds {len(rows)} rows of the last session's 3 turns"
         safety_layer = engine.profile.safety.layer
         with lm.generation(messages, engine.layer, options, also_capture=(safety_layer,)) as gen:
             gen.prefill()

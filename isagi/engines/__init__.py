@@ -83,8 +83,12 @@ def choose_backend(settings: Settings) -> tuple[str, str]:
 
 
 def load_engine(settings: Settings) -> ModelEngine:
-    """The configured model behind the chosen backend."""
+    """The configured model behind the chosen backend; ISAGI's own BLAS then keeps to one
+    thread, so it leaves the cores to the model (:mod:`isagi.engines.cpu_share`)."""
+    from isagi.engines.cpu_share import keep_blas_single_threaded
+
     backend, why = choose_backend(settings)
+    keep_blas_single_threaded()
     if backend == "transformers":
         from isagi.engines.hf import TransformersEngine
         from isagi.model import load_model

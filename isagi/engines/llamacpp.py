@@ -3,8 +3,10 @@
 Owns loading a GGUF (the embedded default is read as it is, no conversion),
 the chat template (the GGUF's own Jinja template, rendered as transformers
 renders it, then tokenised by llama.cpp), reading layer outputs, decoding
-with llama.cpp's sampler chain, steering through the control-vector API, and
-cancelling between tokens.
+(greedy: the argmax of the logits; sampling: llama.cpp's sampler chain),
+steering through the control-vector API, and cancelling between tokens. The
+context uses llama.cpp's own default attention choice (flash attention on
+the CPU).
 
 Layer outputs. llama.cpp names the residual stream after block ``il``
 (0-based) ``l_out-<il>``; that is transformers' ``hidden_states[il + 1]``,
@@ -103,6 +105,7 @@ class _GgmlTensor(ctypes.Structure):
 
 
 _NAME_OFFSET = _GgmlTensor.name.offset
+FLASH_ATTN_AUTO = -1  # llama_flash_attn_type: AUTO (llama.cpp's default), 0 disabled, 1 enabled
 _GGML_TYPE_F32 = 0
 _LOG_SILENCER: Any = None
 
@@ -132,7 +135,7 @@ class _Capture:
     def start(self, wanted: dict[bytes, int], n_tokens: int, truncate: bool = False) -> None:
         # the remembered node indices hold for one graph shape and one set of wanted nodes: a
         # guess left by another set would be wrong every time and cost a re-evaluation
-        if n_tokens != self.n_tokens or wanted != self.guessed_for:
+        if n_tokens != self.n_tokens or (wanted is not self.guessed_for and wanted != self.guessed_for):
             self.guess = {}
         self.wanted, self.n_tokens, self.guessed_for = wanted, n_tokens, wanted
         self.rows = {layer: [] for layer in wanted.values()}
@@ -161,8 +164,9 @@ class _Capture:
             self.missed = True  # the remembered node order was wrong for this graph
             return True
         d, n = int(tensor.ne[0]), int(tensor.ne[1])
-        buf = (ctypes.c_float * (d * n)).from_address(tensor.data)
-        self.rows[layer].append(np.ctypeslib.as_array(buf).reshape(n, d).copy())
+        out = np.empty((n, d), dtype=np.float32)
+        ctypes.memmove(out.ctypes.data, tensor.data, 4 * n * d)
+        self.rows[layer].append(out)
         self.pending -= 1
         # False ends this graph's compute: the later layers and the output head are skipped.
         return not (self.truncate and self.pending == 0)
@@ -221,6 +225,9 @@ class LlamaCppEngine:
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.cb_eval = self._cb
         cparams.cb_eval_user_data = None
+        # llama.cpp's own choice (flash attention on the CPU); llama-cpp-python's ``Llama`` turns it
+        # off by default, so the benches' plain baseline asks for it (isagi.bench.plain_llama)
+        cparams.flash_attn_type = FLASH_ATTN_AUTO
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {self._n_ctx} tokens for {path}.")
@@ -231,6 +238,9 @@ class LlamaCppEngine:
         self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
         self.evaluated_tokens = 0  # tokens run through the model (tests: no prompt token twice)
         self.prefixes = PrefixStore()  # KV caches of recent decodings, for prompts that extend them
+        self._one_id = (ll.llama_token * 1)()  # the batch of one fed-back reply token, made once
+        self._one_batch = ll.llama_batch_get_one(self._one_id, 1)
+        self._pieces: dict[int, bytes] = {}
 
     # -- facts ----------------------------------------------------------------
     @property
@@ -307,6 +317,14 @@ class LlamaCppEngine:
         return env.from_string(source.decode("utf-8") if isinstance(source, bytes) else source)
 
     def _piece(self, token: int, special: bool = False) -> bytes:
+        if not special:
+            got = self._pieces.get(token)
+            if got is None:
+                got = self._pieces[token] = self._piece_of(token, False)
+            return got
+        return self._piece_of(token, special)
+
+    def _piece_of(self, token: int, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(256)
         n = self._ll.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, special)
         if n < 0:
@@ -387,6 +405,33 @@ class LlamaCppEngine:
         """
         with self.lock:
             return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate)
+
+    def _decode_token(self, token: int, capture: dict[bytes, int] | None) -> dict[int, np.ndarray]:
+        """:meth:`_decode` of one token at the sequence's next position (a fed-back reply token),
+        without the batching: the per-token path of every reply, kept lean."""
+        ll, cap = self._ll, self._capture
+        with self.lock:
+            for attempt in range(2):
+                if capture:
+                    cap.start(capture, 1)
+                    if attempt:
+                        cap.guess = {}
+                self._one_id[0] = token
+                try:
+                    status = int(ll.llama_decode(self._ctx, self._one_batch))
+                finally:
+                    cap.stop()
+                if status != 0:
+                    raise RuntimeError(f"llama_decode failed with status {status} (context {self._n_ctx} tokens)")
+                if not capture:
+                    self.evaluated_tokens += 1
+                    return {}
+                if cap.complete():
+                    self.evaluated_tokens += 1
+                    return {layer: got[0] for layer, got in cap.rows.items()}
+                # a remembered node index pointed at the wrong node: evaluate it again, checking names
+                ll.llama_memory_seq_rm(self._mem, 0, ll.llama_memory_seq_pos_max(self._mem, 0), -1)
+        raise RuntimeError(f"llama.cpp produced no {sorted(capture)} outputs")  # pragma: no cover
 
     def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
                        truncate: bool = False) -> dict[int, np.ndarray]:
@@ -704,9 +749,12 @@ class LlamaCppDecoding:
             self.prefill()
         if e.owner is not self:
             raise RuntimeError("another decoding used the model since this prefill; open a new one")
-        if self._sampler is None:
-            self._sampler = self._make_sampler()
         opts = self.options
+        # plain greedy decoding is the argmax of the logits (the first one on a tie, as llama.cpp's
+        # greedy sampler); anything else goes through llama.cpp's sampler chain
+        greedy = not (opts.do_sample or opts.ignore_eos or opts.repetition_penalty != 1.0)
+        if self._sampler is None and not greedy:
+            self._sampler = self._make_sampler()
         stop_ids = set() if opts.ignore_eos else e.stop_token_ids
         names = e._names(self.layers) if self.capture_reply else None
         pos = len(self.ids)
@@ -717,7 +765,10 @@ class LlamaCppDecoding:
             if len(self.new_ids) >= opts.max_new_tokens:
                 self.finish_reason = "length"
                 return
-            token = int(e._ll.llama_sampler_sample(self._sampler, e._ctx, -1))
+            if greedy:
+                token = int(np.argmax(e._logits()))
+            else:
+                token = int(e._ll.llama_sampler_sample(self._sampler, e._ctx, -1))
             if token in stop_ids:
                 self.finish_reason = "stop"
                 return
@@ -728,7 +779,7 @@ class LlamaCppDecoding:
             if pos >= e.context_length:
                 self.finish_reason = "length"
                 return
-            states = e._decode([token], pos, capture=names)
+            states = e._decode_token(token, names)
             pos += 1
             self._kv_len = pos
             for layer, s in states.items():

@@ -1,0 +1,33 @@
+"""How ISAGI's own linear algebra shares the CPU with the model engine.
+
+Owns one setting: numpy's and FAISS's OpenBLAS run on one thread while a
+model engine is loaded. ISAGI's own matrices are small (a k x k metric, a
+few hundred 576-float vectors), so extra BLAS threads never pay for
+themselves there; but after every call OpenBLAS's idle threads busy-wait for
+more work for a while. On a 2-core machine they then hold the cores that the
+model engine's threads need: a llama.cpp prefill of the 44-token default
+prompt took ~150 ms right after a new session's metric eigendecomposition,
+~95 ms without the waiting threads (``isagi bench turn`` measured a turn
+~10 % slower than plain generation for that alone).
+
+``threadpoolctl`` sets the limit in the loaded libraries, so FAISS is
+imported first to have its OpenBLAS included. torch's own thread pool
+(the transformers engine's) is not touched.
+"""
+
+from __future__ import annotations
+
+_DONE = False
+
+
+def keep_blas_single_threaded() -> None:
+    """Limit every loaded OpenBLAS (numpy's, FAISS's) to one thread, once per process."""
+    global _DONE
+    if _DONE:
+        return
+    import faiss  # noqa: F401  (loads FAISS's OpenBLAS so the limit reaches it)
+    import numpy  # noqa: F401
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
+    _DONE = True
