@@ -10,6 +10,7 @@ Nothing here touches the model; every function takes plain data and returns a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -25,10 +26,34 @@ TIER_COLOURS = {
 HEIGHT = 300
 
 
+@functools.cache
+def _white() -> Any:
+    """plotly's ``plotly_white`` look, its layout part only, as a template made once.
+
+    Setting ``template="plotly_white"`` validates the whole template (defaults
+    for two dozen trace types) again for every figure: ~7 ms each, three
+    figures per turn, taken from the cores the model's threads need while
+    another session's reply is being decoded. This one applies in ~0.3 ms.
+    """
+    import plotly.graph_objects as go
+
+    axis = {"gridcolor": "#EBF0F8", "linecolor": "#EBF0F8", "zerolinecolor": "#EBF0F8", "zerolinewidth": 2,
+            "ticks": "", "automargin": True, "title": {"standoff": 15}}
+    return go.layout.Template(
+        layout={
+            "colorway": ["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880",
+                         "#FF97FF", "#FECB52"],
+            "font": {"color": "#2a3f5f"}, "hovermode": "closest", "hoverlabel": {"align": "left"},
+            "paper_bgcolor": "white", "plot_bgcolor": "white", "xaxis": axis, "yaxis": axis, "title": {"x": 0.05},
+        },
+        data={"bar": [{"marker": {"line": {"color": "white", "width": 0.5}}}]},
+    )
+
+
 def _layout(fig: Any, title: str, xaxis: str, yaxis: str) -> Any:
     fig.update_layout(
         title={"text": title, "font": {"size": 14}},
-        template="plotly_white",
+        template=_white(),
         height=HEIGHT,
         margin={"l": 50, "r": 15, "t": 40, "b": 40},
         xaxis_title=xaxis,

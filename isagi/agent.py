@@ -91,6 +91,7 @@ class Prepared:
     zone: str | None
     context_key: str  # content key of the message before this one
     prompt_tokens: int
+    history: list[dict[str, str]]  # the earlier exchanges that fit beside the message (fitting_history)
 
 
 @dataclass
@@ -341,7 +342,7 @@ class Engine:
                 turn.reply_text, turn.cluster = d.nearest.record["reply_text"], int(d.nearest.record["cluster"])
                 yield TurnEvent("token", text=turn.reply_text)
                 return turn
-            out = yield from self._generate(session, text, d, slot, stop, p.h_safety)
+            out = yield from self._generate(session, text, d, slot, stop, p.h_safety, p.history)
             if out.verdict == "withheld":
                 from isagi.safety import REFUSAL_TEMPLATE
 
@@ -361,7 +362,11 @@ class Engine:
         lookup_prompt = self._prompt(session, text, None, with_history=False)
         key = _prompt_key(lookup_prompt)
         cached = session.cached_states(key)
-        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.layer, cached is None)
+        # With history the reply is decoded from another prompt (or AUGMENT's), never from this one:
+        # its prefill only has to reach the captured layers.
+        history = self.fitting_history(session, text)
+        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.layer, cached is None,
+                                         states_only=bool(history))
         if cached is None:
             session.cache_states(key, h, h_safety)
         else:  # an exact repeat: same prompt, same states; a generation prefills on demand
@@ -371,7 +376,7 @@ class Engine:
         # (an imported research session with another k), so route in the profile's.
         zone_x = x if session.basis is self.profile.basis else project(self.profile.basis, h)
         zone, _ = route(self.profile.zones, zone_x)
-        return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt)
+        return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt, history)
 
     def _teh(self, h_safety: np.ndarray) -> float:
         from isagi.safety import teh
@@ -405,16 +410,15 @@ class Engine:
 
     def _generate(
         self, session: Session, text: str, d: Decision, slot: _OpenGeneration, stop: threading.Event | None,
-        h_safety: np.ndarray,
+        h_safety: np.ndarray, history: list[dict[str, str]],
     ) -> Iterator[TurnEvent]:
         """Decode the reply with the reply guard (which judges it with the message's safety state
-        ``h_safety``), from the lookup prefill whenever the prompt is the same."""
+        ``h_safety``), from the lookup prefill whenever the prompt is the same (no ``history``)."""
         from isagi.safety import ReplyGuard
 
         if d.tier is Tier.AUGMENT:
             prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record)
         else:
-            history = self.fitting_history(session, text)
             prompt = self._prompt_messages(text, None, history) if history else None
         return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop))
 
@@ -562,18 +566,20 @@ def _prompt_key(messages: list[dict[str, str]]) -> str:
 
 
 def _prefill(
-    slot: _OpenGeneration, lm: Any, messages: list[dict[str, str]], safety_layer: int, compute: bool
+    slot: _OpenGeneration, lm: Any, messages: list[dict[str, str]], safety_layer: int, compute: bool,
+    *, states_only: bool = False,
 ) -> tuple[Any, Any, int]:
     """Open the lookup prompt; with ``compute``, prefill it: (h at layer L, safety state, prompt tokens).
 
     Without ``compute`` (the states are known) nothing runs yet: a later
-    generation from this prompt prefills on demand.
+    generation from this prompt prefills on demand. ``states_only``: no reply will be
+    decoded from this prompt (the engine may stop after the captured layers).
     """
     span = lm.content_span(messages)
     # The tokens before the message (system prompt, template) may come from a saved KV cache:
     # the safety state is read over the message's own tokens and the template's tokens after it
     # (isagi.pooling), h at the last one.
-    gen = slot.open(messages, reuse_prefix=span[0])
+    gen = slot.open(messages, reuse_prefix=span[0], states_only=states_only and compute)
     if not compute:
         return None, None, gen.prompt_tokens
     from isagi.safety import SAFETY_POOL
@@ -633,10 +639,10 @@ class _OpenGeneration:
         self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
-    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0) -> Decoding:
+    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False) -> Decoding:
         self.close()
         self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture,
-                                          reuse_prefix=reuse_prefix)
+                                          reuse_prefix=reuse_prefix, states_only=states_only)
         self.current.__enter__()
         self.messages = messages
         return self.current

@@ -306,3 +306,28 @@ def test_greedy_decoding_gives_plain_llama_cpp_reply_token_for_token(default_lla
         # every fed-back reply token (all of them when the model ended the reply) has its own state
         assert states.shape == (fed_back, e.hidden_size)
         assert len({row.tobytes() for row in states}) == len(states)
+
+
+def test_a_states_only_prefill_reads_the_same_states_and_decodes_nothing(default_llama) -> None:
+    """The turn's lookup prompt, when the reply comes from another prompt, stops after the last
+    captured layer: the same states as a full prefill, no prefix saved from its half-written KV
+    cache, and no decoding from it."""
+    e = default_llama
+    L, S = e.default_layer, e.default_safety_layer
+    e.prefixes.clear()
+    with e.generation(CHATS[1], L, GenerationOptions(max_new_tokens=4), also_capture=(S,)) as full:
+        h_full = full.prefill()
+        s_full = full.prompt_states(S)
+    e.prefixes.clear()
+    with e.generation(CHATS[1], L, GenerationOptions(max_new_tokens=4), also_capture=(S,),
+                      states_only=True) as part:
+        h_part = part.prefill()
+        np.testing.assert_allclose(h_part, h_full, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(part.prompt_states(S), s_full, rtol=1e-4, atol=1e-4)
+        with pytest.raises(RuntimeError, match="states_only"):
+            next(iter(part.stream()))
+    assert len(e.prefixes) == 0
+    # the context is usable afterwards: a full decoding of the same prompt gives the full states
+    with e.generation(CHATS[1], L, GenerationOptions(max_new_tokens=4), also_capture=(S,)) as again:
+        np.testing.assert_allclose(again.prefill(), h_full, rtol=1e-4, atol=1e-4)
+        assert len(list(again.stream())) > 0

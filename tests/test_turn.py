@@ -187,3 +187,27 @@ def test_a_session_with_its_own_basis_of_another_k_routes_zones_in_the_profiles(
     s = dataclasses.replace(s, basis=own, metric=type(s.metric)(k=3), memory=type(s.memory)(k=3))
     turn = engine.turn(s, "What is a lighthouse for?")
     assert turn.verdict == "ok" and turn.zone in engine.profile.zones.names
+
+
+def test_the_lookup_prefill_is_states_only_once_the_reply_comes_from_a_history_prompt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first turn decodes its reply from the lookup prompt (a full prefill); a later turn
+    decodes from the prompt with history, so its lookup prefill only has to reach the captured
+    layers, and the reply's decoding is a full one."""
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4)
+    opened: list[tuple[int, bool]] = []
+    real = engine.lm.generation
+
+    def spy(messages, *args, **kwargs):
+        opened.append((len(messages), kwargs.get("states_only", False)))
+        return real(messages, *args, **kwargs)
+
+    monkeypatch.setattr(engine.lm, "generation", spy)
+    session = engine.new_session("s", autosave=False)
+    first = engine.turn(session, "Name a colour.")
+    assert first.verdict == "ok" and first.reply_text
+    assert opened == [(2, False)]  # system + message, decoded from
+    opened.clear()
+    engine.turn(session, "Name a fruit.")
+    assert opened == [(2, True), (4, False)]  # the lookup prompt, then system + exchange + message

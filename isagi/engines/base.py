@@ -156,6 +156,7 @@ class ModelEngine(Protocol):
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,
+        states_only: bool = False,
     ) -> Decoding:
         """A reply to ``messages`` capturing ``layer`` (and ``also_capture``); ``steer`` adds a
         vector to the output of ``layer`` (explore only; captured states are read before it).
@@ -165,7 +166,11 @@ class ModelEngine(Protocol):
         does; transformers ignores it). Their states are then not computed: ``prompt_states``
         refuses, and so does ``prompt_state`` with a span inside them; the last prompt token
         is always evaluated. 0 (the default) evaluates the whole prompt; :data:`REUSE_ANY`
-        allows any shared prefix (the caller needs the reply, not the prompt's states)."""
+        allows any shared prefix (the caller needs the reply, not the prompt's states).
+
+        ``states_only``: the caller reads the prompt's states and decodes nothing from this
+        decoding, so the engine may skip what only decoding needs (llama.cpp stops the prefill
+        after the last captured layer: no later blocks, no output head); ``stream`` then refuses."""
         ...
 
     def iter_prompt_states(

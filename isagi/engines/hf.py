@@ -104,6 +104,7 @@ class TransformersEngine:
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,  # noqa: ARG002 - no KV cache kept between generations here
+        states_only: bool = False,  # noqa: ARG002 - the forward pass here is the same either way
     ) -> Any:
         import torch
 

@@ -498,11 +498,13 @@ class LlamaCppEngine:
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,
+        states_only: bool = False,
         capture_reply: bool = True,
     ) -> LlamaCppDecoding:
         """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
         return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
-                                steer=steer, reuse_prefix=reuse_prefix, capture_reply=capture_reply)
+                                steer=steer, reuse_prefix=reuse_prefix, states_only=states_only,
+                                capture_reply=capture_reply)
 
     def iter_prompt_states(
         self,
@@ -585,6 +587,7 @@ class LlamaCppDecoding:
         also_capture: tuple[int, ...] = (),
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,
+        states_only: bool = False,
         capture_reply: bool = True,
     ) -> None:
         engine.check_layer(layer)
@@ -606,6 +609,9 @@ class LlamaCppDecoding:
         self._entered = False
         self._steering = False
         self.capture_reply = capture_reply
+        # the prefill stops after the last captured layer: the KV cache above it and the logits
+        # stay unwritten, so nothing is decoded from it and it is never saved as a prefix
+        self.states_only = states_only
         # a saved KV cache may stand in for a shared prefix (never under steering: its KV differs)
         self.reuse_prefix = int(reuse_prefix) if self.steer is None else 0
         self._prompt_start = 0  # prompt positions before this came from a saved KV cache
@@ -634,7 +640,7 @@ class LlamaCppDecoding:
                 e._ll.llama_sampler_free(self._sampler)
                 self._sampler = None
             if e.owner is self:
-                if self._kv_len and self.steer is None:  # a steered KV cache is no prefix for others
+                if self._kv_len and self.steer is None and not self.states_only:  # (steered: no prefix either)
                     e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
                 e._clear(None)
         finally:
@@ -678,7 +684,7 @@ class LlamaCppDecoding:
         e = self.engine
         e._clear(self)
         start = e._restore_prefix(self.ids, self.reuse_prefix) if self.reuse_prefix else 0
-        states = e._decode(self.ids[start:], start, capture=e._names(self.layers))
+        states = e._decode(self.ids[start:], start, capture=e._names(self.layers), truncate=self.states_only)
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
         return last_token(self._prompt[self.layer])
@@ -749,6 +755,8 @@ class LlamaCppDecoding:
             self.prefill()
         if e.owner is not self:
             raise RuntimeError("another decoding used the model since this prefill; open a new one")
+        if self.states_only:
+            raise RuntimeError("this decoding was opened with states_only=True: open another to decode")
         opts = self.options
         # plain greedy decoding is the argmax of the logits (the first one on a tie, as llama.cpp's
         # greedy sampler); anything else goes through llama.cpp's sampler chain
