@@ -91,7 +91,7 @@ class Prepared:
     zone: str | None
     context_key: str  # content key of the message before this one
     prompt_tokens: int
-    history: list[dict[str, str]]  # the earlier exchanges that fit beside the message (fitting_history)
+    history: list[dict[str, str]] | None  # the exchanges that fit beside the message; None: not worked out
 
 
 @dataclass
@@ -363,8 +363,8 @@ class Engine:
         key = _prompt_key(lookup_prompt)
         cached = session.cached_states(key)
         # With history the reply is decoded from another prompt (or AUGMENT's), never from this one:
-        # its prefill only has to reach the captured layers.
-        history = self.fitting_history(session, text)
+        # its prefill only has to reach the captured layers. (An exact repeat prefills nothing here.)
+        history = self.fitting_history(session, text) if cached is None else None
         h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.layer, cached is None,
                                          states_only=bool(history))
         if cached is None:
@@ -410,7 +410,7 @@ class Engine:
 
     def _generate(
         self, session: Session, text: str, d: Decision, slot: _OpenGeneration, stop: threading.Event | None,
-        h_safety: np.ndarray, history: list[dict[str, str]],
+        h_safety: np.ndarray, history: list[dict[str, str]] | None,
     ) -> Iterator[TurnEvent]:
         """Decode the reply with the reply guard (which judges it with the message's safety state
         ``h_safety``), from the lookup prefill whenever the prompt is the same (no ``history``)."""
@@ -419,6 +419,8 @@ class Engine:
         if d.tier is Tier.AUGMENT:
             prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record)
         else:
+            if history is None:
+                history = self.fitting_history(session, text)
             prompt = self._prompt_messages(text, None, history) if history else None
         return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop))
 

@@ -423,7 +423,7 @@ def bench_generate(model: ModelOpt = None, backend: BackendOpt = None, device: D
 
 @bench_app.command("turn")
 @friendly
-def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 5, as_json: JsonOpt = False) -> None:
+def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 9, as_json: JsonOpt = False) -> None:
     """A full turn vs plain generation of the same reply; RETRIEVE vs a generated turn."""
     from isagi.bench.turn import run
 

@@ -9,7 +9,9 @@ metric update, memory store, history row and ``.miku`` autosave
 (``turn_s``); the same question asked again, answered from memory
 (``retrieve_s``: an exact repeat, whose prompt states the session already
 holds, so no forward pass runs), and once more with those cached states
-dropped (``retrieve_prefill_s``: one prefill, as for a re-worded duplicate). Medians over ``repeats`` alternating runs. ``teh_share`` is
+dropped (``retrieve_prefill_s``: one prefill, as for a re-worded duplicate). Medians over ``repeats`` alternating runs;
+``turn_ratio`` is the median over the repeats of each turn over the plain generation run just
+before it (pairs drift together on a shared machine), ``turn_ratio_range`` their spread. ``teh_share`` is
 the time spent computing TEH (the prompt's safety state, the mean over the
 message's tokens, and its TEH, plus the streaming reply checks, replayed on
 the turn's own hidden states) over ``turn_s``.
@@ -40,7 +42,7 @@ def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> f
     return time.perf_counter() - start
 
 
-def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
+def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[str, Any]:
     from isagi.agent import Engine
     from isagi.pooling import decoding_state
     from isagi.safety import SAFETY_POOL, ReplyGuard
@@ -97,6 +99,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         teh_s = statistics.median(pool_t) + statistics.median(
             _teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety, h).every) for _ in range(repeats))
     med = statistics.median
+    pairs = [t / g for t, g in zip(turn_t, gen_t, strict=True)]
     return {
         "model": lm.model_id,
         "backend": lm.backend,
@@ -109,7 +112,9 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         "turn_s": round(med(turn_t), 4),
         "turn_s_range": [round(min(turn_t), 4), round(max(turn_t), 4)],
         "generate_s_range": [round(min(gen_t), 4), round(max(gen_t), 4)],
-        "turn_ratio": round(med(turn_t) / med(gen_t), 4),
+        "turn_ratio": round(med(pairs), 4),
+        "turn_ratio_range": [round(min(pairs), 4), round(max(pairs), 4)],
+        "turn_ratio_of_medians": round(med(turn_t) / med(gen_t), 4),
         "retrieve_s": round(med(ret_t), 5),
         "retrieve_speedup": round(med(turn_t) / med(ret_t), 1),
         "retrieve_prefill_s": round(med(ret_u), 5),

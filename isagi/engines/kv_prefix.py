@@ -18,6 +18,9 @@ from collections import OrderedDict
 
 import numpy as np
 
+# The saved bytes: llama.cpp's state of sequence 0, kept as the uint8 array it was copied into.
+KvData = bytes | np.ndarray
+
 # A shorter shared prefix is not worth a restore (a chat template's opening alone is ~5 tokens).
 MIN_SHARED_TOKENS = 8
 DEFAULT_BUDGET_BYTES = 256 * 1024**2
@@ -37,7 +40,7 @@ class PrefixStore:
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.budget_bytes = int(budget_bytes)
-        self._entries: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], KvData] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -47,7 +50,7 @@ class PrefixStore:
     def nbytes(self) -> int:
         return self._bytes
 
-    def put(self, tokens: list[int], data: bytes) -> None:
+    def put(self, tokens: list[int], data: KvData) -> None:
         """Keep ``data`` for ``tokens``; entries that are a prefix of ``tokens`` are superseded."""
         key = tuple(tokens)
         if not key or len(data) > self.budget_bytes:
@@ -59,7 +62,7 @@ class PrefixStore:
         while self._bytes > self.budget_bytes:
             self._drop(next(iter(self._entries)))
 
-    def best(self, tokens: list[int]) -> tuple[tuple[int, ...], bytes, int] | None:
+    def best(self, tokens: list[int]) -> tuple[tuple[int, ...], KvData, int] | None:
         """The entry sharing the longest prefix with ``tokens`` (at least MIN_SHARED_TOKENS):
         (its tokens, its bytes, the shared length); it becomes the most recently used."""
         found: tuple[tuple[int, ...], int] | None = None

@@ -15,33 +15,30 @@ model-tier test against transformers fp32 on the dequantised GGUF). They are
 read in the scheduler's eval callback (``llama_context_params.cb_eval``):
 on the ``ask`` call the callback says which nodes it wants; the scheduler
 then splits the graph after each wanted node and calls back with the data,
-which on the CPU backend is host memory, copied out with numpy.
+which on the CPU backend is host memory. The callback is compiled machine
+code (:mod:`isagi.engines.layer_capture`), so the ~936 asks per decoded token
+cost no Python call each.
 
-What the callback costs, measured on the embedded SmolLM2-135M Q4_1, 2 threads,
-64 greedy tokens (``/tmp`` scripts while writing this; rerun the figures with
-``isagi bench generate``): the decode graph has ~936 nodes, so an installed
-callback is ~936 Python calls per token even when it wants nothing. Plain
-decoding ~105 tokens/s; callback installed but returning ``False`` at once
-~100 tokens/s (~5 %); callback capturing two layers at every token ~90
-tokens/s. The alternative with no callback on the decode context at all -- a
-second context holding the KV cache that re-evaluates each guard window of 8
-reply tokens as one batch to capture them -- ran at ~56 tokens/s: on two
-cores an 8-token batch costs about four single-token steps, far more than the
-callback. So ISAGI uses ONE context with the callback installed; it answers
-``False`` at once whenever nothing is being captured, and while capturing it
-checks node names only for nodes that are ``l_out`` candidates, remembered by
-their index in the graph (the decode graph's node order repeats from token to
-token; a wrong guess is caught on the data call, which always checks the
-name, and the token is re-evaluated with full name checks). The prefill
-therefore is evaluated exactly once and every reply token once, with its
-states at the layers asked for.
+What reading reply states costs (SmolLM2-135M Q4_1, 2 threads, 64 greedy
+tokens, medians of 15 paired runs against llama-cpp-python's own ``Llama``
+with the same attention kernel; scripts in ``/tmp`` while writing this, the
+same figures come from ``isagi bench generate``): with a Python (ctypes)
+callback, installed but wanting nothing it cost 2-4 % and reading two layers
+at every token 4.5-7 % in all; compiled, 0.9 % and 1.8-2.3 %. The
+alternative with no callback on the decode context at all -- a second
+context holding the KV cache that re-evaluates each guard window of 8 reply
+tokens as one batch to capture them -- ran at about half the speed: on two
+cores an 8-token batch costs about four single-token steps. So ISAGI uses ONE
+context with the callback installed; the prefill is evaluated exactly once
+and every reply token once, with its states at the layers asked for.
 
-Calibration (prompt states only, no decoding after them) goes one step
-further: once the last wanted layer is copied the callback answers ``False``
-on the data call, which ends the graph's compute, so the later blocks and the
-output head (a third of SmolLM2's weights) are skipped; 621 of 936 nodes run
-for layers 18 and 20. Such a context's KV cache above those layers is left
-unwritten, so it is cleared before any other use.
+Prompt states alone (calibration, and a turn's lookup prompt when the reply
+is decoded from another prompt: ``states_only``) go one step further: once
+the last wanted layer is copied the callback answers ``False`` on the data
+call, which ends the graph's compute, so the later blocks and the output head
+(a third of SmolLM2's weights) are skipped; 621 of 936 nodes run for layers
+18 and 20. Such a context's KV cache above those layers is left unwritten, so
+it is cleared before any other use and never saved as a prefix.
 
 Prompts that extend an earlier one. A decoding's KV cache (its prompt and
 the reply tokens fed back) is saved when it closes (:mod:`isagi.engines.kv_prefix`);
@@ -80,33 +77,7 @@ from isagi.engines.kv_prefix import PrefixStore
 from isagi.errors import ModelLoadError
 from isagi.pooling import last_token, span_mean
 
-_GGML_MAX_DIMS = 4
-
-
-class _GgmlTensor(ctypes.Structure):
-    """The leading fields of ``struct ggml_tensor`` (vendor/llama.cpp/ggml/include/ggml.h)."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),
-        ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-_NAME_OFFSET = _GgmlTensor.name.offset
 FLASH_ATTN_AUTO = -1  # llama_flash_attn_type: AUTO (llama.cpp's default), 0 disabled, 1 enabled
-_GGML_TYPE_F32 = 0
 _LOG_SILENCER: Any = None
 
 
@@ -116,63 +87,6 @@ def _silence_llama_log(llama_cpp: Any) -> None:
     if _LOG_SILENCER is None:
         _LOG_SILENCER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_a: None)
         llama_cpp.llama_log_set(_LOG_SILENCER, None)
-
-
-class _Capture:
-    """The eval callback's state: which ``l_out`` nodes to copy, and what was copied."""
-
-    def __init__(self) -> None:
-        self.wanted: dict[bytes, int] | None = None  # name -> ISAGI layer, None: capture nothing
-        self.rows: dict[int, list[np.ndarray]] = {}
-        self.index = 0  # node index within the current graph compute
-        self.guess: dict[int, bool] = {}  # node index -> wanted, learned from names
-        self.guessed_for: dict[bytes, int] | None = None  # the wanted nodes ``guess`` was learned for
-        self.n_tokens = 0
-        self.missed = False
-        self.truncate = False  # stop the graph once every wanted layer is read (prompt states only)
-        self.pending = 0
-
-    def start(self, wanted: dict[bytes, int], n_tokens: int, truncate: bool = False) -> None:
-        # the remembered node indices hold for one graph shape and one set of wanted nodes: a
-        # guess left by another set would be wrong every time and cost a re-evaluation
-        if n_tokens != self.n_tokens or (wanted is not self.guessed_for and wanted != self.guessed_for):
-            self.guess = {}
-        self.wanted, self.n_tokens, self.guessed_for = wanted, n_tokens, wanted
-        self.rows = {layer: [] for layer in wanted.values()}
-        self.index = 0
-        self.missed = False
-        self.truncate, self.pending = truncate, len(wanted)
-
-    def stop(self) -> None:
-        self.wanted = None
-
-    def callback(self, t: int, ask: bool, _user: Any) -> bool:
-        wanted = self.wanted
-        if wanted is None:
-            return False
-        if ask:
-            i = self.index
-            self.index = i + 1
-            guess = self.guess.get(i)
-            if guess is None:
-                name = ctypes.string_at(t + _NAME_OFFSET, 16).split(b"\0", 1)[0]
-                guess = self.guess[i] = name in wanted
-            return guess
-        tensor = _GgmlTensor.from_address(t)
-        layer = wanted.get(tensor.name)
-        if layer is None or tensor.type != _GGML_TYPE_F32:
-            self.missed = True  # the remembered node order was wrong for this graph
-            return True
-        d, n = int(tensor.ne[0]), int(tensor.ne[1])
-        out = np.empty((n, d), dtype=np.float32)
-        ctypes.memmove(out.ctypes.data, tensor.data, 4 * n * d)
-        self.rows[layer].append(out)
-        self.pending -= 1
-        # False ends this graph's compute: the later layers and the output head are skipped.
-        return not (self.truncate and self.pending == 0)
-
-    def complete(self) -> bool:
-        return not self.missed and all(self.rows.values())
 
 
 class LlamaCppEngine:
@@ -216,15 +130,17 @@ class LlamaCppEngine:
         ll.llama_model_desc(self._model, desc, len(desc))
         # e.g. "llama ?B Q4_1": the GGUF's own quantisation, part of the profile key
         self.quant = "gguf-" + (desc.value.decode("utf-8", "replace").split() or ["unknown"])[-1]
-        self._capture = _Capture()
-        self._cb = ll.ggml_backend_sched_eval_callback(self._capture.callback)  # kept alive with the engine
+        from isagi.engines.layer_capture import LayerCapture
+
+        self._capture = LayerCapture(self._n_embd)
+        self._cb = ll.ggml_backend_sched_eval_callback(self._capture.pointer)  # kept alive with the engine
         cparams = ll.llama_context_default_params()
         self._n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
         cparams.n_ctx = self._n_ctx
         cparams.n_batch = cparams.n_ubatch = 512
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.cb_eval = self._cb
-        cparams.cb_eval_user_data = None
+        cparams.cb_eval_user_data = self._capture.user_data
         # llama.cpp's own choice (flash attention on the CPU); llama-cpp-python's ``Llama`` turns it
         # off by default, so the benches' plain baseline asks for it (isagi.bench.plain_llama)
         cparams.flash_attn_type = FLASH_ATTN_AUTO
@@ -241,6 +157,7 @@ class LlamaCppEngine:
         self._one_id = (ll.llama_token * 1)()  # the batch of one fed-back reply token, made once
         self._one_batch = ll.llama_batch_get_one(self._one_id, 1)
         self._pieces: dict[int, bytes] = {}
+        self._logit_views: dict[int | None, np.ndarray] = {}
 
     # -- facts ----------------------------------------------------------------
     @property
@@ -365,7 +282,8 @@ class LlamaCppEngine:
 
     # -- compute --------------------------------------------------------------
     def _clear(self, owner: object | None) -> None:
-        self._ll.llama_memory_clear(self._mem, True)
+        # metadata only: zeroing the KV buffers (data=True) cost ~1 ms a call and nothing reads them
+        self._ll.llama_memory_clear(self._mem, False)
         self.owner = owner
 
     def _save_prefix(self, tokens: list[int]) -> None:
@@ -373,10 +291,11 @@ class LlamaCppEngine:
         ll = self._ll
         with self.lock:  # the store too: one engine may be used from several threads
             size = int(ll.llama_state_seq_get_size(self._ctx, 0))
-            buf = (ctypes.c_uint8 * size)()
-            got = int(ll.llama_state_seq_get_data(self._ctx, buf, size, 0))
+            buf = np.empty(size, dtype=np.uint8)  # kept as it is: no second copy into bytes
+            got = int(ll.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                  size, 0))
             if got:
-                self.prefixes.put(tokens, ctypes.string_at(buf, got))
+                self.prefixes.put(tokens, buf[:got])
 
     def _restore_prefix(self, ids: list[int], limit: int) -> int:
         """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
@@ -388,9 +307,10 @@ class LlamaCppEngine:
             if found is None:
                 return 0
             _tokens, data, shared = found
-            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-            if not int(ll.llama_state_seq_set_data(self._ctx, buf, len(data), 0)):
-                ll.llama_memory_clear(self._mem, True)
+            buf = np.frombuffer(data, dtype=np.uint8)  # llama.cpp copies from it, no copy here
+            if not int(ll.llama_state_seq_set_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                   len(buf), 0)):
+                ll.llama_memory_clear(self._mem, False)
                 return 0
             start = min(shared, len(ids) - 1)
             ll.llama_memory_seq_rm(self._mem, 0, start, -1)
@@ -411,57 +331,40 @@ class LlamaCppEngine:
         without the batching: the per-token path of every reply, kept lean."""
         ll, cap = self._ll, self._capture
         with self.lock:
-            for attempt in range(2):
-                if capture:
-                    cap.start(capture, 1)
-                    if attempt:
-                        cap.guess = {}
-                self._one_id[0] = token
-                try:
-                    status = int(ll.llama_decode(self._ctx, self._one_batch))
-                finally:
-                    cap.stop()
-                if status != 0:
-                    raise RuntimeError(f"llama_decode failed with status {status} (context {self._n_ctx} tokens)")
-                if not capture:
-                    self.evaluated_tokens += 1
-                    return {}
-                if cap.complete():
-                    self.evaluated_tokens += 1
-                    return {layer: got[0] for layer, got in cap.rows.items()}
-                # a remembered node index pointed at the wrong node: evaluate it again, checking names
-                ll.llama_memory_seq_rm(self._mem, 0, ll.llama_memory_seq_pos_max(self._mem, 0), -1)
-        raise RuntimeError(f"llama.cpp produced no {sorted(capture)} outputs")  # pragma: no cover
+            if capture:
+                cap.start(capture, 1)
+            self._one_id[0] = token
+            try:
+                status = int(ll.llama_decode(self._ctx, self._one_batch))
+            finally:
+                cap.stop()
+            self._check(status, capture)
+            self.evaluated_tokens += 1
+            return cap.rows() if capture else {}
+
+    def _check(self, status: int, capture: dict[bytes, int] | None) -> None:
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} (context {self._n_ctx} tokens)")
+        if capture and not self._capture.complete():  # pragma: no cover - a graph without these nodes
+            raise RuntimeError(f"llama.cpp's graph gave no whole {sorted(capture)} outputs")
 
     def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
                        truncate: bool = False) -> dict[int, np.ndarray]:
-        ll = self._ll
         rows: dict[int, list[np.ndarray]] = {layer: [] for layer in (capture or {}).values()}
         n_batch = 512
         for off in range(0, len(ids), n_batch):
             chunk = ids[off : off + n_batch]
-            for attempt in range(2):
-                if capture:
-                    self._capture.start(capture, len(chunk), truncate=truncate)
-                    if attempt:
-                        self._capture.guess = {}
-                try:
-                    status = self._run_batch(chunk, start + off, all_logits=all_logits, last=off + len(chunk) == len(ids))
-                finally:
-                    self._capture.stop()
-                if status != 0:
-                    raise RuntimeError(f"llama_decode failed with status {status} (context {self._n_ctx} tokens)")
-                self.evaluated_tokens += len(chunk)
-                if not capture or self._capture.complete():
-                    break
-                # A remembered node index pointed at the wrong node: evaluate this chunk again, checking names.
-                ll.llama_memory_seq_rm(self._mem, 0, start + off, -1)
-                self.evaluated_tokens -= len(chunk)
-            else:  # pragma: no cover - the graph has no such node
-                raise RuntimeError(f"llama.cpp produced no {sorted(capture or {})} outputs")
-            for layer, got in (self._capture.rows.items() if capture else ()):
-                rows[layer].append(np.concatenate(got) if len(got) > 1 else got[0])
-        return {layer: np.concatenate(parts).astype(np.float32, copy=False) for layer, parts in rows.items() if parts}
+            if capture:
+                self._capture.start(capture, len(chunk), truncate=truncate)
+            try:
+                status = self._run_batch(chunk, start + off, all_logits=all_logits, last=off + len(chunk) == len(ids))
+            finally:
+                self._capture.stop()
+            self._check(status, capture)
+            self.evaluated_tokens += len(chunk)
+            for layer, got in (self._capture.rows().items() if capture else ()):
+                rows[layer].append(got)
+        return {layer: np.concatenate(parts) if len(parts) > 1 else parts[0] for layer, parts in rows.items() if parts}
 
     def _run_batch(self, chunk: list[int], pos: int, *, all_logits: bool, last: bool) -> int:
         ll = self._ll
@@ -486,8 +389,15 @@ class LlamaCppEngine:
         return {f"l_out-{layer - 1}".encode(): layer for layer in layers}
 
     def _logits(self, i: int = -1) -> np.ndarray:
+        """A view (no copy) of the logits of output ``i``, valid until the next decode."""
         ptr = self._ll.llama_get_logits_ith(self._ctx, i)
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        address = ctypes.cast(ptr, ctypes.c_void_p).value
+        view = self._logit_views.get(address)
+        if view is None:  # the context's logits buffer stays put: one view per output slot
+            if len(self._logit_views) > 64:
+                self._logit_views.clear()
+            view = self._logit_views[address] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return view
 
     def generation(
         self,
