@@ -98,3 +98,18 @@ def test_buffers_grow_for_a_longer_batch_and_too_many_layers_are_refused(cap) ->
         cap.start({f"l_out-{i}".encode(): i + 1 for i in range(5)}, 1)
     with pytest.raises(ValueError, match="longer than 15"):
         name_words(b"a" * 16)
+
+
+def test_without_a_writable_numba_cache_the_callback_is_compiled_for_the_process(monkeypatch) -> None:
+    import isagi.engines.layer_capture as lc
+
+    real = lc.cfunc
+
+    def no_cache(signature, **kw):
+        if kw.get("cache"):
+            raise RuntimeError("cannot cache function '_callback': no locator available")
+        return real(signature, **kw)
+
+    monkeypatch.setattr(lc, "cfunc", no_cache)
+    monkeypatch.setattr(lc, "_COMPILED", None)
+    assert lc.compiled_callback().address

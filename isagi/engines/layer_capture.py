@@ -26,7 +26,7 @@ import ctypes
 from typing import Any
 
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, cfunc, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -81,23 +81,18 @@ def _pointer(typingctx: Any, address: Any) -> Any:
     return types.voidptr(types.int64), codegen
 
 
-@njit(cache=True)
-def _slot_of(ctl: Any, t: Any) -> int:
-    """The slot whose name the tensor ``t`` (as int64 words) has, or -1."""
-    w0, w1 = t[_NAME_WORD], t[_NAME_WORD + 1]
-    for j in range(ctl[_N_SLOTS]):
-        s = _HEADER + j * _SLOT
-        if (w0 & ctl[s + _MASK0]) == ctl[s + _NAME0] and (w1 & ctl[s + _MASK1]) == ctl[s + _NAME1]:
-            return j
-    return -1
-
-
 def _callback(tensor: Any, ask: bool, user: Any) -> bool:
     ctl = carray(user, (_CTL_LEN,), np.int64)
     if ctl[_ACTIVE] == 0:
         return False
     t = carray(tensor, (_TENSOR_WORDS,), np.int64)
-    j = _slot_of(ctl, t)
+    w0, w1 = t[_NAME_WORD], t[_NAME_WORD + 1]
+    j = -1  # the slot whose name the tensor has
+    for k in range(ctl[_N_SLOTS]):
+        s = _HEADER + k * _SLOT
+        if (w0 & ctl[s + _MASK0]) == ctl[s + _NAME0] and (w1 & ctl[s + _MASK1]) == ctl[s + _NAME1]:
+            j = k
+            break
     if ask:
         return j >= 0
     s = _HEADER + j * _SLOT
@@ -127,8 +122,11 @@ def compiled_callback() -> Any:
     """The ``cfunc`` of the callback: compiled on first use in a process (or loaded from numba's cache)."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = cfunc(types.boolean(types.voidptr, types.boolean, types.voidptr), nopython=True,
-                          cache=True)(_callback)
+        signature = types.boolean(types.voidptr, types.boolean, types.voidptr)
+        try:
+            _COMPILED = cfunc(signature, nopython=True, cache=True)(_callback)
+        except RuntimeError:  # numba found no writable cache directory: compile for this process only
+            _COMPILED = cfunc(signature, nopython=True)(_callback)
     return _COMPILED
 
 
