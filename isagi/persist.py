@@ -3,10 +3,12 @@
 Owns :class:`TurnKeeper`, the object :class:`isagi.agent.Engine` is given to
 persist each turn (the engine itself imports neither the history store nor
 :mod:`isagi.session_io`, so the two never import each other). For each turn
-it writes the history store's two rows (as the session's owner) and then rewrites the session's
-``.miku`` file; a Regenerate *replaces* the session's last exchange in the
-store instead of adding one, so the store, the live session and the file
-always count the same turns.
+it writes the history store's two rows (as the session's owner; the session
+row is created on its first turn, in the same transaction) and then rewrites
+the session's ``.miku`` file, whose path the store is told when it is new to
+it; a Regenerate *replaces* the session's last exchange in the store instead
+of adding one, so the store, the live session and the file always count the
+same turns.
 """
 
 from __future__ import annotations
@@ -33,19 +35,22 @@ class TurnKeeper:
         self.store = store
         self.save = save
         self.model_id = model_id
+        self._told: dict[tuple[str, str], str] = {}  # (owner, session id) -> the file path the store holds
 
     def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> None:
         owner = session.owner
+        key = (owner, session.id)
         if self.store is not None:
-            self.store.ensure_session(session.id, owner=owner, model_id=self.model_id, title=session.title)
-            if replaces_last:
-                self.store.replace_last_turn(session.id, turn, owner=owner)
-            else:
-                self.store.record_turn(session.id, turn, owner=owner)
+            _n, created = self.store.record_exchange(session.id, turn, owner=owner, model_id=self.model_id,
+                                                     title=session.title, replace_last=replaces_last)
+            if created:
+                self._told.pop(key, None)
         if self.save is not None and session.miku_path is not None:
-            self.save(session, Path(session.miku_path))
-            if self.store is not None:
-                self.store.set_miku_path(session.id, str(session.miku_path), owner=owner)
+            path = str(session.miku_path)
+            self.save(session, Path(path))
+            if self.store is not None and self._told.get(key) != path:
+                self.store.set_miku_path(session.id, path, owner=owner)
+                self._told[key] = path
 
 
 def default_keeper(engine: Any, store: Any) -> TurnKeeper:

@@ -406,6 +406,42 @@ class HistoryStore:
                 if attempt or not isinstance(exc.__context__, IntegrityError):
                     raise
 
+    def record_exchange(
+        self, session_id: str, record: TurnRecord, *, owner: str, model_id: str, title: str | None = None,
+        replace_last: bool = False,
+    ) -> tuple[int, bool]:
+        """A turn as the agent keeps it, in ONE transaction: :meth:`ensure_session`, then
+        :meth:`record_turn` (or :meth:`replace_last_turn` with ``replace_last``).
+
+        Returns (the exchange's number within the session from 1, whether the session was
+        created by this call).
+        """
+        owner = check_owner(owner)
+        if not session_id or len(session_id) > 64:
+            raise StorageError(f"Session id {session_id!r} must be 1 to 64 characters long.")
+        for attempt in range(2):
+            try:
+                with self._tx("record a turn") as db:
+                    s = db.get(SessionModel, session_id)
+                    created = s is None
+                    if s is None:
+                        now = _now()
+                        db.add(SessionModel(id=session_id, title=make_title(title) if title else None,
+                                            model_id=model_id, created_at=now, updated_at=now, owner=owner))
+                        db.flush()
+                    elif s.owner != owner:
+                        raise not_found(session_id)
+                    elif title and not s.title:
+                        s.title = make_title(title)
+                    if replace_last and not created:
+                        self._drop_last_exchange(db, session_id)
+                    return self._add_turn(db, session_id, record, owner), created
+            except StorageError as exc:
+                # A concurrent writer created it between our read and insert.
+                if attempt or not isinstance(exc.__context__, IntegrityError):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def record_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Store one exchange (user row + assistant row) of ``owner``'s session in one
         transaction.
@@ -476,14 +512,16 @@ class HistoryStore:
         owner = check_owner(owner)
         with self._tx("replace a turn") as db:
             self._get_session(db, session_id, owner, lock=True)
-            last = db.execute(
-                select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
-            ).scalar_one()
-            if last is not None:
-                db.execute(
-                    delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2)
-                )
+            self._drop_last_exchange(db, session_id)
             return self._add_turn(db, session_id, record, owner)
+
+    def _drop_last_exchange(self, db: Any, session_id: str) -> None:
+        """Delete the session's last exchange (its two rows), if any (inside a transaction)."""
+        last = db.execute(
+            select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
+        ).scalar_one()
+        if last is not None:
+            db.execute(delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2))
 
     def set_miku_path(self, session_id: str, path: str | Path | None, *, owner: str) -> None:
         """Remember where ``owner``'s session's ``.miku`` file is (None forgets it)."""

@@ -371,3 +371,20 @@ def test_in_memory_sqlite_works_across_threads() -> None:
     t.join()
     assert [r.text for r in s.get_turns("m", owner=LOCAL_OWNER)] == ["question 0", "answer 0"]
     s.close()
+
+
+def test_record_exchange_creates_the_session_once_and_replaces_in_one_call(store: HistoryStore) -> None:
+    """The agent's one write per turn: the session row on the first turn only, a Regenerate
+    replacing the last exchange, and another owner's id left untouched."""
+    assert store.record_exchange("s1", rec(1), owner="ann", model_id="m", title="first") == (1, True)
+    assert store.record_exchange("s1", rec(2), owner="ann", model_id="m", title="other") == (2, False)
+    assert store.record_exchange("s1", rec(3), owner="ann", model_id="m", replace_last=True) == (2, False)
+    rows = store.get_turns("s1", owner="ann")
+    assert [r.text for r in rows] == ["question 1", "answer 1", "question 3", "answer 3"]
+    summary = store.get_session("s1", owner="ann")
+    assert summary.title == "first" and summary.model_id == "m" and summary.turns == 2
+    # a Regenerate as the very first write of a session is its first turn
+    assert store.record_exchange("s2", rec(4), owner="ann", model_id="m", replace_last=True) == (1, True)
+    with pytest.raises(StorageError, match="not found|No session"):
+        store.record_exchange("s1", rec(5), owner="bob", model_id="m")
+    assert len(store.get_turns("s1", owner="ann")) == 4
