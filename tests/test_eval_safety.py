@@ -130,6 +130,12 @@ def test_the_replies_report_withholds_what_a_turn_with_the_prompt_guard_off_with
     engine = Engine(settings.with_overrides(home=tmp_path, max_new_tokens=64), llama_engine.lm, off)
     verdicts = []
     for text in load_benchmark_sets(None)["advbench"][:3]:
+        # The report evaluates every prompt whole. A turn takes the system prompt's KV from a cache
+        # that earlier tests left, and llama.cpp's CPU kernels round differently for a batch of 64
+        # tokens or more: a system prompt evaluated inside a longer history prompt is ~2 % apart
+        # (cos 0.9997 to fp32 either way), enough for this small model's greedy reply to part.
+        # Same arithmetic, same verdict:
+        llama_engine.lm.prefixes.clear()
         turn = engine.turn(engine.new_session(autosave=False), text)
         verdicts.append(turn.verdict == "withheld")
     assert sum(verdicts) == replies["by_set"]["advbench"]["withheld"]

@@ -17,17 +17,15 @@ imported first to have its OpenBLAS included. torch's own thread pool
 
 from __future__ import annotations
 
-_DONE = False
-
 
 def keep_blas_single_threaded() -> None:
-    """Limit every loaded OpenBLAS (numpy's, FAISS's) to one thread, once per process."""
-    global _DONE
-    if _DONE:
-        return
+    """Limit every OpenBLAS loaded now (numpy's, FAISS's, and any other) to one thread.
+
+    Called at each engine load (a few ms); a library loaded later (scipy's, for
+    calibration) keeps its own setting.
+    """
     import faiss  # noqa: F401  (loads FAISS's OpenBLAS so the limit reaches it)
     import numpy  # noqa: F401
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=1, user_api="blas")
-    _DONE = True
