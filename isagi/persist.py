@@ -50,6 +50,8 @@ class TurnKeeper:
             self.save(session, Path(path))
             if self.store is not None and self._told.get(key) != path:
                 self.store.set_miku_path(session.id, path, owner=owner)
+                if len(self._told) >= 4096:  # a bound for a long-running server; forgetting costs one write
+                    self._told.clear()
                 self._told[key] = path
 
 

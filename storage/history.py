@@ -23,10 +23,10 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import (
     DateTime,
@@ -52,6 +52,7 @@ from sqlalchemy.pool import StaticPool
 from isagi.errors import StorageError
 from isagi.turn import Turn
 
+T = TypeVar("T")
 TITLE_MAX = 80
 ROLES = ("user", "assistant")
 # The owner of everything made without a login (the CLI, the web app without
@@ -377,34 +378,39 @@ class HistoryStore:
         An id that another owner holds is "not found" (:class:`StorageError`),
         exactly as an unknown id is for reading: nothing is written to it.
         """
+        self._write_session("create a session", session_id, owner=owner, model_id=model_id, title=title,
+                            then=lambda db, created: None)
+
+    def _write_session(self, what: str, session_id: str, *, owner: str, model_id: str, title: str | None,
+                       then: Callable[[Any, bool], T]) -> T:
+        """In one transaction: create ``owner``'s session if it does not exist (a given ``title``
+        replaces a missing one), then ``then(db, created)``; its result is returned.
+
+        An id that another owner holds is "not found", exactly as an unknown id is for reading.
+        """
         owner = check_owner(owner)
         if not session_id or len(session_id) > 64:
             raise StorageError(f"Session id {session_id!r} must be 1 to 64 characters long.")
-        now = _now()
         for attempt in range(2):
             try:
-                with self._tx("create a session") as db:
+                with self._tx(what) as db:
                     s = db.get(SessionModel, session_id)
+                    created = s is None
                     if s is None:
-                        db.add(
-                            SessionModel(
-                                id=session_id,
-                                title=make_title(title) if title else None,
-                                model_id=model_id,
-                                created_at=now,
-                                updated_at=now,
-                                owner=owner,
-                            )
-                        )
+                        now = _now()
+                        db.add(SessionModel(id=session_id, title=make_title(title) if title else None,
+                                            model_id=model_id, created_at=now, updated_at=now, owner=owner))
+                        db.flush()
                     elif s.owner != owner:
                         raise not_found(session_id)
                     elif title and not s.title:
                         s.title = make_title(title)
-                return
+                    return then(db, created)
             except StorageError as exc:
                 # A concurrent writer created it between our read and insert.
                 if attempt or not isinstance(exc.__context__, IntegrityError):
                     raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def record_exchange(
         self, session_id: str, record: TurnRecord, *, owner: str, model_id: str, title: str | None = None,
@@ -417,30 +423,14 @@ class HistoryStore:
         created by this call).
         """
         owner = check_owner(owner)
-        if not session_id or len(session_id) > 64:
-            raise StorageError(f"Session id {session_id!r} must be 1 to 64 characters long.")
-        for attempt in range(2):
-            try:
-                with self._tx("record a turn") as db:
-                    s = db.get(SessionModel, session_id)
-                    created = s is None
-                    if s is None:
-                        now = _now()
-                        db.add(SessionModel(id=session_id, title=make_title(title) if title else None,
-                                            model_id=model_id, created_at=now, updated_at=now, owner=owner))
-                        db.flush()
-                    elif s.owner != owner:
-                        raise not_found(session_id)
-                    elif title and not s.title:
-                        s.title = make_title(title)
-                    if replace_last and not created:
-                        self._drop_last_exchange(db, session_id)
-                    return self._add_turn(db, session_id, record, owner), created
-            except StorageError as exc:
-                # A concurrent writer created it between our read and insert.
-                if attempt or not isinstance(exc.__context__, IntegrityError):
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        def write(db: Any, created: bool) -> tuple[int, bool]:
+            if replace_last and not created:
+                self._drop_last_exchange(db, session_id)
+            return self._add_turn(db, session_id, record, owner), created
+
+        return self._write_session("record a turn", session_id, owner=owner, model_id=model_id, title=title,
+                                   then=write)
 
     def record_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Store one exchange (user row + assistant row) of ``owner``'s session in one
