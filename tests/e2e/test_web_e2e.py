@@ -120,8 +120,9 @@ def open_tab(page, name: str) -> None:
 
 def test_reply_streams_in_and_a_tier_badge_appears_then_retrieve(new_page, screenshot_dir):
     page = new_page()
-    set_max_tokens(page, 96)
-    send(page, "Describe the ocean in a few sentences.")
+    # A long reply: on llama.cpp 96 tokens take ~0.6 s, too few 0.1 s display updates to count on.
+    set_max_tokens(page, 256)
+    send(page, "Tell me a long story about the ocean.")
     # Stream: the reply grows over several observations before the turn ends.
     lengths: list[int] = []
     deadline = time.monotonic() + 300
@@ -137,7 +138,7 @@ def test_reply_streams_in_and_a_tier_badge_appears_then_retrieve(new_page, scree
     assert trajectories(page) == 1
     page.screenshot(path=str(screenshot_dir / "01-first-reply.png"), full_page=True)
 
-    again = send_and_wait(page, "Describe the ocean in a few sentences.")
+    again = send_and_wait(page, "Tell me a long story about the ocean.")
     assert again == "RETRIEVE"
     assert "RETRIEVE" in page.inner_text("#isagi-turn")
     page.screenshot(path=str(screenshot_dir / "02-retrieve.png"), full_page=True)
