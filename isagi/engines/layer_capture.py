@@ -99,7 +99,7 @@ def _callback(tensor: Any, ask: bool, user: Any) -> bool:
     kind = t[_TYPE_WORD] & 0xFFFFFFFF  # ``type`` is the int at the struct's start (little-endian)
     width, rows = t[_NE_WORD], t[_NE_WORD + 1]
     if j < 0 or kind != GGML_TYPE_F32 or width != ctl[s + _WIDTH] or ctl[s + _WRITTEN] + rows > ctl[_ROWS]:
-        ctl[_MISSED] = 1  # not what was asked for: the caller says so and evaluates again
+        ctl[_MISSED] = 1  # not what was asked for: complete() says so and the engine raises
         return True
     n = width * rows
     src = carray(_pointer(t[_DATA_WORD]), (n,), np.float32)

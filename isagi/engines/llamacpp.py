@@ -21,8 +21,9 @@ cost no Python call each.
 
 What reading reply states costs (SmolLM2-135M Q4_1, 2 threads, 64 greedy
 tokens, medians of 15 paired runs against llama-cpp-python's own ``Llama``
-with the same attention kernel; scripts in ``/tmp`` while writing this, the
-same figures come from ``isagi bench generate``): with a Python (ctypes)
+with the same attention kernel; scripts in ``/tmp`` while writing this;
+``isagi bench generate`` reports the total as ``llamacpp_vs_plain`` and the
+reading alone as ``capture_ratio``): with a Python (ctypes)
 callback, installed but wanting nothing it cost 2-4 % and reading two layers
 at every token 4.5-7 % in all; compiled, 0.9 % and 1.8-2.3 %. The
 alternative with no callback on the decode context at all -- a second
