@@ -17,6 +17,8 @@ Runs alternate between the variants so drift on a shared machine hits all
 alike; medians are reported, with each variant's min and max.
 ``tokens_per_s`` is new tokens over the whole call (prefill included);
 ``decode_tokens_per_s`` excludes the time to the first token.
+``plain_llamacpp_vs_transformers`` is the ratio llama.cpp itself reaches
+against the transformers path, the ceiling of ``llamacpp_vs_transformers``.
 """
 
 from __future__ import annotations
@@ -87,6 +89,10 @@ def _summary(runs: list[Timed]) -> dict[str, Any]:
     }
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a and b else None
+
+
 def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
     from isagi.bench.plain_llama import PlainLlama
     from isagi.engines import load_engine
@@ -135,6 +141,10 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
         },
         "llamacpp_vs_plain": round(s["llamacpp"]["tokens_per_s"] / s["plain_llamacpp"]["tokens_per_s"], 4),
         "llamacpp_vs_transformers": round(s["llamacpp"]["tokens_per_s"] / s["transformers"]["tokens_per_s"], 4),
+        # the same ratio for llama.cpp with no ISAGI (what the engine's ratio can reach at most),
+        # and for decoding alone (the time to the first token left out on both sides)
+        "plain_llamacpp_vs_transformers": round(s["plain_llamacpp"]["tokens_per_s"] / s["transformers"]["tokens_per_s"], 4),
+        "llamacpp_vs_transformers_decode": _ratio(s["llamacpp"]["decode_tokens_per_s"], s["transformers"]["decode_tokens_per_s"]),
         "same_tokens_as_plain_llamacpp": same,
     }
     result["capture_ratio"] = result["backends"]["llamacpp"]["capture_ratio"]
