@@ -21,6 +21,7 @@ from isagi.config import Settings, load_settings
 from isagi.engines.base import GenerationOptions
 from isagi.hooks import count_forward_hooks
 from isagi.pooling import prompt_hidden_states
+from tests.states import row_cosine
 
 pytestmark = [
     pytest.mark.cuda,
@@ -34,11 +35,6 @@ CHATS = [
      {"role": "user", "content": "Explain in two sentences why the sky looks blue during the day."}],
     [{"role": "user", "content": "Give me three ideas for a rainy Sunday afternoon with children."}],
 ]
-
-
-def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine of two (n, d) arrays."""
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +71,7 @@ def test_cuda_states_match_the_cpu_nf4_path_at_both_layers(gpu, default_hf) -> N
     for g, c, chat in zip(on_gpu, on_cpu, CHATS, strict=True):
         for layer in layers:
             assert g[layer].shape == c[layer].shape == (len(gpu.chat_tokens(chat)), gpu.hidden_size)
-            cos = _cos(g[layer], c[layer])
+            cos = row_cosine(g[layer], c[layer])
             print(f"layer {layer}: per-token cosine GPU vs CPU min {cos.min():.4f} mean {cos.mean():.4f}")
             assert cos.min() >= 0.98 and cos.mean() >= 0.995
 
@@ -148,5 +144,5 @@ def test_cuda_batches_match_one_prompt_at_a_time(gpu) -> None:
     batched = list(gpu.iter_prompt_states(CHATS, [layer], batch_size=len(CHATS)))
     alone = [next(gpu.iter_prompt_states([c], [layer])) for c in CHATS]
     for got, ref in zip(batched, alone, strict=True):
-        cos = _cos(got[layer], ref[layer])
+        cos = row_cosine(got[layer], ref[layer])
         assert got[layer].shape == ref[layer].shape and cos.min() >= 0.99

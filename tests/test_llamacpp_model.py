@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from isagi.engines.base import GenerationOptions
+from tests.states import row_cosine
 
 pytestmark = pytest.mark.model
 
@@ -24,10 +25,6 @@ def fp32(settings_default):
     from isagi.engines import load_engine
 
     return load_engine(settings_default.with_overrides(backend="transformers", quant="none"))
-
-
-def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.sum(a * b, axis=-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 def test_both_backends_read_the_same_chat_tokens_and_message_span(default_llama, fp32) -> None:
@@ -48,10 +45,10 @@ def test_layer_numbering_agrees_with_transformers_fp32(default_llama, fp32) -> N
     for a, b in zip(ours, ref, strict=True):
         for layer in (L, S):
             assert a[layer].shape == b[layer].shape
-            cos = _cos(a[layer][1:], b[layer][1:])  # position 0 is an attention sink with a huge norm
+            cos = row_cosine(a[layer][1:], b[layer][1:])  # position 0 is an attention sink with a huge norm
             assert cos.min() >= 0.98, (layer, cos.min())
-        off_by_one = _cos(a[L][1:], b[L - 1][1:]).mean()
-        assert off_by_one < _cos(a[L][1:], b[L][1:]).mean() - 0.005
+        off_by_one = row_cosine(a[L][1:], b[L - 1][1:]).mean()
+        assert off_by_one < row_cosine(a[L][1:], b[L][1:]).mean() - 0.005
 
 
 def test_the_prompt_is_evaluated_once_and_decoding_continues_from_its_cache(default_llama) -> None:
@@ -72,7 +69,7 @@ def test_the_prompt_is_evaluated_once_and_decoding_continues_from_its_cache(defa
     ids = e.chat_tokens(full) + gen.new_ids[:7]
     e._clear(None)
     states = e._decode(ids, 0, capture=e._names([e.default_layer]))[e.default_layer]
-    assert _cos(states[-7:], gen.reply_hidden()).min() > 0.999
+    assert row_cosine(states[-7:], gen.reply_hidden()).min() > 0.999
 
 
 def test_cancel_stops_between_tokens(default_llama) -> None:
@@ -243,10 +240,10 @@ def test_a_prompt_that_extends_an_earlier_one_evaluates_only_its_new_tokens(defa
     # the same prompt evaluated whole: the same last state, message state and next-token logits
     e._clear(None)
     full = e._decode(ids, 0, capture=e._names([e.default_layer, e.default_safety_layer]))
-    assert _cos(h, full[e.default_layer][-1]) > 0.999
-    assert _cos(pooled, full[e.default_safety_layer][span[0]:span[1]].mean(axis=0)) > 0.999
+    assert row_cosine(h, full[e.default_layer][-1]) > 0.999
+    assert row_cosine(pooled, full[e.default_safety_layer][span[0]:span[1]].mean(axis=0)) > 0.999
     whole = e._logits()
-    assert int(np.argmax(whole)) == int(np.argmax(logits)) and _cos(whole, logits) > 0.999
+    assert int(np.argmax(whole)) == int(np.argmax(logits)) and row_cosine(whole, logits) > 0.999
 
 
 def test_a_prefix_is_reused_only_as_far_as_the_caller_allows(default_llama) -> None:
