@@ -139,11 +139,11 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
                              "capture_ratio": round(secs["transformers"] / secs["transformers_generate"], 4),
                              "generate": s["transformers_generate"]},
         },
-        "llamacpp_vs_plain": round(s["llamacpp"]["tokens_per_s"] / s["plain_llamacpp"]["tokens_per_s"], 4),
-        "llamacpp_vs_transformers": round(s["llamacpp"]["tokens_per_s"] / s["transformers"]["tokens_per_s"], 4),
+        "llamacpp_vs_plain": _ratio(s["llamacpp"]["tokens_per_s"], s["plain_llamacpp"]["tokens_per_s"]),
+        "llamacpp_vs_transformers": _ratio(s["llamacpp"]["tokens_per_s"], s["transformers"]["tokens_per_s"]),
         # the same ratio for llama.cpp with no ISAGI (what the engine's ratio can reach at most),
         # and for decoding alone (the time to the first token left out on both sides)
-        "plain_llamacpp_vs_transformers": round(s["plain_llamacpp"]["tokens_per_s"] / s["transformers"]["tokens_per_s"], 4),
+        "plain_llamacpp_vs_transformers": _ratio(s["plain_llamacpp"]["tokens_per_s"], s["transformers"]["tokens_per_s"]),
         "llamacpp_vs_transformers_decode": _ratio(s["llamacpp"]["decode_tokens_per_s"], s["transformers"]["decode_tokens_per_s"]),
         "same_tokens_as_plain_llamacpp": same,
     }
