@@ -1073,9 +1073,10 @@ def build_blocks(ui: WebUI) -> Any:
                         msg = gr.Textbox(
                             placeholder=f"Message (up to {s.max_message_chars:,} characters) — Enter sends",
                             show_label=False, lines=1, max_lines=8, scale=8, elem_id="isagi-input",
-                            autofocus=True,
+                            autofocus=True, interactive=False,
                         )
-                        send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send")
+                        send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send",
+                                         interactive=False)
                     with gr.Row():
                         stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
                         regen = gr.Button("Regenerate", elem_id="isagi-regen")
@@ -1139,8 +1140,12 @@ def build_blocks(ui: WebUI) -> Any:
         turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status]
         gen_in = [max_tokens, sample, temperature, colour_by]
 
+        # The input opens once the load has set the page's session: a message sent before that
+        # would be undone by the load's answer (its session replaced by the one the load read).
         demo.load(R(ui.on_load, ["sid", "colour_by"]), [stored, colour_by], [state, status, *view_out],
-                  api_name=False, **light_q)
+                  api_name=False, **light_q
+                  ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
+                         [msg, send], api_name=False, queue=False)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value).
         state.change(lambda sid: sid if is_session_id(sid) else gr.skip(), state, stored,

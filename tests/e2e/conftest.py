@@ -51,7 +51,7 @@ def _health(url: str) -> tuple[int, dict]:
 
 @contextlib.contextmanager
 def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None,
-                fake: bool = False) -> Iterator[str]:
+                fake: bool = False, fake_args: tuple[str, ...] = ()) -> Iterator[str]:
     """Start ``isagi web`` on a free port (with ``ISAGI_AUTH=auth`` when given) and
     yield its URL once ``/health`` says ready; stop it afterwards.
 
@@ -68,7 +68,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
     env.pop("ISAGI_AUTH", None)
     if auth:
         env["ISAGI_AUTH"] = auth
-    command = (["-m", "tests.e2e.fake_server", "--port", str(port)] if fake
+    command = (["-m", "tests.e2e.fake_server", "--port", str(port), *fake_args] if fake
                else ["-m", "isagi.cli", "web", "--port", str(port)])
     log = open(log_path, "w")  # noqa: SIM115 - closed in the teardown
     proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -142,8 +142,8 @@ def open_page(ctx, url: str):
 
 
 def wait_ready(page) -> None:
-    """Wait until the page is usable: the input is there and the load event has run."""
-    page.wait_for_selector("#isagi-input textarea")
+    """Wait until the page is usable: the load event has run and opened the input."""
+    page.wait_for_selector("#isagi-input textarea:not([disabled])")
     page.wait_for_function(
         "() => { const e = document.querySelector('#isagi-status'); "
         "return !!e && e.innerText.includes('live session(s)'); }"

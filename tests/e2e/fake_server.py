@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7861)
+    p.add_argument("--slow-load", type=float, default=0.0,
+                   help="seconds the page-load handler waits first (what a busy server does to it)")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -29,12 +31,29 @@ def main(argv: list[str] | None = None) -> None:
 
     env = load_settings()  # ISAGI_HOME, ISAGI_AUTH, ... as for `isagi web`
     engine = tiny_engine(env.home, auth=env.auth, max_new_tokens=min(env.max_new_tokens, 48))
+    if args.slow_load > 0:
+        _slow_down_page_load(args.slow_load)
     app = create_app(engine, engine.settings)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
         if engine.store is not None:
             engine.store.close()
+
+
+def _slow_down_page_load(seconds: float) -> None:
+    """Make every page load take ``seconds`` longer, as a loaded 2-core server does."""
+    import time
+
+    from app.ui import WebUI
+
+    on_load = WebUI.on_load
+
+    def slow_on_load(self, *args, **kwargs):
+        time.sleep(seconds)
+        return on_load(self, *args, **kwargs)
+
+    WebUI.on_load = slow_on_load
 
 
 if __name__ == "__main__":

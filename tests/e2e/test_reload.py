@@ -188,3 +188,28 @@ def test_opening_the_sessions_tab_lists_ones_sessions_without_a_refresh(fake_url
     page.wait_for_function("() => document.body.innerText.includes('most recent session(s)')")
     page.wait_for_timeout(500)
     assert sid in [row["id"] for row in shown_rows(page)]
+
+
+@pytest.fixture(scope="module")
+def slow_load_url(tmp_path_factory):
+    """A fake-engine app whose page load takes 3 s more, as on a busy 2-core server."""
+    from tests.e2e.conftest import live_server
+
+    with live_server(tmp_path_factory, fake=True, fake_args=("--slow-load", "3")) as url:
+        yield url
+
+
+def test_a_message_typed_while_the_page_loads_stays_in_one_session(slow_load_url, context_of):
+    """The page-load event answers with the session the browser kept (none here). A
+    message sent before that answer arrived used to be undone by it: the page's session
+    went back to none and the next message started a second session. The input now opens
+    only once the load has run, so a user typing at once lands in one session."""
+    page = context_of().new_page()
+    page.set_default_timeout(120_000)
+    page.goto(slow_load_url)
+    page.wait_for_selector("#isagi-input textarea")  # as soon as there is a box to type in
+    send_and_wait(page, "What is a lighthouse?")
+    first = session_id(page)
+    send_and_wait(page, "Why is the sea salty?")
+    assert session_id(page) == first
+    assert table_ids(page).count(first) == 1 and len(set(table_ids(page))) == 1
