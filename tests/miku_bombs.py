@@ -76,6 +76,41 @@ def _t(dtype: str, shape: list[int], offset: int) -> dict:
     return {"dtype": dtype, "shape": shape, "offset": offset}
 
 
+class _Area:
+    """A v2.1 data area being built: each ``put`` appends an array and returns its descriptor."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def put(self, arr: np.ndarray | bytes, dtype: str | None = None) -> dict:
+        if isinstance(arr, bytes):
+            arr = np.frombuffer(arr, np.uint8)
+        desc = _t(dtype or arr.dtype.name, list(arr.shape), len(self.data))
+        self.data.extend(arr.tobytes())
+        return desc
+
+    def texts(self, texts: list[str]) -> dict:
+        """One Latin-1 string table group of ``texts`` (none may hold a newline)."""
+        blob = "\n".join(texts).encode("latin-1")
+        group = {"encoding": "latin-1", "count": len(texts), "sep": "\n", "lengths": None,
+                 "data": self.put(blob)}
+        return {"n": len(texts), "groups": [group]}
+
+    def index(self, idx: np.ndarray) -> dict:
+        return {"dtype": "str", "index": self.put(np.asarray(idx, np.int32))}
+
+    def session_tensors(self, d: int, k: int) -> dict:
+        """The tensors a session file must hold (identity metric, axis-aligned basis)."""
+        basis = np.zeros((d, k), np.float32)
+        basis[np.arange(k), np.arange(k)] = 1.0
+        return {
+            "metric": self.put(np.eye(k)),
+            "basis": self.put(basis),
+            "mu": self.put(np.zeros(d, np.float32)),
+            "singular_values": self.put(np.ones(k, np.float32)),
+        }
+
+
 def messages(n: int, *, bool_fields: int = 0, distinct: bool = False) -> bytes:
     """A structurally valid v2.1 file of ``n`` messages (two texts, or ``n`` distinct ones)."""
     if distinct:
@@ -115,21 +150,35 @@ def messages(n: int, *, bool_fields: int = 0, distinct: bool = False) -> bytes:
 
 
 def one_text(chars: int) -> bytes:
-    """A valid v2.1 file whose one message is a text of ``chars`` characters."""
-    blob = b"a" * chars
-    area = blob + np.zeros(1, np.int32).tobytes() * 2
+    """A valid v2.1 file whose one message is a user's text of ``chars`` characters."""
+    area = _Area()
+    strings = area.texts(["a" * chars, "user"])
     meta = {
         "header": _header(),
-        "strings": {"n": 1, "groups": [{"encoding": "latin-1", "count": 1, "sep": "\n",
-                                        "lengths": None, "data": _t("uint8", [chars], 0)}]},
+        "strings": strings,
         "tensors": {},
         "trajectories": {"n": 0, "columns": {}},
-        "conversation": {"n": 1, "role": {"dtype": "str", "index": _t("int32", [1], chars)},
-                         "text": {"dtype": "str", "index": _t("int32", [1], chars + 4)},
+        "conversation": {"n": 1, "role": area.index(np.ones(1)), "text": area.index(np.zeros(1)),
                          "fields": {}},
         "extra": {},
     }
-    return v21(meta, area)
+    return v21(meta, bytes(area.data))
+
+
+def many_texts(n: int) -> bytes:
+    """A string table of ``n`` distinct short texts (~6 bytes each), one message using one of them."""
+    area = _Area()
+    strings = area.texts([f"{i:x}" for i in range(n)])
+    meta = {
+        "header": _header(),
+        "strings": strings,
+        "tensors": {},
+        "trajectories": {"n": 0, "columns": {}},
+        "conversation": {"n": 1, "role": area.index(np.zeros(1)), "text": area.index(np.zeros(1)),
+                         "fields": {}},
+        "extra": {},
+    }
+    return v21(meta, bytes(area.data))
 
 
 def empty_maps(n: int, minor: int = 1) -> bytes:
@@ -160,41 +209,6 @@ def declared(kind: str) -> bytes:
         "ext": b"\xc9\xff\xff\xff\xff\x01",
     }[kind]
     return v21(head + b"\x00" * 64)
-
-
-class _Area:
-    """A v2.1 data area being built: each ``put`` appends an array and returns its descriptor."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def put(self, arr: np.ndarray | bytes, dtype: str | None = None) -> dict:
-        if isinstance(arr, bytes):
-            arr = np.frombuffer(arr, np.uint8)
-        desc = _t(dtype or arr.dtype.name, list(arr.shape), len(self.data))
-        self.data.extend(arr.tobytes())
-        return desc
-
-    def texts(self, texts: list[str]) -> dict:
-        """One Latin-1 string table group of ``texts`` (none may hold a newline)."""
-        blob = "\n".join(texts).encode("latin-1")
-        group = {"encoding": "latin-1", "count": len(texts), "sep": "\n", "lengths": None,
-                 "data": self.put(blob)}
-        return {"n": len(texts), "groups": [group]}
-
-    def index(self, idx: np.ndarray) -> dict:
-        return {"dtype": "str", "index": self.put(np.asarray(idx, np.int32))}
-
-    def session_tensors(self, d: int, k: int) -> dict:
-        """The tensors a session file must hold (identity metric, axis-aligned basis)."""
-        basis = np.zeros((d, k), np.float32)
-        basis[np.arange(k), np.arange(k)] = 1.0
-        return {
-            "metric": self.put(np.eye(k)),
-            "basis": self.put(basis),
-            "mu": self.put(np.zeros(d, np.float32)),
-            "singular_values": self.put(np.ones(k, np.float32)),
-        }
 
 
 _SESSION_EXTRA = {"metric": {"version": 0, "updates": 0, "floor_events": 0}}

@@ -378,6 +378,10 @@ _CHILD = textwrap.dedent(
 )
 
 
+# the largest make_state a file may hold: its 2n + 1 messages within the limit
+BIG = miku.MAX_TURNS - 1
+
+
 def _spawn(tmp_path: Path, path: Path, mode: str, n: int) -> subprocess.Popen:
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(root=str(ROOT)))
@@ -392,7 +396,7 @@ def test_sigkill_mid_write_leaves_previous_file_intact(tmp_path: Path) -> None:
     write_miku(path, old)
     before = path.read_bytes()
 
-    child = _spawn(tmp_path, path, "pause", 20_000)
+    child = _spawn(tmp_path, path, "pause", BIG)
     try:
         assert child.stdout.readline().strip() == "MID"
         temps = _leftovers(tmp_path)
@@ -445,7 +449,7 @@ def test_sigkill_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
     path = tmp_path / "s.miku"
     rng = np.random.default_rng(11)
     for _ in range(3):
-        child = _spawn(tmp_path, path, "loop", 20_000)
+        child = _spawn(tmp_path, path, "loop", BIG)
         try:
             assert child.stdout.readline().strip() == "LOOP"
             while not path.exists():
@@ -455,7 +459,7 @@ def test_sigkill_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=30)
         state = read_miku(path)  # whatever was last renamed in is complete and valid
-        assert state.n_trajectories == 20_000
+        assert state.n_trajectories == BIG
         assert state.trajectories["query_text"][:6] == make_state(n=6).trajectories["query_text"]
 
 
