@@ -133,6 +133,7 @@ import tempfile
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -1655,18 +1656,33 @@ def file_version(path: str | os.PathLike[str]) -> tuple[int, int]:
     return _PREFIX.unpack(head)[1:3]
 
 
-def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect_miku(
+    path: str | os.PathLike[str], *, check: Callable[[MikuState], None] | None = None
+) -> dict[str, Any]:
     """A summary of a ``.miku`` file for ``isagi inspect``.
 
     Returns header, format version (major and minor), file size, checksum
     algorithm and status ("ok" or "mismatch"), tensor shapes/dtypes,
-    trajectory count and columns, message count, and ``metric_growth`` =
-    ||M - I||_F when a square "metric" tensor is present. A file whose
-    checksum does not match is still summarised when its contents parse;
-    anything unreadable raises :class:`MikuError`.
+    trajectory count and columns, message count, ``metric_growth`` =
+    ||M - I||_F when a square "metric" tensor is present, and ``refused``:
+    why loading the file would fail, or None. A file whose checksum does not
+    match is still summarised when its contents parse (``refused`` then says
+    so); ``check`` is the loader's check of what the values mean (it raises
+    :class:`MikuError`; :func:`isagi.session_io.check_session_state`), run on
+    a file whose checksum matches, and what it raises is ``refused``. A file
+    this module cannot read (malformed, over a limit) raises
+    :class:`MikuError`, as reading it would.
     """
     path = Path(path)
     state, algo, ok, size = _load_path(path, verify=False)
+    refused = None
+    if not ok:
+        refused = f"the {algo} checksum does not match its contents (the file is damaged)"
+    elif check is not None:
+        try:
+            check(state)
+        except MikuError as exc:
+            refused = str(exc)
     growth = None
     metric = state.tensors.get("metric")
     if metric is not None and metric.ndim == 2 and metric.shape[0] == metric.shape[1]:
@@ -1693,6 +1709,7 @@ def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
         ),
         "metric_growth": growth,
         "extra_keys": sorted(state.extra),
+        "refused": refused,
     }
 
 

@@ -514,10 +514,11 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
     from isagi.cli import app
 
     path = tmp_path / "s.miku"
-    write_miku(path, make_state())
+    write_miku(path, loadable(make_state()))
     runner = CliRunner()
     shown = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "120"})
     assert shown.exit_code == 0, shown.output
+    assert "refused" not in shown.output
     for heading in ("File", "Header", "Contents", "Tensors", "field", "value"):
         assert heading in shown.output
     assert "2 answered from memory" in shown.output  # tiers in plain words
@@ -527,3 +528,66 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
     assert as_json.exit_code == 0
     data = json.loads(as_json.output)
     assert data["tiers"]["RETRIEVE"] == 2 and data["checksum"]["status"] == "ok"
+
+
+def loadable(state: MikuState) -> MikuState:
+    """``state`` completed into a session :func:`isagi.session_io.load_session` accepts."""
+    state.tensors["singular_values"] = np.ones(state.header["k"], np.float32)
+    state.trajectories["last_hit"] = state.trajectories["created"].copy()
+    return state
+
+
+def _inspect(*args: str):  # noqa: ANN202 - click's Result
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    return CliRunner().invoke(app, ["inspect", *args], env={"COLUMNS": "120"})
+
+
+def test_cli_inspect_says_why_a_file_would_not_load_and_exits_1(tmp_path: Path) -> None:
+    """A file the loader refuses, though it parses: the summary, then why, then exit 1."""
+    import json
+
+    from isagi.session_io import check_session_state
+
+    good = tmp_path / "good.miku"
+    write_miku(good, loadable(make_state()))
+    check_session_state(read_miku(good))  # the loader accepts it (the tests below change one thing)
+    cases = {  # name: (file contents, what stderr says)
+        "damaged": (None, "the crc32 checksum does not match its contents"),
+        "not a session": (make_state(), "has no 'singular_values' tensor"),
+        "impossible value": (loadable(make_state()), "title must be a string of at most 1000 characters"),
+    }
+    cases["impossible value"][0].extra["title"] = "t" * 5000
+    for name, (state, reason) in cases.items():
+        path = tmp_path / f"{name}.miku"
+        if state is None:
+            data = bytearray(good.read_bytes())
+            data[data.index(b"plain ascii")] ^= 0x20  # a text's byte: it still parses
+            path.write_bytes(data)
+        else:
+            write_miku(path, state)
+        shown = _inspect(str(path))
+        assert shown.exit_code == 1, (name, shown.output)
+        assert "Header" in shown.stdout  # the summary is still shown
+        assert shown.stderr.startswith(f"refused: {path} would not load: ") and reason in shown.stderr
+        assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.output
+        as_json = _inspect(str(path), "--json")
+        assert as_json.exit_code == 1 and reason in json.loads(as_json.stdout)["refused"]
+    assert json.loads(_inspect(str(good), "--json").stdout)["refused"] is None
+
+
+def test_cli_inspect_of_a_file_over_a_limit_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    from tests import miku_bombs as B
+
+    for name, data, reason in (
+        ("long", B.long_session(30_000), "60000 messages, more than the limit of 10000 (5000 turns"),
+        ("amplified", B.amplified(2_000), "its texts add up to more than 67108864 characters"),
+    ):
+        path = tmp_path / f"{name}.miku"
+        path.write_bytes(data)
+        shown = _inspect(str(path))
+        assert shown.exit_code == 2, shown.output
+        assert reason in shown.output and "is invalid" in shown.output
+        assert shown.output.strip().count("\n") == 0 and "Traceback" not in shown.output
