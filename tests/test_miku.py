@@ -582,8 +582,8 @@ def test_cli_inspect_of_a_file_over_a_limit_says_so_in_one_line_and_exits_2(tmp_
     from tests import miku_bombs as B
 
     for name, data, reason in (
-        ("long", B.long_session(30_000), "60000 messages, more than the limit of 10000 (5000 turns"),
-        ("amplified", B.amplified(2_000), "its texts add up to more than 67108864 characters"),
+        ("long", B.long_session(30_000), f"60000 messages, more than the limit of {miku.MAX_MESSAGES} ({miku.MAX_TURNS} turns"),
+        ("amplified", B.amplified(2_000), f"its texts add up to more than {miku.MAX_TEXT_CHARS} characters"),
     ):
         path = tmp_path / f"{name}.miku"
         path.write_bytes(data)

@@ -50,6 +50,8 @@ def measure(path: Path, read: Callable[[Path], object] = read_miku) -> tuple[int
     return peak, seconds, result
 
 
+TOO_MANY = f"more than the limit of {miku.MAX_MESSAGES} ({miku.MAX_TURNS} turns"
+
 REFUSED = {
     # name: (builder, what the message says)
     "20 MB of empty maps (v2.1 meta)": (lambda: B.empty_maps(20_000_000), "more than 400000 items"),
@@ -62,10 +64,10 @@ REFUSED = {
     "str32 of 4 GB": (lambda: B.declared("str32"), "does not fit"),
     "bin32 of 4 GB": (lambda: B.declared("bin32"), "does not fit"),
     "extension type": (lambda: B.declared("ext"), "is not allowed"),
-    "2M tiny messages (16 MB)": (lambda: B.messages(2_000_000), "more than the limit of 10000"),
-    "2M tiny messages (v2.0)": (lambda: B.to_v20(B.messages(2_000_000)), "more than the limit of 10000"),
+    "2M tiny messages (16 MB)": (lambda: B.messages(2_000_000), TOO_MANY),
+    "2M tiny messages (v2.0)": (lambda: B.to_v20(B.messages(2_000_000)), TOO_MANY),
     "590k distinct short texts (4 MB)": (lambda: B.many_texts(590_000), "declares far more objects"),
-    "a 30,000-turn session (6.5 MB)": (lambda: B.long_session(30_000), "more than the limit of 10000"),
+    "a 30,000-turn session (6.5 MB)": (lambda: B.long_session(30_000), TOO_MANY),
     "a 1 MiB text as 2,000 messages": (lambda: B.amplified(2_000), "add up to more than"),
     "a 1 MiB text as 100 messages": (lambda: B.amplified(100), "add up to more than"),
     "a 1 MiB text as 100 messages (v2.0)": (lambda: B.to_v20(B.amplified(100)), "add up to more than"),
@@ -150,7 +152,7 @@ def test_an_amplified_session_is_refused_before_its_texts_are_expanded(tmp_path:
     peak, seconds, result = measure(path, lambda p: load_session(_engine(), p))
     assert isinstance(result, MikuError), "loaded"
     text = str(result)
-    assert "add up to more than 67108864 characters" in text and "\n" not in text and len(text) < 300
+    assert f"add up to more than {miku.MAX_TEXT_CHARS} characters" in text and "\n" not in text and len(text) < 300
     assert peak <= bound(size) and peak < 8 * MIB  # the table's one text, never the messages' copies
     assert seconds < 2  # measured 0.01 s
 
@@ -165,6 +167,27 @@ def test_a_large_session_within_the_text_limit_loads(tmp_path: Path) -> None:
     assert not isinstance(session, MikuError), session
     assert [len(t.reply_text) for t in session.turns] == [MIB] * 30
     assert peak <= bound(path.stat().st_size)
+
+
+def test_a_session_of_more_than_max_turns_is_refused_at_load(tmp_path: Path) -> None:
+    """30,000 short turns: a 6.5 MB file (well within the size limit) whose every
+    next turn would cost several times a turn; refused at load, at once. A
+    session of MAX_TURNS turns loads, one more turn does not."""
+    from isagi.session_io import load_session
+
+    path = tmp_path / "long.miku"
+    path.write_bytes(B.long_session(30_000))
+    assert path.stat().st_size < miku.MAX_MIKU_BYTES / 8
+    peak, seconds, result = measure(path, lambda p: load_session(_engine(), p))
+    assert isinstance(result, MikuError) and "\n" not in str(result)
+    assert f"60000 messages, {TOO_MANY}" in str(result)
+    assert seconds < 2 and peak < MIB  # refused from the meta, before the data area is read
+    path.write_bytes(B.long_session(miku.MAX_TURNS))
+    session = load_session(_engine(), path)
+    assert len(session.turns) == len(session.memory) == miku.MAX_TURNS
+    path.write_bytes(B.long_session(miku.MAX_TURNS + 1))
+    with pytest.raises(MikuError, match=r"more than the limit of \d+ \(\d+ turns"):
+        load_session(_engine(), path)
 
 
 def test_files_over_the_size_limit_are_refused_before_reading(tmp_path: Path) -> None:

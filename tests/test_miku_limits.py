@@ -81,12 +81,12 @@ def _one_text_everywhere(where: str) -> Callable[[MikuState], None]:
 CASES: dict[str, tuple[Callable[[MikuState], None], str, dict[str, Any], dict[str, Any]]] = {
     "file size": (lambda s: None, "larger than the limit of 10000 bytes",
                   {"MAX_MIKU_BYTES": 10**9}, {"MAX_MIKU_BYTES": 10_000}),
-    "turns (messages)": (_messages(miku.MAX_MESSAGES + 1), "10001 messages, more than the limit of 10000",
+    "turns (messages)": (_messages(miku.MAX_MESSAGES + 1), f"{miku.MAX_MESSAGES + 1} messages, more than the limit of {miku.MAX_MESSAGES}",
                          {"MAX_MESSAGES": 10**6}, {}),
-    "trajectories": (_trajectories(miku.MAX_TRAJECTORIES + 1), "5001 rows, more than the limit of 5000",
+    "trajectories": (_trajectories(miku.MAX_TRAJECTORIES + 1), f"{miku.MAX_TRAJECTORIES + 1} rows, more than the limit of {miku.MAX_TRAJECTORIES}",
                      {"MAX_TRAJECTORIES": 10**6}, {}),
     "texts counted at each use: messages": (
-        _one_text_everywhere("message"), "conversation.text: its texts add up to more than 67108864",
+        _one_text_everywhere("message"), f"conversation.text: its texts add up to more than {miku.MAX_TEXT_CHARS}",
         {"MAX_TEXT_CHARS": 10**12}, {}),
     "texts counted at each use: a message field": (
         _one_text_everywhere("field"), "conversation.fields['nearest_query']: its texts add up to more than",
