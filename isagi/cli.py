@@ -386,16 +386,25 @@ def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = "lo
 @app.command()
 @friendly
 def inspect(path: Path, as_json: JsonOpt = False) -> None:
-    """Header, sizes, trajectories, metric growth and checksum status of a .miku file."""
+    """Header, sizes, trajectories, metric growth and checksum status of a .miku file.
+
+    Exits 1, saying why, if loading the file would be refused (a damaged
+    checksum, impossible values); 2 if it cannot be read at all.
+    """
+    from isagi.session_io import check_session_state
     from isagi.tables import inspect_tables
     from storage.miku import inspect_miku
 
-    data = inspect_miku(path)
+    data = inspect_miku(path, check=lambda state: check_session_state(state, "the session"))
     if as_json:
         _print_json(data)
-        return
-    for table in inspect_tables(data):
-        out.print(table)
+    else:
+        for table in inspect_tables(data):
+            out.print(table)
+    if data["refused"]:
+        err.print(f"refused: {path} would not load: {data['refused']}", highlight=False, markup=False,
+                  soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command("import-legacy")

@@ -87,18 +87,32 @@ SHA-256 are still written on request and read.
 Reading, in this order: refuses a file over MAX_MIKU_BYTES; verifies the
 checksum over the whole payload, in small pieces, before parsing anything of
 it; scans the msgpack meta without building it (every object counted, a
-container's items as soon as its header declares them, nesting and declared
-lengths checked against the bytes left); estimates the memory of the objects
-the meta declares (meta objects, messages, message fields, texts) and
-refuses a file whose estimate exceeds its budget; checks that the tensors
-tile the data area; only then reads arrays and builds objects. So reading a
-file of S bytes peaks below 8 * S + 32 MiB (see the bounds below; measured by
-tests/test_miku_bombs.py), v2.0 and v2.1 alike. It validates every field,
-never unpickles, and raises exactly one exception type,
-:class:`isagi.errors.MikuError`, whose message says what is wrong. Writing
-validates the same way first, so a file this module writes is always one it
-can read back. What the values *mean* (a positive definite metric, ...) is
-checked by :mod:`isagi.session_io`.
+container's items as soon as its header declares them, nesting, string and
+map lengths, declared lengths checked against the bytes left); refuses a
+meta that declares more messages, trajectories, texts or message fields than
+the limits below, or objects whose estimated memory exceeds its budget;
+checks that the tensors tile the data area; only then reads arrays and builds
+objects, counting the characters of every text at each place that uses it
+before the column or the messages that use it are built. The rules:
+
+- reading a file of S bytes peaks below 8 * S + 32 MiB (see the bounds
+  below; measured by tests/test_miku_bombs.py), v2.0 and v2.1 alike;
+- what it returns holds at most MAX_TURNS turns (MAX_MESSAGES messages,
+  MAX_TRAJECTORIES trajectories), so a loaded session answers its next turn
+  within a bounded cost;
+- its texts, each counted at every message, trajectory row and message field
+  that uses it, add up to at most MAX_TEXT_CHARS characters, besides the
+  strings of the meta itself (at most S bytes): a text stored once and used
+  many times counts many times, so whatever handles each message or row once
+  (the page, the history store, an export) handles a bounded amount of text,
+  however the file shares its texts.
+
+It validates every field, never unpickles, and raises exactly one exception
+type, :class:`isagi.errors.MikuError`, whose message says what is wrong.
+Writing runs the same checks (the same functions, in the same order) on what
+it is about to write and writes nothing a reader would refuse, so a file this
+module writes is always one it can read back. What the values *mean* (a
+positive definite metric, ...) is checked by :mod:`isagi.session_io`.
 """
 
 from __future__ import annotations
@@ -119,6 +133,7 @@ import tempfile
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -153,19 +168,35 @@ DTYPES: dict[str, np.dtype] = {
 _NATIVE_LE = sys.byteorder == "little"
 
 # Bounds. A reader refuses anything larger before allocating for it; the writer
-# refuses the same, so every file it writes can be read back.
+# checks the same limits with the same functions (_scan, _check_declared,
+# _Texts.count) and refuses to write what a reader would refuse.
 #
-# The largest real session: `isagi bench miku --turns 10000` (10,000 turns,
-# texts of 100-300 characters, every field the app stores with a message and
-# a trajectory, k=64, d=576) writes a file of 14,850,839 bytes (14.2 MiB;
-# loading it peaks at 38.7 MB traced, 2.6x the file). The limit is 4.5x that
-# and about a session at the trajectory memory's cap (50,000 turns).
+# Turns. Every turn of a session costs work in proportion to the whole of it:
+# the autosave rewrites its file, and the page renders every message again and
+# redraws the growth, TEH and trajectory-map plots over all turns. So a loaded
+# session answers its next turn within a bounded cost only if its length is
+# bounded: a file may hold at most MAX_TURNS turns (a turn is a question and
+# its reply, and stores at most one trajectory). At this many turns that work
+# is already a noticeable part of a turn; at a few times as many it is more
+# than the turn itself (docs/measurements.md, "Session limits").
+MAX_TURNS = 5_000
+MAX_MESSAGES = 2 * MAX_TURNS  # a question and its reply per turn
+MAX_TRAJECTORIES = MAX_TURNS  # a turn stores at most one
+# Texts, counted at each use. A text is stored once in the string table and
+# referenced by every message, trajectory row and message field that holds it,
+# so a file of one long text referenced many times holds little but is the
+# conversation of all those references to whatever handles each message once
+# (the page, the history store, an export). The reader counts the characters
+# of each referenced text at every reference while it validates the
+# references, before any column or message is built, and refuses a file whose
+# total exceeds MAX_TEXT_CHARS: no file expands into more text than a file of
+# the largest size holding every text once. A real session references its
+# texts about twice (a question is its message, its trajectory's query and
+# key) and is far below.
+MAX_TEXT_CHARS = 64 * 1024**2
 MAX_MIKU_BYTES = 64 * 1024**2  # 64 MiB: the largest .miku read, written or uploaded
-MAX_MESSAGES = 100_000  # 50,000 turns
-MAX_TRAJECTORIES = 100_000  # the trajectory memory keeps at most 50,000
-MAX_STRINGS = 600_000  # distinct texts: ~5 per turn (messages, queries, keys)
+MAX_STRINGS = 600_000  # distinct texts (a session has ~5 per turn)
 MAX_MESSAGE_FIELDS = 32  # per-message fields besides role and text
-MAX_MESSAGE_CELLS = 1_500_000  # field values over all messages (~14 per turn)
 MAX_META_ITEMS = 400_000  # msgpack objects in the meta (every nested item counts)
 MAX_META_DEPTH = 24  # nesting of the meta (a tensor in extra settings is ~12)
 # Memory. Reading a file of S bytes allocates its arrays (at most S bytes in
@@ -180,7 +211,7 @@ MAX_META_DEPTH = 24  # nesting of the meta (a tensor in extra settings is ~12)
 # OBJECT_BUDGET_PER_FILE_BYTE * S + OBJECT_BUDGET_BYTES. Together:
 #     peak memory of reading a file of S bytes <= 8 * S + 32 MiB
 # (tests/test_miku_bombs.py measures it on bombs of every kind). A real session
-# is far below: a 10,000-turn one peaks at 2.6 * S.
+# is far below (docs/measurements.md).
 OBJECT_BUDGET_PER_FILE_BYTE = 3
 OBJECT_BUDGET_BYTES = 32 * 1024**2
 _COST_META_ITEM = 80  # one msgpack object of the meta (an empty map: ~74 bytes)
@@ -188,7 +219,7 @@ _COST_MESSAGE = 256  # one message dict with role and text (~216 bytes)
 _COST_CELL = 48  # one more field in a message dict (~22-37 bytes)
 _COST_STRING = 96  # one text of the string table, besides its characters (~75 bytes)
 _COST_TEXT_ROW = 16  # one row of a trajectory text column (a list entry and an array entry)
-MAX_STR_BYTES = 4 * 1024**2  # v2.0: one text (a message, a query) at most 4 MiB
+MAX_STR_BYTES = 4 * 1024**2  # one string of the meta (a title, a v2.0 text): at most 4 MiB
 MAX_LIST_LEN = MAX_META_ITEMS  # one list in the meta (v2.0 string lists, mixed fields)
 MAX_MAP_LEN = 10_000  # keys in one map (tensor names, header fields, settings)
 MAX_TENSOR_ELEMENTS = 2**31
@@ -290,7 +321,7 @@ def _check_map(where: str, obj: object) -> dict:
     if not isinstance(obj, dict):
         raise _fail(where, f"expected a map, found {type(obj).__name__}")
     if len(obj) > MAX_MAP_LEN:
-        raise _fail(where, f"{len(obj)} entries, more than the limit {MAX_MAP_LEN}")
+        raise _fail(where, f"a map of {len(obj)} entries, more than the limit of {MAX_MAP_LEN}")
     return obj
 
 
@@ -368,8 +399,6 @@ def _check_message(i: int, msg: object) -> dict[str, Any]:
 def _check_conversation(conv: object) -> list[dict[str, Any]]:
     if not isinstance(conv, list):
         raise _fail("conversation", f"expected a list of messages, found {type(conv).__name__}")
-    if len(conv) > MAX_MESSAGES:
-        raise _fail("conversation", f"{len(conv)} messages, more than the limit {MAX_MESSAGES}")
     for i, msg in enumerate(conv):
         _check_message(i, msg)
     return conv
@@ -423,18 +452,28 @@ class _DataArea:
         name = arr.dtype.name
         if name not in DTYPES or arr.dtype.kind not in "fiub":
             raise _fail(where, f"dtype {arr.dtype} is not supported (allowed: {', '.join(DTYPES)})")
-        if arr.ndim > MAX_NDIM:
-            raise _fail(where, f"{arr.ndim} dimensions, more than {MAX_NDIM}")
+        desc = {"dtype": name, "shape": list(arr.shape), "offset": self.size}
+        _check_descriptor(where, desc, _TENSOR_KEYS)  # the reader's check of its shape
         # a copy: the file's bytes are a snapshot even if the caller's array changes
         data = np.ascontiguousarray(arr, dtype=DTYPES[name]).tobytes()
-        desc = {"dtype": name, "shape": list(arr.shape), "offset": self.size}
         self.chunks.append(data)
         self.size += len(data)
         return desc
 
 
-def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
-    """The v2.1 meta for ``state``; arrays go to ``area``. Validates everything first."""
+class _Refs(NamedTuple):
+    """What the writer counts as the reader will: the string table and each index into it."""
+
+    table: list[str]
+    indices: list[tuple[str, np.ndarray]]  # (where, as the reader names it; table indices)
+
+
+def _encode_payload(state: MikuState, area: _DataArea) -> tuple[dict[str, Any], _Refs]:
+    """The v2.1 meta for ``state`` and its text references; arrays go to ``area``.
+
+    Validates every field first (with the reader's checks). The limits a
+    reader puts on the whole are checked on the result, by :func:`_encode_parts`.
+    """
     if not isinstance(state, MikuState):
         raise _fail("state", f"expected a MikuState, found {type(state).__name__}")
     header = _check_header(dict(state.header))
@@ -443,8 +482,6 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
         if isinstance(arr, np.ndarray):
             _check_shape_against_header(name, arr, header, None)
     n = state.n_trajectories
-    if n > MAX_TRAJECTORIES:
-        raise _fail("trajectories", f"{n} rows, more than the limit {MAX_TRAJECTORIES}")
     table: dict[str, int] = {}
     text_cols: dict[str, np.ndarray] = {}  # column name -> table indices (before grouping)
     for name, col in _check_map("trajectories", state.trajectories).items():
@@ -471,17 +508,13 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
     extra = _check_map("extra", state.extra)
     _check_extra(extra, "extra")
     conv = _conversation_columns(conversation, table)
-    if len(conv["fields"]) > MAX_MESSAGE_FIELDS:
-        raise _fail(
-            "conversation", f"{len(conv['fields'])} message fields, more than {MAX_MESSAGE_FIELDS}"
-        )
-    cells = sum(
-        conv["n"] if rows is None else len(rows) for rows, _, _ in conv["fields"].values()
-    )
-    if cells > MAX_MESSAGE_CELLS:
-        raise _fail("conversation", f"{cells} field values, more than {MAX_MESSAGE_CELLS}")
-    if len(table) > MAX_STRINGS:
-        raise _fail("strings", f"{len(table)} distinct texts, more than the limit {MAX_STRINGS}")
+    # the references as the reader meets them: trajectory columns, roles, texts, fields
+    refs = _Refs(list(table), [(f"trajectories[{k!r}]", v) for k, v in text_cols.items()])
+    refs.indices.append(("conversation.role", conv["role"]))
+    refs.indices.append(("conversation.text", conv["text"]))
+    for key, (_, kind, values) in conv["fields"].items():
+        if kind == "str":
+            refs.indices.append((f"conversation.fields[{key!r}]", values))
 
     # the session's own arrays first, then what only rebuilds texts and messages
     tensors = {name: area.tensor(f"tensors[{name!r}]", arr) for name, arr in state.tensors.items()}
@@ -489,7 +522,7 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
         name: None if name in text_cols else area.tensor(f"trajectories[{name!r}]", col)
         for name, col in state.trajectories.items()
     }
-    strings, remap = _encode_strings(list(table), area)
+    strings, remap = _encode_strings(refs.table, area)
 
     def index(idx: np.ndarray) -> dict[str, Any]:
         dtype = np.int32 if len(table) < 2**31 else np.int64
@@ -506,7 +539,7 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
         else:
             encoded = values  # mixed types: a plain list of scalars
         fields[key] = {"rows": None if rows is None else area.tensor(key, rows), "values": encoded}
-    return {
+    meta = {
         "header": header,
         "strings": strings,
         "tensors": tensors,
@@ -519,6 +552,7 @@ def _encode_payload(state: MikuState, area: _DataArea) -> dict[str, Any]:
         },
         "extra": extra,
     }
+    return meta, refs
 
 
 def _intern(table: dict[str, int], texts: list[str]) -> np.ndarray:
@@ -641,28 +675,37 @@ def _encode_parts(state: MikuState, checksum: str) -> list[bytes]:
             f"checksum algorithm {checksum!r} is not supported (use one of {sorted(CHECKSUM_ALGOS)})"
         )
     area = _DataArea()
-    meta = _encode_payload(state, area)
+    meta, refs = _encode_payload(state, area)
     try:
         meta_bytes = msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MikuError(f"session cannot be encoded: {exc}") from None
-    # what a reader would refuse is not written
-    items = _scan(meta_bytes, "meta")
     parts = [_META_LEN.pack(len(meta_bytes)) + meta_bytes, *area.chunks]
-    total = sum(map(len, parts)) + _PREFIX.size + MAX_RECORD_LEN
-    if total > MAX_MIKU_BYTES:
+    size = _PREFIX.size + len(_record(checksum, bytes(CHECKSUM_ALGOS[checksum])))
+    size += sum(map(len, parts))
+    # what a reader would refuse is not written: the reader's checks, in its order
+    try:
+        if size > MAX_MIKU_BYTES:
+            raise MikuError(_too_large("it", size))
+        items = _check_items(_scan(meta_bytes, "meta"), size, "meta")
+        _check_declared(meta, items, size)
+        texts = _Texts(refs.table)
+        for where, idx in refs.indices:
+            texts.count(where, idx)
+    except MikuError as exc:
         raise MikuError(
-            f"the session is too large to save ({total} bytes; the limit is {MAX_MIKU_BYTES}): "
-            "start a new session"
-        )
-    cost = _declared_cost(meta, items)
-    if cost > _object_budget(total):
-        raise _over_budget("session", cost, total)
+            f"the session cannot be saved: a reader would refuse it ({exc}); start a new session"
+        ) from None
     hasher = _Hasher(checksum)
     for part in parts:
         hasher.update(part)
-    record = msgpack.packb({"algo": checksum, "digest": hasher.digest()}, use_bin_type=True)
+    record = _record(checksum, hasher.digest())
     return [_PREFIX.pack(MAGIC, FORMAT_VERSION, FORMAT_MINOR, len(record)) + record, *parts]
+
+
+def _record(algo: str, digest: bytes) -> bytes:
+    """The checksum record (its length depends on the algorithm only)."""
+    return msgpack.packb({"algo": algo, "digest": digest}, use_bin_type=True)
 
 
 def encode_miku(state: MikuState, *, checksum: str = DEFAULT_CHECKSUM) -> bytes:
@@ -815,9 +858,11 @@ def _scan(buf: bytes, where: str) -> int:
     """Check one msgpack object's structure without building any of it.
 
     Counts every object (a container's declared items count as soon as its
-    header is read, before any of them), bounds the total by MAX_META_ITEMS
-    and the nesting by MAX_META_DEPTH, and checks that every declared length
-    fits in the bytes that are left. Only then may ``msgpack`` build objects:
+    header is read, before any of them), bounds the total by MAX_META_ITEMS,
+    the nesting by MAX_META_DEPTH, a string by MAX_STR_BYTES and a map by
+    MAX_MAP_LEN (a list is bounded by the total), and checks that every
+    declared length fits in the bytes that are left. Only then may ``msgpack``
+    build objects (its own limits are the same, as a second guard):
     what it builds is bounded by the counts checked here, not by what a
     small file can declare (a few bytes per empty map made ~72 bytes each).
     Returns the number of objects.
@@ -848,6 +893,8 @@ def _scan(buf: bytes, where: str) -> int:
             pos += 1 + n + size
             if pos > end:
                 raise _fail(where, f"not valid msgpack (a {size}-byte string or blob does not fit)")
+            if size > MAX_STR_BYTES and b >= 0xD9:  # str8/16/32 (a blob fits in a file)
+                raise _fail(where, f"a string of {size} bytes, more than the limit of {MAX_STR_BYTES}")
             continue
         if kind == 4 or kind == 5:
             count = (b & 0x0F) * (2 if kind == 5 else 1)
@@ -865,6 +912,8 @@ def _scan(buf: bytes, where: str) -> int:
                 raise _fail(where, f"not valid msgpack ({count} items declared, {end - pos} bytes left)")
             if len(stack) >= MAX_META_DEPTH:
                 raise _fail(where, f"nested deeper than {MAX_META_DEPTH} levels")
+            if (kind == 3 or kind == 5) and count > 2 * MAX_MAP_LEN:
+                raise _fail(where, f"a map of {count // 2} entries, more than the limit of {MAX_MAP_LEN}")
             stack.append(count)
     if pos != end:
         raise _fail(where, f"not valid msgpack ({end - pos} bytes after the end)" if pos < end else "not valid msgpack (truncated)")
@@ -876,6 +925,13 @@ def _object_budget(size: int) -> int:
     return OBJECT_BUDGET_PER_FILE_BYTE * size + OBJECT_BUDGET_BYTES
 
 
+def _check_items(items: int, size: int, where: str) -> int:
+    """Refuse a meta of more msgpack objects than the budget of a file of ``size`` bytes; return ``items``."""
+    if items * _COST_META_ITEM > _object_budget(size):
+        raise _over_budget(where, items * _COST_META_ITEM, size)
+    return items
+
+
 def _over_budget(where: str, cost: int, size: int) -> MikuError:
     return _fail(
         where,
@@ -885,12 +941,20 @@ def _over_budget(where: str, cost: int, size: int) -> MikuError:
     )
 
 
-def _declared_cost(payload: object, meta_items: int) -> int:
-    """Estimated memory of the objects ``payload`` (an unchecked meta) will make.
+class _Declared(NamedTuple):
+    """What a meta declares it holds, read from its counts and shapes alone."""
 
-    Reads only the counts it declares; what is malformed counts as nothing
-    here and is refused by the structural checks that follow.
-    """
+    messages: int
+    trajectories: int
+    strings: int
+    fields: int
+    cells: int  # message field values over all messages
+    text_rows: int  # rows of the trajectory text columns over all of them
+
+
+def _declared(payload: object) -> _Declared:
+    """The counts an unchecked meta declares; what is malformed counts as nothing
+    here and is refused by the structural checks that follow."""
 
     def count(node: object, key: str) -> int:
         v = node.get(key) if isinstance(node, dict) else None
@@ -902,25 +966,103 @@ def _declared_cost(payload: object, meta_items: int) -> int:
             return shape[0]
         return None
 
-    cost = meta_items * _COST_META_ITEM
     if not isinstance(payload, dict):
-        return cost
+        return _Declared(0, 0, 0, 0, 0, 0)
     strings = payload.get("strings")
-    cost += _COST_STRING * (len(strings) if isinstance(strings, list) else count(strings, "n"))
     conv = payload.get("conversation")
     n = count(conv, "n")
-    cost += _COST_MESSAGE * n
     fields = conv.get("fields") if isinstance(conv, dict) else None
+    cells = 0
     if isinstance(fields, dict):
         for col in fields.values():
             r = rows(col.get("rows")) if isinstance(col, dict) else None
-            cost += _COST_CELL * (n if r is None else r)
+            cells += n if r is None else r
     traj = payload.get("trajectories")
     columns = traj.get("columns") if isinstance(traj, dict) else None
+    texts = 0
     if isinstance(columns, dict):
         texts = sum(1 for c in columns.values() if isinstance(c, dict) and c.get("dtype") == "str")
-        cost += _COST_TEXT_ROW * texts * count(traj, "n")
-    return cost
+    return _Declared(
+        messages=n,
+        trajectories=count(traj, "n"),
+        strings=len(strings) if isinstance(strings, list) else count(strings, "n"),
+        fields=len(fields) if isinstance(fields, dict) else 0,
+        cells=cells,
+        text_rows=texts * count(traj, "n"),
+    )
+
+
+def _check_declared(payload: object, meta_items: int, size: int) -> None:
+    """Refuse a meta that declares more than a reader takes from a file of ``size`` bytes.
+
+    The limits shared by reading and writing: the reader calls this on a
+    file's meta before it reads the data area, the writer on the meta it is
+    about to write, so what one refuses the other does, in the same words.
+    Then the memory of the objects the meta declares (``meta_items`` msgpack
+    objects, messages, message fields, texts), estimated before any is built,
+    against the budget of the file's size.
+    """
+    d = _declared(payload)
+    if d.messages > MAX_MESSAGES:
+        raise _fail(
+            "conversation",
+            f"{d.messages} messages, more than the limit of {MAX_MESSAGES} "
+            f"({MAX_TURNS} turns of a question and its reply) for one session",
+        )
+    if d.trajectories > MAX_TRAJECTORIES:
+        raise _fail(
+            "trajectories",
+            f"{d.trajectories} rows, more than the limit of {MAX_TRAJECTORIES} "
+            f"(one per turn, {MAX_TURNS} turns) for one session",
+        )
+    if d.strings > MAX_STRINGS:
+        raise _fail("strings", f"{d.strings} texts, more than the limit of {MAX_STRINGS}")
+    if d.fields > MAX_MESSAGE_FIELDS:
+        raise _fail(
+            "conversation", f"{d.fields} message fields, more than the limit of {MAX_MESSAGE_FIELDS}"
+        )
+    cost = (
+        meta_items * _COST_META_ITEM
+        + d.strings * _COST_STRING
+        + d.messages * _COST_MESSAGE
+        + d.cells * _COST_CELL
+        + d.text_rows * _COST_TEXT_ROW
+    )
+    if cost > _object_budget(size):
+        raise _over_budget("contents", cost, size)
+
+
+class _Texts:
+    """The string table, and the characters its references add up to (MAX_TEXT_CHARS).
+
+    Each index tensor that refers to the table (a trajectory text column, the
+    messages' roles and texts, a text-valued message field) is counted by
+    :meth:`count` as it is validated, before anything is built from it: the
+    characters of the text each row refers to, at every row. The reader counts
+    a file's tensors, the writer the session's, with this one method.
+    """
+
+    def __init__(self, table: list[str]) -> None:
+        self.table = table
+        self.sizes = np.fromiter(map(len, table), dtype=np.int64, count=len(table))
+        self.used = 0
+
+    @functools.cached_property
+    def objects(self) -> np.ndarray:
+        """The table as an object array: a text column is then one fancy-indexing call."""
+        return np.fromiter(self.table, dtype=object, count=len(self.table))
+
+    def count(self, where: str, idx: np.ndarray) -> None:
+        """Check that ``idx`` points into the table; add the characters it refers to."""
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self.sizes)):
+            raise _fail(where, f"index points outside the string table of {len(self.sizes)} entries")
+        self.used += int(self.sizes[idx].sum())
+        if self.used > MAX_TEXT_CHARS:
+            raise _fail(
+                where,
+                f"its texts add up to more than {MAX_TEXT_CHARS} characters, the limit for one "
+                "session (a text is counted at every message or row that holds it)",
+            )
 
 
 def _unpack(buf: bytes, where: str) -> Any:
@@ -1094,9 +1236,7 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
             f"missing sections {sorted(missing)}, unknown sections {sorted(map(str, unknown))}",
         )
     header = _check_header(payload["header"])
-    table = dec.strings(payload["strings"])
-    # an object array: a text column is then one fancy-indexing call
-    strings = np.fromiter(table, dtype=object, count=len(table))
+    strings = _Texts(dec.strings(payload["strings"]))
     tensors = {}
     for name, obj in _check_map("tensors", payload["tensors"]).items():
         _check_name("tensors", name)
@@ -1107,10 +1247,8 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
     if set(traj) != {"n", "columns"}:
         raise _fail("trajectories", "fields must be n and columns")
     n = traj["n"]
-    if not _is_int(n) or not 0 <= n <= MAX_TRAJECTORIES:
-        raise _fail(
-            "trajectories", f"row count {str(n)[:40]} is invalid (at most {MAX_TRAJECTORIES})"
-        )
+    if not _is_int(n) or not 0 <= n <= MAX_TRAJECTORIES:  # the count is checked by _check_declared
+        raise _fail("trajectories", f"row count {str(n)[:40]} is invalid")
     trajectories: dict[str, np.ndarray | list[str]] = {}
     for name, obj in _check_map("trajectories.columns", traj["columns"]).items():
         _check_name("trajectories", name)
@@ -1137,12 +1275,16 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
     )
 
 
-def _decode_texts(where: str, obj: object, strings: np.ndarray, n: int, dec: _Decoder) -> list[str]:
+def _decode_texts(where: str, obj: object, strings: _Texts, n: int, dec: _Decoder) -> list[str]:
     return _text_array(where, obj, strings, n, dec).tolist()
 
 
-def _text_array(where: str, obj: object, strings: np.ndarray, n: int, dec: _Decoder) -> np.ndarray:
-    """A text column as an object array of the string table's own str objects."""
+def _text_array(where: str, obj: object, strings: _Texts, n: int, dec: _Decoder) -> np.ndarray:
+    """A text column as an object array of the string table's own str objects.
+
+    Its index is validated and counted (:meth:`_Texts.count`) before the
+    column is built.
+    """
     obj = _check_map(where, obj)
     if set(obj) != {"dtype", "index"} or obj["dtype"] != "str":
         raise _fail(where, "a text column must have exactly dtype='str' and an index tensor")
@@ -1152,27 +1294,23 @@ def _text_array(where: str, obj: object, strings: np.ndarray, n: int, dec: _Deco
             where,
             f"index must be an integer vector of {n} rows, found {idx.dtype} {list(idx.shape)}",
         )
-    if n and (int(idx.min()) < 0 or int(idx.max()) >= len(strings)):
-        raise _fail(where, f"index points outside the string table of {len(strings)} entries")
-    return strings[idx]
+    strings.count(where, idx)
+    return strings.objects[idx]
 
 
-def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> list[dict[str, Any]]:
+def _decode_conversation(obj: object, strings: _Texts, dec: _Decoder) -> list[dict[str, Any]]:
     obj = _check_map("conversation", obj)
     if set(obj) != {"n", "role", "text", "fields"}:
         raise _fail("conversation", "fields must be n, role, text and fields")
     n = obj["n"]
-    if not _is_int(n) or not 0 <= n <= MAX_MESSAGES:
-        raise _fail(
-            "conversation", f"message count {str(n)[:40]} is invalid (at most {MAX_MESSAGES})"
-        )
+    if not _is_int(n) or not 0 <= n <= MAX_MESSAGES:  # the count is checked by _check_declared
+        raise _fail("conversation", f"message count {str(n)[:40]} is invalid")
     roles = _text_array("conversation.role", obj["role"], strings, n, dec)
     texts = _text_array("conversation.text", obj["text"], strings, n, dec)
     columns: list[tuple[str, list[int] | None, list[Any]]] = []
     fields = _check_map("conversation.fields", obj["fields"])
-    if len(fields) > MAX_MESSAGE_FIELDS:
+    if len(fields) > MAX_MESSAGE_FIELDS:  # checked by _check_declared
         raise _fail("conversation", f"{len(fields)} message fields, more than {MAX_MESSAGE_FIELDS}")
-    cells = 0
     for key, col in fields.items():
         _check_name("conversation.fields", key)
         where = f"conversation.fields[{key!r}]"
@@ -1195,9 +1333,6 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
                     where, "rows must be increasing message numbers within the conversation"
                 )
         count = n if rows is None else int(rows.shape[0])
-        cells += count
-        if cells > MAX_MESSAGE_CELLS:
-            raise _fail("conversation", f"more than {MAX_MESSAGE_CELLS} field values in all")
         values = _decode_values(where, col["values"], strings, count, dec)
         columns.append((key, rows, values))
     # one pass builds each message with the first field every message has (the
@@ -1226,7 +1361,7 @@ def _decode_conversation(obj: object, strings: np.ndarray, dec: _Decoder) -> lis
 
 
 def _decode_values(
-    where: str, obj: object, strings: np.ndarray, count: int, dec: _Decoder
+    where: str, obj: object, strings: _Texts, count: int, dec: _Decoder
 ) -> list[Any]:
     if isinstance(obj, list):
         if len(obj) != count:
@@ -1407,14 +1542,11 @@ def _load(
         return MikuError(f"{path} is invalid{status}: {why}")
 
     gc_was_enabled = gc.isenabled()
-    budget = _object_budget(size)
     try:
         dec: _Decoder
         if minor == 0:
             raw = _read_exact(f, payload_len, "the payload")
-            items = _scan(raw, "payload")
-            if items * _COST_META_ITEM > budget:
-                raise _over_budget("payload", items * _COST_META_ITEM, size)
+            items = _check_items(_scan(raw, "payload"), size, "payload")
             meta: Any = _build(raw, "payload")
             del raw
         else:
@@ -1422,15 +1554,12 @@ def _load(
             if meta_len > payload_len - _META_LEN.size:
                 raise MikuError(f"is truncated (meta of {meta_len} bytes does not fit)")
             raw = _read_exact(f, meta_len, "the meta")
-            items = _scan(raw, "meta")
-            if items * _COST_META_ITEM > budget:
-                raise _over_budget("meta", items * _COST_META_ITEM, size)
+            items = _check_items(_scan(raw, "meta"), size, "meta")
             meta = _build(raw, "meta")
             del raw
-        # every object the meta declares, estimated before any is built
-        cost = _declared_cost(meta, items)
-        if cost > budget:
-            raise _over_budget("contents", cost, size)
+        # the counts it declares and the memory of every object it declares,
+        # before any is built (the writer checks what it writes the same way)
+        _check_declared(meta, items, size)
         if minor == 0:
             dec = _Inline()
         else:
@@ -1527,18 +1656,33 @@ def file_version(path: str | os.PathLike[str]) -> tuple[int, int]:
     return _PREFIX.unpack(head)[1:3]
 
 
-def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect_miku(
+    path: str | os.PathLike[str], *, check: Callable[[MikuState], None] | None = None
+) -> dict[str, Any]:
     """A summary of a ``.miku`` file for ``isagi inspect``.
 
     Returns header, format version (major and minor), file size, checksum
     algorithm and status ("ok" or "mismatch"), tensor shapes/dtypes,
-    trajectory count and columns, message count, and ``metric_growth`` =
-    ||M - I||_F when a square "metric" tensor is present. A file whose
-    checksum does not match is still summarised when its contents parse;
-    anything unreadable raises :class:`MikuError`.
+    trajectory count and columns, message count, ``metric_growth`` =
+    ||M - I||_F when a square "metric" tensor is present, and ``refused``:
+    why loading the file would fail, or None. A file whose checksum does not
+    match is still summarised when its contents parse (``refused`` then says
+    so); ``check`` is the loader's check of what the values mean (it raises
+    :class:`MikuError`; :func:`isagi.session_io.check_session_state`), run on
+    a file whose checksum matches, and what it raises is ``refused``. A file
+    this module cannot read (malformed, over a limit) raises
+    :class:`MikuError`, as reading it would.
     """
     path = Path(path)
     state, algo, ok, size = _load_path(path, verify=False)
+    refused = None
+    if not ok:
+        refused = f"the {algo} checksum does not match its contents (the file is damaged)"
+    elif check is not None:
+        try:
+            check(state)
+        except MikuError as exc:
+            refused = str(exc)
     growth = None
     metric = state.tensors.get("metric")
     if metric is not None and metric.ndim == 2 and metric.shape[0] == metric.shape[1]:
@@ -1565,6 +1709,7 @@ def inspect_miku(path: str | os.PathLike[str]) -> dict[str, Any]:
         ),
         "metric_growth": growth,
         "extra_keys": sorted(state.extra),
+        "refused": refused,
     }
 
 

@@ -68,12 +68,47 @@ def to_v20(data: bytes) -> bytes:
     return frame(msgpack.packb(payload, use_bin_type=True), minor=0)
 
 
-def _header() -> dict:
-    return miku.new_header(model_id="m", model_fingerprint="f", d=4, k=2, layer=0)
+def _header(d: int = 4, k: int = 2) -> dict:
+    return miku.new_header(model_id="m", model_fingerprint="f", d=d, k=k, layer=0)
 
 
 def _t(dtype: str, shape: list[int], offset: int) -> dict:
     return {"dtype": dtype, "shape": shape, "offset": offset}
+
+
+class _Area:
+    """A v2.1 data area being built: each ``put`` appends an array and returns its descriptor."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def put(self, arr: np.ndarray | bytes, dtype: str | None = None) -> dict:
+        if isinstance(arr, bytes):
+            arr = np.frombuffer(arr, np.uint8)
+        desc = _t(dtype or arr.dtype.name, list(arr.shape), len(self.data))
+        self.data.extend(arr.tobytes())
+        return desc
+
+    def texts(self, texts: list[str]) -> dict:
+        """One Latin-1 string table group of ``texts`` (none may hold a newline)."""
+        blob = "\n".join(texts).encode("latin-1")
+        group = {"encoding": "latin-1", "count": len(texts), "sep": "\n", "lengths": None,
+                 "data": self.put(blob)}
+        return {"n": len(texts), "groups": [group]}
+
+    def index(self, idx: np.ndarray) -> dict:
+        return {"dtype": "str", "index": self.put(np.asarray(idx, np.int32))}
+
+    def session_tensors(self, d: int, k: int) -> dict:
+        """The tensors a session file must hold (identity metric, axis-aligned basis)."""
+        basis = np.zeros((d, k), np.float32)
+        basis[np.arange(k), np.arange(k)] = 1.0
+        return {
+            "metric": self.put(np.eye(k)),
+            "basis": self.put(basis),
+            "mu": self.put(np.zeros(d, np.float32)),
+            "singular_values": self.put(np.ones(k, np.float32)),
+        }
 
 
 def messages(n: int, *, bool_fields: int = 0, distinct: bool = False) -> bytes:
@@ -115,21 +150,35 @@ def messages(n: int, *, bool_fields: int = 0, distinct: bool = False) -> bytes:
 
 
 def one_text(chars: int) -> bytes:
-    """A valid v2.1 file whose one message is a text of ``chars`` characters."""
-    blob = b"a" * chars
-    area = blob + np.zeros(1, np.int32).tobytes() * 2
+    """A valid v2.1 file whose one message is a user's text of ``chars`` characters."""
+    area = _Area()
+    strings = area.texts(["a" * chars, "user"])
     meta = {
         "header": _header(),
-        "strings": {"n": 1, "groups": [{"encoding": "latin-1", "count": 1, "sep": "\n",
-                                        "lengths": None, "data": _t("uint8", [chars], 0)}]},
+        "strings": strings,
         "tensors": {},
         "trajectories": {"n": 0, "columns": {}},
-        "conversation": {"n": 1, "role": {"dtype": "str", "index": _t("int32", [1], chars)},
-                         "text": {"dtype": "str", "index": _t("int32", [1], chars + 4)},
+        "conversation": {"n": 1, "role": area.index(np.ones(1)), "text": area.index(np.zeros(1)),
                          "fields": {}},
         "extra": {},
     }
-    return v21(meta, area)
+    return v21(meta, bytes(area.data))
+
+
+def many_texts(n: int) -> bytes:
+    """A string table of ``n`` distinct short texts (~6 bytes each), one message using one of them."""
+    area = _Area()
+    strings = area.texts([f"{i:x}" for i in range(n)])
+    meta = {
+        "header": _header(),
+        "strings": strings,
+        "tensors": {},
+        "trajectories": {"n": 0, "columns": {}},
+        "conversation": {"n": 1, "role": area.index(np.zeros(1)), "text": area.index(np.zeros(1)),
+                         "fields": {}},
+        "extra": {},
+    }
+    return v21(meta, bytes(area.data))
 
 
 def empty_maps(n: int, minor: int = 1) -> bytes:
@@ -160,3 +209,89 @@ def declared(kind: str) -> bytes:
         "ext": b"\xc9\xff\xff\xff\xff\x01",
     }[kind]
     return v21(head + b"\x00" * 64)
+
+
+_SESSION_EXTRA = {"metric": {"version": 0, "updates": 0, "floor_events": 0}}
+
+
+def _trajectories(area: _Area, turn: np.ndarray, k: int, query: np.ndarray, reply: np.ndarray,
+                  tier: np.ndarray, blank: int) -> dict:
+    """The trajectory columns of one stored exchange per ``turn`` (string table indices given)."""
+    n = len(turn)
+    asked = 1_700_000_000.0 + 10.0 * turn
+    coords = np.random.default_rng(0).standard_normal((2, n, k)).astype(np.float32)
+    return {"n": n, "columns": {
+        "id": area.put(turn.astype(np.int64)),
+        "query_x": area.put(coords[0]),
+        "reply_x": area.put(coords[1]),
+        "query_text": area.index(query),
+        "reply_text": area.index(reply),
+        "tier": area.index(tier),
+        "context_key": area.index(np.full(n, blank)),
+        "content_key": area.index(query),  # the questions are lower case: their own key
+        "cluster": area.put((turn % 7).astype(np.int32)),
+        "created": area.put(asked),
+        "last_hit": area.put(asked),
+        "hits": area.put(np.zeros(n, np.int32)),
+    }}
+
+
+def amplified(refs: int, chars: int = 2**20) -> bytes:
+    """A session whose one text of ``chars`` characters is the text of ``refs`` messages.
+
+    The text is stored once, so the file is about ``chars`` bytes, but its
+    conversation holds ``refs * chars`` characters: whatever handles each
+    message once (the page, the history store, an export) handles them all.
+    Loadable by :func:`isagi.session_io.load_session` for an engine of hidden
+    size 4 (before the reader counted texts at each use, it was).
+    """
+    area = _Area()
+    strings = area.texts(["a" * chars, "user", "assistant", ""])
+    role = np.arange(refs, dtype=np.int32) % 2 + 1
+    none = np.zeros(0, np.int32)
+    meta = {
+        "header": _header(),
+        "strings": strings,
+        "tensors": area.session_tensors(4, 2),
+        "trajectories": _trajectories(area, none, 2, none, none, none, 3),
+        "conversation": {"n": refs, "role": area.index(role),
+                         "text": area.index(np.zeros(refs, np.int32)), "fields": {}},
+        "extra": _SESSION_EXTRA,
+    }
+    return v21(meta, bytes(area.data))
+
+
+def long_session(turns: int, *, d: int = 4, k: int = 2) -> bytes:
+    """A complete session of ``turns`` short exchanges: every turn a question, its
+    reply (with its time, tier and verdict) and its trajectory, as the app stores them.
+
+    Loadable by :func:`isagi.session_io.load_session` for an engine of hidden
+    size ``d`` (about 210 bytes a turn) when the reader's limits allow it.
+    """
+    area = _Area()
+    questions = [f"what is question number {i} about, briefly?" for i in range(turns)]
+    replies = [f"the answer to question {i} is short and plain." for i in range(turns)]
+    tiers = ["EXPAND", "AUGMENT", "EXPLORE"]
+    strings = area.texts(["user", "assistant", "ok", "", *tiers, *questions, *replies])
+    turn = np.arange(turns)
+    query, reply, tier = 7 + turn, 7 + turns + turn, 4 + turn % 3
+    n = 2 * turns
+    role = np.zeros(n, np.int32)
+    role[1::2] = 1
+    text = np.empty(n, np.int32)
+    text[0::2], text[1::2] = query, reply
+    rows = np.arange(1, n, 2, dtype=np.int64)  # the replies
+    times = 1_700_000_000.0 + np.arange(n) * 5.0
+    meta = {
+        "header": _header(d, k),
+        "strings": strings,
+        "tensors": area.session_tensors(d, k),
+        "trajectories": _trajectories(area, turn, k, query, reply, tier, 3),
+        "conversation": {"n": n, "role": area.index(role), "text": area.index(text), "fields": {
+            "time": {"rows": None, "values": area.put(times)},
+            "tier": {"rows": area.put(rows), "values": area.index(tier)},
+            "verdict": {"rows": area.put(rows), "values": area.index(np.full(turns, 2))},
+        }},
+        "extra": {"title": "a long chat", **_SESSION_EXTRA},
+    }
+    return v21(meta, bytes(area.data))

@@ -378,6 +378,10 @@ _CHILD = textwrap.dedent(
 )
 
 
+# the largest make_state a file may hold: its 2n + 1 messages within the limit
+BIG = miku.MAX_TURNS - 1
+
+
 def _spawn(tmp_path: Path, path: Path, mode: str, n: int) -> subprocess.Popen:
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(root=str(ROOT)))
@@ -392,7 +396,7 @@ def test_sigkill_mid_write_leaves_previous_file_intact(tmp_path: Path) -> None:
     write_miku(path, old)
     before = path.read_bytes()
 
-    child = _spawn(tmp_path, path, "pause", 20_000)
+    child = _spawn(tmp_path, path, "pause", BIG)
     try:
         assert child.stdout.readline().strip() == "MID"
         temps = _leftovers(tmp_path)
@@ -445,7 +449,7 @@ def test_sigkill_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
     path = tmp_path / "s.miku"
     rng = np.random.default_rng(11)
     for _ in range(3):
-        child = _spawn(tmp_path, path, "loop", 20_000)
+        child = _spawn(tmp_path, path, "loop", BIG)
         try:
             assert child.stdout.readline().strip() == "LOOP"
             while not path.exists():
@@ -455,7 +459,7 @@ def test_sigkill_at_random_moments_of_a_save_loop(tmp_path: Path) -> None:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=30)
         state = read_miku(path)  # whatever was last renamed in is complete and valid
-        assert state.n_trajectories == 20_000
+        assert state.n_trajectories == BIG
         assert state.trajectories["query_text"][:6] == make_state(n=6).trajectories["query_text"]
 
 
@@ -510,10 +514,11 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
     from isagi.cli import app
 
     path = tmp_path / "s.miku"
-    write_miku(path, make_state())
+    write_miku(path, loadable(make_state()))
     runner = CliRunner()
     shown = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "120"})
     assert shown.exit_code == 0, shown.output
+    assert "refused" not in shown.output
     for heading in ("File", "Header", "Contents", "Tensors", "field", "value"):
         assert heading in shown.output
     assert "2 answered from memory" in shown.output  # tiers in plain words
@@ -523,3 +528,66 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
     assert as_json.exit_code == 0
     data = json.loads(as_json.output)
     assert data["tiers"]["RETRIEVE"] == 2 and data["checksum"]["status"] == "ok"
+
+
+def loadable(state: MikuState) -> MikuState:
+    """``state`` completed into a session :func:`isagi.session_io.load_session` accepts."""
+    state.tensors["singular_values"] = np.ones(state.header["k"], np.float32)
+    state.trajectories["last_hit"] = state.trajectories["created"].copy()
+    return state
+
+
+def _inspect(*args: str):  # noqa: ANN202 - click's Result
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    return CliRunner().invoke(app, ["inspect", *args], env={"COLUMNS": "120"})
+
+
+def test_cli_inspect_says_why_a_file_would_not_load_and_exits_1(tmp_path: Path) -> None:
+    """A file the loader refuses, though it parses: the summary, then why, then exit 1."""
+    import json
+
+    from isagi.session_io import check_session_state
+
+    good = tmp_path / "good.miku"
+    write_miku(good, loadable(make_state()))
+    check_session_state(read_miku(good))  # the loader accepts it (the tests below change one thing)
+    cases = {  # name: (file contents, what stderr says)
+        "damaged": (None, "the crc32 checksum does not match its contents"),
+        "not a session": (make_state(), "has no 'singular_values' tensor"),
+        "impossible value": (loadable(make_state()), "title must be a string of at most 1000 characters"),
+    }
+    cases["impossible value"][0].extra["title"] = "t" * 5000
+    for name, (state, reason) in cases.items():
+        path = tmp_path / f"{name}.miku"
+        if state is None:
+            data = bytearray(good.read_bytes())
+            data[data.index(b"plain ascii")] ^= 0x20  # a text's byte: it still parses
+            path.write_bytes(data)
+        else:
+            write_miku(path, state)
+        shown = _inspect(str(path))
+        assert shown.exit_code == 1, (name, shown.output)
+        assert "Header" in shown.stdout  # the summary is still shown
+        assert shown.stderr.startswith(f"refused: {path} would not load: ") and reason in shown.stderr
+        assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.output
+        as_json = _inspect(str(path), "--json")
+        assert as_json.exit_code == 1 and reason in json.loads(as_json.stdout)["refused"]
+    assert json.loads(_inspect(str(good), "--json").stdout)["refused"] is None
+
+
+def test_cli_inspect_of_a_file_over_a_limit_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    from tests import miku_bombs as B
+
+    for name, data, reason in (
+        ("long", B.long_session(30_000), f"60000 messages, more than the limit of {miku.MAX_MESSAGES} ({miku.MAX_TURNS} turns"),
+        ("amplified", B.amplified(2_000), f"its texts add up to more than {miku.MAX_TEXT_CHARS} characters"),
+    ):
+        path = tmp_path / f"{name}.miku"
+        path.write_bytes(data)
+        shown = _inspect(str(path))
+        assert shown.exit_code == 2, shown.output
+        assert reason in shown.output and "is invalid" in shown.output
+        assert shown.output.strip().count("\n") == 0 and "Traceback" not in shown.output
