@@ -292,6 +292,8 @@ class Engine:
         the caller undid that turn in the session).
         """
         text = self.check(message).text
+        if record and not replaces_last:
+            _check_room(session)
         return self._run(session, text, options, stop, record=record, replaces_last=replaces_last)
 
     def _run(
@@ -659,3 +661,16 @@ class _OpenGeneration:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_room(session: Session) -> None:
+    """Refuse a turn its session's file could not hold (before any work): the
+    ``.miku`` format keeps at most :data:`storage.miku.MAX_TURNS` turns, and a turn
+    past them would be answered and recorded but never autosaved."""
+    from storage.miku import MAX_TURNS
+
+    if len(session.turns) >= MAX_TURNS:
+        raise InputError(
+            f"This session has reached {MAX_TURNS:,} turns, as many as a session file holds; "
+            "start a new chat to go on (this one stays in your history)."
+        )

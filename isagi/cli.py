@@ -459,7 +459,7 @@ def bench_cog(interactions: int = 10_000, k: int = 64, as_json: JsonOpt = False)
 
 @bench_app.command("miku")
 @friendly
-def bench_miku(turns: int = 10_000, k: int = 64, as_json: JsonOpt = False) -> None:
+def bench_miku(turns: int = 5_000, k: int = 64, as_json: JsonOpt = False) -> None:
     """Save/load time and size of a long session, against the legacy format."""
     from isagi.bench.miku import run
 

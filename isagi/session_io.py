@@ -220,11 +220,18 @@ def session_state(engine: Engine, session: Session) -> Any:
 
 
 def save_session(engine: Engine, session: Session, path: Path) -> None:
-    """Write the session atomically to ``path`` (parent directories are created)."""
+    """Write the session atomically to ``path`` (parent directories are created).
+
+    What :func:`load_session` would refuse is not written: the state passes the
+    same :func:`check_session_state` first (the format's own limits are the
+    writer's, :func:`storage.miku.write_miku`), and the file already there stays.
+    """
     from storage.miku import write_miku
 
+    state = session_state(engine, session)
+    check_session_state(state, "the session")
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_miku(path, session_state(engine, session))
+    write_miku(path, state)
 
 
 def load_session(

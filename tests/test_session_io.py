@@ -283,3 +283,20 @@ def test_the_check_accepts_what_save_session_writes(tmp_path: Path) -> None:
     empty = Session(id=new_session_id(), basis=_session().basis, metric=Metric(8), memory=TrajectoryMemory(8))
     save_session(_engine(), empty, tmp_path / "e.miku")
     assert load_session(_engine(), tmp_path / "e.miku").turns == []
+
+
+def test_save_refuses_what_load_would_refuse_and_keeps_the_file(tmp_path: Path) -> None:
+    """A title longer than the loader allows (set by code, not by the title rule) is
+    refused at save with one line, and the earlier file is left as it was."""
+    from isagi.session_io import MAX_TITLE_CHARS
+
+    path = tmp_path / "s.miku"
+    session = _session()
+    save_session(_engine(), session, path)
+    before = path.read_bytes()
+    session.title = "t" * (MAX_TITLE_CHARS + 1)
+    with pytest.raises(MikuError, match="title") as err:
+        save_session(_engine(), session, path)
+    assert "\n" not in str(err.value)
+    assert path.read_bytes() == before
+    assert load_session(_engine(), path).title != session.title

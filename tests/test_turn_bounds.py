@@ -210,3 +210,22 @@ def test_a_related_exchange_already_in_the_history_is_not_repeated(tmp_path: Any
     elsewhere = {"query_text": "q0", "reply_text": "another reply"}  # same question, other answer
     assert engine._prompt(s, "now", elsewhere)[-3:-1] == [
         {"role": "user", "content": "q0"}, {"role": "assistant", "content": "another reply"}]
+
+
+def test_a_session_as_long_as_its_file_can_hold_refuses_the_next_turn_before_any_work(tmp_path) -> None:
+    """At storage.miku.MAX_TURNS turns the next message is refused with one line that says
+    what to do; nothing runs, the session is unchanged. Regenerate (which replaces the
+    last turn) still works there."""
+    from storage.miku import MAX_TURNS
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4)
+    session = engine.new_session()
+    engine.turn(session, "the first question")
+    session.turns[:] = session.turns * MAX_TURNS
+    with pytest.raises(InputError, match="start a new chat") as err:
+        engine.stream_turn(session, "one more question")
+    assert "\n" not in str(err.value) and len(session.turns) == MAX_TURNS
+    session.turns.pop()  # Regenerate: the caller undid the last turn, the new one replaces it
+    events = list(engine.stream_turn(session, "the first question again", replaces_last=True))
+    assert events[-1].kind == "done" and len(session.turns) == MAX_TURNS

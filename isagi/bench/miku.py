@@ -40,7 +40,7 @@ def _text(rng: np.random.Generator, lo: int = 100, hi: int = 300) -> str:
 
 
 def synthetic_state(
-    turns: int = 10_000, k: int = 64, d: int = 576, seed: int = 0, *, app_fields: bool = False
+    turns: int = 5_000, k: int = 64, d: int = 576, seed: int = 0, *, app_fields: bool = False
 ) -> Any:
     """A realistic ``MikuState`` of ``turns`` exchanges (deterministic for a seed).
 
@@ -147,7 +147,7 @@ def _best(fn: Any, repeats: int) -> tuple[float, Any]:
     return best, result
 
 
-def run(turns: int = 10_000, k: int = 64, d: int = 576, repeats: int = 3) -> dict[str, Any]:
+def run(turns: int = 5_000, k: int = 64, d: int = 576, repeats: int = 3) -> dict[str, Any]:
     """Measure v2 and legacy save/load of a ``turns``-turn session.
 
     Returns ``turns, save_s, load_s, size_bytes, raw_bytes, legacy_save_s,
