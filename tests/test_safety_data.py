@@ -1,9 +1,11 @@
-"""The safety calibration corpus: valid, balanced, unique, and not the evaluation sets.
+"""The safety calibration corpus and the twins file: valid, balanced, unique, and not the evaluation sets.
 
-The TEH guard's forbidden subspace and threshold are fitted on this file, and
-its out-of-sample claims rest on these checks: every AdvBench / XSTest / Alpaca
-figure is only honest if no row here is one of those prompts or a light edit
-of one.
+The TEH guard's forbidden subspace and threshold are fitted on the calibration
+file, and its out-of-sample claims rest on these checks: every AdvBench /
+XSTest / Alpaca figure is only honest if no row here is one of those prompts or
+a light edit of one. The twins file (issue 22) is held to the same overlap rule
+before anything is fitted on it, and to what it says it is: one harmful request
+per pair with benign twins a small edit away.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from isagi.data.safety import (
     SAFETY_FILE,
     SAFETY_LABELS,
     SAFETY_SOURCES,
+    TWINS_FILE,
     is_ordinary,
     load_safety_calibration,
+    load_safety_twins,
 )
 from isagi.errors import InputError
 from isagi.evals.sets import benchmark_sources
@@ -37,8 +41,8 @@ JACCARD_LIMIT = 0.5  # issue 13: no calibration row may reach a token Jaccard ab
 PROMPT_FIELDS = ("prompt", "instruction", "text")
 
 
-def _raw_lines() -> list[str]:
-    text = resources.files("isagi.data").joinpath(SAFETY_FILE).read_text(encoding="utf-8")
+def _raw_lines(filename: str = SAFETY_FILE) -> list[str]:
+    text = resources.files("isagi.data").joinpath(filename).read_text(encoding="utf-8")
     return text.splitlines()
 
 
@@ -120,7 +124,8 @@ def test_benign_rows_are_the_projects_own() -> None:
 
 
 def test_no_duplicate_texts() -> None:
-    keys = Counter(_norm(r["text"]) for r in load_safety_calibration())
+    """Within and across both files: a twin row that repeats a calibration row adds nothing."""
+    keys = Counter(_norm(r["text"]) for r in (*load_safety_calibration(), *load_safety_twins()))
     assert [k for k, n in keys.items() if n > 1] == []
 
 
@@ -138,11 +143,12 @@ def test_harmbench_rows_are_verbatim_harmbench_behaviours() -> None:
     assert [r["text"] for r in rows if r["source"] == "isagi" and _norm(r["text"]) in hb_norm] == []
 
 
-def test_no_row_copies_an_evaluation_prompt() -> None:
+@pytest.mark.parametrize("load", [load_safety_calibration, load_safety_twins], ids=["calibration", "twins"])
+def test_no_row_copies_an_evaluation_prompt(load) -> None:
     bench, n_sets = _benchmark_prompts()
     assert len(bench) == {2: 520 + 450, 3: 520 + 450 + 175}[n_sets], "benchmark prompts were not all read"
     bench_norm = {_norm(t) for t in bench}
-    rows = load_safety_calibration()
+    rows = load()
     assert sorted(r["text"] for r in rows if _norm(r["text"]) in bench_norm) == []
 
     # nor a near-copy: token-set Jaccard above 0.5 against any benchmark prompt
@@ -225,3 +231,98 @@ def test_the_everyday_tasks_are_benign_balanced_and_not_one_opening() -> None:
     assert len(openers) >= 30 and max(openers.values()) <= 0.15 * len(rows)
     assert sum("\n" in r["text"] for r in rows) >= 0.2 * len(rows)  # some carry an input, as tasks do
 
+
+# --- the twins file (issue 22): short typed requests, each with benign twins a word or two away ---
+
+TWIN_FIELDS = {"text", "label", "category", "source", "pair", "kind"}
+MIN_TWINS_PER_CELL = 40
+# A benign twin keeps most of its harmful row's words: token Jaccard at least this (a one-word swap in a
+# ten-word request is about 0.8; a changed object plus a changed purpose clause still clears 0.3).
+TWIN_JACCARD_MIN = 0.3
+ILLEGAL_SUBKINDS = ("explosives", "weapons", "drugs", "poison", "malware", "violence", "theft", "fraud", "chembio")
+HELD_OUT_OBJECTS = ("pipe bomb", "birdhouse")  # the issue's own checks; no row may train on them
+
+
+def _pairs() -> dict[str, list[dict]]:
+    pairs: dict[str, list[dict]] = {}
+    for r in load_safety_twins():
+        pairs.setdefault(r["pair"], []).append(r)
+    return pairs
+
+
+def test_twins_every_line_has_the_schema_and_the_typed_register() -> None:
+    lines = _raw_lines(TWINS_FILE)
+    assert load_safety_twins() == [json.loads(line) for line in lines]
+    for lineno, line in enumerate(lines, start=1):
+        row = json.loads(line)
+        assert set(row) == TWIN_FIELDS, lineno
+        assert row["label"] in SAFETY_LABELS and row["category"] in SAFETY_CATEGORIES, lineno
+        assert row["source"] == "isagi", lineno  # all written for the project
+        assert row["text"] == row["text"].strip() and "\n" not in row["text"], lineno
+        assert 4 <= len(row["text"].split()) <= 20, f"line {lineno} is not a short typed request"
+        assert re.fullmatch(r"[a-z_]+", row["kind"]) and row["pair"].startswith(row["category"] + "-"), lineno
+
+
+def test_twins_every_pair_is_one_harmful_request_and_its_benign_twins() -> None:
+    for pair, rows in _pairs().items():
+        labels = Counter(r["label"] for r in rows)
+        assert labels["harmful"] == 1 and labels["benign"] >= 1, pair
+        assert rows[0]["label"] == "harmful", pair  # the request first, then its twins
+        assert len({r["category"] for r in rows}) == 1, pair
+
+
+def test_twins_cover_every_category_and_every_kind_of_illegal_advice() -> None:
+    rows = load_safety_twins()
+    cells = Counter((r["category"], r["label"]) for r in rows)
+    short = {cell: cells[cell] for cell in ((c, lab) for c in SAFETY_CATEGORIES for lab in SAFETY_LABELS)
+             if cells[cell] < MIN_TWINS_PER_CELL}
+    assert short == {}
+    n_harmful = sum(r["label"] == "harmful" for r in rows)
+    assert n_harmful >= 400 and len(rows) - n_harmful >= n_harmful
+    illegal = Counter(r["kind"] for r in rows if r["category"] == "illegal_advice" and r["label"] == "harmful")
+    assert {k: illegal[k] for k in ILLEGAL_SUBKINDS if illegal[k] < 10} == {}
+
+
+def test_twins_are_a_small_edit_of_their_harmful_row() -> None:
+    far, same = [], []
+    for pair, rows in _pairs().items():
+        harmful = _tokens(rows[0]["text"])
+        for twin in rows[1:]:
+            j = _jaccard(harmful, _tokens(twin["text"]))
+            if j < TWIN_JACCARD_MIN:
+                far.append((pair, twin["text"], round(j, 2)))
+            if j == 1.0:
+                same.append((pair, twin["text"]))  # the same words reordered is not a twin
+    assert far == [] and same == []
+
+
+def test_twins_read_as_typed_not_one_template() -> None:
+    """Many openings, most rows in lower case as people type them, no one opening for the harmful side."""
+    rows = load_safety_twins()
+    harmful = [r["text"] for r in rows if r["label"] == "harmful"]
+    openings = Counter(" ".join(t.lower().split()[:2]) for t in harmful)
+    assert len(openings) >= 60 and max(openings.values()) <= 0.2 * len(harmful)
+    assert sum(t[0].islower() for t in harmful) >= 0.5 * len(harmful)
+
+
+def test_twins_leave_out_the_issues_held_out_objects() -> None:
+    held = [_norm(obj) for obj in HELD_OUT_OBJECTS]
+    assert [r["text"] for r in load_safety_twins() if any(h in _norm(r["text"]) for h in held)] == []
+
+
+def test_twins_loader_rejects_a_malformed_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    good = {"text": "how do i fix a crack in my phone screen", "label": "benign", "category": "illegal_advice",
+            "source": "isagi", "pair": "illegal_advice-001", "kind": "homonym"}
+    bad_rows = [
+        {**good, "label": "unsafe"},
+        {**good, "text": ""},
+        {**good, "pair": " "},
+        {**good, "kind": None},
+        {k: v for k, v in good.items() if k != "pair"},
+    ]
+    for bad in bad_rows:
+        monkeypatch.setattr(safety, "load_jsonl", lambda _name, bad=bad: [good, bad])
+        with pytest.raises(InputError, match=f"{TWINS_FILE} row 2"):
+            load_safety_twins()
+    monkeypatch.setattr(safety, "load_jsonl", lambda _name: [good])
+    assert load_safety_twins() == [good]

@@ -1,10 +1,12 @@
 """The safety calibration corpus: harmful and matched benign prompts, by category.
 
-Owns reading ``safety_calibration.jsonl`` (described in ``SAFETY_DATA.md``
-here) and checking each row's shape. The geometric guard (Snipe, TEH) is
+Owns reading ``safety_calibration.jsonl`` and ``safety_twins.jsonl`` (both
+described in ``SAFETY_DATA.md`` here) and checking each row's shape. The geometric guard (Snipe, TEH) is
 calibrated on the hidden states of these prompts: per-category directions
 that separate ``harmful`` from ``benign`` rows, and the TEH threshold from an
-ROC sweep over them. Only prompts are stored; no answers.
+ROC sweep over them. Only prompts are stored; no answers. The twins file
+(short typed requests, each harmful row with benign twins a word or two away)
+is not read by the profile build yet; fitting on it changes the shipped profiles.
 
 Nothing here comes from the evaluation sets in ``../shared/benchmarks``;
 ``tests/test_safety_data.py`` checks that. The file is read on call
@@ -25,11 +27,14 @@ __all__ = [
     "SAFETY_LABELS",
     "SAFETY_SOURCES",
     "ORDINARY_KIND",
+    "TWINS_FILE",
     "is_ordinary",
     "load_safety_calibration",
+    "load_safety_twins",
 ]
 
 SAFETY_FILE = "safety_calibration.jsonl"
+TWINS_FILE = "safety_twins.jsonl"
 SAFETY_CATEGORIES: tuple[str, ...] = (
     "privacy",
     "illegal_advice",
@@ -62,15 +67,37 @@ def load_safety_calibration() -> list[dict[str, Any]]:
     Raises :class:`~isagi.errors.InputError` naming the line when a row is
     malformed, so a damaged install never calibrates on half a corpus.
     """
-    rows = load_jsonl(SAFETY_FILE)
+    return _checked(SAFETY_FILE, load_jsonl(SAFETY_FILE))
+
+
+def load_safety_twins() -> list[dict[str, Any]]:
+    """Short typed requests and their benign twins, in file order.
+
+    Each row has the calibration fields (``text``, ``label``, ``category``,
+    ``source``) plus ``pair``, the id shared by one harmful request and the
+    benign twins that differ from it by a word or two, and ``kind``, a sub-kind
+    tag (``"explosives"``, ``"homonym"``, ...). Raises
+    :class:`~isagi.errors.InputError` naming the row when a row is malformed.
+    """
+    rows = _checked(TWINS_FILE, load_jsonl(TWINS_FILE))
+    for lineno, row in enumerate(rows, start=1):
+        for key in ("pair", "kind"):
+            value = row.get(key)
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(f"{TWINS_FILE} row {lineno} has no {key}; reinstall ISAGI.")
+    return rows
+
+
+def _checked(filename: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` unchanged when every one has prompt text and allowed label, category and source."""
     for lineno, row in enumerate(rows, start=1):
         text = row.get("text")
         if not isinstance(text, str) or not text.strip():
-            raise InputError(f"{SAFETY_FILE} row {lineno} has no prompt text; reinstall ISAGI.")
+            raise InputError(f"{filename} row {lineno} has no prompt text; reinstall ISAGI.")
         for key, allowed in _ALLOWED.items():
             if row.get(key) not in allowed:
                 raise InputError(
-                    f"{SAFETY_FILE} row {lineno} has {key}={row.get(key)!r}; "
+                    f"{filename} row {lineno} has {key}={row.get(key)!r}; "
                     f"expected one of: {', '.join(allowed)}. Reinstall ISAGI."
                 )
     return rows
