@@ -73,7 +73,7 @@ def _turn_axes(fig: Any, x: list[float], ys: list[float], *, start: float = 0.5)
     single point sits inside the plot instead of on an autoscaled sliver.
     """
     last = max(x) if x else 1
-    fig.update_xaxes(range=[start, last + 0.5], dtick=1 if last <= 20 else None)
+    fig.update_xaxes(range=[start, last + 0.5], dtick=1 if last - start <= 21 else None)
     finite = [v for v in ys if v is not None and np.isfinite(v)]
     top = max(finite) if finite else 0.0
     fig.update_yaxes(range=[0.0, max(1.0, top) * 1.15])
@@ -90,10 +90,11 @@ def _num(v: Any, default: float = float("nan")) -> float:
         return default
 
 
-def turn_rows(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The assistant entries of a conversation log, numbered by turn (1-based)."""
+def turn_rows(messages: list[dict[str, Any]], first_turn: int = 1) -> list[dict[str, Any]]:
+    """The assistant entries of a conversation log, numbered by turn from ``first_turn``
+    (the number of the log's first turn in its session: a window's numbers are the session's)."""
     rows = []
-    turn = 0
+    turn = first_turn - 1
     for m in messages:
         if m.get("role") == "user":
             turn += 1
@@ -102,30 +103,35 @@ def turn_rows(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def growth_figure(messages: list[dict[str, Any]]) -> Any:
-    """‖M − I‖_F after each turn."""
+def growth_figure(messages: list[dict[str, Any]], first_turn: int = 1) -> Any:
+    """‖M − I‖_F after each turn (``first_turn``: the number of the log's first turn)."""
     import plotly.graph_objects as go
 
-    rows = turn_rows(messages)
+    rows = turn_rows(messages, first_turn)
     x = [r["turn"] for r in rows]
     y = [_num(r.get("metric_growth"), 0.0) for r in rows]
     tiers = [hover_text(_short(r.get("tier") or r.get("verdict") or "", 20)) for r in rows]
+    if first_turn == 1:  # the whole session: from the identity metric at turn 0
+        x0, y0, t0 = [0], [0.0], ["start"]
+    else:
+        x0, y0, t0 = [], [], []
     fig = go.Figure(
         go.Scatter(
-            x=[0, *x], y=[0.0, *y], mode="lines+markers", name="growth",
-            text=["start", *tiers], hovertemplate="turn %{x}: %{y:.4f} (%{text})<extra></extra>",
+            x=[*x0, *x], y=[*y0, *y], mode="lines+markers", name="growth",
+            text=[*t0, *tiers], hovertemplate="turn %{x}: %{y:.4f} (%{text})<extra></extra>",
             line={"color": "#2c7fb8"},
         )
     )
     _layout(fig, "Metric growth ‖M − I‖ over turns", "turn", "growth")
-    return _turn_axes(fig, x, y, start=-0.5)
+    return _turn_axes(fig, x, y, start=first_turn - 1.5)
 
 
-def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -> Any:
-    """TEH of the prompt and of the reply per turn (%), with the refusal threshold."""
+def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None, first_turn: int = 1) -> Any:
+    """TEH of the prompt and of the reply per turn (%), with the refusal threshold
+    (``first_turn``: the number of the log's first turn)."""
     import plotly.graph_objects as go
 
-    rows = turn_rows(messages)
+    rows = turn_rows(messages, first_turn)
     x = [r["turn"] for r in rows]
     fig = go.Figure()
     plotted: list[float] = []
@@ -145,7 +151,8 @@ def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None) -
             annotation_text=f"threshold {float(threshold):.1f}%", annotation_position="top left",
         )
     _layout(fig, "TEH over turns", "turn", "TEH (%)")
-    return _turn_axes(fig, x, [*plotted, float(threshold) if threshold is not None else 0.0])
+    return _turn_axes(fig, x, [*plotted, float(threshold) if threshold is not None else 0.0],
+                      start=first_turn - 0.5)
 
 
 def pca_2d(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -176,8 +183,10 @@ def _short(text: Any, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: int | None = None) -> Any:
-    """2-D map of stored trajectories: PCA of ``query_x``; ``highlight`` is a row to mark."""
+def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: int | None = None,
+               total: int | None = None) -> Any:
+    """2-D map of stored trajectories: PCA of ``query_x``; ``highlight`` is a row to mark;
+    ``total``: how many the session stores when ``columns`` are only its newest."""
     import plotly.graph_objects as go
 
     qx = np.asarray(columns.get("query_x", np.zeros((0, 2))), dtype=np.float64)
@@ -229,8 +238,9 @@ def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: i
         fig.update_xaxes(range=[-r, r])
         fig.update_yaxes(range=[-r, r])
     word = "trajectory" if n == 1 else "trajectories"
+    shown = f"{n} {word}" if total is None or total <= n else f"newest {n:,} of {total:,} trajectories"
     _layout(
-        fig, f"Trajectory map ({n} {word}, PCA of k-space)",
+        fig, f"Trajectory map ({shown}, PCA of k-space)",
         f"PC 1 ({explained[0]:.0%})", f"PC 2 ({explained[1]:.0%})",
     )
     return fig

@@ -59,10 +59,15 @@ from app.sessions import (
     take_snapshot,
 )
 from isagi.ids import is_session_id
+from isagi.turn import turns_to_messages
 
 log = logging.getLogger(__name__)
 
 STREAM_INTERVAL_S = 0.1  # at most 10 display updates per second while streaming (a browser keeps up)
+# What one page update renders and sends, whatever the session's length: the chat's
+# newest turns, and the plots' newest turns and stored trajectories.
+CHAT_WINDOW_TURNS = 100
+PLOT_WINDOW_TURNS = 1000
 STOP_WAIT_S = 10.0
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies: every minute, those older than 10 minutes
@@ -228,6 +233,23 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def chat_window(session: Any) -> list[dict[str, str]]:
+    """The Chatbot messages of ``session``'s newest :data:`CHAT_WINDOW_TURNS` turns.
+
+    A turn's page update renders and sends this much and no more, however long the
+    session: earlier turns stay in the session, its memory, its exports and the
+    history store, and a first line says how many are not shown.
+    """
+    turns = session.turns
+    shown = chat_messages(turns_to_messages(turns[-CHAT_WINDOW_TURNS:]))
+    hidden = len(turns) - CHAT_WINDOW_TURNS
+    if hidden <= 0:
+        return shown
+    note = (f"*{hidden:,} earlier exchange{'s' if hidden != 1 else ''} of this session "
+            "are not shown here; Export (Sessions tab) has them all.*")
+    return [{"role": "assistant", "content": note}, *shown]
+
+
 def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
     """The Turn panel: every figure of the latest turn (file fields escaped for markdown)."""
     if m is None:
@@ -271,12 +293,12 @@ def manifold_summary(session: Any) -> str:
 
 def highlight_row(session: Any, columns: dict[str, Any]) -> int | None:
     """The stored trajectory of the latest query: itself if stored, else its nearest."""
-    last_user = next((m for m in reversed(session.messages) if m.get("role") == "user"), None)
-    last_bot = next((m for m in reversed(session.messages) if m.get("role") == "assistant"), None)
+    last = session.last_turn
     texts = list(columns.get("query_text", []))
-    if not texts or last_user is None:
+    if not texts or last is None:
         return None
-    for target in (last_user.get("text"), (last_bot or {}).get("nearest_query")):
+    user, bot = last.to_messages()
+    for target in (user.get("text"), bot.get("nearest_query")):
         if target:
             for i in range(len(texts) - 1, -1, -1):
                 if texts[i] == target:
@@ -363,18 +385,29 @@ class WebUI:
         return self._view_of(entry.session, colour_by)
 
     def _view_of(self, session: Any, colour_by: str) -> tuple[Any, ...]:
-        msgs = session.messages
+        """The page's view of ``session``: a bounded amount of work and data whatever its
+        length (the chat's newest turns, the plots' newest turns and trajectories)."""
+        first = max(0, len(session.turns) - PLOT_WINDOW_TURNS)
+        msgs = turns_to_messages(session.turns[first:])
         last_bot = _reply_fields(session.last_turn)
-        cols = session.memory.to_columns()
         safety = self._safety()
         return (
-            chat_messages(msgs),
+            chat_window(session),
             turn_markdown(last_bot, safety),
             manifold_summary(session),
-            plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols)),
-            plots.growth_figure(msgs),
-            plots.teh_figure(msgs, getattr(safety, "threshold", None)),
+            self._map(session, colour_by),
+            plots.growth_figure(msgs, first_turn=first + 1),
+            plots.teh_figure(msgs, getattr(safety, "threshold", None), first_turn=first + 1),
         )
+
+    @staticmethod
+    def _map(session: Any, colour_by: str) -> Any:
+        """The trajectory map of the newest :data:`PLOT_WINDOW_TURNS` stored trajectories."""
+        cols = session.memory.to_columns()
+        total = len(session.memory)
+        if total > PLOT_WINDOW_TURNS:
+            cols = {k: v[-PLOT_WINDOW_TURNS:] for k, v in cols.items()}
+        return plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols), total=total)
 
     def status_line(self, owner: str | None = None) -> str:
         """The banner; with a login, the live-session count is the user's own (not the server's)."""
@@ -550,7 +583,7 @@ class WebUI:
                     restore_snapshot(session, before[0])  # a failed Regenerate: the turn it was to replace stays
                     session.turns[:] = before[2]
                     entry.undo = before[1]
-                yield TurnUpdate(state=sid, chat=chat_messages(session.messages), alert=failure.alert)
+                yield TurnUpdate(state=sid, chat=chat_window(session), alert=failure.alert)
                 return
             yield TurnUpdate(state=sid, alert=verdict_alert(_reply_fields(session.last_turn)),
                              status=self.status_line(owner)).with_view(self._view_of(session, colour_by))
@@ -567,7 +600,7 @@ class WebUI:
         from isagi.errors import IsagiError
 
         session = entry.session
-        history = chat_messages(session.messages)
+        history = chat_window(session)
         text = getattr(message, "text", message)
         user = {"role": "user", "content": safe_markdown(text)}
         reply, info = "", pending_html(None, None)
@@ -638,7 +671,7 @@ class WebUI:
             note = f"Stopped: the turn ended {took:.2f} s after Stop reached the server; the partial reply is kept."
         else:
             note = "Nothing was generating."
-        return (chat_messages(session.messages), note,
+        return (chat_window(session), note,
                 turn_markdown(last_bot, self._safety()), manifold_summary(session), gr.skip(), gr.skip(), gr.skip())
 
     def new_chat(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
@@ -664,8 +697,7 @@ class WebUI:
             session = self.registry.entry(sid, owner).session
         except (KeyError, EngineLoading):
             return plots.map_figure({})
-        cols = session.memory.to_columns()
-        return plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols))
+        return self._map(session, colour_by)
 
     # -- files ---------------------------------------------------------------
     def save_miku(self, sid: str | None, request: Any = None) -> tuple[Any, str]:

@@ -330,3 +330,27 @@ def test_a_regenerate_that_crashes_keeps_the_turn_it_was_to_replace(tmp_path):
     engine.stream_turn = real
     run(ui.regenerate(sid, 4))  # the undo is still there: Regenerate works afterwards
     assert counts(ui, sid) == (2, 2, 2) and session.turns[-1] is not before[0][-1]
+
+
+def test_a_long_sessions_page_updates_stay_bounded(ui, monkeypatch):
+    """Every update of a turn in a session longer than the windows renders the chat's newest
+    CHAT_WINDOW_TURNS turns (and a line counting the others) and plots the newest
+    PLOT_WINDOW_TURNS turns under their own numbers, not the whole session."""
+    monkeypatch.setattr(app.ui, "PLOT_WINDOW_TURNS", 20)
+    window = app.ui.CHAT_WINDOW_TURNS
+    sid = ui.registry.create()
+    run(ui.send("What is the boiling point of water?", sid, 4))
+    session = ui.registry.entry(sid).session
+    session.turns[:] = session.turns * (window + 50)
+    out = run(ui.send("Name three primary colours.", sid, 4))
+    chats = [o[CHAT] for o in out if isinstance(o[CHAT], list)]
+    assert len(chats) >= 2
+    # each turn is a user message, a reply and its info line; the note and the pending turn besides
+    assert all(len(c) <= 3 * window + 1 + 3 for c in chats)
+    final = out[-1][CHAT]
+    assert final[0]["role"] == "assistant" and "51 earlier exchanges" in final[0]["content"]
+    assert "Name three primary colours." in final[-3]["content"]
+    growth = out[-1][7]
+    xs = [x for trace in growth.data for x in trace.x]
+    total = len(session.turns)
+    assert total == window + 51 and min(xs) == total - 20 + 1 and max(xs) == total
