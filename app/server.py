@@ -8,7 +8,9 @@ happening and the terminal prints the progress, so a first start that
 converts the model and calibrates it never looks frozen. Binds to loopback
 unless told otherwise; optional login from ``settings.auth`` (each user sees
 only their own sessions; failed logins back off per user name and per client
-address, :mod:`app.login`); never a public share link. At start it removes
+address, :mod:`app.login`); never a public share link. A client's address is
+the address that connected: ``X-Forwarded-For`` is believed only from the
+proxies ``ISAGI_TRUSTED_PROXIES`` names (:func:`uvicorn_options`). At start it removes
 the temporary files killed saves left in the sessions directory; at shutdown
 it saves live sessions and removes its temporary download directory.
 """
@@ -206,6 +208,24 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """How uvicorn treats ``X-Forwarded-For``: believed only from ``ISAGI_TRUSTED_PROXIES``.
+
+    uvicorn's own default believes it from loopback (``FORWARDED_ALLOW_IPS``,
+    127.0.0.1 and ::1), so any client on the machine, or anything a tunnel
+    forwards from it, could name its own address and slip past the caps and the
+    login back-off that key on it. Without trusted proxies, forwarded headers
+    are ignored and a client is the address that connected. With them, uvicorn's
+    ``ProxyHeadersMiddleware`` rewrites the client only for a connection from
+    one of them, to the rightmost address in ``X-Forwarded-For`` that is not a
+    trusted proxy (a client's own entries to the left of its proxy's are never
+    read). The app reads the client only from the ASGI scope, never from a header.
+    """
+    if settings.trusted_proxies:
+        return {"proxy_headers": True, "forwarded_allow_ips": list(settings.trusted_proxies)}
+    return {"proxy_headers": False}
+
+
 def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None) -> None:
     """Run the web app with uvicorn until interrupted (``isagi web``)."""
     import uvicorn
@@ -227,4 +247,8 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
                 f"[bold yellow]Listening on {host} without a login: anyone who can reach this "
                 "machine can use it. Set ISAGI_AUTH=user:password to require one.[/]"
             )
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    if settings.trusted_proxies:
+        console.print(f"Client addresses come from X-Forwarded-For of {', '.join(settings.trusted_proxies)} "
+                      "(ISAGI_TRUSTED_PROXIES); from any other address the header is ignored.")
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                **uvicorn_options(settings))

@@ -210,11 +210,15 @@ def web(
     quant: QuantOpt = None,
     device: DeviceOpt = None,
     home: HomeOpt = None,
+    trusted_proxies: Annotated[str | None, typer.Option(
+        "--trusted-proxies", help="comma-separated proxy addresses or networks whose X-Forwarded-For "
+        "is believed (ISAGI_TRUSTED_PROXIES); none by default")] = None,
 ) -> None:
     """Open the browser app on http://HOST:PORT."""
     from app.server import serve
 
-    serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home), host=host, port=port)
+    serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
+                    trusted_proxies=trusted_proxies), host=host, port=port)
 
 
 @app.command()
