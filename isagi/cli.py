@@ -173,12 +173,16 @@ def chat(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
 ) -> None:
     """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
+    from isagi.datadir import open_data_dir
     from isagi.engines.base import GenerationOptions
     from isagi.session_io import load_session
     from isagi.terminal import chat_loop
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
                          max_new_tokens=max_new_tokens, system_prompt=system)
+    data = open_data_dir(settings)  # an unwritable data directory ends here; alone: the history is repaired
+    for line in data.lines():
+        err.print(f"[dim]{line}[/]", highlight=False)
     engine = _engine(settings)
     if load is not None:
         session = load_session(engine, load, allow_other_model=allow_other_model)
