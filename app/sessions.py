@@ -19,7 +19,9 @@ What it guarantees:
 - Idle eviction: a session unused for ``idle_s`` seconds is saved to its
   ``.miku`` (sessions with no turns are not written) and dropped from memory;
   its id is parked with the file path, and the next use of the id resumes it
-  from the file transparently.
+  from the file transparently. A session whose file cannot be written (a full
+  disk) is never dropped: it stays live until a save succeeds. Each file
+  written here also lets the engine's keeper bring the history up to it.
 - Regenerate: a snapshot of the living state (metric, memory, turns) taken
   before each turn, restored to undo that turn.
 - Owners: each entry (and each parked id) belongs to an owner (the logged-in
