@@ -9,10 +9,15 @@ profile (minutes on a small CPU); progress is also printed to the terminal.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from app.public import public_text
+
+log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -113,12 +118,13 @@ class EngineHolder:
         def run() -> None:
             try:
                 engine = factory(self.progress)
-            except Exception as exc:  # shown on the page and by /health
+            except Exception as exc:  # shown on the page and by /health, without server paths
                 msg = str(exc) or type(exc).__name__
+                log.error("loading the engine failed: %s", msg)
                 with self._lock:
-                    self.error = msg
+                    self.error = public_text(msg)
                     self.stage = "failed"
-                if self._on_progress is not None:
+                if self._on_progress is not None:  # the terminal: the operator's, with the detail
                     self._on_progress(f"failed: {msg}", 0, 0)
                 self._ready.set()
                 return

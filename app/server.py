@@ -8,14 +8,24 @@ happening and the terminal prints the progress, so a first start that
 converts the model and calibrates it never looks frozen. Binds to loopback
 unless told otherwise; optional login from ``settings.auth`` (each user sees
 only their own sessions; failed logins back off per user name and per client
-address, :mod:`app.login`); never a public share link. At start it removes
-the temporary files killed saves left in the sessions directory; at shutdown
-it saves live sessions and removes its temporary download directory.
+address, :mod:`app.login`); never a public share link. A client's address is
+the address that connected: ``X-Forwarded-For`` is believed only from the
+proxies ``ISAGI_TRUSTED_PROXIES`` names (:func:`uvicorn_options`).
+
+Before it binds, :func:`serve` opens the data directory
+(:func:`isagi.datadir.open_data_dir`): one that cannot be written ends
+``isagi web`` with one line (exit status 2); alone on it, the server removes
+every temporary file killed saves left and adds to the history what a kill
+kept from it (the session files are the source of truth). At shutdown it
+saves live sessions (and their history), removes its temporary download
+directory and releases the data directory. Messages for the browser name no
+server path or URL (:mod:`app.public`); the log keeps them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -29,6 +39,7 @@ from storage.miku import MAX_MIKU_BYTES
 # The web upload limit is the .miku reader's own limit (64 MiB, 4.5x a measured
 # 10,000-turn session): a larger upload is refused by Gradio before it is stored.
 MAX_UPLOAD_BYTES = MAX_MIKU_BYTES
+log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_MINUTES = 30.0
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -82,6 +93,7 @@ def create_app(
     idle_minutes: float | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
     reaper_interval_s: float = 60.0,
+    data_dir: Any = None,
 ) -> Any:
     """The FastAPI app: ``GET /health`` and the Gradio page mounted at ``/``.
 
@@ -89,6 +101,9 @@ def create_app(
     ``factory(progress) -> Engine`` run in the background when the app starts.
     ``idle_minutes``: idle sessions are saved and dropped after this long
     (default ``settings.web_idle_minutes`` if present, else 30).
+    ``data_dir``: the :class:`isagi.datadir.DataDir` :func:`serve` opened
+    (checked, locked, tidied, history repaired); without it the app opens it
+    when it starts. Either way it is released at shutdown.
     """
     import gradio as gr
     from fastapi import FastAPI
@@ -98,7 +113,7 @@ def create_app(
     from app.login import Backoff, Logins, LoginThrottleMiddleware
     from app.sessions import SessionRegistry
     from app.ui import CSS, WebUI, build_blocks
-    from storage.miku import remove_stale_temp_files
+    from isagi.datadir import open_data_dir
 
     if idle_minutes is None:
         idle_minutes = float(getattr(settings, "web_idle_minutes", DEFAULT_IDLE_MINUTES))
@@ -115,9 +130,13 @@ def create_app(
     blocks.queue(default_concurrency_limit=8)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: Any):
-        with contextlib.suppress(Exception):  # a missing or unreadable directory has none
-            remove_stale_temp_files(settings.sessions_dir, older_than_s=60.0)
+    async def lifespan(app_: Any):
+        data = data_dir
+        if data is None:
+            data = open_data_dir(settings)
+            for line in data.lines():
+                log.warning("%s", line)
+        app_.state.isagi_data_dir = data
         holder.start()
         registry.start_reaper(reaper_interval_s)
         try:
@@ -125,8 +144,12 @@ def create_app(
         finally:
             registry.stop_reaper()
             if holder.ready:
-                registry.save_all()
+                registry.save_all()  # each file written brings its history up to it
+                if waiting := registry.retry_history():
+                    log.warning("%d exchange(s) could not be added to the history at shutdown; they are in "
+                                "their session files, and the next start adds them", waiting)
             ui.cleanup()
+            data.close()
 
     app = FastAPI(title="ISAGI", lifespan=lifespan, docs_url=None, redoc_url=None)
     if auth is not None:
@@ -157,7 +180,9 @@ def create_app(
             f"{settings.login_backoff_s:g} s, doubling at each failure (the page then still says "
             "\"Incorrect Credentials\")."
         ) if auth else None,
-        css=CSS, footer_links=["api", "settings"], show_error=True, ssr_mode=False,
+        # show_error=False: an exception no handler caught shows as a bare "Error", never its
+        # text (which may name a server path); every expected failure is a handler's own warning.
+        css=CSS, footer_links=["api", "settings"], show_error=False, ssr_mode=False,
         run_history=False, max_file_size=MAX_UPLOAD_BYTES,
     )
 
@@ -206,15 +231,41 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """How uvicorn treats ``X-Forwarded-For``: believed only from ``ISAGI_TRUSTED_PROXIES``.
+
+    uvicorn's own default believes it from loopback (``FORWARDED_ALLOW_IPS``,
+    127.0.0.1 and ::1), so any client on the machine, or anything a tunnel
+    forwards from it, could name its own address and slip past the caps and the
+    login back-off that key on it. Without trusted proxies, forwarded headers
+    are ignored and a client is the address that connected. With them, uvicorn's
+    ``ProxyHeadersMiddleware`` rewrites the client only for a connection from
+    one of them, to the rightmost address in ``X-Forwarded-For`` that is not a
+    trusted proxy (a client's own entries to the left of its proxy's are never
+    read). The app reads the client only from the ASGI scope, never from a header.
+    """
+    if settings.trusted_proxies:
+        return {"proxy_headers": True, "forwarded_allow_ips": list(settings.trusted_proxies)}
+    return {"proxy_headers": False}
+
+
 def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None) -> None:
     """Run the web app with uvicorn until interrupted (``isagi web``)."""
     import uvicorn
     from rich.console import Console
 
+    from isagi.datadir import open_data_dir
+
     check_port_free(host, port)
     console = Console(stderr=True)
+    # A data directory that cannot be written ends the command here (DataDirError: one line,
+    # exit status 2); what the start-up check did is logged.
+    data = open_data_dir(settings)
+    for line in data.lines():
+        log.warning("%s", line)
     progress = _TerminalProgress()
-    app = create_app(default_factory(settings), settings, idle_minutes=idle_minutes, on_progress=progress)
+    app = create_app(default_factory(settings), settings, idle_minutes=idle_minutes, on_progress=progress,
+                     data_dir=data)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}/"
     console.print(f"[bold]ISAGI web[/] on [link={url}]{url}[/link]  (data: {settings.home})")
@@ -227,4 +278,8 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
                 f"[bold yellow]Listening on {host} without a login: anyone who can reach this "
                 "machine can use it. Set ISAGI_AUTH=user:password to require one.[/]"
             )
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    if settings.trusted_proxies:
+        console.print(f"Client addresses come from X-Forwarded-For of {', '.join(settings.trusted_proxies)} "
+                      "(ISAGI_TRUSTED_PROXIES); from any other address the header is ignored.")
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                **uvicorn_options(settings))

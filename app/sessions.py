@@ -19,7 +19,9 @@ What it guarantees:
 - Idle eviction: a session unused for ``idle_s`` seconds is saved to its
   ``.miku`` (sessions with no turns are not written) and dropped from memory;
   its id is parked with the file path, and the next use of the id resumes it
-  from the file transparently.
+  from the file transparently. A session whose file cannot be written (a full
+  disk) is never dropped: it stays live until a save succeeds. Each file
+  written here also lets the engine's keeper bring the history up to it.
 - Regenerate: a snapshot of the living state (metric, memory, turns) taken
   before each turn, restored to undo that turn.
 - Owners: each entry (and each parked id) belongs to an owner (the logged-in
@@ -96,6 +98,7 @@ class Entry:
     stop: threading.Event = field(default_factory=threading.Event)
     last_used: float = 0.0
     undo: Snapshot | None = None
+    notice: str | None = None  # what the last turn could not keep yet (a full disk), for the page
     stop_requested_at: float | None = None  # monotonic time Stop reached the server
     stop_latency_s: float | None = None  # from then until the turn had ended
 
@@ -402,12 +405,27 @@ class SessionRegistry:
 
     # -- saving and dropping -----------------------------------------------------
     def _persist(self, entry: Entry) -> Path | None:
+        """Write the session's file (if it has turns), then let the engine's keeper bring the
+        history up to it (turns a full disk held back); raises when the file cannot be written."""
         session = entry.session
         if not session.turns:
             return None  # nothing to keep: an empty chat is not written
         path = session.miku_path or self._autosave_path(session.id)
-        self._save_fn()(self.engine, session, Path(path))
+        engine = self.engine
+        self._save_fn()(engine, session, Path(path))
+        saved = getattr(getattr(engine, "keep", None), "saved", None)
+        if callable(saved):
+            saved(session)  # a history that still cannot take them keeps them waiting (and logs it)
         return Path(path)
+
+    def retry_history(self) -> int:
+        """Ask the engine's keeper to write the history rows a full disk held back; returns how
+        many still wait (0 also while the engine loads or when it keeps no backlog)."""
+        try:
+            retry = getattr(getattr(self.engine, "keep", None), "retry", None)
+        except Exception:  # still loading
+            return 0
+        return int(retry()) if callable(retry) else 0
 
     def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER) -> bool:
         """Save (if it has turns) and drop ``owner``'s ``sid`` now.
@@ -417,6 +435,11 @@ class SessionRegistry:
         (New chat, a loaded file, a closed tab), so resuming it from the
         history later keeps its id instead of forking it. ``owner=None`` is
         for the server itself (a closed tab's state): any owner.
+
+        A session whose file cannot be written (a full disk) stays live, so
+        nothing is lost: idle eviction and shutdown try again. The caller is
+        told with the :class:`~isagi.errors.StorageError`, except the server
+        itself (``owner=None``), for which it is logged and False returned.
         """
         with self._guard:
             entry = self._entries.get(sid or "")
@@ -425,7 +448,13 @@ class SessionRegistry:
         if not entry.lock.acquire(timeout=10):
             return False  # busy: idle eviction will save and drop it later
         try:
-            path = self._persist(entry)
+            try:
+                path = self._persist(entry)
+            except Exception as exc:  # kept live: dropping it would lose it
+                log.warning("could not save session %s on release (%s); kept in memory", entry.session.id, exc)
+                if owner is None:
+                    return False
+                raise
             with self._guard:
                 self._entries.pop(entry.session.id, None)
                 if park:
@@ -468,7 +497,8 @@ class SessionRegistry:
         return evicted
 
     def start_reaper(self, interval_s: float = 60.0) -> None:
-        """Run :meth:`evict_idle` every ``interval_s`` seconds in a daemon thread."""
+        """Run :meth:`evict_idle` and :meth:`retry_history` every ``interval_s`` seconds in a
+        daemon thread."""
         if self._reaper is not None:
             return
         self._reaper_stop.clear()
@@ -477,6 +507,7 @@ class SessionRegistry:
             while not self._reaper_stop.wait(interval_s):
                 try:
                     self.evict_idle()
+                    self.retry_history()
                 except Exception as exc:  # the reaper must survive a bad session
                     log.warning("idle eviction failed: %s", exc)
 

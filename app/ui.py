@@ -421,7 +421,7 @@ class WebUI:
                 f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
             )
         if h.failed:
-            return f"**The model could not be loaded:** {h.error}"
+            return f"**The model could not be loaded:** {self._public(h.error or '')}"
         return f"⏳ **{h.describe()}.** The first start converts the model and calibrates it; this page works once it is done."
 
     # -- page load and loading banner --------------------------------------
@@ -490,10 +490,33 @@ class WebUI:
         )
 
     def _warn(self, msg: str) -> str:
+        """Pop ``msg`` up and return it for the alert line, with no server path or URL in it."""
         import gradio as gr
 
+        msg = self._public(msg)
         gr.Warning(msg)
         return f"⚠️ {msg}"
+
+    def _public(self, msg: str) -> str:
+        from app.public import public_text
+
+        s = self.settings
+        home = Path(s.home)
+        with contextlib.suppress(OSError, RuntimeError):
+            home = home.resolve()
+        return public_text(msg, (str(s.home), str(home), s.resolved_database_url))
+
+    def _release_for(self, sid: str | None, owner: str | None) -> str:
+        """Save and drop the session a browser leaves; a save that fails (a full disk) keeps it
+        live in memory and returns a warning saying so, else ''."""
+        from isagi.errors import IsagiError, storage_cause
+
+        try:
+            self.registry.release(sid, park=True, owner=owner)
+        except (IsagiError, OSError) as exc:
+            return self._warn(f"Your previous chat could not be saved ({storage_cause(exc)}). It is kept in "
+                              "memory and saved once that works again; nothing of it is lost.")
+        return ""
 
     def send(
         self, message: str, sid: str | None, max_tokens: float = 0, sample: bool = False,
@@ -576,6 +599,7 @@ class WebUI:
                 restore_snapshot(session, entry.undo)
             entry.stop.clear()
             entry.stop_requested_at = entry.stop_latency_s = None
+            entry.notice = None
             entry.undo = take_snapshot(session)
             failure = yield from self._stream(sid, entry, message, options, replaces_last=undo, clear_box=clear_box)
             if failure is not None:
@@ -585,7 +609,10 @@ class WebUI:
                     entry.undo = before[1]
                 yield TurnUpdate(state=sid, chat=chat_window(session), alert=failure.alert)
                 return
-            yield TurnUpdate(state=sid, alert=verdict_alert(_reply_fields(session.last_turn)),
+            alert = verdict_alert(_reply_fields(session.last_turn))
+            if entry.notice:  # kept in memory or in the file, not everywhere yet: say so plainly
+                alert = "\n\n".join(a for a in (alert, self._warn(entry.notice)) if a)
+            yield TurnUpdate(state=sid, alert=alert,
                              status=self.status_line(owner)).with_view(self._view_of(session, colour_by))
 
     def _stream(
@@ -622,6 +649,7 @@ class WebUI:
                     last = now
                 elif ev.kind == "done":
                     finished = True
+                    entry.notice = ev.notice
                     continue
                 shown = [*history, user, *([{"role": "assistant", "content": reply}] if reply else []),
                          {"role": "assistant", "content": info}]
@@ -682,12 +710,12 @@ class WebUI:
             self.engine  # noqa: B018 - raises while loading
         except EngineLoading as exc:
             return (sid, self._warn(str(exc)), *self.view(sid, colour_by, owner))
-        self.registry.release(sid, park=True, owner=owner)
+        note = self._release_for(sid, owner)
         try:
             new = self.registry.create(owner, client)
         except SessionLimit as exc:
             return (None, self._warn(str(exc)), *self.view(None, colour_by, owner))
-        return (new, "", *self.view(new, colour_by, owner))
+        return (new, note, *self.view(new, colour_by, owner))
 
     def recolour(self, sid: str | None, colour_by: str, request: Any = None) -> Any:
         owner, _ = self.who(request)
@@ -751,15 +779,15 @@ class WebUI:
                         *(gr.skip(),) * 6)
         finally:
             _remove_upload(path)
+        note = self._release_for(sid, owner)
         try:
-            self.registry.release(sid, park=True, owner=owner)
             new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *(gr.skip(),) * 6)
         # No pop-up notice: the note says it, and a later refused file replaces the note, so the
         # page never says "Loaded" beside that error.
-        return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns.",
-                *self.view(new, colour_by, owner))
+        return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns."
+                + (f"\n\n{note}" if note else ""), *self.view(new, colour_by, owner))
 
     # -- sessions tab ------------------------------------------------------------
     def _store(self) -> Any:
@@ -852,9 +880,9 @@ class WebUI:
                 session = self.registry.entry(chosen, owner).session
             except (KeyError, EngineLoading, IsagiError) as exc:
                 return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
-            self.registry.release(sid, park=True, owner=owner)
+            left = self._release_for(sid, owner)
             note = (f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({len(session.turns)} turns, "
-                    f"{len(session.memory)} trajectories).")
+                    f"{len(session.memory)} trajectories).") + (f"\n\n{left}" if left else "")
             return (chosen, note, *self.view(chosen, colour_by, owner), gr.Tabs(selected="chat"))
         summary = self._own_summary(chosen, owner)
         if summary is None:
@@ -868,14 +896,16 @@ class WebUI:
         except (IsagiError, EngineLoading) as exc:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
         session.id = chosen
+        left = self._release_for(sid, owner)
         try:
-            self.registry.release(sid, park=True, owner=owner)
             new = self.registry.adopt(session, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *keep[2:])
         note = f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
         if new != chosen:
             note += f" It is open in another browser, so this is a copy with id {new}."
+        if left:
+            note += f"\n\n{left}"
         return (new, note, *self.view(new, colour_by, owner), gr.Tabs(selected="chat"))
 
     def export(self, chosen: str, sid: str | None, fmt: str, request: Any = None) -> tuple[Any, str]:

@@ -18,8 +18,9 @@ persists each turn) and the turn itself, as named stages:
    prefill's KV cache with the streaming reply guard (Stop ends it);
 5. **learn**: an accepted generated reply updates the metric and the memory;
 6. **record**: the :class:`~isagi.turn.Turn` joins the session and is
-   persisted by the engine's ``keep`` callable (history rows + autosave,
-   :class:`isagi.persist.TurnKeeper`), which this module never imports.
+   persisted by the engine's ``keep`` callable (autosave, then history rows,
+   :class:`isagi.persist.TurnKeeper`), which this module never imports; what
+   it could not keep yet comes back as the "done" event's ``notice``.
 
 All model work of a turn is in :func:`_prefill` and :func:`_generate`, on the
 turn's one :class:`_OpenGeneration`.
@@ -67,7 +68,9 @@ __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEv
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
 
-Keep = Callable[..., None]  # keep(session, turn, *, replaces_last=False): persist a finished turn
+# keep(session, turn, *, replaces_last=False) persists a finished turn; it returns None, or a
+# notice for the user when part of it has to wait (a full disk): the turn itself stands.
+Keep = Callable[..., "str | None"]
 
 
 @dataclass
@@ -79,6 +82,7 @@ class TurnEvent:
     tier: str | None = None
     distance: float | None = None
     turn: Turn | None = None
+    notice: str | None = None  # "done" only: what could not be saved yet, in words for the user
 
 
 @dataclass
@@ -313,8 +317,8 @@ class Engine:
         turn.latency_s = time.perf_counter() - started
         turn.metric_growth = session.metric.growth
         turn.asked_at, turn.answered_at = asked_at, time.time()
-        self._record(session, turn, persist=record, replaces_last=replaces_last)
-        yield TurnEvent("done", turn=turn)
+        notice = self._record(session, turn, persist=record, replaces_last=replaces_last)
+        yield TurnEvent("done", turn=turn, notice=notice)
 
     def _turn_locked(
         self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None
@@ -432,13 +436,17 @@ class Engine:
         """Metric update and memory store for a generated, accepted reply; returns its cluster."""
         return _learn(session, p.text, reply, p.x, reply_states, d, p.context_key)
 
-    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces_last: bool) -> None:
-        """The turn joins the session; the engine's ``keep`` persists it (history + autosave)."""
+    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces_last: bool) -> str | None:
+        """The turn joins the session; the engine's ``keep`` persists it (autosave + history).
+
+        Returns ``keep``'s notice (something had to wait, e.g. on a full disk), else None.
+        """
         session.turns.append(turn)
         if session.title is None:
             session.title = turn.user_text[:80]
         if persist and self.keep is not None:
-            self.keep(session, turn, replaces_last=replaces_last)
+            return self.keep(session, turn, replaces_last=replaces_last)
+        return None
 
     # -- without generating --------------------------------------------------------
 

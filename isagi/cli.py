@@ -173,12 +173,16 @@ def chat(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
 ) -> None:
     """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
+    from isagi.datadir import open_data_dir
     from isagi.engines.base import GenerationOptions
     from isagi.session_io import load_session
     from isagi.terminal import chat_loop
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
                          max_new_tokens=max_new_tokens, system_prompt=system)
+    data = open_data_dir(settings)  # an unwritable data directory ends here; alone: the history is repaired
+    for line in data.lines():
+        err.print(f"[dim]{line}[/]", highlight=False)
     engine = _engine(settings)
     if load is not None:
         session = load_session(engine, load, allow_other_model=allow_other_model)
@@ -210,11 +214,15 @@ def web(
     quant: QuantOpt = None,
     device: DeviceOpt = None,
     home: HomeOpt = None,
+    trusted_proxies: Annotated[str | None, typer.Option(
+        "--trusted-proxies", help="comma-separated proxy addresses or networks whose X-Forwarded-For "
+        "is believed (ISAGI_TRUSTED_PROXIES); none by default")] = None,
 ) -> None:
     """Open the browser app on http://HOST:PORT."""
     from app.server import serve
 
-    serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home), host=host, port=port)
+    serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
+                    trusted_proxies=trusted_proxies), host=host, port=port)
 
 
 @app.command()

@@ -6,6 +6,7 @@ override settings through :meth:`Settings.with_overrides`.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -61,12 +62,19 @@ class Settings:
     # login_backoff_s seconds, doubled at each further failure (up to an hour).
     login_max_failures: int = 5
     login_backoff_s: float = 30.0
+    # Reverse proxies (or tunnels) whose X-Forwarded-For the web app believes, as
+    # IP addresses or networks. Empty: no forwarded header is believed, and a
+    # client's address is the address that connected (the per-address caps and
+    # the login back-off key on it).
+    trusted_proxies: tuple[str, ...] = ()
 
     def with_overrides(self, **overrides: object) -> Settings:
         """A copy with every override that is not ``None`` applied and checked."""
         clean = {k: v for k, v in overrides.items() if v is not None}
         if "home" in clean:
             clean["home"] = Path(str(clean["home"])).expanduser()
+        if isinstance(clean.get("trusted_proxies"), str):  # a flag's text, as the variable's
+            clean["trusted_proxies"] = parse_proxies(str(clean["trusted_proxies"]))
         return _validated(replace(self, **clean))
 
     # Derived locations under the data directory.
@@ -127,7 +135,34 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"ISAGI_LOGIN_FAILURES={s.login_max_failures}: allow at least 1 failed login.")
     if not (0 < s.login_backoff_s <= 86_400):
         raise ConfigError(f"ISAGI_LOGIN_BACKOFF_S={s.login_backoff_s}: use a number of seconds from 0 to 86400.")
+    if s.trusted_proxies:
+        s = replace(s, trusted_proxies=tuple(dict.fromkeys(_proxy(e) for e in s.trusted_proxies)))
     return s
+
+
+def _proxy(entry: str) -> str:
+    """One ISAGI_TRUSTED_PROXIES entry, checked and written canonically: an IP address
+    (``127.0.0.1``) or a network (``10.0.0.0/8``; host bits are cleared)."""
+    entry = str(entry).strip()
+    if entry == "*":
+        raise ConfigError(
+            "ISAGI_TRUSTED_PROXIES=*: trusting every address lets any client choose the address "
+            "the app sees; name the proxy's own address, e.g. ISAGI_TRUSTED_PROXIES=127.0.0.1."
+        )
+    try:
+        if "/" in entry:
+            return str(ipaddress.ip_network(entry, strict=False))
+        return str(ipaddress.ip_address(entry))
+    except ValueError:
+        raise ConfigError(
+            f"ISAGI_TRUSTED_PROXIES entry {entry[:60]!r} is not an IP address or network; "
+            "write e.g. 127.0.0.1,10.0.0.0/8 (or --trusted-proxies 127.0.0.1)."
+        ) from None
+
+
+def parse_proxies(spec: str) -> tuple[str, ...]:
+    """``"127.0.0.1, 10.0.0.0/8"`` -> ``("127.0.0.1", "10.0.0.0/8")``; empty entries are dropped."""
+    return tuple(item.strip() for item in spec.split(",") if item.strip())
 
 
 def _float(name: str, value: str) -> float:
@@ -182,6 +217,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["login_max_failures"] = _int("ISAGI_LOGIN_FAILURES", v)
     if v := env.get("ISAGI_LOGIN_BACKOFF_S"):
         values["login_backoff_s"] = _float("ISAGI_LOGIN_BACKOFF_S", v)
+    if v := env.get("ISAGI_TRUSTED_PROXIES"):
+        values["trusted_proxies"] = parse_proxies(v)
     known = {f.name for f in fields(Settings)}
     assert set(values) <= known
     return Settings().with_overrides(**values).with_overrides(**overrides)

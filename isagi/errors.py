@@ -7,6 +7,8 @@ CLI and the web app print the message, never a traceback.
 
 from __future__ import annotations
 
+import errno
+
 
 class IsagiError(Exception):
     """Base class: the message is shown to the user as it is."""
@@ -40,5 +42,42 @@ class PortInUseError(IsagiError):
     """The web app's address is taken by another program."""
 
 
+class DataDirError(StorageError):
+    """The data directory (``ISAGI_HOME``) cannot be written: missing rights, read-only, full."""
+
+
 class MikuError(StorageError):
     """A ``.miku`` file is corrupted, truncated, or not a ``.miku`` file."""
+
+
+# What a failed write says about its cause, by errno and by the database's own words.
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_READ_ONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
+_FULL_WORDS = ("database or disk is full", "no space left", "disk full", "disk quota")
+_READ_ONLY_WORDS = ("read-only file system", "readonly database", "permission denied", "unable to open database")
+
+
+def storage_cause(exc: BaseException) -> str:
+    """Why a save or a history write failed, in words without a path: ``"the disk is full"``,
+    ``"the data directory is read-only"`` or ``"a storage error"``.
+
+    Looks at the errno of every exception in the chain and at the database
+    driver's message (SQLite says "database or disk is full").
+    """
+    seen: BaseException | None = exc
+    text = ""
+    for _ in range(8):
+        if seen is None:
+            break
+        code = getattr(seen, "errno", None)
+        if code in _FULL_ERRNOS:
+            return "the disk is full"
+        if code in _READ_ONLY_ERRNOS:
+            return "the data directory is read-only"
+        text += " " + str(seen).lower()
+        seen = seen.__cause__ or seen.__context__
+    if any(w in text for w in _FULL_WORDS):
+        return "the disk is full"
+    if any(w in text for w in _READ_ONLY_WORDS):
+        return "the data directory is read-only"
+    return "a storage error"

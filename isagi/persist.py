@@ -1,34 +1,79 @@
-"""Where a finished turn is kept: the history store and the session's autosaved file.
+"""Where a finished turn is kept: the session's autosaved file, then the history store.
 
 Owns :class:`TurnKeeper`, the object :class:`isagi.agent.Engine` is given to
 persist each turn (the engine itself imports neither the history store nor
-:mod:`isagi.session_io`, so the two never import each other). For each turn
-it writes the history store's two rows (as the session's owner; the session
-row is created on its first turn, in the same transaction) and then rewrites
-the session's ``.miku`` file, whose path the store is told when it is new to
-it; a Regenerate *replaces* the session's last exchange in the store instead
-of adding one, so the store, the live session and the file always count the
-same turns.
+:mod:`isagi.session_io`, so the two never import each other), and
+:func:`reconcile_history`, the start-up repair that brings the history store
+level with the files.
+
+The ``.miku`` file is the source of truth. It holds the living state (metric,
+memory, basis) and every turn with all its figures, so the history's rows can
+always be rebuilt from it, while the living state can never be rebuilt from
+the history. So a turn is written to the file first (atomically, with all
+turns so far) and only then to the history store, and the history never holds
+a turn the file lacks: a kill between the two leaves the history behind the
+file, never ahead of it, and :func:`reconcile_history` adds what it lacks at
+the next start.
+
+A turn the history store cannot take (a full disk, a read-only database) is
+not lost: it waits in the keeper's backlog, in order, and is written before
+the next turn of that session, by :meth:`TurnKeeper.retry` (which the web
+app's idle reaper calls), or from the file at the next start. A turn whose
+file cannot be written stays in the live session, which the next save writes
+whole; its history rows wait until then. Either way the keeper returns a
+plain notice saying so, and never raises for it: the turn happened and is
+shown. Regenerate *replaces* the session's last exchange in the store, so the
+store, the live session and the file count the same turns.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from isagi.errors import StorageError, storage_cause
 
 if TYPE_CHECKING:
     from isagi.session import Session
     from isagi.turn import Turn
 
+log = logging.getLogger(__name__)
+
 SaveFile = Callable[["Session", Path], None]
+MAX_TRACKED = 4096  # sessions whose history count the keeper remembers (a bound for a long-running server)
+
+
+def _when(cause: str) -> str:
+    if cause == "the disk is full":
+        return "once the disk has room again"
+    if cause == "the data directory is read-only":
+        return "once the data directory is writable again"
+    return "once storage works again (the server log has the details)"
+
+
+@dataclass
+class _Backlog:
+    """One session's exchanges the history store does not hold yet, oldest first."""
+
+    session: Session
+    ops: list[tuple[Turn, bool]] = field(default_factory=list)  # (turn, replaces the last exchange)
+    counted: bool = False  # the store's own count was read, and what it lacked before is in ops
+    filed: bool = True  # the session's file holds every turn in ops (the history may follow)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class TurnKeeper:
-    """Persist a turn: a history row pair (``store``, optional) and the autosave (``save``).
+    """Persist a turn: the autosave (``save``) first, then the history rows (``store``, optional).
 
     ``save(session, path)`` writes the session's file; the engine's default is
-    :func:`isagi.session_io.save_session` bound to the engine.
+    :func:`isagi.session_io.save_session` bound to the engine. Calling the
+    keeper returns ``None`` when everything is kept, else a notice for the
+    user (no server path or URL in it) that says what waits and until when.
     """
 
     def __init__(self, store: Any = None, save: SaveFile | None = None, *, model_id: str = "") -> None:
@@ -36,23 +81,128 @@ class TurnKeeper:
         self.save = save
         self.model_id = model_id
         self._told: dict[tuple[str, str], str] = {}  # (owner, session id) -> the file path the store holds
+        self._backlogs: dict[tuple[str, str], _Backlog] = {}
+        self._guard = threading.Lock()  # protects the two dicts, never held during I/O
 
-    def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> None:
-        owner = session.owner
-        key = (owner, session.id)
-        if self.store is not None:
-            _n, created = self.store.record_exchange(session.id, turn, owner=owner, model_id=self.model_id,
-                                                     title=session.title, replace_last=replaces_last)
-            if created:
-                self._told.pop(key, None)
+    def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> str | None:
+        backlog = self._backlog(session) if self.store is not None else None
+        if backlog is not None:
+            with backlog.lock:
+                backlog.ops.append((turn, replaces_last))
         if self.save is not None and session.miku_path is not None:
-            path = str(session.miku_path)
-            self.save(session, Path(path))
-            if self.store is not None and self._told.get(key) != path:
-                self.store.set_miku_path(session.id, path, owner=owner)
-                if len(self._told) >= 4096:  # a bound for a long-running server; forgetting costs one write
-                    self._told.clear()
-                self._told[key] = path
+            try:
+                self.save(session, Path(str(session.miku_path)))
+            except (StorageError, OSError) as exc:
+                log.warning("could not save session %s to %s: %s", session.id, session.miku_path, exc)
+                if backlog is not None:
+                    backlog.filed = False
+                cause = storage_cause(exc)
+                return (f"This chat could not be saved ({cause}). Its turns are kept in memory and will be "
+                        f"saved, and added to the history, with your next message {_when(cause)}.")
+        return self.saved(session)
+
+    def saved(self, session: Session) -> str | None:
+        """The session's file now holds all its turns: bring the history up to it.
+
+        Called after each turn's save, and by whoever else writes a session's
+        whole file (idle eviction, shutdown). Returns a notice, or None when the
+        history holds every turn.
+        """
+        if self.store is None:
+            return None
+        with self._guard:
+            backlog = self._backlogs.get((session.owner, session.id))
+        if backlog is None:
+            return None
+        backlog.filed = True
+        exc = self._flush(backlog)
+        if exc is None:
+            self._tell_path(session)
+            return None
+        waiting = len(backlog.ops)
+        cause = storage_cause(exc)
+        turns = "This turn is" if waiting == 1 else f"These {waiting} turns are"
+        return (f"The history could not record this turn ({cause}). {turns} kept in the chat's saved "
+                f"file and will be added to the history with your next message, or at the server's next "
+                f"start, {_when(cause)}.")
+
+    def retry(self) -> int:
+        """Write every waiting exchange whose file is written (e.g. once the disk has room again);
+        returns how many exchanges still wait."""
+        with self._guard:
+            backlogs = [b for b in self._backlogs.values() if b.ops and b.filed]
+        for b in backlogs:
+            if self._flush(b) is None:
+                self._tell_path(b.session)
+        with self._guard:
+            return sum(len(b.ops) for b in self._backlogs.values())
+
+    def waiting(self, session: Session) -> int:
+        """How many of ``session``'s exchanges the history store does not hold yet."""
+        with self._guard:
+            backlog = self._backlogs.get((session.owner, session.id))
+        return 0 if backlog is None else len(backlog.ops)
+
+    # -- plumbing ------------------------------------------------------------------
+    def _backlog(self, session: Session) -> _Backlog:
+        key = (session.owner, session.id)
+        with self._guard:
+            backlog = self._backlogs.get(key)
+            if backlog is None or backlog.session is not session:
+                if len(self._backlogs) >= MAX_TRACKED:  # forget the settled ones; forgetting costs one count
+                    for k in [k for k, b in self._backlogs.items() if not b.ops]:
+                        del self._backlogs[k]
+                ops = backlog.ops if backlog is not None else []
+                backlog = _Backlog(session, ops=ops, counted=backlog.counted if backlog is not None else False)
+                self._backlogs[key] = backlog
+            return backlog
+
+    def _flush(self, b: _Backlog) -> StorageError | None:
+        """Write ``b``'s waiting exchanges in order; the first failure stops it and is returned."""
+        session = b.session
+        with b.lock:
+            try:
+                if not b.counted:
+                    # A session new to this keeper: the store may lack more than this turn
+                    # (a loaded file's earlier turns under a fresh id), so the whole
+                    # conversation is what the store must end up holding.
+                    n = self.store.exchange_count(session.id, owner=session.owner)
+                    appended = sum(1 for _, replaces in b.ops if not replaces)
+                    earlier = session.turns[n:max(n, len(session.turns) - appended)]
+                    b.ops[:0] = [(t, False) for t in earlier]
+                    b.counted = True
+                while b.ops:
+                    turn, replaces = b.ops[0]
+                    _n, created = self.store.record_exchange(
+                        session.id, turn, owner=session.owner, model_id=self.model_id,
+                        title=session.title, replace_last=replaces)
+                    b.ops.pop(0)
+                    if created:
+                        with self._guard:
+                            self._told.pop((session.owner, session.id), None)
+            except StorageError as exc:
+                log.warning("history write for session %s failed (%d exchange(s) wait): %s",
+                            session.id, len(b.ops), exc)
+                return exc
+        return None
+
+    def _tell_path(self, session: Session) -> None:
+        """Tell the store where the session's file is, when it is new to it."""
+        if self.store is None or self.save is None or session.miku_path is None:
+            return
+        key, path = (session.owner, session.id), str(session.miku_path)
+        with self._guard:
+            if self._told.get(key) == path:
+                return
+        try:
+            self.store.set_miku_path(session.id, path, owner=session.owner)
+        except StorageError as exc:  # told again after the next turn
+            log.warning("could not record the file of session %s: %s", session.id, exc)
+            return
+        with self._guard:
+            if len(self._told) >= MAX_TRACKED:
+                self._told.clear()
+            self._told[key] = path
 
 
 def default_keeper(engine: Any, store: Any) -> TurnKeeper:
@@ -60,3 +210,112 @@ def default_keeper(engine: Any, store: Any) -> TurnKeeper:
     from isagi.session_io import save_session
 
     return TurnKeeper(store, lambda session, path: save_session(engine, session, path), model_id=engine.lm.model_id)
+
+
+# --------------------------------------------------------------------------- the start-up repair
+
+
+@dataclass
+class Reconciled:
+    """What :func:`reconcile_history` found and did, per session id."""
+
+    checked: int = 0  # session files read (those written after their history's last record)
+    added: dict[str, int] = field(default_factory=dict)  # exchanges added to the history
+    replaced: list[str] = field(default_factory=list)  # last exchange replaced (a Regenerate)
+    history_ahead: dict[str, int] = field(default_factory=dict)  # history rows beyond the file
+    disagree: list[str] = field(default_factory=list)  # differ before their ends: left alone
+    skipped: dict[str, str] = field(default_factory=dict)  # file -> why it was not used
+
+    @property
+    def repaired(self) -> int:
+        return len(self.added) + len(self.replaced)
+
+    def lines(self) -> list[str]:
+        """One line per kind of finding, for the log and the terminal (none: nothing to say)."""
+        out: list[str] = []
+        if self.added:
+            n = sum(self.added.values())
+            out.append(f"start-up check: the history of {len(self.added)} session(s) was behind its saved file "
+                       f"(a save ended early); {n} exchange(s) added from the files: "
+                       + ", ".join(sorted(self.added)))
+        if self.replaced:
+            out.append(f"start-up check: the last exchange of {len(self.replaced)} session(s) replaced from the "
+                       "file (a Regenerate ended early): " + ", ".join(sorted(self.replaced)))
+        if self.history_ahead:
+            out.append(f"start-up check: the history of {len(self.history_ahead)} session(s) holds exchanges its "
+                       "file lacks (written by an older version); kept in the history, not in the living state: "
+                       + ", ".join(f"{k} (+{v})" for k, v in sorted(self.history_ahead.items())))
+        if self.disagree:
+            out.append(f"start-up check: {len(self.disagree)} session(s) differ between history and file before "
+                       "their last exchange; both left as they are: " + ", ".join(sorted(self.disagree)))
+        for name, why in sorted(self.skipped.items()):
+            out.append(f"start-up check: {name} not checked: {why}")
+        return out
+
+
+def reconcile_history(store: Any, sessions_dir: str | Path) -> Reconciled:
+    """Bring the history store level with the autosaved ``.miku`` files (the source of truth).
+
+    Reads only the files written after their session's last history record
+    (or with no history at all): in step, a file is always written before its
+    history rows. For each, the history's exchanges are compared with the
+    file's turns: missing ones are added (a file without a history row gets
+    one, as the owner the file names), a last exchange that differs is
+    replaced (an interrupted Regenerate); anything else is reported and left
+    alone, so nothing is ever deleted. Run only while no other process writes
+    the data directory (:class:`isagi.datadir.DataDir` says whether).
+    """
+    from isagi.ids import is_session_id
+    from isagi.turn import turns_from_messages
+    from storage.miku import read_miku
+
+    report = Reconciled()
+    root = Path(sessions_dir)
+    try:
+        files = sorted(p for p in root.glob("*.miku") if is_session_id(p.stem))
+    except OSError:
+        return report
+    if not files:
+        return report
+    times = store.session_times()
+    for path in files:
+        sid = path.stem
+        known = times.get(sid)
+        with contextlib.suppress(OSError):
+            if known is not None and path.stat().st_mtime <= known[1].timestamp():
+                continue  # written before its history's last record: in step
+        report.checked += 1
+        try:
+            state = read_miku(path)
+        except StorageError as exc:
+            report.skipped[path.name] = f"unreadable ({exc})"
+            continue
+        extra = state.extra
+        if extra.get("session_id") != sid:
+            report.skipped[path.name] = "its session id is not its name"
+            continue
+        owner = known[0] if known is not None else extra.get("owner")
+        if known is not None and extra.get("owner") not in (None, known[0]):
+            report.skipped[path.name] = "its owner differs from the history's"
+            continue
+        if not isinstance(owner, str) or not owner:
+            report.skipped[path.name] = "no history row and no owner in the file (saved by an older version)"
+            continue
+        turns = turns_from_messages(state.conversation)
+        try:
+            outcome, n = store.repair_exchanges(sid, turns, owner=owner, model_id=str(state.header["model_id"]),
+                                                title=extra.get("title") or None)
+            if outcome in ("added", "replaced"):
+                store.set_miku_path(sid, str(path), owner=owner)
+        except StorageError as exc:
+            report.skipped[path.name] = f"the history could not be written ({exc})"
+            continue
+        if outcome == "added":
+            report.added[sid] = n
+        elif outcome == "replaced":
+            report.replaced.append(sid)
+        elif outcome == "history ahead":
+            report.history_ahead[sid] = n
+        elif outcome == "disagree":
+            report.disagree.append(sid)
+    return report

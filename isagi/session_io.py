@@ -194,6 +194,9 @@ def session_state(engine: Engine, session: Session) -> Any:
         "session_id": session.id,
         "created": float(session.created),  # exact; the header holds it to the second
         "title": session.title or "",
+        # Whose it is, for the start-up repair of a history row a kill left unwritten
+        # (isagi.persist.reconcile_history); never read back into a live session.
+        "owner": session.owner,
         "profile_key": engine.profile.key,
         "basis_explained": float(b.explained),
         "metric": {k: v for k, v in metric_state.items() if not isinstance(v, np.ndarray)},

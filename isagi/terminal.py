@@ -89,7 +89,7 @@ def chat_loop(
                 out.print("")  # one reply line per input line, even for an empty one
             continue
         try:
-            turn = _one_turn(engine, session, line, options, interactive=interactive, out=out)
+            turn, notice = _one_turn(engine, session, line, options, interactive=interactive, out=out)
         except InputError as exc:
             err.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
             if not interactive:
@@ -100,6 +100,8 @@ def chat_loop(
                 out.print()
             break
         turns += 1
+        if notice:  # part of the turn could not be saved yet (a full disk): the chat goes on
+            err.print(notice, style="yellow", markup=False, highlight=False, soft_wrap=True)
         if turn.verdict == "cancelled" and interactive:
             err.print("[dim](stopped; Ctrl-C again at the prompt leaves)[/]")
         if verbose:
@@ -109,11 +111,14 @@ def chat_loop(
     return turns
 
 
-def _one_turn(engine: Any, session: Any, line: str, options: Any, *, interactive: bool, out: Any) -> Any:
-    """Run one turn with Ctrl-C as Stop; print the reply as it streams (terminal) or as one line (pipe)."""
+def _one_turn(engine: Any, session: Any, line: str, options: Any, *, interactive: bool,
+              out: Any) -> tuple[Any, str | None]:
+    """Run one turn with Ctrl-C as Stop; print the reply as it streams (terminal) or as one line (pipe).
+
+    Returns the turn and what of it could not be saved yet (the "done" event's notice)."""
     message = engine.check(line)  # an InputError here runs nothing
     stop = threading.Event()
-    turn = None
+    turn, notice = None, None
     if interactive:
         out.print("isagi> ", end="")
     with StopOnInterrupt(stop):
@@ -121,11 +126,11 @@ def _one_turn(engine: Any, session: Any, line: str, options: Any, *, interactive
             if event.kind == "token" and interactive:
                 out.print(event.text, end="", highlight=False, markup=False, soft_wrap=True)
             elif event.kind == "done":
-                turn = event.turn
+                turn, notice = event.turn, event.notice
     assert turn is not None
     if interactive:
         out.print()
     else:
         sys.stdout.write(turn.reply_text.replace("\r", " ").replace("\n", " ").strip() + "\n")
         sys.stdout.flush()
-    return turn
+    return turn, notice

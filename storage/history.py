@@ -49,7 +49,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from isagi.errors import StorageError
+from isagi.errors import StorageError, storage_cause
 from isagi.turn import Turn
 
 T = TypeVar("T")
@@ -317,9 +317,14 @@ class HistoryStore:
         except SQLAlchemyError as exc:
             self.engine.dispose()
             reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            cause = storage_cause(exc)
+            if cause != "a storage error":  # a local file that cannot be written, not a server
+                fix = ("Free some space" if cause == "the disk is full" else
+                       "Make its directory writable, or set ISAGI_HOME (or ISAGI_DATABASE_URL) elsewhere")
+                raise StorageError(f"Cannot write the history database {where} ({cause}: {reason}). {fix}.") from None
             raise StorageError(
                 f"Cannot open the history database {where}: {reason}. "
-                "Check that the server is running and the URL (ISAGI_DATABASE_URL) is right."
+                "Check that the database server is running and the URL (ISAGI_DATABASE_URL) is right."
             ) from None
         except OSError as exc:
             self.engine.dispose()
@@ -513,6 +518,61 @@ class HistoryStore:
         if last is not None:
             db.execute(delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2))
 
+    def repair_exchanges(
+        self, session_id: str, turns: list[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
+    ) -> tuple[str, int]:
+        """Bring ``owner``'s session level with ``turns`` (a session file's, the source of truth),
+        in one transaction, deleting nothing but a last exchange that the file replaced.
+
+        Exchanges are compared by their texts and verdict. Returns what was found:
+        ``("in step", 0)``; ``("added", n)``: the history held a prefix of the
+        file, the n missing exchanges were added (the session row is created if
+        it is missing); ``("replaced", 1)``: only the last exchange differed (an
+        interrupted Regenerate) and was replaced; ``("history ahead", n)``: the
+        history holds n exchanges beyond the file, kept; ``("disagree", i)``: they
+        differ from exchange i + 1 on, left alone.
+        """
+        owner = check_owner(owner)
+
+        def repair(db: Any, created: bool) -> tuple[str, int]:
+            stored = self._exchanges(db, session_id)
+            want = [(t.user_text, t.reply_text, t.verdict) for t in turns]
+            common = 0
+            while common < min(len(stored), len(want)) and stored[common] == want[common]:
+                common += 1
+            if common == len(stored) == len(want):
+                return "in step", 0
+            if common == len(stored):
+                for t in turns[common:]:
+                    self._add_turn(db, session_id, t, owner)
+                return "added", len(want) - common
+            if common == len(want) - 1 == len(stored) - 1:
+                self._drop_last_exchange(db, session_id)
+                self._add_turn(db, session_id, turns[-1], owner)
+                return "replaced", 1
+            if common == len(want):
+                return "history ahead", len(stored) - common
+            return "disagree", common
+
+        return self._write_session("repair a session's history", session_id, owner=owner, model_id=model_id,
+                                   title=title, then=repair)
+
+    @staticmethod
+    def _exchanges(db: Any, session_id: str) -> list[tuple[str, str, str]]:
+        """The session's exchanges as (user text, reply text, verdict), in order (inside a transaction)."""
+        rows = db.execute(
+            select(TurnModel.seq, TurnModel.role, TurnModel.text, TurnModel.verdict)
+            .where(TurnModel.session_id == session_id).order_by(TurnModel.seq)
+        ).all()
+        pairs: dict[int, dict[str, tuple[str, str]]] = {}
+        for seq, role, text, verdict in rows:
+            pairs.setdefault(seq // 2, {})[role] = (text, verdict)
+        out = []
+        for n in sorted(pairs):
+            user, reply = pairs[n].get("user", ("", "ok")), pairs[n].get("assistant", ("", "ok"))
+            out.append((user[0], reply[0], reply[1]))
+        return out
+
     def set_miku_path(self, session_id: str, path: str | Path | None, *, owner: str) -> None:
         """Remember where ``owner``'s session's ``.miku`` file is (None forgets it)."""
         owner = check_owner(owner)
@@ -579,6 +639,22 @@ class HistoryStore:
                 .where(TurnModel.session_id == session_id, TurnModel.role == "user")
             ).scalar_one()
             return self._summary(s, n)
+
+    def exchange_count(self, session_id: str, *, owner: str) -> int:
+        """How many exchanges ``owner``'s session holds (0: none, no such session, or another owner's)."""
+        owner = check_owner(owner)
+        with self._tx("read a session") as db:
+            return int(db.execute(
+                select(func.count()).select_from(TurnModel)
+                .where(TurnModel.session_id == session_id, TurnModel.owner == owner, TurnModel.role == "user")
+            ).scalar_one())
+
+    def session_times(self) -> dict[str, tuple[str, _dt.datetime]]:
+        """Every session's (owner, last update), of all owners: for the server's start-up check
+        (:func:`isagi.persist.reconcile_history`), never for an answer to a user."""
+        with self._tx("list sessions") as db:
+            return {sid: (owner, _utc(t)) for sid, owner, t in
+                    db.execute(select(SessionModel.id, SessionModel.owner, SessionModel.updated_at)).all()}
 
     def get_turns(self, session_id: str, *, owner: str) -> list[TurnRow]:
         """All stored messages of ``owner``'s session in order; StorageError when unknown."""

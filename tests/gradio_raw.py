@@ -12,11 +12,13 @@ from typing import Any
 class RawGradio:
     """What an attacker with a login has: HTTP calls to the queue and the API by ``fn_index``."""
 
-    def __init__(self, http: Any, user: str, password: str) -> None:
-        """``http``: an httpx-compatible client on the app's root (its own cookies)."""
+    def __init__(self, http: Any, user: str | None, password: str = "") -> None:
+        """``http``: an httpx-compatible client on the app's root (its own cookies);
+        ``user=None``: an app without a login."""
         self.http = http
-        r = self.http.post("login", data={"username": user, "password": password})
-        assert r.status_code == 200, r.text
+        if user is not None:
+            r = self.http.post("login", data={"username": user, "password": password})
+            assert r.status_code == 200, r.text
         self.config = self.http.get("config").json()
         self.components = {c["id"]: c for c in self.config["components"]}
 

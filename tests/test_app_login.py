@@ -1,6 +1,6 @@
 """Login throttling (per user name and per client address, with a growing
 back-off), constant-time password checks, the reserved owner name, and what
-the server cleans at start: stale temp files of killed saves. The upload limit
+the server cleans at start: temp files of killed saves. The upload limit
 is the .miku reader's own limit. A fake engine; FastAPI's test client."""
 
 from __future__ import annotations
@@ -98,7 +98,12 @@ def test_login_throttled_per_client_address_with_a_clear_message(tmp_path):
     assert user_backoff.wait_s("alice") > 0 and user_backoff.wait_s("bob") == 0
 
 
-def test_start_removes_stale_temp_files_of_killed_saves(tmp_path):
+def test_start_removes_the_temp_files_of_killed_saves(tmp_path):
+    """Alone on its data directory, a starting server removes every temporary file of a
+    killed save, however young (no save can be in progress); with another ISAGI process
+    on it (its lock held), only those untouched for a minute."""
+    import fcntl
+
     from fastapi.testclient import TestClient
 
     settings = load_settings(environ={}, home=tmp_path)
@@ -107,13 +112,24 @@ def test_start_removes_stale_temp_files_of_killed_saves(tmp_path):
     stale = sessions / ".0123456789ab.miku.k2j3h4.tmp"
     fresh = sessions / ".0123456789ab.miku.zz9911.tmp"
     kept = sessions / "0123456789ab.miku"
-    for p in (stale, fresh, kept):
-        p.write_bytes(b"x")
-    old = time.time() - 600
-    os.utime(stale, (old, old))
+
+    def leave() -> None:
+        for p in (stale, fresh, kept):
+            p.write_bytes(b"x")
+        old = time.time() - 600
+        os.utime(stale, (old, old))
+
+    leave()
     with TestClient(create_app(engine_for(settings), settings)):
-        assert not stale.exists()
-        assert fresh.exists() and kept.exists()  # a save in progress elsewhere, and a real file
+        assert not stale.exists() and not fresh.exists()
+        assert kept.exists()  # a session file is never touched
+    leave()
+    with open(tmp_path / ".lock", "ab") as other:  # another ISAGI process on this data directory
+        fcntl.flock(other, fcntl.LOCK_SH)
+        with TestClient(create_app(engine_for(settings), settings)) as client:
+            assert not stale.exists()
+            assert fresh.exists() and kept.exists()  # perhaps the other process's save in progress
+            assert client.app.state.isagi_data_dir.alone is False
 
 
 def test_upload_limit_is_the_miku_readers_limit(tmp_path):

@@ -158,4 +158,9 @@ def test_import_legacy_then_chat_with_the_imported_session(tmp_path: Path, monke
     assert [t.user_text for t in session.turns] == [m["content"] for m in doc["conversation"] if m["role"] == "user"] + [WATER]
     assert session.turns[-1].verdict == "ok" and session.turns[-1].distance is not None
     store = HistoryStore(load_settings(environ={}, home=tmp_path / "home").resolved_database_url)
-    assert [s.turns for s in store.list_sessions(owner="local")] == [1]
+    # the history holds the session's whole conversation, as its file does: the imported
+    # turns are recorded with the first new one
+    [summary] = store.list_sessions(owner="local")
+    assert summary.turns == len(session.turns)
+    assert [t.text for t in store.get_turns(summary.id, owner="local") if t.role == "user"] == \
+        [t.user_text for t in session.turns]

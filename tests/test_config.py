@@ -34,3 +34,13 @@ def test_default_database_is_sqlite_in_home(tmp_path: Path) -> None:
 def test_bad_settings_say_what_to_do(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_settings(env)
+
+
+def test_trusted_proxies_are_addresses_or_networks_written_canonically(tmp_path: Path) -> None:
+    s = load_settings({"ISAGI_TRUSTED_PROXIES": " 127.0.0.1, 10.1.2.3/8,::1, 127.0.0.1"})
+    assert s.trusted_proxies == ("127.0.0.1", "10.0.0.0/8", "::1")  # uvicorn reads 10.1.2.3/8 as no network
+    assert load_settings({}).trusted_proxies == ()
+    assert load_settings({}, trusted_proxies="192.168.0.1").trusted_proxies == ("192.168.0.1",)  # the flag
+    for bad in ("proxy.example", "1.2.3.4/99", "*"):
+        with pytest.raises(ConfigError, match="ISAGI_TRUSTED_PROXIES"):
+            load_settings({"ISAGI_TRUSTED_PROXIES": bad})

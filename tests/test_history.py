@@ -388,3 +388,28 @@ def test_record_exchange_creates_the_session_once_and_replaces_in_one_call(store
     with pytest.raises(StorageError, match="not found|No session"):
         store.record_exchange("s1", rec(5), owner="bob", model_id="m")
     assert len(store.get_turns("s1", owner="ann")) == 4
+
+
+def test_repair_exchanges_brings_the_history_level_with_a_file_and_deletes_nothing_else(store):
+    """The start-up repair's store half, on SQLite and PostgreSQL: a prefix is completed,
+    a differing last exchange replaced, a longer history kept, an early difference left."""
+    def turns(*pairs):
+        return [TurnRecord(user_text=u, reply_text=r) for u, r in pairs]
+
+    file = turns(("q1", "a1"), ("q2", "a2"), ("q3", "a3"))
+    assert store.exchange_count("s1", owner="alice") == 0
+    assert store.repair_exchanges("s1", file, owner="alice", model_id="m") == ("added", 3)  # row created
+    assert store.get_session("s1", owner="alice").turns == 3 and "s1" in store.session_times()
+    assert store.session_times()["s1"][0] == "alice"
+    assert store.repair_exchanges("s1", file, owner="alice", model_id="m") == ("in step", 0)
+    more = file + turns(("q4", "a4"))
+    assert store.repair_exchanges("s1", more, owner="alice", model_id="m") == ("added", 1)
+    regen = file + turns(("q4", "another a4"))
+    assert store.repair_exchanges("s1", regen, owner="alice", model_id="m") == ("replaced", 1)
+    assert [t.text for t in store.get_turns("s1", owner="alice")][-2:] == ["q4", "another a4"]
+    assert store.repair_exchanges("s1", file, owner="alice", model_id="m") == ("history ahead", 1)
+    assert store.repair_exchanges("s1", turns(("x", "y")), owner="alice", model_id="m") == ("disagree", 0)
+    assert store.exchange_count("s1", owner="alice") == 4  # nothing was deleted by the last two
+    assert store.exchange_count("s1", owner="bob") == 0
+    with pytest.raises(StorageError):  # another owner's session is "not found", never written
+        store.repair_exchanges("s1", more, owner="bob", model_id="m")

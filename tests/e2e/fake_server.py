@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from app.server import create_app
+    from app.server import create_app, uvicorn_options
     from isagi.config import load_settings
     from tests.tiny_engine import tiny_engine
 
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         _slow_down_page_load(args.slow_load)
     app = create_app(engine, engine.settings)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                    **uvicorn_options(env))
     finally:
         if engine.store is not None:
             engine.store.close()
