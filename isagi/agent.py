@@ -61,6 +61,7 @@ from isagi.sameness import content_key
 from isagi.session import PROMPT_STATE_CACHE, Session
 from isagi.turn import Message, Turn
 from isagi.ugt import Basis, project, route
+from isagi.window import window_start
 
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
@@ -220,11 +221,10 @@ class Engine:
     def _prompt(
         self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True
     ) -> list[dict[str, str]]:
-        """The chat for the model: system prompt, a related exchange (AUGMENT), history, message.
+        """The chat for the model: system prompt, history, a related exchange (AUGMENT), message.
 
-        History is the most recent accepted exchanges that fit :attr:`prompt_budget`
-        with everything else (whole exchanges, dropped oldest first); older turns stay
-        in the session, only not in the prompt.
+        History is the window of :meth:`fitting_history`; older turns stay in the
+        session, only not in the prompt.
         """
         if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
             related = None  # the related exchange does not fit beside the message: answer without it
@@ -240,27 +240,54 @@ class Engine:
     ) -> list[dict[str, str]]:
         return prompt_messages(self.settings.system_prompt, text, related, history)
 
+    def history_window(self, session: Session, text: str) -> tuple[int, list[list[dict[str, str]]]]:
+        """(the window's start, every accepted exchange of ``session`` oldest first) for a turn
+        asking ``text``: the exchanges from the start on are the prompt's history.
+
+        The one place the history is fitted to :attr:`prompt_budget`: the block rule of
+        :func:`isagi.window.window_start`, replayed over the session's exchanges with each
+        turn's own message, so the start depends on the session's turns and ``text`` alone.
+        """
+        exchanges = session.exchanges()
+        if not exchanges:
+            return 0, []
+        counts = [self._exchange_tokens(session, user["content"], reply["content"]) for user, reply in exchanges]
+        budget = self.prompt_budget
+        # the turn after exchange i asked exchange i+1's message; the turn now asks ``text``
+        asked = [n for _cost, n in counts[1:]] + [self.prompt_tokens(self._prompt_messages(text, None, []))]
+        start = window_start([cost for cost, _n in counts], [budget - n for n in asked])
+        return start, exchanges
+
     def fitting_history(
         self, session: Session, text: str, related: dict[str, Any] | None = None
     ) -> list[dict[str, str]]:
-        """The newest exchanges of ``session`` that fit the budget beside the rest of the prompt."""
-        base = self._prompt_messages(text, related, [])
-        left = self.prompt_budget - self.prompt_tokens(base)
-        bare = self.prompt_tokens([base[0], base[-1]])
-        kept: list[list[dict[str, str]]] = []
-        for exchange in session.recent_exchanges():
-            # An exchange's cost in the template: the same chat with and without it.
-            cost = self.prompt_tokens([base[0], *exchange, base[-1]]) - bare
-            if cost > left:
-                break
-            left -= cost
-            kept.append(exchange)
-        history = [m for exchange in reversed(kept) for m in exchange]
-        # Per-exchange costs add up exactly for concatenating templates; check the whole.
+        """The exchanges of the history window (:meth:`history_window`) as chat messages.
+
+        The window's exchange costs add up exactly for concatenating templates; the whole
+        prompt is checked, and when it is over the budget all the same (another template, or
+        a ``related`` exchange beside the history) the oldest exchanges of the window give way
+        for this prompt only: the window's start does not move.
+        """
+        start, exchanges = self.history_window(session, text)
+        kept = exchanges[start:]
+        history = [m for exchange in kept for m in exchange]
         while kept and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
-            kept.pop()
-            history = [m for exchange in reversed(kept) for m in exchange]
+            kept = kept[1:]
+            history = [m for exchange in kept for m in exchange]
         return history
+
+    def _exchange_tokens(self, session: Session, user: str, reply: str) -> tuple[int, int]:
+        """(tokens the exchange adds to a prompt, tokens of the prompt asking ``user`` alone),
+        counted once per session (:attr:`Session.token_counts`)."""
+        system = self.settings.system_prompt
+        key = (system, user, reply)
+        got = session.token_counts.get(key)
+        if got is None:
+            asked = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            alone = self.prompt_tokens(asked)
+            with_exchange = self.prompt_tokens([asked[0], *asked[1:], {"role": "assistant", "content": reply}, asked[1]])
+            got = session.token_counts[key] = (with_exchange - alone, alone)
+        return got
 
     # -- the turn ---------------------------------------------------------------
 
