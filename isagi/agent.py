@@ -449,7 +449,8 @@ class Engine:
             if history is None:
                 history = self.fitting_history(session, text)
             prompt = self._prompt_messages(text, None, history) if history else None
-        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop))
+        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop,
+                                     context_shift=self.settings.context_shift))
 
     def _learn(
         self, session: Session, p: Prepared, reply: str, reply_states: np.ndarray, d: Decision
@@ -623,8 +624,13 @@ def _generate(
     messages: list[dict[str, str]] | None,
     guard: Any,
     stop: threading.Event | None,
+    *,
+    context_shift: bool = False,
 ) -> Iterator[TurnEvent]:
     """Decode a reply (from ``messages``, or the prompt already open), yielding its text deltas.
+
+    ``context_shift``: the prompt's history may come from a saved KV cache with the exchanges the
+    history window dropped cut out of it (see ``ModelEngine.generation``).
 
     The reply guard (:class:`isagi.safety.ReplyGuard`) checks the newest reply
     states every ``guard.every`` tokens and at the end; over its threshold the
@@ -633,7 +639,8 @@ def _generate(
     """
     # A prompt other than the lookup one (history, a related exchange) is only decoded from:
     # the engine may reuse the KV cache of an earlier turn's prompt and reply that it extends.
-    gen = slot.open(messages, reuse_prefix=REUSE_ANY) if messages is not None else slot.current
+    gen = slot.open(messages, reuse_prefix=REUSE_ANY, context_shift=context_shift) if messages is not None \
+        else slot.current
     assert gen is not None
     layer = guard.profile.layer
     teh_reply: float | None = None
@@ -668,10 +675,12 @@ class _OpenGeneration:
         self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
-    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False) -> Decoding:
+    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False,
+             context_shift: bool = False) -> Decoding:
         self.close()
         self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture,
-                                          reuse_prefix=reuse_prefix, states_only=states_only)
+                                          reuse_prefix=reuse_prefix, states_only=states_only,
+                                          context_shift=context_shift)
         self.current.__enter__()
         self.messages = messages
         return self.current
