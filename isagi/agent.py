@@ -62,6 +62,7 @@ from isagi.sameness import content_key
 from isagi.session import PROMPT_STATE_CACHE, Session
 from isagi.turn import Message, Turn
 from isagi.ugt import Basis, project, route
+from isagi.window import window_start
 
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
@@ -224,11 +225,10 @@ class Engine:
     def _prompt(
         self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True
     ) -> list[dict[str, str]]:
-        """The chat for the model: system prompt, a related exchange (AUGMENT), history, message.
+        """The chat for the model: system prompt, history, a related exchange (AUGMENT), message.
 
-        History is the most recent accepted exchanges that fit :attr:`prompt_budget`
-        with everything else (whole exchanges, dropped oldest first); older turns stay
-        in the session, only not in the prompt.
+        History is the window of :meth:`fitting_history`; older turns stay in the
+        session, only not in the prompt.
         """
         if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
             related = None  # the related exchange does not fit beside the message: answer without it
@@ -244,27 +244,54 @@ class Engine:
     ) -> list[dict[str, str]]:
         return prompt_messages(self.settings.system_prompt, text, related, history)
 
+    def history_window(self, session: Session, text: str) -> tuple[int, list[list[dict[str, str]]]]:
+        """(the window's start, every accepted exchange of ``session`` oldest first) for a turn
+        asking ``text``: the exchanges from the start on are the prompt's history.
+
+        The one place the history is fitted to :attr:`prompt_budget`: the block rule of
+        :func:`isagi.window.window_start`, replayed over the session's exchanges with each
+        turn's own message, so the start depends on the session's turns and ``text`` alone.
+        """
+        exchanges = session.exchanges()
+        if not exchanges:
+            return 0, []
+        counts = [self._exchange_tokens(session, user["content"], reply["content"]) for user, reply in exchanges]
+        budget = self.prompt_budget
+        # the turn after exchange i asked exchange i+1's message; the turn now asks ``text``
+        asked = [n for _cost, n in counts[1:]] + [self.prompt_tokens(self._prompt_messages(text, None, []))]
+        start = window_start([cost for cost, _n in counts], [budget - n for n in asked])
+        return start, exchanges
+
     def fitting_history(
         self, session: Session, text: str, related: dict[str, Any] | None = None
     ) -> list[dict[str, str]]:
-        """The newest exchanges of ``session`` that fit the budget beside the rest of the prompt."""
-        base = self._prompt_messages(text, related, [])
-        left = self.prompt_budget - self.prompt_tokens(base)
-        bare = self.prompt_tokens([base[0], base[-1]])
-        kept: list[list[dict[str, str]]] = []
-        for exchange in session.recent_exchanges():
-            # An exchange's cost in the template: the same chat with and without it.
-            cost = self.prompt_tokens([base[0], *exchange, base[-1]]) - bare
-            if cost > left:
-                break
-            left -= cost
-            kept.append(exchange)
-        history = [m for exchange in reversed(kept) for m in exchange]
-        # Per-exchange costs add up exactly for concatenating templates; check the whole.
+        """The exchanges of the history window (:meth:`history_window`) as chat messages.
+
+        The window's exchange costs add up exactly for concatenating templates; the whole
+        prompt is checked, and when it is over the budget all the same (another template, or
+        a ``related`` exchange beside the history) the oldest exchanges of the window give way
+        for this prompt only: the window's start does not move.
+        """
+        start, exchanges = self.history_window(session, text)
+        kept = exchanges[start:]
+        history = [m for exchange in kept for m in exchange]
         while kept and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
-            kept.pop()
-            history = [m for exchange in reversed(kept) for m in exchange]
+            kept = kept[1:]
+            history = [m for exchange in kept for m in exchange]
         return history
+
+    def _exchange_tokens(self, session: Session, user: str, reply: str) -> tuple[int, int]:
+        """(tokens the exchange adds to a prompt, tokens of the prompt asking ``user`` alone),
+        counted once per session (:attr:`Session.token_counts`)."""
+        system = self.settings.system_prompt
+        key = (system, user, reply)
+        got = session.token_counts.get(key)
+        if got is None:
+            asked = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            alone = self.prompt_tokens(asked)
+            with_exchange = self.prompt_tokens([asked[0], *asked[1:], {"role": "assistant", "content": reply}, asked[1]])
+            got = session.token_counts[key] = (with_exchange - alone, alone)
+        return got
 
     # -- the turn ---------------------------------------------------------------
 
@@ -428,7 +455,8 @@ class Engine:
             if history is None:
                 history = self.fitting_history(session, text)
             prompt = self._prompt_messages(text, None, history) if history else None
-        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop))
+        return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop,
+                                     context_shift=self.settings.context_shift))
 
     def _learn(
         self, session: Session, p: Prepared, reply: str, reply_states: np.ndarray, d: Decision
@@ -606,8 +634,13 @@ def _generate(
     messages: list[dict[str, str]] | None,
     guard: Any,
     stop: threading.Event | None,
+    *,
+    context_shift: bool = False,
 ) -> Iterator[TurnEvent]:
     """Decode a reply (from ``messages``, or the prompt already open), yielding its text deltas.
+
+    ``context_shift``: the prompt's history may come from a saved KV cache with the exchanges the
+    history window dropped cut out of it (see ``ModelEngine.generation``).
 
     The reply guard (:class:`isagi.safety.ReplyGuard`) checks the newest reply
     states every ``guard.every`` tokens and at the end; over its threshold the
@@ -616,7 +649,8 @@ def _generate(
     """
     # A prompt other than the lookup one (history, a related exchange) is only decoded from:
     # the engine may reuse the KV cache of an earlier turn's prompt and reply that it extends.
-    gen = slot.open(messages, reuse_prefix=REUSE_ANY) if messages is not None else slot.current
+    gen = slot.open(messages, reuse_prefix=REUSE_ANY, context_shift=context_shift) if messages is not None \
+        else slot.current
     assert gen is not None
     layer = guard.profile.layer
     teh_reply: float | None = None
@@ -651,10 +685,12 @@ class _OpenGeneration:
         self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
-    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False) -> Decoding:
+    def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False,
+             context_shift: bool = False) -> Decoding:
         self.close()
         self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture,
-                                          reuse_prefix=reuse_prefix, states_only=states_only)
+                                          reuse_prefix=reuse_prefix, states_only=states_only,
+                                          context_shift=context_shift)
         self.current.__enter__()
         self.messages = messages
         return self.current

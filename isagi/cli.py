@@ -440,11 +440,23 @@ def bench_generate(model: ModelOpt = None, backend: BackendOpt = None, device: D
 
 @bench_app.command("turn")
 @friendly
-def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 9, as_json: JsonOpt = False) -> None:
-    """A full turn vs plain generation of the same reply; RETRIEVE vs a generated turn."""
+def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, new_tokens: int = 64, repeats: int = 9,
+               history: Annotated[str | None, typer.Option(
+                   "--history", help="earlier exchanges in the session, e.g. 10,100,1000: turn times late in long "
+                                     "sessions instead, with ratios to the smallest")] = None,
+               turns: Annotated[int, typer.Option("--turns", help="with --history: new turns timed per session")] = 16,
+               as_json: JsonOpt = False) -> None:
+    """A full turn vs plain generation of the same reply; RETRIEVE vs a generated turn (or, with
+    --history, a turn's cost after many earlier exchanges)."""
+    settings = _settings(model=model, backend=backend, home=home)
+    if history is not None:
+        from isagi.bench.turn import run_history
+
+        _report(run_history(settings, _count_list(history, "--history"), new_tokens=new_tokens, turns=turns), as_json)
+        return
     from isagi.bench.turn import run
 
-    _report(run(_settings(model=model, backend=backend, home=home), new_tokens=new_tokens, repeats=repeats), as_json)
+    _report(run(settings, new_tokens=new_tokens, repeats=repeats), as_json)
 
 
 @bench_app.command("lookup")
@@ -544,6 +556,18 @@ def eval_safety(harmful: Annotated[Path | None, typer.Option("--harmful")] = Non
         return
     _report(run(engine.lm, engine.profile.safety, system_prompt=settings.system_prompt, benchmarks_dir=benchmarks,
                 harmful=harmful, benign=benign, method=method), as_json)
+
+
+def _count_list(text: str, option: str) -> list[int]:
+    from isagi.errors import InputError
+
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise InputError(f"{option} {text!r}: give whole numbers of 0 or more separated by commas, e.g. 10,100,1000.")
+    return counts
 
 
 def _layer_list(text: str, option: str) -> list[int]:

@@ -50,6 +50,9 @@ class Settings:
     # prompt took 27 s per turn, ~2,000 tokens keep a turn to a few seconds. Capped
     # at the model's context minus max_new_tokens (Engine.prompt_budget).
     prompt_token_budget: int = 2048
+    # llama.cpp: when the history window drops old exchanges, reuse the previous turn's KV cache
+    # with them cut out (a context shift) instead of evaluating the kept history again.
+    context_shift: bool = True
     auth: str | None = None  # "user:pass,user2:pass2" for the web app
     # Live sessions the web app keeps at once: per client (each client address,
     # and each logged-in user) and overall. A session is made only for a valid
@@ -165,6 +168,15 @@ def parse_proxies(spec: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in spec.split(",") if item.strip())
 
 
+def _switch(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r} is not a switch; set it to 1 (on) or 0 (off).")
+
+
 def _float(name: str, value: str) -> float:
     try:
         f = float(value)
@@ -207,6 +219,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["max_message_tokens"] = _int("ISAGI_MAX_MESSAGE_TOKENS", v)
     if v := env.get("ISAGI_PROMPT_TOKENS"):
         values["prompt_token_budget"] = _int("ISAGI_PROMPT_TOKENS", v)
+    if v := env.get("ISAGI_CONTEXT_SHIFT"):
+        values["context_shift"] = _switch("ISAGI_CONTEXT_SHIFT", v)
     if v := env.get("ISAGI_AUTH"):
         values["auth"] = v
     if v := env.get("ISAGI_MAX_SESSIONS_PER_CLIENT"):

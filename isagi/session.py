@@ -49,6 +49,10 @@ class Session:
     prompt_states: OrderedDict[str, tuple[np.ndarray, np.ndarray]] = field(
         default_factory=OrderedDict, repr=False, compare=False
     )
+    # Token counts of exchanges in the prompt, keyed by (system prompt, message, reply), for the
+    # history window (isagi.agent.Engine.history_window): each exchange is counted once, not at
+    # every turn. Derived data: never saved.
+    token_counts: dict[tuple[str, str, str], tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     def cached_states(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
         states = self.prompt_states.get(key)
@@ -85,6 +89,14 @@ class Session:
                     {"role": "user", "content": t.user_text},
                     {"role": "assistant", "content": t.reply_text},
                 ]
+
+    def exchanges(self) -> list[list[dict[str, str]]]:
+        """Every exchange that may enter a prompt (see :meth:`recent_exchanges`), oldest first."""
+        return [
+            [{"role": "user", "content": t.user_text}, {"role": "assistant", "content": t.reply_text}]
+            for t in self.turns
+            if t.accepted
+        ]
 
     def chat_history(self) -> list[dict[str, str]]:
         """Every accepted earlier exchange as chat messages, oldest first (no budget)."""

@@ -30,6 +30,7 @@ def test_default_database_is_sqlite_in_home(tmp_path: Path) -> None:
     ({"ISAGI_K": "sixty"}, "whole number"),
     ({"ISAGI_LAYER": "0"}, "layer"),
     ({"ISAGI_DEVICE": "tpu"}, "auto"),
+    ({"ISAGI_CONTEXT_SHIFT": "maybe"}, "1 \\(on\\) or 0 \\(off\\)"),
 ])
 def test_bad_settings_say_what_to_do(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -44,3 +45,7 @@ def test_trusted_proxies_are_addresses_or_networks_written_canonically(tmp_path:
     for bad in ("proxy.example", "1.2.3.4/99", "*"):
         with pytest.raises(ConfigError, match="ISAGI_TRUSTED_PROXIES"):
             load_settings({"ISAGI_TRUSTED_PROXIES": bad})
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), ("TRUE", True)])
+def test_the_context_shift_is_a_switch(value: str, on: bool) -> None:
+    assert load_settings({}).context_shift is True
+    assert load_settings({"ISAGI_CONTEXT_SHIFT": value}).context_shift is on

@@ -18,7 +18,7 @@ from isagi.agent import Engine, Session, clean_message
 from isagi.config import load_settings
 from isagi.errors import ConfigError, InputError
 from isagi.model import LoadedModel
-from isagi.turn import Turn, turns_from_messages
+from isagi.turn import Turn, turns_from_messages, turns_to_messages
 
 CONTEXT = 512
 
@@ -121,10 +121,52 @@ def test_history_beyond_the_budget_is_dropped_oldest_first_whole_exchanges(tmp_p
     assert len(history) % 2 == 0 and 0 < len(history) < len(full)
     assert history == full[len(full) - len(history):], "the kept history is the newest whole exchanges"
     assert [m["role"] for m in history] == ["user", "assistant"] * (len(history) // 2)
-    # One more (older) exchange would not have fitted.
-    older = full[len(full) - len(history) - 2:]
-    assert engine.prompt_tokens(engine._prompt_messages("new question", None, older)) > 200
     assert prompt[0]["role"] == "system" and prompt[-1] == {"role": "user", "content": "new question"}
+
+
+def _grow(engine: Engine, s: Session, turns: int) -> list[list[dict[str, str]]]:
+    """The prompts of ``turns`` more turns, each answered with a short reply that joins ``s``."""
+    prompts = []
+    for i in range(turns):
+        question = f"{i} + {i}?"
+        prompts.append(engine._prompt(s, question, None))
+        s.turns.append(Turn(user_text=question, reply_text=f"{2 * i}.", verdict="ok"))
+    return prompts
+
+
+def test_between_drops_each_prompt_extends_the_last_one_and_drops_come_in_blocks(tmp_path: Any) -> None:
+    """What lets the saved KV cache cover a turn's prompt: it starts with the previous prompt and reply."""
+    engine = _engine(tmp_path, prompt_token_budget=400, max_message_tokens=60, max_new_tokens=16)
+    s = _session([])
+    prompts = _grow(engine, s, 80)
+    drops = 0
+    for i, (before, after) in enumerate(zip(prompts, prompts[1:], strict=False)):
+        assert engine.prompt_tokens(after) <= 400
+        asked, answered = before[-1], {"role": "assistant", "content": s.turns[i].reply_text}
+        if after[: len(before) + 1] == [*before, answered]:
+            continue  # the previous prompt, its reply, then the new message: only those are new
+        drops += 1
+        assert after[0] == before[0] and after[-3] == asked, "a drop keeps the system prompt and the newest"
+        kept = engine.prompt_tokens(after) - engine.prompt_tokens([after[0], after[-1]])
+        assert kept <= 0.5 * (400 - engine.prompt_tokens([after[0], after[-1]])), "a drop frees half the room"
+    assert 2 <= drops <= 80 // 6, "the window moves in blocks, not one exchange per turn"
+
+
+def test_the_window_is_the_same_after_save_and_load_and_for_a_regenerated_turn(tmp_path: Any) -> None:
+    engine = _engine(tmp_path, prompt_token_budget=400, max_message_tokens=60, max_new_tokens=16)
+    s = _session([])
+    prompts = _grow(engine, s, 45)
+    live = engine._prompt(s, "And the next one?", None)
+    loaded = Session(id="s", basis=None, metric=None, memory=None,  # type: ignore[arg-type]
+                     turns=turns_from_messages(turns_to_messages(s.turns)))
+    assert engine._prompt(loaded, "And the next one?", None) == live, "a loaded session: the same window"
+    # Regenerate undoes the last turn and asks it again: the window it had when first asked
+    last = s.turns.pop()
+    assert engine._prompt(s, last.user_text, None) == prompts[-1]
+    s.turns.append(last)
+    # refused and stopped turns between exchanges change nothing
+    s.turns.insert(10, Turn(user_text="stopped story", reply_text="Once upon", verdict="cancelled"))
+    assert engine._prompt(s, "And the next one?", None) == live
 
 
 def test_the_newest_exchange_is_kept_when_it_fits_and_skipped_when_it_cannot(tmp_path: Any) -> None:

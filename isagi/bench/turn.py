@@ -15,6 +15,19 @@ before it (pairs drift together on a shared machine), ``turn_ratio_range`` their
 the time spent computing TEH (the prompt's safety state, the mean over the
 message's tokens, and its TEH, plus the streaming reply checks, replayed on
 the turn's own hidden states) over ``turn_s``.
+
+With ``--history N[,N...]`` (:func:`run_history`) it measures instead what a
+turn costs late in a long session: one session per N holding N earlier
+exchanges (short question-and-answer exchanges, stored as accepted turns so
+the prompt's history window really holds them; their replies are written, not
+generated), then ``turns`` new questions asked in each session in turn (no
+question repeats, so none is RETRIEVEd), timed as whole turns with the history
+row and the ``.miku`` autosave. The first new turn of each session has no
+saved KV cache to start from (as after loading a session) and is reported
+apart (``first_turn_s``); the rest are the steady state, turns on which the
+history window drops a block of old exchanges among them, so the median,
+mean and max together show the amortised cost. ``ratios`` are each N's
+figures over the smallest N's.
 """
 
 from __future__ import annotations
@@ -121,6 +134,150 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[s
         "retrieve_prefill_speedup": round(med(turn_t) / med(ret_u), 1),
         "teh_s": round(teh_s, 5),
         "teh_share": round(teh_s / med(turn_t), 5),
+    }
+
+
+# Earlier exchanges of a long session: short questions and written replies of a realistic length.
+_HISTORY = (
+    ("What is {a} times {b}?",
+     "{a} times {b} is {ab}. You can check it by adding {a} to itself {b} times, which gives the same number."),
+    ("How many minutes are there in {a} hours?",
+     "There are {a60} minutes in {a} hours: every hour has 60 minutes, and {a} times 60 is {a60}."),
+    ("Can you suggest a name for a cat that is {a} weeks old?",
+     "A kitten of {a} weeks could be called Pepper, Miso or Biscuit. Short names with two syllables are easy "
+     "for a cat to learn, so pick the one you like saying most."),
+    ("Give me one tip for a {a}-minute workout.",
+     "In {a} minutes you can do a full circuit: squats, push-ups and lunges, 40 seconds each with 20 seconds of "
+     "rest, repeated as often as the time allows. Warm up for the first two minutes."),
+    ("How far does light travel in {a} seconds?",
+     "Light travels about 300,000 kilometres every second, so in {a} seconds it covers about {a300},000 "
+     "kilometres."),
+)
+
+# New questions asked in every session; none repeats, and none is among the earlier exchanges.
+NEW_QUESTIONS = (
+    "Why do leaves change colour in autumn?",
+    "How does a refrigerator keep food cold?",
+    "What causes the tides in the ocean?",
+    "Why is the sea salty?",
+    "How do bees make honey?",
+    "What is the difference between weather and climate?",
+    "How does a compass find north?",
+    "Why do we have leap years?",
+    "How do vaccines train the immune system?",
+    "What makes a rainbow appear after rain?",
+    "How do airplanes stay in the air?",
+    "Why does bread rise when it is baked?",
+    "How do solar panels turn sunlight into electricity?",
+    "What is the water cycle?",
+    "Why do cats purr?",
+    "How does a battery store energy?",
+    "What causes earthquakes?",
+    "Why is the night sky dark?",
+    "How do plants drink water through their roots?",
+    "What does the heart do in the human body?",
+    "How do submarines dive and surface?",
+    "Why do onions make people cry?",
+    "How does soap clean dirty hands?",
+    "What is a black hole?",
+    "How do birds know where to migrate?",
+)
+
+
+def history_exchanges(n: int) -> list[tuple[str, str]]:
+    """``n`` earlier exchanges (question, reply), all different, of the lengths a short chat has."""
+    out = []
+    for i in range(n):
+        question, reply = _HISTORY[i % len(_HISTORY)]
+        a, b = 2 + i // len(_HISTORY), 3 + i % 7
+        values = {"a": a, "b": b, "ab": a * b, "a60": a * 60, "a300": a * 300}
+        out.append((question.format(**values), reply.format(**values)))
+    return out
+
+
+def run_history(
+    settings: Settings, histories: list[int], *, new_tokens: int = 64, turns: int = 16, lm: Any = None,
+    profile: Any = None,
+) -> dict[str, Any]:
+    """Turn times after ``histories`` earlier exchanges (see the module docstring), measured in one run:
+    the sessions take their turns in rotation, so a shared machine's drift falls on all of them alike.
+    ``lm`` and ``profile`` replace the configured model and its profile (tests pass a tiny one)."""
+    from isagi.agent import Engine
+    from isagi.errors import InputError
+    from isagi.persist import default_keeper
+    from isagi.turn import Turn
+    from isagi.window import KEEP_SHARE
+    from storage.history import HistoryStore
+
+    histories = sorted(set(histories))
+    if not histories or histories[0] < 0:
+        raise InputError("--history: give one or more numbers of earlier exchanges, none negative.")
+    if not 2 <= turns < len(NEW_QUESTIONS):
+        raise InputError(f"--turns {turns}: give 2 to {len(NEW_QUESTIONS) - 1} new turns per session.")
+    options = GenerationOptions(max_new_tokens=new_tokens)
+    with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
+        engine = Engine.start(settings, with_store=False, lm=lm, profile=profile)
+        engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
+        engine.keep = default_keeper(engine, engine.store)
+        lm = engine.lm
+        _forget_prefixes(lm)
+        sessions = {}
+        for n in histories:
+            session = engine.new_session(f"bench-history-{n}", autosave=False)
+            session.miku_path = Path(tmp) / f"history-{n}.miku"
+            now = time.time()
+            session.turns += [Turn(user_text=q, reply_text=r, tier="EXPLORE", verdict="ok", generated=True,
+                                   asked_at=now, answered_at=now) for q, r in history_exchanges(n)]
+            sessions[n] = session
+        times: dict[int, list[float]] = {n: [] for n in histories}
+        evaluated: dict[int, list[int]] = {n: [] for n in histories}
+        prompt_n: dict[int, list[int]] = {n: [] for n in histories}
+        starts: dict[int, list[int]] = {n: [] for n in histories}
+        for question in NEW_QUESTIONS[: turns + 1]:
+            for n, session in sessions.items():
+                starts[n].append(engine.history_window(session, question)[0])
+                counted = getattr(lm, "evaluated_tokens", None)
+                started = time.perf_counter()
+                turn = engine.turn(session, question, options=options)
+                times[n].append(time.perf_counter() - started)
+                assert turn.tier != "RETRIEVE", f"{question!r} was answered from memory"
+                if counted is not None:
+                    evaluated[n].append(lm.evaluated_tokens - counted)
+                prompt_n[n].append(int(turn.prompt_tokens or 0))
+        engine.store.close()
+    base = histories[0]
+    figures = {n: _history_figures(times[n], evaluated[n], prompt_n[n], starts[n]) for n in histories}
+    return {
+        "model": lm.model_id,
+        "backend": lm.backend,
+        "device": str(lm.device),
+        "new_tokens": new_tokens,
+        "turns": turns,
+        "prompt_budget": engine.prompt_budget,
+        "keep_share": KEEP_SHARE,
+        **{f"history_{n}": figures[n] for n in histories},
+        **{f"ratio_{n}_to_{base}": {k: round(figures[n][k] / figures[base][k], 3) for k in ("median_s", "mean_s", "max_s")}
+           for n in histories[1:]},
+    }
+
+
+def _history_figures(times: list[float], evaluated: list[int], prompts: list[int], starts: list[int]) -> dict[str, Any]:
+    """One session's figures: its first new turn apart, then the steady state's median, mean and max;
+    ``drop_turns``: steady turns whose history window dropped a block of old exchanges."""
+    steady = times[1:]
+    dropped = [t for t, before, now in zip(steady, starts[:-1], starts[1:], strict=True) if now != before]
+    med = statistics.median
+    return {
+        "first_turn_s": round(times[0], 4),
+        "median_s": round(med(steady), 4),
+        "mean_s": round(statistics.fmean(steady), 4),
+        "max_s": round(max(steady), 4),
+        "min_s": round(min(steady), 4),
+        "drop_turns": len(dropped),
+        "drop_turn_s": round(med(dropped), 4) if dropped else None,
+        "prompt_tokens_median": int(med(prompts[1:])),
+        "evaluated_tokens_median": int(med(evaluated[1:])) if evaluated else None,
+        "evaluated_tokens_max": max(evaluated[1:]) if evaluated else None,
     }
 
 

@@ -157,6 +157,7 @@ class ModelEngine(Protocol):
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,
         states_only: bool = False,
+        context_shift: bool = False,
     ) -> Decoding:
         """A reply to ``messages`` capturing ``layer`` (and ``also_capture``); ``steer`` adds a
         vector to the output of ``layer`` (explore only; captured states are read before it).
@@ -170,7 +171,14 @@ class ModelEngine(Protocol):
 
         ``states_only``: the caller reads the prompt's states and decodes nothing from this
         decoding, so the engine may skip what only decoding needs (llama.cpp stops the prefill
-        after the last captured layer: no later blocks, no output head); ``stream`` then refuses."""
+        after the last captured layer: no later blocks, no output head); ``stream`` then refuses.
+
+        ``context_shift`` (with ``reuse_prefix``): the reused tokens may also come from a saved KV
+        cache in which a gap followed the shared start, e.g. the oldest exchanges the history
+        window dropped: the gap is cut out and the positions after it move down (llama.cpp's
+        context shift; transformers ignores it). Those tokens' cache then still reflects the
+        tokens they followed when it was computed, so use it only where the prompt's own states
+        are not read."""
         ...
 
     def iter_prompt_states(

@@ -105,6 +105,7 @@ class TransformersEngine:
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,  # noqa: ARG002 - no KV cache kept between generations here
         states_only: bool = False,  # noqa: ARG002 - the forward pass here is the same either way
+        context_shift: bool = False,  # noqa: ARG002 - no KV cache kept between generations here
     ) -> Any:
         import torch
 

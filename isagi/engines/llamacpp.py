@@ -47,6 +47,17 @@ a later decoding allowed to (``reuse_prefix``) loads the saved cache that
 shares the longest prefix with its prompt and evaluates only the rest. A
 chat turn's prompt is the previous turn's prompt, reply and the new message,
 so a turn evaluates its new tokens only, whichever sessions ran in between.
+Once a session's history passes the prompt budget, the history window drops
+a block of the oldest exchanges (:mod:`isagi.window`) and the prompt no
+longer starts as the previous one did. A decoding opened with
+``context_shift`` then loads the previous turn's cache anyway, cuts the
+dropped exchanges out of it (``llama_memory_seq_rm``) and moves the rest down
+to follow the system prompt (``llama_memory_seq_add``; llama.cpp re-rotates
+the moved keys at the next decode), as llama.cpp's own server does when a
+chat outgrows its context, so that turn too evaluates only its new tokens.
+The moved tokens' cache was computed after the exchanges now cut out, so it
+is not exactly what a fresh evaluation of the new prompt gives
+(``tests/test_window_model.py`` compares the replies and their states).
 
 Under CPU contention (several processes on two cores) llama.cpp's threads
 wait on each other at every node; ``ISAGI_THREADS=1`` then runs faster than
@@ -74,7 +85,7 @@ from typing import Any
 import numpy as np
 
 from isagi.engines.base import GenerationOptions, TokenEvent, check_layer
-from isagi.engines.kv_prefix import PrefixStore
+from isagi.engines.kv_prefix import PrefixStore, Shift
 from isagi.errors import ModelLoadError
 from isagi.pooling import last_token, span_mean
 
@@ -155,6 +166,8 @@ class LlamaCppEngine:
         self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
         self.evaluated_tokens = 0  # tokens run through the model (tests: no prompt token twice)
         self.prefixes = PrefixStore()  # KV caches of recent decodings, for prompts that extend them
+        self.can_shift = bool(ll.llama_memory_can_shift(self._mem))  # the KV cache's positions can be moved
+        self.context_shifts = 0  # saved KV caches reused with a gap cut out (tests)
         self._one_id = (ll.llama_token * 1)()  # the batch of one fed-back reply token, made once
         self._one_batch = ll.llama_batch_get_one(self._one_id, 1)
         self._pieces: dict[int, bytes] = {}
@@ -298,24 +311,46 @@ class LlamaCppEngine:
             if got:
                 self.prefixes.put(tokens, buf[:got])
 
-    def _restore_prefix(self, ids: list[int], limit: int) -> int:
+    def _restore_prefix(self, ids: list[int], limit: int, *, shift: bool = False) -> int:
         """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
         sequence 0, cut to that prefix or ``limit`` tokens; returns how many leading tokens
-        need no evaluation (never all of them: the last prompt token is evaluated for its logits)."""
+        need no evaluation (never all of them: the last prompt token is evaluated for its logits).
+
+        ``shift``: a saved cache that holds more of ``ids`` once a gap is cut out of it
+        (:meth:`~isagi.engines.kv_prefix.PrefixStore.best_shift`) is taken instead, and the
+        gap is cut out with the positions after it moved down (a context shift)."""
         ll = self._ll
         with self.lock:
             found = self.prefixes.best(ids[:limit])
-            if found is None:
+            moved = self.prefixes.best_shift(ids[:limit]) if shift and self.can_shift else None
+            if moved is not None and (found is None or moved.reused > found[2]):
+                data, shared = moved.data, moved.reused
+            elif found is not None:
+                moved, (_tokens, data, shared) = None, found
+            else:
                 return 0
-            _tokens, data, shared = found
             buf = np.frombuffer(data, dtype=np.uint8)  # llama.cpp copies from it, no copy here
             if not int(ll.llama_state_seq_set_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                                    len(buf), 0)):
                 ll.llama_memory_clear(self._mem, False)
                 return 0
+            if moved is not None and not self._cut(moved):
+                ll.llama_memory_clear(self._mem, False)
+                return 0
             start = min(shared, len(ids) - 1)
             ll.llama_memory_seq_rm(self._mem, 0, start, -1)
         return start
+
+    def _cut(self, moved: Shift) -> bool:
+        """Cut the gap of ``moved`` out of sequence 0 and move the run after it down to follow
+        the head (llama.cpp re-rotates the moved keys at the next decode); False if refused."""
+        ll, mem = self._ll, self._mem
+        if not (ll.llama_memory_seq_rm(mem, 0, moved.cut + moved.run, -1)
+                and ll.llama_memory_seq_rm(mem, 0, moved.head, moved.cut)):
+            return False
+        ll.llama_memory_seq_add(mem, 0, moved.cut, -1, moved.head - moved.cut)
+        self.context_shifts += 1
+        return True
 
     def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
                 truncate: bool = False) -> dict[int, np.ndarray]:
@@ -410,12 +445,13 @@ class LlamaCppEngine:
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,
         states_only: bool = False,
+        context_shift: bool = False,
         capture_reply: bool = True,
     ) -> LlamaCppDecoding:
         """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
         return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
                                 steer=steer, reuse_prefix=reuse_prefix, states_only=states_only,
-                                capture_reply=capture_reply)
+                                context_shift=context_shift, capture_reply=capture_reply)
 
     def iter_prompt_states(
         self,
@@ -499,6 +535,7 @@ class LlamaCppDecoding:
         steer: np.ndarray | None = None,
         reuse_prefix: int = 0,
         states_only: bool = False,
+        context_shift: bool = False,
         capture_reply: bool = True,
     ) -> None:
         engine.check_layer(layer)
@@ -525,6 +562,7 @@ class LlamaCppDecoding:
         self.states_only = states_only
         # a saved KV cache may stand in for a shared prefix (never under steering: its KV differs)
         self.reuse_prefix = int(reuse_prefix) if self.steer is None else 0
+        self.context_shift = context_shift
         self._prompt_start = 0  # prompt positions before this came from a saved KV cache
         self._kv_len = 0  # tokens (prompt, then fed-back reply) in the KV cache
 
@@ -594,7 +632,7 @@ class LlamaCppDecoding:
         assert self._entered, "use the decoding inside a with block"
         e = self.engine
         e._clear(self)
-        start = e._restore_prefix(self.ids, self.reuse_prefix) if self.reuse_prefix else 0
+        start = e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift) if self.reuse_prefix else 0
         states = e._decode(self.ids[start:], start, capture=e._names(self.layers), truncate=self.states_only)
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
