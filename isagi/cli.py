@@ -489,11 +489,22 @@ def bench_miku(turns: int = 5_000, k: int = 64, as_json: JsonOpt = False) -> Non
 @bench_app.command("web")
 @friendly
 def bench_web(url: Annotated[str | None, typer.Option("--url", help="a running server; default: start one")] = None,
-              sessions: int = 8, turns: int = 5, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+              sessions: int = 8, turns: int = 5, home: HomeOpt = None,
+              history: Annotated[str | None, typer.Option(
+                  "--history", help="earlier exchanges each session loads first, e.g. 10,1000: one pass "
+                                    "per number on one server, with latency ratios to the smallest")] = None,
+              as_json: JsonOpt = False) -> None:
     """Concurrent sessions through the HTTP API against a live server on loopback."""
+    settings = _settings(home=home)
+    if history is not None:
+        from isagi.bench.web import run_history
+
+        _report(run_history(url, _count_list(history, "--history"), sessions=sessions, turns=turns,
+                            settings=settings), as_json)
+        return
     from isagi.bench.web import run
 
-    _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home)), as_json)
+    _report(run(url, sessions=sessions, turns=turns, settings=settings), as_json)
 
 
 @bench_app.command("start")

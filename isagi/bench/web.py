@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from isagi.bench import live_server
@@ -50,8 +51,9 @@ def _finished(chat: Any) -> bool:
     return isinstance(content, str) and bool(_FINISHED.search(content)) and "generating" not in content
 
 
-def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[str, list]) -> None:
-    from gradio_client import Client
+def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[str, list],
+             load: Path | None = None) -> None:
+    from gradio_client import Client, handle_file
     from gradio_client.utils import Status
 
     try:
@@ -59,6 +61,15 @@ def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[st
     except Exception as exc:
         out["errors"].append(f"session {index}: connect: {exc}")
         return
+    if load is not None:  # a long session, opened the way the page's file input opens one
+        try:
+            note = client.predict(handle_file(str(load)), "tier", api_name="/load_miku")[0]
+        except Exception as exc:
+            out["errors"].append(f"session {index}: load: {type(exc).__name__}: {exc}")
+            return
+        if "Loaded" not in str(note):
+            out["errors"].append(f"session {index}: load: {str(note)[:200]}")
+            return
     for t in range(turns):
         topic = TOPICS[(index * turns + t) % len(TOPICS)]
         question = f"In one sentence, tell me something about {topic} (session {index}, question {t + 1})."
@@ -88,6 +99,66 @@ def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[st
             out["errors"].append(f"session {index} turn {t + 1}: no finished reply in the final output")
 
 
+def _drive(url: str, sessions: int, turns: int, max_new_tokens: int, load: Path | None) -> tuple[dict[str, list], float]:
+    out: dict[str, list] = {"latency": [], "queue_wait": [], "answered": [], "errors": []}
+    threads = [
+        threading.Thread(target=_session, args=(url, i, turns, max_new_tokens, out, load), daemon=True)
+        for i in range(sessions)
+    ]
+    t0 = time.monotonic()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return out, time.monotonic() - t0
+
+
+def long_session_file(settings: Any, exchanges: int, path: Path) -> Path:
+    """A ``.miku`` of the configured model holding ``exchanges`` earlier exchanges (the texts of
+    ``isagi bench turn --history``, stored as answered turns), written as the app writes one."""
+    from isagi.agent import Engine
+    from isagi.bench.turn import history_exchanges
+    from isagi.session_io import save_session
+    from isagi.turn import Turn
+
+    engine = Engine.start(settings, with_store=False)
+    session = engine.new_session(f"bench-web-history-{exchanges}", autosave=False)
+    now = time.time()
+    session.turns += [Turn(user_text=q, reply_text=r, tier="EXPLORE", verdict="ok", generated=True,
+                           asked_at=now, answered_at=now) for q, r in history_exchanges(exchanges)]
+    save_session(engine, session, path)
+    return path
+
+
+def run_history(base_url: str | None, histories: list[int], sessions: int = 8, turns: int = 5, settings: Any = None,
+                *, max_new_tokens: int = 32, start_timeout_s: float = 3600.0) -> dict[str, Any]:
+    """``run`` once per number of earlier exchanges, on one server: every session first loads a
+    ``.miku`` holding that many (through the page's file input), then takes its turns.
+    Reports each pass and the latency ratios to the smallest number, measured in one run."""
+    import tempfile
+
+    histories = sorted(set(histories))
+    server = None
+    url = base_url
+    if url is None:
+        server = live_server.start(settings.home if settings is not None else None, start_timeout_s)
+        url = server.url
+    try:
+        passes = {}
+        with tempfile.TemporaryDirectory(prefix="isagi-bench-web-") as tmp:
+            for n in histories:
+                path = long_session_file(settings, n, Path(tmp) / f"history-{n}.miku")
+                passes[n] = _figures(*_drive(url, sessions, turns, max_new_tokens, path), sessions, turns,
+                                     max_new_tokens, live_server.health(url).get("model"))
+    finally:
+        if server is not None:
+            server.stop()
+    base = histories[0]
+    ratios = {f"ratio_{n}_to_{base}": {k: round(passes[n][k] / passes[base][k], 3) for k in ("p50_s", "p95_s")}
+              for n in histories[1:] if passes[n]["p50_s"] and passes[base]["p50_s"]}
+    return {**{f"history_{n}": passes[n] for n in histories}, **ratios}
+
+
 def run(
     base_url: str | None,
     sessions: int = 8,
@@ -105,20 +176,15 @@ def run(
         url = server.url
     try:
         model = live_server.health(url).get("model")
-        out: dict[str, list] = {"latency": [], "queue_wait": [], "answered": [], "errors": []}
-        threads = [
-            threading.Thread(target=_session, args=(url, i, turns, max_new_tokens, out), daemon=True)
-            for i in range(sessions)
-        ]
-        t0 = time.monotonic()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        wall = time.monotonic() - t0
+        out, wall = _drive(url, sessions, turns, max_new_tokens, None)
     finally:
         if server is not None:
             server.stop()
+    return _figures(out, wall, sessions, turns, max_new_tokens, model)
+
+
+def _figures(out: dict[str, list], wall: float, sessions: int, turns: int, max_new_tokens: int,
+             model: Any) -> dict[str, Any]:
     lat, qw = out["latency"], out["queue_wait"]
     return {
         "sessions": sessions,
