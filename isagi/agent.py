@@ -124,6 +124,7 @@ class Engine:
         self.keep = keep  # persists each recorded turn; None keeps turns in memory only
         self.thresholds = TierThresholds()
         self.generation_lock = threading.Lock()
+        self._template_counts: dict[str, tuple[int, int]] = {}  # per system prompt (_template_tokens)
 
     @classmethod
     def start(
@@ -251,6 +252,9 @@ class Engine:
         The one place the history is fitted to :attr:`prompt_budget`: the block rule of
         :func:`isagi.window.window_start`, replayed over the session's exchanges with each
         turn's own message, so the start depends on the session's turns and ``text`` alone.
+        Token counts come from :meth:`_exchange_tokens` (the texts' own tokens and the template's
+        measured share, not the whole template rendered once per exchange: a long session's first
+        turn after loading counts every exchange).
         """
         exchanges = session.exchanges()
         if not exchanges:
@@ -258,7 +262,7 @@ class Engine:
         counts = [self._exchange_tokens(session, user["content"], reply["content"]) for user, reply in exchanges]
         budget = self.prompt_budget
         # the turn after exchange i asked exchange i+1's message; the turn now asks ``text``
-        asked = [n for _cost, n in counts[1:]] + [self.prompt_tokens(self._prompt_messages(text, None, []))]
+        asked = [n for _cost, n in counts[1:]] + [self._asking_tokens(text)]
         start = window_start([cost for cost, _n in counts], [budget - n for n in asked])
         return start, exchanges
 
@@ -283,14 +287,33 @@ class Engine:
     def _exchange_tokens(self, session: Session, user: str, reply: str) -> tuple[int, int]:
         """(tokens the exchange adds to a prompt, tokens of the prompt asking ``user`` alone),
         counted once per session (:attr:`Session.token_counts`)."""
-        system = self.settings.system_prompt
-        key = (system, user, reply)
+        key = (self.settings.system_prompt, user, reply)
         got = session.token_counts.get(key)
         if got is None:
-            asked = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            u, a = self.count_tokens(user), self.count_tokens(reply)
+            per_exchange, per_asking = self._template_tokens()
+            got = session.token_counts[key] = (u + a + per_exchange, u + per_asking)
+        return got
+
+    def _asking_tokens(self, text: str) -> int:
+        """Tokens of the prompt asking ``text`` alone, counted as :meth:`_exchange_tokens` counts."""
+        return self.count_tokens(text) + self._template_tokens()[1]
+
+    def _template_tokens(self) -> tuple[int, int]:
+        """(the template's tokens around an exchange, the system prompt's and the template's
+        tokens around a message asked alone), measured once per system prompt on a sample
+        exchange. Exact for templates that join messages as they are (ChatML and most chat
+        templates); any difference only moves the window, never past the budget, which
+        :meth:`fitting_history` checks on the whole prompt."""
+        system = self.settings.system_prompt
+        got = self._template_counts.get(system)
+        if got is None:
+            ask, answer = "What is the capital of France?", "The capital of France is Paris."
+            asked = [{"role": "system", "content": system}, {"role": "user", "content": ask}]
             alone = self.prompt_tokens(asked)
-            with_exchange = self.prompt_tokens([asked[0], *asked[1:], {"role": "assistant", "content": reply}, asked[1]])
-            got = session.token_counts[key] = (with_exchange - alone, alone)
+            with_exchange = self.prompt_tokens([*asked, {"role": "assistant", "content": answer}, asked[1]])
+            q, a = self.count_tokens(ask), self.count_tokens(answer)
+            got = self._template_counts[system] = (with_exchange - alone - q - a, alone - q)
         return got
 
     # -- the turn ---------------------------------------------------------------

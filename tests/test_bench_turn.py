@@ -33,6 +33,7 @@ def test_one_run_measures_every_history_with_ratios_to_the_smallest(tmp_path: Pa
     # 40 earlier exchanges are far past the budget: the window dropped blocks while it was measured
     assert long["drop_turns"] >= 1 and long["drop_turn_s"] is not None
     assert empty["evaluated_tokens_median"] is None, "transformers has no evaluated-token counter"
+    assert long["context_shifts"] == 0 and got["context_shift"] is True, "nor a KV cache kept between turns"
 
 
 def test_bad_history_lists_get_a_one_line_error(tmp_path: Path) -> None:

@@ -124,6 +124,16 @@ def test_history_beyond_the_budget_is_dropped_oldest_first_whole_exchanges(tmp_p
     assert prompt[0]["role"] == "system" and prompt[-1] == {"role": "user", "content": "new question"}
 
 
+@pytest.mark.parametrize("user, reply", [("hi", "hello"), ("Was ist 2+2? 😀", "4.\n- vier"), ("", "x" * 40)])
+def test_an_exchange_is_counted_as_the_whole_prompt_counts_it(tmp_path: Any, user: str, reply: str) -> None:
+    engine = _engine(tmp_path)
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]
+    alone = engine.prompt_tokens(asked)
+    cost = engine.prompt_tokens([*asked, {"role": "assistant", "content": reply}, asked[1]]) - alone
+    assert engine._exchange_tokens(_session([]), user, reply) == (cost, alone)
+    assert engine._asking_tokens(user) == alone
+
+
 def _grow(engine: Engine, s: Session, turns: int) -> list[list[dict[str, str]]]:
     """The prompts of ``turns`` more turns, each answered with a short reply that joins ``s``."""
     prompts = []

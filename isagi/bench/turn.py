@@ -22,12 +22,17 @@ exchanges (short question-and-answer exchanges, stored as accepted turns so
 the prompt's history window really holds them; their replies are written, not
 generated), then ``turns`` new questions asked in each session in turn (no
 question repeats, so none is RETRIEVEd), timed as whole turns with the history
-row and the ``.miku`` autosave. The first new turn of each session has no
+row and the ``.miku`` autosave (the earlier exchanges are in the session's
+turns, not in its trajectory memory: lookup at scale is ``bench lookup``'s
+subject). The first new turn of each session has no
 saved KV cache to start from (as after loading a session) and is reported
 apart (``first_turn_s``); the rest are the steady state, turns on which the
-history window drops a block of old exchanges among them, so the median,
-mean and max together show the amortised cost. ``ratios`` are each N's
-figures over the smallest N's.
+history window drops a block of old exchanges among them (``drop_turns``;
+on llama.cpp ``context_shifts`` counts those that reused the previous turn's
+KV cache with the dropped exchanges cut out, ``ISAGI_CONTEXT_SHIFT``), so the
+median, mean and max together show the amortised cost. ``evaluated_tokens``
+are the tokens a turn ran through the model (llama.cpp). ``ratio_N_to_M``
+are each N's figures over the smallest N's.
 """
 
 from __future__ import annotations
@@ -233,20 +238,24 @@ def run_history(
         evaluated: dict[int, list[int]] = {n: [] for n in histories}
         prompt_n: dict[int, list[int]] = {n: [] for n in histories}
         starts: dict[int, list[int]] = {n: [] for n in histories}
+        shifts = dict.fromkeys(histories, 0)
         for question in NEW_QUESTIONS[: turns + 1]:
             for n, session in sessions.items():
                 starts[n].append(engine.history_window(session, question)[0])
-                counted = getattr(lm, "evaluated_tokens", None)
+                counted, shifted = getattr(lm, "evaluated_tokens", None), getattr(lm, "context_shifts", 0)
                 started = time.perf_counter()
                 turn = engine.turn(session, question, options=options)
                 times[n].append(time.perf_counter() - started)
                 assert turn.tier != "RETRIEVE", f"{question!r} was answered from memory"
                 if counted is not None:
                     evaluated[n].append(lm.evaluated_tokens - counted)
+                if len(times[n]) > 1:
+                    shifts[n] += getattr(lm, "context_shifts", 0) - shifted
                 prompt_n[n].append(int(turn.prompt_tokens or 0))
         engine.store.close()
     base = histories[0]
-    figures = {n: _history_figures(times[n], evaluated[n], prompt_n[n], starts[n]) for n in histories}
+    figures = {n: {**_history_figures(times[n], evaluated[n], prompt_n[n], starts[n]), "context_shifts": shifts[n]}
+               for n in histories}
     return {
         "model": lm.model_id,
         "backend": lm.backend,
@@ -255,6 +264,7 @@ def run_history(
         "turns": turns,
         "prompt_budget": engine.prompt_budget,
         "keep_share": KEEP_SHARE,
+        "context_shift": settings.context_shift,
         **{f"history_{n}": figures[n] for n in histories},
         **{f"ratio_{n}_to_{base}": {k: round(figures[n][k] / figures[base][k], 3) for k in ("median_s", "mean_s", "max_s")}
            for n in histories[1:]},
