@@ -317,4 +317,5 @@ def test_an_imported_session_chats_on_the_real_turn_and_its_counts_agree(tmp_pat
     assert len(s.memory) == before + 1 and len(s.turns) == 4
     again = load_session(engine, s.miku_path)
     assert again.turns == s.turns
-    assert engine.store.get_session(s.id, owner="local").turns == 1  # the history holds the turns run here
+    # the history holds the whole session: the imported turns recorded with its first new one
+    assert engine.store.get_session(s.id, owner="local").turns == 4
