@@ -40,5 +40,10 @@ class PortInUseError(IsagiError):
     """The web app's address is taken by another program."""
 
 
+class UploadError(IsagiError):
+    """A web upload that cannot be taken or opened: over the user's upload quota, or not
+    a file this user uploaded (one message for every such file, whatever its path)."""
+
+
 class MikuError(StorageError):
     """A ``.miku`` file is corrupted, truncated, or not a ``.miku`` file."""
