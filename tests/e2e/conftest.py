@@ -51,12 +51,12 @@ def _health(url: str) -> tuple[int, dict]:
 
 @contextlib.contextmanager
 def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None,
-                fake: bool = False) -> Iterator[str]:
+                fake: bool = False, fake_args: tuple[str, ...] = ()) -> Iterator[str]:
     """Start ``isagi web`` on a free port (with ``ISAGI_AUTH=auth`` when given) and
     yield its URL once ``/health`` says ready; stop it afterwards.
 
     ``fake=True`` serves the same app on the fake engine (:mod:`tests.e2e.fake_server`,
-    a fresh home, ready in seconds) instead of the default model."""
+    a fresh home, ready in seconds, given ``fake_args``) instead of the default model."""
     if fake or not os.environ.get("ISAGI_TEST_HOME"):
         home = tmp_path_factory.mktemp("isagi-home")
     else:
@@ -68,7 +68,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
     env.pop("ISAGI_AUTH", None)
     if auth:
         env["ISAGI_AUTH"] = auth
-    command = (["-m", "tests.e2e.fake_server", "--port", str(port)] if fake
+    command = (["-m", "tests.e2e.fake_server", "--port", str(port), *fake_args] if fake
                else ["-m", "isagi.cli", "web", "--port", str(port)])
     log = open(log_path, "w")  # noqa: SIM115 - closed in the teardown
     proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
