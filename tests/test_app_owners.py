@@ -287,13 +287,17 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
         takes_an_id = [d for d in bob.deps() if set(d["inputs"]) & (states | texts)]
         assert len(takes_an_id) >= 18  # the page load reads the browser storage; its sync takes the state
         assert sum(d.get("api_visibility") == "private" for d in takes_an_id) >= 7  # load, timer, ..., delete
-        # bob's own page session runs every event; alice's session hash is hers alone: refused
+        # bob's own page session runs every event (a file slot naming alice's autosave gets the
+        # neutral answer); alice's session hash is hers alone: refused
+        hers_on_disk = str(settings.sessions_dir / f"{a}.miku")
         for session_hash, hers in (("bobfresh", False), ("alicehash", True)):
             for dep in takes_an_id:
-                res = bob.call(dep, [bob.value_for(c, a) for c in dep["inputs"]], session_hash)
+                res = bob.call(dep, [bob.value_for(c, a, hers_on_disk) for c in dep["inputs"]], session_hash)
                 assert SECRET not in repr(res), (dep.get("api_name"), repr(res)[:400])
                 refused = 403 in (res.get("refused"), res.get("status"))
                 assert refused == hers, (session_hash, dep.get("api_name"), repr(res)[:300])
+                if dep.get("api_name") == "load_miku" and not hers:
+                    assert NOT_YOUR_UPLOAD in repr(res), repr(res)[:300]
         entry = registry.entry(a, "alice")
         assert entry.owner == "alice" and entry.session.messages[0]["text"] == f"{SECRET} question"
         assert len(entry.session.messages) == 2
