@@ -231,6 +231,12 @@ def test_own_uploads_load_once_and_alice_still_loads_hers(world) -> None:
         assert not Path(mine).exists()
         again = note_of(raw.call(dep, data, "bobhash0002")["output"]["data"])
         assert again == f"⚠️ {NOT_YOUR_UPLOAD}", "an upload opens once"
+    # gradio_client's own way: a local file, uploaded by the client, then loaded
+    from gradio_client import Client, handle_file
+
+    bob = Client(world["url"], auth=("bob", "b"), verbose=False)
+    out = bob.predict(handle_file(str(world["outside"])), "tier", api_name="/load_miku")
+    assert note_of(out).startswith("Loaded `outside.miku`"), out
     raw_alice = world["raw_alice"]
     dep = next(d for d in raw_alice.deps() if d.get("api_name") == "load_miku")
     data = [raw_alice.value_for(c, "") for c in dep["inputs"]]
@@ -270,6 +276,9 @@ def test_a_session_hash_belongs_to_the_login_that_made_it(world) -> None:
             body = {"data": [""], "fn_index": listing["id"], "session_hash": "alicehash0002"}
             assert client.post("gradio_api/queue/join", json=body).status_code == 403
             assert client.get("gradio_api/heartbeat/alicehash0002").status_code == 403
+            # Gradio's deep links copy a session's page values (the chat) for anyone who names it
+            assert client.get("gradio_api/deep_link", params={"session_hash": "alicehash0002"}).status_code == 403
+            assert client.post("gradio_api/run/list_sessions", json=body).status_code == 403
             cancel = {"session_hash": "alicehash0002", "fn_index": listing["id"], "event_id": "x"}
             assert client.post("gradio_api/cancel", json=cancel).status_code == 403
         # bob's own hash works, and an event id from the /call/ API is its caller's only
