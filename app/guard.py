@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from app.sessions import LOCAL_OWNER
 from app.uploads import UploadLedger
 from isagi.errors import UploadError
 
@@ -45,7 +46,6 @@ API = "/gradio_api/"
 MAX_JSON_BODY = 4 * 1024 * 1024  # an event's JSON (a message is at most 8,000 characters)
 MAX_BINDINGS = 100_000
 BINDING_TTL_S = 24 * 3600.0
-LOCAL_OWNER = "local"  # app.sessions.LOCAL_OWNER (not imported: that module pulls in no ASGI code)
 OTHER_LOGIN = "This page's session belongs to another login. Reload the page and log in again."
 
 Scope = dict[str, Any]

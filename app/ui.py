@@ -342,7 +342,7 @@ class WebUI:
         if self._uploads is None:
             root = self._ensure_tmp() / "uploads"
             root.mkdir(exist_ok=True)
-            self._uploads = UploadLedger(root, int(getattr(self.settings, "upload_quota_mb", 128)) * MIB)
+            self._uploads = UploadLedger(root, self.settings.upload_quota_mb * MIB)
         return self._uploads
 
     def _download_dir(self) -> Path:
