@@ -1,27 +1,37 @@
 """Making text that can come from outside safe to put on the page.
 
-Owns the escaping rules of the web app. Anything a ``.miku`` upload, the
-history store or a message can carry (tiers, verdicts, zones, categories,
-titles, queries, replies) is hostile until it passes one of these functions:
+Owns the escaping and rendering rules of the web app. Anything a ``.miku``
+upload, the history store, a message or the model can carry (replies, stored
+replies, streamed partial replies, queries, titles, tiers, verdicts, zones,
+categories, file names, error messages) is hostile until it passes one of
+these functions:
 
-* :func:`esc` for interpolation into HTML (text and attribute values);
+* :func:`render_text` for every message text the chat shows (the user's, the
+  model's while it streams and once finished, stored replies, loaded files):
+  markdown rendered to HTML *on the server* by one CommonMark parser
+  (markdown-it-py) with raw HTML off and images off, so the page inserts
+  finished HTML and no markdown, HTML, mermaid or image syntax in the text can
+  make the browser fetch anything; links stay links (fetched only when
+  clicked), code keeps its text exactly;
+* :func:`esc` for interpolation into HTML (text and attribute values) and for
+  a line of outside text in the app's own markdown (notes, alerts, toasts);
 * :func:`enum_label` for values that are enums (tiers, verdicts): an unknown
   one is shown as ``?`` and never reaches a class name;
-* :func:`md_cell` for a value inside the app's own markdown (the Turn table);
-* :func:`safe_markdown` for a message shown as markdown in the Chatbot: raw
-  HTML tags are shown as text and images become plain links, so the browser
-  never fetches a URL named in a message (a tracking beacon), while code
-  spans and fenced code keep their text exactly (code is never rendered as HTML);
+* :func:`md_cell` for a value inside the app's own markdown tables and notes;
 * :func:`hover_text` for plotly hover and legend texts (plotly renders a
   subset of HTML in them, and ``%{...}`` in a template).
 
-Gradio's ``sanitize_html`` (DOMPurify in the browser) removes scripts and
-event handlers but keeps ``<img>`` and markdown images, so it does not stop a
-beacon; these rules apply before the text reaches Gradio.
+Why on the server: Gradio's sanitiser (DOMPurify in the browser) removes
+scripts but keeps ``<img>`` and markdown images, and its markdown renderer also
+draws mermaid diagrams (whose labels may hold images); rewriting markdown
+source so that a second parser in the browser reads it safely depends on both
+parsers agreeing on every edge case of code spans and fences, which they do
+not. One parser producing the final HTML has no second reading.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 from typing import Any
@@ -30,20 +40,13 @@ TIERS = ("RETRIEVE", "AUGMENT", "EXPAND", "EXPLORE")
 VERDICTS = ("ok", "refused", "withheld", "cancelled")
 UNKNOWN = "?"
 
-# Fenced code blocks (``` or ~~~, to the closing fence or the end) and inline code spans.
-_CODE = re.compile(
-    r"(?P<fence>^[ \t]{0,3}(?P<mark>`{3,}|~{3,})[^\n]*\n.*?(?:^[ \t]{0,3}(?P=mark)[ \t]*$|\Z))"
-    r"|(?P<span>(?P<ticks>`+)(?!`).+?(?<!`)(?P=ticks)(?!`))",
-    re.MULTILINE | re.DOTALL,
-)
-
 
 def esc(value: Any) -> str:
     """``value`` as text safe inside HTML text and quoted attribute values.
 
     The "!" of an image's markdown (``![alt](url)``) becomes an entity too, for
-    HTML that a markdown renderer also sees (the Chatbot's info line): the same
-    text shows, and no image is made of it.
+    text that a markdown renderer also sees (an alert or a note of the app's own
+    markdown): the same text shows, and no image is made of it.
     """
     return _no_images(html.escape("" if value is None else str(value), quote=True))
 
@@ -58,24 +61,62 @@ def enum_label(value: Any, allowed: tuple[str, ...] | set[str] | frozenset[str])
     return value if isinstance(value, str) and value in allowed else UNKNOWN
 
 
-def _neutralise(text: str) -> str:
-    """Markdown outside code: raw HTML shown as text, images turned into links."""
-    # "![alt](url)", "![alt][ref]" and "![alt]" are images only with a literal "!":
-    # after an entity they show the same text and a link, which the browser does not fetch.
-    return _no_images(text.replace("<", "&lt;"))
+# Gradio's own copy button for code blocks (its page copies the block's text when clicked).
+_COPY_BUTTON = (
+    '<button title="copy" class="copy_code_button"><span class="copy-text">'
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 15 15" color="currentColor" aria-hidden="true" '
+    'width="15" height="15"><path fill="currentColor" d="M12.728 4.545v8.182H4.545V4.545zm0 -0.909H4.545a0.909 '
+    '0.909 0 0 0 -0.909 0.909v8.182a0.909 0.909 0 0 0 0.909 0.909h8.182a0.909 0.909 0 0 0 0.909 -0.909V4.545a0.909 '
+    '0.909 0 0 0 -0.909 -0.909"/><path fill="currentColor" d="M1.818 8.182H0.909V1.818a0.909 0.909 0 0 1 0.909 '
+    '-0.909h6.364v0.909H1.818Z"/></svg></span><span class="check"><svg xmlns="http://www.w3.org/2000/svg" '
+    'width="17" height="17" viewBox="0 0 17 17" aria-hidden="true" fill="none" stroke="currentColor" '
+    'stroke-width="1.3"><path d="m13.813 4.781 -7.438 7.438 -3.188 -3.188"/></svg></span></button>'
+)
+_LANGUAGE = re.compile(r"[A-Za-z0-9_+#.-]{1,32}")
 
 
-def safe_markdown(text: Any) -> str:
-    """A message as markdown the Chatbot may render: no HTML tags, no images."""
+def _code_block(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    """A fenced or indented code block: its text escaped, in Gradio's code frame with a copy button."""
+    token = tokens[idx]
+    info = (token.info or "").split()
+    lang = info[0] if info and _LANGUAGE.fullmatch(info[0]) else ""
+    cls = f' class="language-{lang}"' if lang else ""
+    return (f'<div class="code_wrap">{_COPY_BUTTON}<pre><code{cls}>{html.escape(token.content, quote=False)}'
+            "</code></pre></div>\n")
+
+
+def _link_open(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+    """A link opens in a new tab and tells the target nothing (no referrer, no opener)."""
+    token = tokens[idx]
+    token.attrSet("target", "_blank")
+    token.attrSet("rel", "noopener noreferrer nofollow")
+    return renderer.renderToken(tokens, idx, options, env)
+
+
+@functools.cache
+def _parser() -> Any:
+    """The one markdown parser of the page (built on first use): CommonMark with tables and
+    strikethrough, raw HTML shown as text, no image rule (``![a](u)`` is "!" and a link),
+    single newlines kept as line breaks (as the Chatbot showed them)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False, "breaks": True})
+    md.enable(["table", "strikethrough"]).disable("image")
+    md.add_render_rule("fence", _code_block)
+    md.add_render_rule("code_block", _code_block)
+    md.add_render_rule("link_open", _link_open)
+    return md
+
+
+def render_text(text: Any) -> str:
+    """A message text as the HTML the chat shows: the one rendering of every text, from the
+    user, the model (streaming or finished), the history store or an uploaded file.
+
+    No HTML tag of the text survives (it is shown as text), no image is made
+    (image syntax becomes "!" and a link), code is shown exactly as written.
+    """
     s = "" if text is None else str(text)
-    out: list[str] = []
-    pos = 0
-    for m in _CODE.finditer(s):
-        out.append(_neutralise(s[pos:m.start()]))
-        out.append(m.group(0))  # code is shown as text by the markdown renderer
-        pos = m.end()
-    out.append(_neutralise(s[pos:]))
-    return "".join(out)
+    return _parser().render(s, {}) if s.strip() else ""
 
 
 def md_cell(value: Any) -> str:

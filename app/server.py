@@ -19,16 +19,21 @@ every temporary file killed saves left and adds to the history what a kill
 kept from it (the session files are the source of truth). At shutdown it
 saves live sessions (and their history), removes its temporary download
 directory and releases the data directory. Messages for the browser name no
-server path or URL (:mod:`app.public`); the log keeps them.
+server path or URL (:mod:`app.public`); the log keeps them. Requests to
+Gradio's API pass :class:`app.guard.GradioGuard` first: session hashes tied
+to their login, file paths limited to the caller's own uploads, uploads
+within each user's quota (:mod:`app.uploads`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from app.sessions import LOCAL_OWNER
@@ -108,11 +113,15 @@ def create_app(
     import gradio as gr
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
+    from gradio.utils import get_upload_folder
+    from starlette.routing import Mount
 
+    from app.guard import Bindings, GradioGuard, gradio_login
     from app.loader import EngineHolder
     from app.login import Backoff, Logins, LoginThrottleMiddleware
     from app.sessions import SessionRegistry
     from app.ui import CSS, WebUI, build_blocks
+    from app.uploads import MIB, UploadLedger
     from isagi.datadir import open_data_dir
 
     if idle_minutes is None:
@@ -125,7 +134,8 @@ def create_app(
     registry = SessionRegistry(lambda: holder.engine, idle_s=idle_minutes * 60.0,
                                max_per_client=settings.max_sessions_per_client,
                                max_total=settings.max_sessions)
-    ui = WebUI(holder, registry, settings)
+    uploads = UploadLedger(get_upload_folder(), settings.upload_quota_mb * MIB)
+    ui = WebUI(holder, registry, settings, uploads=uploads)
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)
 
@@ -139,9 +149,12 @@ def create_app(
         app_.state.isagi_data_dir = data
         holder.start()
         registry.start_reaper(reaper_interval_s)
+        uploads.start_sweeper()
         try:
             yield
         finally:
+            uploads.stop_sweeper()
+            uploads.sweep(now=math.inf)  # uploads never opened go with the server
             registry.stop_reaper()
             if holder.ready:
                 registry.save_all()  # each file written brings its history up to it
@@ -172,7 +185,8 @@ def create_app(
     app.state.isagi_registry = registry
     app.state.isagi_ui = ui
     app.state.isagi_logins = (user_backoff, client_backoff)
-    return gr.mount_gradio_app(
+    app.state.isagi_uploads = uploads
+    gr.mount_gradio_app(
         app, blocks, path="/", auth=auth,
         auth_message=(
             "ISAGI: log in with a user of ISAGI_AUTH. After "
@@ -185,6 +199,18 @@ def create_app(
         css=CSS, footer_links=["api", "settings"], show_error=False, ssr_mode=False,
         run_history=False, max_file_size=MAX_UPLOAD_BYTES,
     )
+    gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
+    # What the guard reads of Gradio's app: a Gradio that changed it must stop here, not
+    # run with session hashes tied to nobody or uploads recorded in the wrong place.
+    if not (isinstance(getattr(gradio_app, "tokens", None), dict) and getattr(gradio_app, "cookie_id", None)):
+        raise RuntimeError("this Gradio keeps its logins elsewhere: app.guard cannot tell who is logged in")
+    if Path(gradio_app.uploaded_file_dir).resolve() != uploads.root:
+        raise RuntimeError(f"Gradio uploads to {gradio_app.uploaded_file_dir}, not {uploads.root}")
+    hashes, events = Bindings(), Bindings()
+    app.add_middleware(GradioGuard, ledger=uploads, user_of=gradio_login(gradio_app), auth=auth is not None,
+                       hashes=hashes, events=events)
+    app.state.isagi_bindings = (hashes, events)
+    return app
 
 
 class _TerminalProgress:

@@ -26,13 +26,20 @@ the history store answer another owner's session id exactly as an unknown id
 ("not found"), whether the id comes from the page, the API or an event called
 by ``fn_index``. Files made for download live in this app's own temporary
 directory for a minute (Gradio serves its own copy, which it deletes after
-ten minutes); an uploaded file is deleted once read.
+ten minutes). An uploaded file is opened only when it is one of the caller's
+own uploads (:class:`app.uploads.UploadLedger`; anything else, whatever the
+path, gets one neutral answer) and is removed once read.
+
+Every text from outside shown in the chat (messages, replies while they stream
+and once finished, stored replies, loaded files) is rendered by
+:func:`app.render_safe.render_text` to HTML on the server; the Chatbot inserts
+it as it is (no markdown in the browser). Messages of alerts and pop-ups are
+escaped and never show a server path (:meth:`WebUI._warn`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import html
 import logging
 import os
 import random
@@ -48,7 +55,7 @@ from typing import Any
 from app import plots
 from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
-from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, safe_markdown
+from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
 from app.sessions import (
     LOCAL_OWNER,
     Entry,
@@ -58,6 +65,7 @@ from app.sessions import (
     restore_snapshot,
     take_snapshot,
 )
+from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from isagi.ids import is_session_id
 from isagi.turn import turns_to_messages
 
@@ -72,6 +80,8 @@ STOP_WAIT_S = 10.0
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies: every minute, those older than 10 minutes
 NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
+
+EMPTY_REPLY = "<p><em>(empty reply)</em></p>"
 
 KEEP: Any = object()  # an output a handler leaves as it is on the page (``gr.skip()`` at the boundary)
 
@@ -219,16 +229,17 @@ def pending_html(tier: str | None, distance: float | None) -> str:
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Session log → Chatbot messages (each reply followed by its info line).
 
-    Message texts are markdown made safe (:func:`app.render_safe.safe_markdown`):
-    raw HTML shows as text and images as links, so nothing in a message makes
-    the browser fetch a URL; the info line is the app's own escaped HTML.
+    Message texts are rendered by :func:`app.render_safe.render_text` (HTML made
+    on the server: raw HTML shows as text and images as links, so nothing in a
+    message makes the browser fetch a URL); the info line is the app's own
+    escaped HTML.
     """
     out: list[dict[str, str]] = []
     for m in messages:
         if m.get("role") == "user":
-            out.append({"role": "user", "content": safe_markdown(m.get("text", ""))})
+            out.append({"role": "user", "content": render_text(m.get("text", ""))})
         elif m.get("role") == "assistant":
-            out.append({"role": "assistant", "content": safe_markdown(m.get("text", "")) or "*(empty reply)*"})
+            out.append({"role": "assistant", "content": render_text(m.get("text", "")) or EMPTY_REPLY})
             out.append({"role": "assistant", "content": info_html(m)})
     return out
 
@@ -247,7 +258,7 @@ def chat_window(session: Any) -> list[dict[str, str]]:
         return shown
     note = (f"*{hidden:,} earlier exchange{'s' if hidden != 1 else ''} of this session "
             "are not shown here; Export (Sessions tab) has them all.*")
-    return [{"role": "assistant", "content": note}, *shown]
+    return [{"role": "assistant", "content": render_text(note)}, *shown]
 
 
 def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
@@ -317,11 +328,15 @@ def _slug(text: str | None, fallback: str) -> str:
 class WebUI:
     """Handlers bound to one engine holder and one registry (testable without a browser)."""
 
-    def __init__(self, holder: EngineHolder, registry: SessionRegistry, settings: Any) -> None:
+    def __init__(self, holder: EngineHolder, registry: SessionRegistry, settings: Any,
+                 uploads: UploadLedger | None = None) -> None:
+        """``uploads``: the server's ledger of uploads (its upload route records them); without
+        one (tests of the handlers alone) the app keeps its own, under its temporary directory."""
         self.holder = holder
         self.registry = registry
         self.settings = settings
         self._tmp: Path | None = None  # made on first use, removed by cleanup()
+        self._uploads = uploads
 
     # -- helpers -----------------------------------------------------------
     @property
@@ -342,6 +357,15 @@ class WebUI:
             return LOCAL_OWNER, client
         user = getattr(request, "username", None)
         return (user if isinstance(user, str) and user else None), client
+
+    @property
+    def uploads(self) -> UploadLedger:
+        """The ledger of uploads this app opens files from."""
+        if self._uploads is None:
+            root = self._ensure_tmp() / "uploads"
+            root.mkdir(exist_ok=True)
+            self._uploads = UploadLedger(root, self.settings.upload_quota_mb * MIB)
+        return self._uploads
 
     def _download_dir(self) -> Path:
         """A fresh ``dl-*`` directory; those older than DOWNLOAD_TTL_S are removed first."""
@@ -421,8 +445,9 @@ class WebUI:
                 f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
             )
         if h.failed:
-            return f"**The model could not be loaded:** {self._public(h.error or '')}"
-        return f"⏳ **{h.describe()}.** The first start converts the model and calibrates it; this page works once it is done."
+            return f"**The model could not be loaded:** {esc(self._public(self.hide_paths(str(h.error or ''))))}"
+        return (f"⏳ **{esc(self.hide_paths(h.describe()))}.** The first start converts the model and calibrates "
+                "it; this page works once it is done.")
 
     # -- page load and loading banner --------------------------------------
     def on_load(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
@@ -490,12 +515,26 @@ class WebUI:
         )
 
     def _warn(self, msg: str) -> str:
-        """Pop ``msg`` up and return it for the alert line, with no server path or URL in it."""
+        """Show ``msg`` (plain text, possibly quoting outside text) as a pop-up and return it
+        for the alert line: one line, no server path or URL, escaped for both (the pop-up
+        renders HTML, the alert markdown)."""
         import gradio as gr
 
-        msg = self._public(msg)
-        gr.Warning(msg)
-        return f"⚠️ {msg}"
+        text = esc(self._public(self.hide_paths(" ".join(str(msg).split()))))
+        gr.Warning(text)
+        return f"⚠️ {text}"
+
+    def hide_paths(self, text: str) -> str:
+        """``text`` with every path under the data directory, the upload cache or the
+        temporary directory shown as its last part (a file's own name), never in full."""
+        roots: set[str] = set()
+        for base in (self.settings.home, self.uploads.root, tempfile.gettempdir()):
+            with contextlib.suppress(OSError, RuntimeError, TypeError):
+                roots |= {str(base), str(Path(base).resolve())}
+        for root in sorted((r for r in roots if len(r) > 1), key=len, reverse=True):
+            text = re.sub(re.escape(root) + r"(?:[/\\][^\s'\"`:,;()<>]*)?",
+                          lambda m: Path(m.group(0)).name or "the data directory", text)
+        return text
 
     def _public(self, msg: str) -> str:
         from app.public import public_text
@@ -629,7 +668,7 @@ class WebUI:
         session = entry.session
         history = chat_window(session)
         text = getattr(message, "text", message)
-        user = {"role": "user", "content": safe_markdown(text)}
+        user = {"role": "user", "content": render_text(text)}
         reply, info = "", pending_html(None, None)
         yield TurnUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
                          textbox="" if clear_box else KEEP)
@@ -651,7 +690,8 @@ class WebUI:
                     finished = True
                     entry.notice = ev.notice
                     continue
-                shown = [*history, user, *([{"role": "assistant", "content": reply}] if reply else []),
+                partial = render_text(reply)  # the same rendering as the finished reply
+                shown = [*history, user, *([{"role": "assistant", "content": partial}] if partial else []),
                          {"role": "assistant", "content": info}]
                 yield TurnUpdate(state=sid, chat=shown)
         except IsagiError as exc:
@@ -749,41 +789,45 @@ class WebUI:
         return str(path), f"Saved {len(s.memory)} trajectories and {len(s.turns)} turns to `{path.name}`."
 
     def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
-        """Open an uploaded ``.miku`` (a fork with a fresh id, the caller's); errors leave the
-        open session as it is and name the user's own file, never a server path. The uploaded
-        file is deleted once read."""
+        """Open an uploaded ``.miku`` (a fork with a fresh id, the caller's).
+
+        Only a file the caller uploaded (:meth:`UploadLedger.claim`) is opened;
+        any other path, whatever it names and whether or not it exists, gets
+        the one answer :data:`~app.uploads.NOT_YOUR_UPLOAD`. Errors leave the
+        open session as it is and name the user's own file, never a server
+        path. The upload is removed once read, loaded or not.
+        """
         import gradio as gr
 
         from isagi.errors import IsagiError
         from isagi.session_io import load_session
 
-        path = getattr(file, "name", file)
-        if not path:
-            return (sid, gr.skip(), *(gr.skip(),) * 6)
+        keep = (gr.skip(),) * 6
         owner, client = self.who(request)
-        name = Path(path).name
-        try:
-            if owner is None:
-                return (sid, self._warn(NOT_LOGGED_IN), *(gr.skip(),) * 6)
+        if owner is None:
+            return (sid, self._warn(NOT_LOGGED_IN), *keep)
+        path = file.get("path") if isinstance(file, dict) else getattr(file, "name", file)
+        claim = self.uploads.claim(owner, path)
+        if claim is None:
+            return (sid, self._warn(NOT_YOUR_UPLOAD), *keep)
+        name = claim.name
+        with claim:
             try:
-                session = load_session(self.engine, Path(path))
+                session = load_session(self.engine, claim.path)
             except (IsagiError, EngineLoading) as exc:
-                reason = _hide_path(str(exc), path).rstrip()
+                reason = _hide_path(str(exc), claim.path).rstrip()
                 reason += "" if reason.endswith((".", "!", "?")) else "."
-                return (sid, self._warn(f"Could not load {name}: {reason} Your open session is unchanged."),
-                        *(gr.skip(),) * 6)
+                return (sid, self._warn(f"Could not load {name}: {reason} Your open session is unchanged."), *keep)
             except Exception as exc:  # a reader bug must not take the page down
-                log.exception("loading %s failed", path)
+                log.exception("loading an upload failed")
                 return (sid, self._warn(f"Could not load {name} ({type(exc).__name__}: "
-                                        f"{_hide_path(str(exc), path)}). Your open session is unchanged."),
-                        *(gr.skip(),) * 6)
-        finally:
-            _remove_upload(path)
+                                        f"{_hide_path(str(exc), claim.path)}). Your open session is unchanged."),
+                        *keep)
         note = self._release_for(sid, owner)
         try:
             new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
         except SessionLimit as exc:
-            return (sid, self._warn(str(exc)), *(gr.skip(),) * 6)
+            return (sid, self._warn(str(exc)), *keep)
         # No pop-up notice: the note says it, and a later refused file replaces the note, so the
         # page never says "Loaded" beside that error.
         return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns."
@@ -886,7 +930,7 @@ class WebUI:
             return (chosen, note, *self.view(chosen, colour_by, owner), gr.Tabs(selected="chat"))
         summary = self._own_summary(chosen, owner)
         if summary is None:
-            return (sid, self._warn(f"No session {md_cell(_short(chosen, 64))} in your history."), *keep[2:])
+            return (sid, self._warn(f"No session {_short(chosen, 64)} in your history."), *keep[2:])
         path = self._autosave_of(summary)
         if path is None:
             return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
@@ -915,7 +959,7 @@ class WebUI:
 
         owner, _ = self.who(request)
         target = (chosen or "").strip() or (sid or "")
-        shown = md_cell(_short(target, 64)) or "(none)"
+        shown = _short(target, 64) or "(none)"
         try:
             store = self.engine.store
             if store is None:
@@ -926,12 +970,12 @@ class WebUI:
                 return gr.skip(), self._warn(f"Could not export session {shown}: no such session in your history.")
             text = store.export(target, "markdown" if fmt == "markdown" else "json", owner=owner)
         except Exception as exc:
-            return gr.skip(), self._warn(f"Could not export session {shown}: {md_cell(str(exc))}")
+            return gr.skip(), self._warn(f"Could not export session {shown}: {exc}")
         ext = "md" if fmt == "markdown" else "json"
         name = f"isagi-{target}.{ext}" if is_session_id(target) else f"isagi-session.{ext}"
         path = self._download_dir() / name
         path.write_text(text, encoding="utf-8")
-        return str(path), f"Exported session {shown} as {ext.upper()}."
+        return str(path), f"Exported session {md_cell(shown)} as {ext.upper()}."
 
     def delete(self, chosen: str, sid: str | None, request: Any = None) -> tuple[Any, str]:
         """Delete one of the caller's sessions: its history and its autosaved ``.miku``."""
@@ -943,7 +987,7 @@ class WebUI:
             return gr_skip(), self._warn("Pick a session in the table first.")
         summary = self._own_summary(chosen, owner)
         if summary is None or owner is None:
-            return gr_skip(), self._warn(f"No session {md_cell(_short(chosen, 64))} in your history.")
+            return gr_skip(), self._warn(f"No session {_short(chosen, 64)} in your history.")
         if chosen in self.registry.live_ids(owner):
             return gr_skip(), self._warn("That session is open in a browser; close it there first.")
         try:
@@ -980,7 +1024,7 @@ class WebUI:
         steps_out = data.get("steps", [])
         lines = ["| step | α | TEH mean / max | coherence | text |", "|---|---|---|---|---|"]
         for i, st in enumerate(steps_out, 1):
-            txt = html.escape(_short(st.get("text", ""), 160)).replace("|", "\\|")
+            txt = md_cell(_short(st.get("text", ""), 160))
             flag = " ⚠" if st.get("over_threshold") else ""
             lines.append(
                 f"| {st.get('index', i)} | {_fmt(st.get('alpha'), 2)} | {_fmt(st.get('teh'), 2, '%')} / "
@@ -995,8 +1039,8 @@ class WebUI:
         )
         mode = "Safe OGD (steps projected off the forbidden subspace)" if data.get("safe", True) else "regular OGD"
         mcb_md = (
-            f"### MIKU creativity index: **{_fmt(mcb.get('index'), 1)}** (tier {mcb.get('tier', '–')})\n\n"
-            f"{dims}\n\n{mode}; baseline (unsteered): “{html.escape(_short(data.get('baseline'), 200))}”"
+            f"### MIKU creativity index: **{_fmt(mcb.get('index'), 1)}** (tier {md_cell(mcb.get('tier', '–'))})\n\n"
+            f"{dims}\n\n{mode}; baseline (unsteered): “{md_cell(_short(data.get('baseline'), 200))}”"
         )
         return "\n".join(lines), fig, mcb_md
 
@@ -1011,23 +1055,6 @@ def _hide_path(message: str, path: str | os.PathLike[str]) -> str:
         if len(folder) > 1:
             message = message.replace(folder + os.sep, "").replace(folder, "")
     return message
-
-
-def _gradio_cache_dir() -> Path:
-    return Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve()
-
-
-def _remove_upload(path: str | os.PathLike[str]) -> None:
-    """Delete an uploaded file (and its now empty folder) once read: only a file inside
-    Gradio's upload cache, never anything else."""
-    with contextlib.suppress(OSError, RuntimeError):
-        p = Path(path).resolve()
-        cache = _gradio_cache_dir()
-        if cache in p.parents and p.is_file():
-            p.unlink()
-            if p.parent != cache:
-                with contextlib.suppress(OSError):
-                    p.parent.rmdir()
 
 
 def gr_skip() -> Any:
@@ -1126,7 +1153,9 @@ def build_blocks(ui: WebUI) -> Any:
                 with gr.Column(scale=5, min_width=420):
                     chat = gr.Chatbot(
                         label="Conversation", elem_id="isagi-chat", height=520,
-                        render_markdown=True, sanitize_html=True, buttons=["copy"],
+                        # texts arrive as HTML rendered on the server (render_text); a message's own
+                        # copy button would copy that HTML, so code blocks carry their own instead
+                        render_markdown=False, sanitize_html=True, buttons=[],
                         feedback_options=None, layout="bubble",
                         placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
                     )

@@ -70,6 +70,11 @@ class Settings:
     # client's address is the address that connected (the per-address caps and
     # the login back-off key on it).
     trusted_proxies: tuple[str, ...] = ()
+    # Disk one user's web uploads may take while they wait to be opened (and while
+    # they arrive), in MiB: a new upload first removes that user's oldest waiting
+    # ones, and is refused when those still arriving leave no room. At least one
+    # largest .miku (64 MiB) plus its request's few bytes of framing.
+    upload_quota_mb: int = 128
 
     def with_overrides(self, **overrides: object) -> Settings:
         """A copy with every override that is not ``None`` applied and checked."""
@@ -140,6 +145,11 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"ISAGI_LOGIN_BACKOFF_S={s.login_backoff_s}: use a number of seconds from 0 to 86400.")
     if s.trusted_proxies:
         s = replace(s, trusted_proxies=tuple(dict.fromkeys(_proxy(e) for e in s.trusted_proxies)))
+    if not (1 <= s.upload_quota_mb <= 1_048_576):
+        raise ConfigError(
+            f"ISAGI_UPLOAD_QUOTA_MB={s.upload_quota_mb}: use a number of MiB from 1 to 1048576 "
+            "(65 or more lets a user upload the largest .miku, 64 MiB)."
+        )
     return s
 
 
@@ -233,6 +243,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["login_backoff_s"] = _float("ISAGI_LOGIN_BACKOFF_S", v)
     if v := env.get("ISAGI_TRUSTED_PROXIES"):
         values["trusted_proxies"] = parse_proxies(v)
+    if v := env.get("ISAGI_UPLOAD_QUOTA_MB"):
+        values["upload_quota_mb"] = _int("ISAGI_UPLOAD_QUOTA_MB", v)
     known = {f.name for f in fields(Settings)}
     assert set(values) <= known
     return Settings().with_overrides(**values).with_overrides(**overrides)

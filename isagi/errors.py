@@ -46,6 +46,11 @@ class DataDirError(StorageError):
     """The data directory (``ISAGI_HOME``) cannot be written: missing rights, read-only, full."""
 
 
+class UploadError(IsagiError):
+    """A web upload that cannot be taken or opened: over the user's upload quota, or not
+    a file this user uploaded (one message for every such file, whatever its path)."""
+
+
 class MikuError(StorageError):
     """A ``.miku`` file is corrupted, truncated, or not a ``.miku`` file."""
 

@@ -47,13 +47,16 @@ class RawGradio:
                     return {"success": bool(msg.get("success")), "output": msg.get("output")}
         raise AssertionError(f"no completion for fn_index {dep['id']}")
 
-    def value_for(self, comp_id: int, alice_id: str) -> Any:
-        """An input value: alice's session id in every text or state slot, a harmless default elsewhere."""
+    def value_for(self, comp_id: int, alice_id: str, file_path: str | None = None) -> Any:
+        """An input value: alice's session id in every text or state slot, a file object naming
+        ``file_path`` (a path on the server) in every file slot, a harmless default elsewhere."""
         c = self.components[comp_id]
         kind = c.get("type") or c.get("props", {}).get("name")
         props = c.get("props", {})
         if kind in ("textbox", "state", "browserstate"):
             return alice_id
+        if kind == "file" and file_path:
+            return {"path": file_path, "orig_name": "x.miku", "meta": {"_type": "gradio.FileData"}}
         if kind == "slider":
             return props.get("minimum", 8)
         if kind == "checkbox":

@@ -20,11 +20,13 @@ import pytest
 from app.loader import EngineHolder
 from app.sessions import SessionRegistry
 from app.ui import WebUI
+from app.uploads import NOT_YOUR_UPLOAD
 from isagi.agent import Engine
 from isagi.config import load_settings
 from isagi.ids import new_session_id
 from storage.history import HistoryStore
 from tests.tiny_engine import engine_for
+from tests.uploads import upload
 
 STATE, CHAT, TEXTBOX, ALERT = range(4)
 SECRET = "alice-secret-zebra"
@@ -227,40 +229,40 @@ def test_download_directories_are_removed(world):
     assert not root.exists()
 
 
-def test_uploads_are_deleted_and_errors_name_the_users_file(world, tmp_path, monkeypatch):
+def test_uploads_are_removed_once_read_and_errors_name_the_users_file(world, tmp_path):
     ui, engine, store, a = world
-    cache = tmp_path / "gradio-cache"
-    monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
     good_path, _ = quiet(ui.save_miku, a, ALICE)
     good = Path(good_path).read_bytes()
-    up = cache / "3f2a9c" / "my notes.miku"
-    up.parent.mkdir(parents=True)
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0xFF
-    up.write_bytes(bytes(bad))
-    out = quiet(ui.load_miku, str(up), a, "tier", ALICE)
+    src = tmp_path / "my notes.miku"
+    src.write_bytes(bytes(bad))
+    up = upload(ui, src, "alice")
+    out = quiet(ui.load_miku, up, a, "tier", ALICE)
     assert "Could not load my notes.miku" in out[1], out[1]
-    assert str(cache) not in out[1] and "3f2a9c" not in out[1] and "/tmp" not in out[1]
-    assert not up.exists() and not up.parent.exists()  # the upload is gone once read
-    up.parent.mkdir()
-    up.write_bytes(good)
-    out = quiet(ui.load_miku, str(up), None, "tier", BOB)
-    assert "Loaded `my notes.miku`" in out[1] and not up.exists()
+    for server_path in (str(ui.uploads.root), Path(up).parent.name, str(tmp_path), "/tmp"):
+        assert server_path not in out[1]
+    assert not Path(up).exists() and not Path(up).parent.exists()  # the upload is gone once read
+    assert ui.uploads.waiting() == []
+    src.write_bytes(good)
+    up = upload(ui, src, "bob")
+    out = quiet(ui.load_miku, up, None, "tier", BOB)
+    assert "Loaded `my notes.miku`" in out[1] and not Path(up).exists()
     loaded = ui.registry.entry(out[0], "bob")
     assert loaded.owner == "bob" and out[0] != a  # bob's own fork, with a fresh id
-    # a file outside Gradio's cache (e.g. a test's) is never deleted
+    # a file outside the upload cache (here a test's own) is neither opened nor removed
     outside = tmp_path / "keep.miku"
     outside.write_bytes(good)
-    quiet(ui.load_miku, str(outside), None, "tier", BOB)
-    assert outside.exists()
+    out = quiet(ui.load_miku, str(outside), None, "tier", BOB)
+    assert NOT_YOUR_UPLOAD in out[1] and outside.exists()
 
 
 def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(tmp_path):
     """The real Gradio app and routes (FastAPI's test client): alice sends a message;
     bob, logged in, calls every event that takes a session id by ``fn_index``,
     with alice's id in each text and state slot, from a fresh Gradio session and
-    from alice's own (whose state holds her id): nothing of hers comes back and
-    her session, history and file are intact."""
+    from alice's own (whose state holds her id; every call naming it is refused):
+    nothing of hers comes back and her session, history and file are intact."""
     from fastapi.testclient import TestClient
 
     from app.server import create_app
@@ -285,13 +287,17 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
         takes_an_id = [d for d in bob.deps() if set(d["inputs"]) & (states | texts)]
         assert len(takes_an_id) >= 18  # the page load reads the browser storage; its sync takes the state
         assert sum(d.get("api_visibility") == "private" for d in takes_an_id) >= 7  # load, timer, ..., delete
-        ran = 0
-        for session_hash in ("bobfresh", "alicehash"):
+        # bob's own page session runs every event (a file slot naming alice's autosave gets the
+        # neutral answer); alice's session hash is hers alone: refused
+        hers_on_disk = str(settings.sessions_dir / f"{a}.miku")
+        for session_hash, hers in (("bobfresh", False), ("alicehash", True)):
             for dep in takes_an_id:
-                res = bob.call(dep, [bob.value_for(c, a) for c in dep["inputs"]], session_hash)
+                res = bob.call(dep, [bob.value_for(c, a, hers_on_disk) for c in dep["inputs"]], session_hash)
                 assert SECRET not in repr(res), (dep.get("api_name"), repr(res)[:400])
-                ran += "success" in res
-        assert ran == 2 * len(takes_an_id)
+                refused = 403 in (res.get("refused"), res.get("status"))
+                assert refused == hers, (session_hash, dep.get("api_name"), repr(res)[:300])
+                if dep.get("api_name") == "load_miku" and not hers:
+                    assert NOT_YOUR_UPLOAD in repr(res), repr(res)[:300]
         entry = registry.entry(a, "alice")
         assert entry.owner == "alice" and entry.session.messages[0]["text"] == f"{SECRET} question"
         assert len(entry.session.messages) == 2

@@ -9,6 +9,8 @@ history store, real .miku files."""
 
 from __future__ import annotations
 
+import html
+import re
 import time
 
 import numpy as np
@@ -20,6 +22,7 @@ from app.ui import WebUI
 from isagi.ids import new_session_id
 from tests.test_app_owners import ALICE, BOB, SECRET, make_ui, quiet, req
 from tests.tiny_engine import tiny_engine
+from tests.uploads import upload
 
 STATE, CHAT = 0, 1
 LOAD_SID, LOAD_STATUS, LOAD_CHAT = 0, 1, 2
@@ -36,7 +39,8 @@ def _talk(ui: WebUI, who, *texts: str, sid: str | None = None) -> str:
 
 
 def _user_texts(chat: list[dict]) -> list[str]:
-    return [m["content"] for m in chat if m["role"] == "user"]
+    """The user's messages of a chat, as text (the chat holds them rendered: ``<p>text</p>``)."""
+    return [html.unescape(re.sub(r"<[^>]+>", "", m["content"])).strip() for m in chat if m["role"] == "user"]
 
 
 @pytest.fixture
@@ -172,11 +176,11 @@ def test_a_rejected_upload_does_not_still_say_loaded(tmp_path):
     me = req(None)
     sid = _talk(ui, me, "alpha")
     path, _ = quiet(ui.save_miku, sid, me)
-    good = quiet(ui.load_miku, path, sid, "tier", me)
+    good = quiet(ui.load_miku, upload(ui, path), sid, "tier", me)
     assert good[1].startswith("Loaded")
     bad = tmp_path / "broken.miku"
     bad.write_bytes(b"not a miku file at all")
-    out = quiet(ui.load_miku, str(bad), good[0], "tier", me)
+    out = quiet(ui.load_miku, upload(ui, bad), good[0], "tier", me)
     note = out[1]
     assert "Could not load broken.miku" in note and "Loaded" not in note
     assert out[0] == good[0]  # the open session is unchanged

@@ -18,11 +18,13 @@ import pytest
 import app.ui
 from app import plots
 from app.loader import EngineHolder
+from app.render_safe import render_text
 from app.sessions import SessionRegistry
 from app.ui import WebUI, chat_messages, info_html
 from isagi.agent import Engine
 from isagi.session_io import load_session
 from tests.tiny_engine import tiny_engine
+from tests.uploads import upload
 
 # send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh, status)
 STATE, CHAT, TEXTBOX, ALERT, TURN, SUMMARY, MAP = range(7)
@@ -68,15 +70,18 @@ def test_reply_streams_and_gets_a_badge(ui, monkeypatch):
     chats = [o[CHAT] for o in outs if isinstance(o[CHAT], list)]
     replies = [c[-2]["content"] for c in chats if len(c) >= 3 and c[-2]["role"] == "assistant"]
     assert len(replies) >= 2, "the reply must arrive in several updates"
-    assert all(b.startswith(a) for a, b in zip(replies, replies[1:], strict=False))
     final = outs[-1]
     assert badges(final[CHAT]) == ["explore"]
     assert final[TEXTBOX] is not None
     assert "Trajectories: **1**" in final[SUMMARY]
     assert "EXPLORE" in final[TURN]
-    # the stored text stays raw (the streamed text exactly); the info line is display only
+    # the stored text stays raw; every streamed update is that text's growing prefix through the
+    # same rendering as the finished reply (render_text); the info line is display only
     s = ui.registry.entry(sid).session
-    assert s.turns[-1].reply_text == replies[-1] and s.turns[-1].new_tokens == 8
+    text = s.turns[-1].reply_text
+    lengths = [next(k for k in range(len(text) + 1) if render_text(text[:k]) == r) for r in replies]
+    assert lengths == sorted(lengths) and replies[-1] == render_text(text) == final[CHAT][-2]["content"]
+    assert s.turns[-1].new_tokens == 8
     assert s.turns[-1].tier == "EXPLORE" and s.turns[-1].verdict == "ok"
     assert counts(ui, sid) == (1, 1, 1)
 
@@ -193,14 +198,18 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     bad.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = ui.load_miku(str(bad), sid)
-    assert out[0] == sid and "Could not load" in out[1]
+        out = ui.load_miku(upload(ui, bad), sid)
+    assert out[0] == sid and "Could not load bad.miku" in out[1]
     assert len(ui.registry.entry(sid).session.memory) == 3
     # a fresh browser loads the good file: same trajectories, its own id
     other = ui.registry.create()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = ui.load_miku(path, other)
+    assert out[0] == other and "not one you uploaded" in out[1], "a download is not an upload"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = ui.load_miku(upload(ui, path), other)
     new = out[0]
     assert new not in (sid, other)
     loaded = ui.registry.entry(new).session
@@ -250,7 +259,7 @@ def test_info_line_and_chat_messages():
         assert part in html_
     assert "<script>" not in html_
     chat = chat_messages([{"role": "user", "text": "hi"}, m])
-    assert chat[1]["content"] == "**bold** reply"  # raw markdown, rendered by the page
+    assert chat[1]["content"] == "<p><strong>bold</strong> reply</p>\n"  # rendered on the server
     refused = info_html({"verdict": "refused", "tier": None, "teh_prompt": 80.0})
     assert "REFUSED" in refused
 

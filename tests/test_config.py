@@ -20,6 +20,11 @@ def test_environment_is_read_and_flags_override(tmp_path: Path) -> None:
     assert s2.quant == "nf4" and s2.layer == 12  # None means "no flag given"
 
 
+def test_upload_quota_is_read_in_mib(tmp_path: Path) -> None:
+    assert load_settings({"ISAGI_HOME": str(tmp_path)}).upload_quota_mb == 128
+    assert load_settings({"ISAGI_UPLOAD_QUOTA_MB": "300"}).upload_quota_mb == 300
+
+
 def test_default_database_is_sqlite_in_home(tmp_path: Path) -> None:
     s = load_settings({"ISAGI_HOME": str(tmp_path)})
     assert s.resolved_database_url == f"sqlite:///{tmp_path / 'history.sqlite3'}"
@@ -31,6 +36,8 @@ def test_default_database_is_sqlite_in_home(tmp_path: Path) -> None:
     ({"ISAGI_LAYER": "0"}, "layer"),
     ({"ISAGI_DEVICE": "tpu"}, "auto"),
     ({"ISAGI_CONTEXT_SHIFT": "maybe"}, "1 \\(on\\) or 0 \\(off\\)"),
+    ({"ISAGI_UPLOAD_QUOTA_MB": "0"}, "ISAGI_UPLOAD_QUOTA_MB=0: use a number of MiB"),
+    ({"ISAGI_UPLOAD_QUOTA_MB": "lots"}, "whole number"),
 ])
 def test_bad_settings_say_what_to_do(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

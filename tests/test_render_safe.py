@@ -1,6 +1,8 @@
-"""Hostile text from a file or a message through every rendering helper of the page
-and every plot: no HTML tag from the input survives, no image is left for the
-browser to fetch, enums (tiers, verdicts) are allowlisted, code keeps its text."""
+"""Hostile text from a file, a message or the model through every rendering helper of
+the page and every plot: no HTML tag from the input survives, no image is left for
+the browser to fetch (chat texts arrive as finished HTML with no ``<img>``, no
+markdown image and no mermaid block left), enums (tiers, verdicts) are
+allowlisted, code keeps its text."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from app import plots
-from app.render_safe import esc, hover_text, md_cell, safe_markdown
+from app.render_safe import esc, hover_text, md_cell, render_text
 from app.ui import (
     badge_label,
     chat_messages,
@@ -97,31 +99,81 @@ def test_turn_panel_escapes_every_field_and_keeps_the_table(text: str) -> None:
     assert len(lines) == 12 and all(line.count("|") - line.count("\\|") == 3 for line in lines[2:]), out
 
 
+# Markdown that a second parser (the browser's) could read differently from a source
+# rewrite: code spans across paragraphs, escaped backticks, fences with odd info strings,
+# reference images, mermaid diagrams whose labels hold HTML, entities, autolinks.
+EDGE = [
+    "`a\n\n![x](http://h/i.png)\n\n`",
+    "\\` <img src=http://h/x> `",
+    "```a`b\n![x](http://h/i.png)\n```",
+    "```mermaid\ngraph TD; A[\"<img src='http://h/m.png'>\"]\n```",
+    "&lt;img src=http://h/e.png&gt; &#33;[x](http://h/f.png)",
+    "![x][r]\n\n[r]: http://h/r.png",
+    "<http://h/auto> <img/src=http://h/s> <svg><image href=http://h/v /></svg>",
+    "[![inner](http://h/n.png)](http://h/outer)",
+    "<details open ontoggle=x><summary>s</summary></details> <style>*{background:url(http://h/c)}</style>",
+]
+
+
+def _rendered_tags(out: str) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    parser = _Tags()
+    parser.feed(out)
+    parser.close()
+    return parser.tags
+
+
+RENDERED = {"p", "a", "code", "pre", "div", "button", "span", "svg", "path", "br", "em", "strong",
+            "table", "thead", "tbody", "tr", "th", "td", "s", "ul", "ol", "li", "blockquote", "h1", "h2",
+            "h3", "h4", "h5", "h6", "hr"}
+
+
+@pytest.mark.parametrize("text", HOSTILE + EDGE)
+def test_render_text_leaves_no_image_and_no_tag_of_the_text(text: str) -> None:
+    out = render_text(text)
+    for tag, attrs in _rendered_tags(out):
+        assert tag in RENDERED, (tag, out)  # only what the parser itself writes
+        for name, value in attrs:
+            assert not name.startswith("on") and name not in ("src", "srcset", "style", "background"), out
+            if name == "href":
+                assert value and not value.lower().startswith(("javascript:", "data:", "vbscript:")), out
+    low = out.lower()
+    for bad in ("<img", "<script", "<iframe", "<svg><image", "<style", "<details", 'class="mermaid"'):
+        assert bad not in low, (bad, out)
+    assert not IMAGE_MD.search(out), "no markdown image is left for a second renderer either"
+
+
 @pytest.mark.parametrize("text", HOSTILE)
 def test_chat_messages_show_html_as_text_and_images_as_links(text: str) -> None:
     msgs = chat_messages([{"role": "user", "text": text}, _hostile_message(text)])
     assert [m["role"] for m in msgs] == ["user", "assistant", "assistant"]
-    for m in msgs:
-        _no_markup(m["content"], {"div", "span"} if m is msgs[2] else set())
-    assert "<" not in msgs[0]["content"] and "<" not in msgs[1]["content"]
+    assert msgs[0]["content"] == render_text(text) and msgs[1]["content"] == render_text(text)
+    _no_markup(msgs[2]["content"], {"div", "span"})
 
 
 def test_images_become_links_with_their_text_kept() -> None:
-    assert safe_markdown("see ![a cat](http://x/b.png) now") == "see &#33;[a cat](http://x/b.png) now"
-    assert safe_markdown("![x][r]\n\n[r]: http://x/c.png") == "&#33;[x][r]\n\n[r]: http://x/c.png"
-    assert safe_markdown("Wow! [link](http://x)") == "Wow! [link](http://x)"
-    assert safe_markdown('<img src="http://x/a.png">') == '&lt;img src="http://x/a.png">'
-    assert safe_markdown("2 < 3 and **bold**") == "2 &lt; 3 and **bold**"
+    link = '<a href="http://x/b.png" target="_blank" rel="noopener noreferrer nofollow">a cat</a>'
+    assert render_text("see ![a cat](http://x/b.png) now") == f"<p>see !{link} now</p>\n"
+    assert "<a href=\"http://x/c.png\"" in render_text("![x][r]\n\n[r]: http://x/c.png")
+    assert render_text("Wow! [link](http://x)").startswith('<p>Wow! <a href="http://x"')
+    assert render_text('<img src="http://x/a.png">') == "<p>&lt;img src=&quot;http://x/a.png&quot;&gt;</p>\n"
+    assert render_text("2 < 3 and **bold**") == "<p>2 &lt; 3 and <strong>bold</strong></p>\n"
+    assert render_text("[x](javascript:alert(1))") == "<p>[x](javascript:alert(1))</p>\n", "no script link"
+    assert render_text("") == render_text(None) == render_text("  \n ") == ""
 
 
 def test_code_keeps_its_text_exactly() -> None:
+    import html as html_
+
     fenced = "Use this:\n```html\n<img src=a.png> ![x](y)\n```\nand <b>not</b> this"
-    out = safe_markdown(fenced)
-    assert "```html\n<img src=a.png> ![x](y)\n```" in out, "code is shown as text by markdown, unchanged"
-    assert out.endswith("and &lt;b>not&lt;/b> this")
-    assert safe_markdown("call `a<b>()` then <i>x</i>") == "call `a<b>()` then &lt;i>x&lt;/i>"
-    unclosed = safe_markdown("```\n<script>x</script>")  # an unclosed fence runs to the end: still code
-    assert unclosed == "```\n<script>x</script>"
+    out = render_text(fenced)
+    code = re.search(r'<pre><code class="language-html">(.*?)</code></pre>', out, re.S).group(1)
+    assert html_.unescape(code) == "<img src=a.png> ![x](y)\n", "code is shown as written"
+    assert 'class="copy_code_button"' in out, "a code block keeps a copy button"
+    assert out.endswith("<p>and &lt;b&gt;not&lt;/b&gt; this</p>\n")
+    assert "<code>a&lt;b&gt;()</code>" in render_text("call `a<b>()` then <i>x</i>")
+    unclosed = render_text("```\n<script>x</script>")  # an unclosed fence runs to the end: still code
+    assert "<pre><code>&lt;script&gt;x&lt;/script&gt;</code></pre>" in unclosed
+    assert 'class="language-' not in render_text('```x" onclick="y\ncode\n```'), "no attribute from the info"
 
 
 def test_summary_shows_a_bad_session_id_escaped() -> None:

@@ -56,7 +56,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
     yield its URL once ``/health`` says ready; stop it afterwards.
 
     ``fake=True`` serves the same app on the fake engine (:mod:`tests.e2e.fake_server`,
-    a fresh home, ready in seconds) instead of the default model."""
+    a fresh home, ready in seconds, given ``fake_args``) instead of the default model."""
     if fake or not os.environ.get("ISAGI_TEST_HOME"):
         home = tmp_path_factory.mktemp("isagi-home")
     else:

@@ -8,11 +8,58 @@ session registry, a real SQLite history store and real ``.miku`` autosaves
 under ``ISAGI_HOME``); the engine is the real :class:`isagi.agent.Engine` on the
 tiny random model of :mod:`tests.tiny_engine` (readable noise for replies). Settings come from the environment as for ``isagi web``
 (:func:`isagi.config.load_settings`), so ``ISAGI_AUTH`` works the same.
+
+``--reply TEXT`` makes every generated reply that text (the real decoding still
+runs, with its states, its guard and Stop; each token carries the next piece of
+TEXT over the first 24 tokens, one token every ``--token-delay-s`` so the page sees it
+stream): for tests of what the page does with a reply's text, e.g. a hostile one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+
+class ScriptedDecoding:
+    """A real decoding whose tokens carry ``script``, ``per_token`` characters each."""
+
+    def __init__(self, real: Any, script: str, per_token: int, delay_s: float) -> None:
+        self._real, self._script, self._per_token, self._delay_s = real, script, per_token, delay_s
+        self._shown = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __enter__(self) -> ScriptedDecoding:
+        self._real.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> Any:
+        return self._real.__exit__(*exc)
+
+    @property
+    def text(self) -> str:
+        return self._script[: self._shown]
+
+    def stream(self) -> Iterator[Any]:
+        for event in self._real.stream():
+            piece = self._script[self._shown : self._shown + self._per_token]
+            self._shown += len(piece)
+            time.sleep(self._delay_s)
+            yield dataclasses.replace(event, text=piece)
+
+
+def script_replies(engine: Any, script: str, tokens: int, delay_s: float) -> None:
+    """Every reply of ``engine`` generates ``script``, spread over its first ``tokens`` tokens,
+    one token every ``delay_s`` seconds."""
+    real = engine.lm.generation
+    per_token = max(1, math.ceil(len(script) / max(1, tokens)))
+    engine.lm.generation = lambda *a, **k: ScriptedDecoding(real(*a, **k), script, per_token, delay_s)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=7861)
     p.add_argument("--slow-load", type=float, default=0.0,
                    help="seconds the page-load handler waits first (what a busy server does to it)")
+    p.add_argument("--reply", help="the text every generated reply streams (default: the model's own)")
+    p.add_argument("--token-delay-s", type=float, default=0.02, help="with --reply: seconds per token")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -33,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = tiny_engine(env.home, auth=env.auth, max_new_tokens=min(env.max_new_tokens, 48))
     if args.slow_load > 0:
         _slow_down_page_load(args.slow_load)
+    if args.reply:
+        script_replies(engine, args.reply, tokens=24, delay_s=args.token_delay_s)
     app = create_app(engine, engine.settings)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,

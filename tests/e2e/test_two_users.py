@@ -1,8 +1,10 @@
 """Two users against a real ``isagi web`` (``ISAGI_AUTH="alice:a,bob:b"``, the
-default model): bob cannot list, search, export, download, resume, continue or
-delete anything of alice's, through ``gradio_client``, through every event of
-the page called by ``fn_index`` on the queue (private ones included), even
-with alice's own Gradio session (her page state), and in the real browser.
+default model): bob cannot list, search, export, download, resume, continue,
+load or delete anything of alice's, through ``gradio_client``, through every
+event of the page called by ``fn_index`` on the queue (private ones included;
+a file input naming alice's autosaved session gets the neutral answer), his
+calls naming alice's own Gradio session hash are refused, and in the real
+browser.
 
 Marked ``model`` (a live server on the real model); the browser test also
 ``browser``. ``ISAGI_E2E_AUTH_URL`` points them at a running server instead.
@@ -11,11 +13,14 @@ Marked ``model`` (a live server on the real model); the browser test also
 from __future__ import annotations
 
 import json
+import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.uploads import NOT_YOUR_UPLOAD
 from tests.e2e.conftest import shown_rows
 from tests.gradio_raw import RawGradio, component_id
 
@@ -40,6 +45,13 @@ def alice(auth_url: str):
     assert len(rows) >= 1, note
     sid = rows[0][0]
     return client, sid
+
+
+def autosave_of(sid: str) -> str:
+    """Where the server keeps alice's session (the test's server runs on ISAGI_TEST_HOME; a
+    server of ISAGI_E2E_AUTH_URL keeps it somewhere unknown: a path that does not exist)."""
+    home = os.environ.get("ISAGI_TEST_HOME") if not os.environ.get("ISAGI_E2E_AUTH_URL") else None
+    return str(Path(home) / "sessions" / f"{sid}.miku") if home else "/nonexistent/alice.miku"
 
 
 def alice_intact(client: Any, sid: str) -> None:
@@ -80,6 +92,9 @@ def test_bob_through_gradio_client_gets_nothing_of_alices(auth_url: str, alice) 
     # continue: bob's message goes to a session of his own, never hers
     out = bob.predict("What did I say before?", 16, False, 0.7, "tier", api_name="/send")
     assert SECRET not in json.dumps(out, default=str)
+    # load: a file object naming alice's autosaved session on the server opens nothing
+    out = bob.predict({"path": autosave_of(sid), "orig_name": "x.miku"}, "tier", api_name="/load_miku")
+    assert NOT_YOUR_UPLOAD in json.dumps(out, ensure_ascii=False) and SECRET not in json.dumps(out, default=str)
     # save the open .miku: bob's own session only
     path, msg = bob.predict(api_name="/save_miku")
     if path:
@@ -112,13 +127,17 @@ def test_bob_calling_every_event_by_fn_index_gets_nothing_of_alices(auth_url: st
     # sync of the state to the browser's storage (the load reads the stored id)
     assert len(takes_an_id) >= 18, names
     assert any(d.get("api_visibility") == "private" for d in takes_an_id)
+    hers_on_disk = autosave_of(sid)
     seen: list[tuple[str, str, bool]] = []
-    for session_hash in (uuid.uuid4().hex[:11], a_client.session_hash):
+    for session_hash, hers in ((uuid.uuid4().hex[:11], False), (a_client.session_hash, True)):
         for dep in takes_an_id:
-            data = [raw.value_for(cid, sid) for cid in dep["inputs"]]
+            data = [raw.value_for(cid, sid, hers_on_disk) for cid in dep["inputs"]]
             res = raw.call(dep, data, session_hash)
             out = json.dumps(res, default=str)
             assert SECRET not in out, (dep["id"], dep.get("api_name"), out[:500])
+            assert (403 in (res.get("refused"), res.get("status"))) == hers, (dep.get("api_name"), out[:300])
+            if dep.get("api_name") == "load_miku" and not hers:
+                assert NOT_YOUR_UPLOAD in out, out[:300]
             seen.append((str(dep.get("api_name")), session_hash, bool(res.get("success"))))
     assert len(seen) == 2 * len(takes_an_id)
     alice_intact(a_client, sid)

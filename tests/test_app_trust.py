@@ -1,0 +1,378 @@
+"""Two users against a live app (uvicorn in this process, the tiny real engine, a real
+SQLite history store, real .miku autosaves, Gradio's real routes): no server path a
+client names is trusted, Gradio's session hashes and event ids belong to the login
+that made them, and the upload cache stays within each user's quota.
+
+bob names, in the file input of ``load_miku``, alice's autosaved session, a session
+file that does not exist, the history database, a file outside the upload cache,
+alice's own waiting upload (exactly, and by a ``..`` detour), a symlink in the cache
+to alice's session, and a missing file in the cache: through ``gradio_client``,
+through the queue by ``fn_index``, through Gradio's ``/call/`` API, through the
+direct ``/run/`` route. Every answer is the same neutral sentence (whether or not the
+path exists), nothing of alice's reaches bob or the cache, and alice's waiting
+upload still loads for her afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.guard import OTHER_LOGIN, Bindings
+from app.server import create_app
+from app.uploads import MIB, NOT_YOUR_UPLOAD
+from tests.gradio_raw import RawGradio, component_id
+from tests.tiny_engine import tiny_engine
+
+SECRET = "alice-secret-walrus-4471"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a thread; yields its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}/"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def logged_in(url: str, user: str, password: str) -> Iterator[httpx.Client]:
+    """An HTTP client of the app with ``user``'s login cookie."""
+    with httpx.Client(base_url=url, timeout=120) as http:
+        assert http.post("login", data={"username": user, "password": password}).status_code == 200
+        yield http
+
+
+def upload_file(http: httpx.Client, path: Path, name: str | None = None) -> str:
+    """Upload through Gradio's route as the page does; returns the path it answers."""
+    with open(path, "rb") as f:
+        r = http.post("gradio_api/upload", files=[("files", (name or path.name, f))])
+    assert r.status_code == 200, r.text
+    [answered] = r.json()
+    return answered
+
+
+def file_data(path: str, *, meta: bool = True) -> dict[str, Any]:
+    d: dict[str, Any] = {"path": path, "orig_name": "x.miku"}
+    if meta:
+        d["meta"] = {"_type": "gradio.FileData"}
+    return d
+
+
+def note_of(outputs: Any) -> str:
+    """The files note among an event's outputs (the first string that is not an id)."""
+    return next(str(x) for x in outputs if isinstance(x, str) and len(x) > 12)
+
+
+def cache_digests(root: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+
+
+# --------------------------------------------------------------------------- the world
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A live app with alice and bob; alice has a session holding SECRET (autosaved), a
+    waiting upload, and a page session (her Gradio session hash)."""
+    home = tmp_path_factory.mktemp("home")
+    cache = tmp_path_factory.mktemp("gradio-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRADIO_TEMP_DIR", str(cache))
+        engine = tiny_engine(home, auth="alice:a,bob:b", max_new_tokens=8)
+        app = create_app(engine, engine.settings)
+    with serving(app) as url, logged_in(url, "alice", "a") as alice:
+        raw_alice = RawGradio(alice, "alice", "a")
+        send = next(d for d in raw_alice.deps() if d.get("api_name") == "send")
+        data = [raw_alice.value_for(c, "") for c in send["inputs"]]
+        data[0] = f"Remember {SECRET}, please."
+        assert raw_alice.call(send, data, "alicehash0001")["success"]
+        [sid] = app.state.isagi_registry.live_ids("alice")
+        session_file = engine.settings.sessions_dir / f"{sid}.miku"
+        assert session_file.is_file() and SECRET.encode() in session_file.read_bytes()
+        waiting = upload_file(alice, session_file, "alice-notes.miku")
+        other = tmp_path_factory.mktemp("elsewhere") / "outside.miku"
+        other.write_bytes(session_file.read_bytes())
+        yield {"url": url, "app": app, "engine": engine, "alice": alice, "raw_alice": raw_alice,
+               "sid": sid, "session_file": session_file, "waiting": waiting, "outside": other,
+               "cache": Path(cache).resolve(), "home": home}
+    if engine.store is not None:
+        engine.store.close()
+
+
+def foreign_paths(w: dict[str, Any], bob_http: httpx.Client) -> dict[str, str]:
+    """Every path bob tries, by what it is. bob's own upload gives the ``..`` detour its start."""
+    cache: Path = w["cache"]
+    mine = Path(upload_file(bob_http, w["outside"], "bob.miku"))
+    link_dir = cache / "0123456789abcdef"
+    link_dir.mkdir(exist_ok=True)
+    link = link_dir / "link.miku"
+    if not link.is_symlink():
+        link.symlink_to(w["session_file"])
+    waiting = Path(w["waiting"])
+    return {
+        "alice's session": str(w["session_file"]),
+        "a session that does not exist": str(w["session_file"].with_name("000000000000.miku")),
+        "the history database": str(Path(w["home"]) / "history.sqlite3"),
+        "a file outside the cache": str(w["outside"]),
+        "alice's waiting upload": str(waiting),
+        "alice's upload by ..": str(mine.parent / ".." / waiting.parent.name / waiting.name),
+        "a symlink in the cache": str(link),
+        "a missing file in the cache": str(cache / "ffffffffffff" / "none.miku"),
+        "a relative path": "sessions/x.miku",
+    }
+
+
+def assert_nothing_of_alices(w: dict[str, Any], before: dict[str, str]) -> None:
+    """bob's sessions hold nothing of alice's, the cache gained no copy of her files, and her
+    waiting upload is still there."""
+    registry = w["app"].state.isagi_registry
+    for sid in registry.live_ids("bob"):
+        assert all(SECRET not in m["text"] for m in registry.entry(sid, "bob").session.messages)
+    hers = hashlib.sha256(w["session_file"].read_bytes()).hexdigest()
+    after = cache_digests(w["cache"])
+    gained = {p: d for p, d in after.items() if p not in before}
+    assert hers not in gained.values(), "a copy of alice's session appeared in Gradio's cache"
+    assert Path(w["waiting"]).is_file(), "alice's waiting upload was not touched"
+
+
+# --------------------------------------------------------------------------- file inputs
+
+
+def test_bob_through_gradio_client_opens_no_path_and_every_answer_is_the_same(world) -> None:
+    """A file object without Gradio's meta marker is passed by gradio_client as it is (with
+    the marker, gradio_client reads the path on the *client* and uploads it: an ordinary
+    upload of what the client can read)."""
+    from gradio_client import Client
+
+    bob = Client(world["url"], auth=("bob", "b"), verbose=False)
+    with logged_in(world["url"], "bob", "b") as bob_http:
+        paths = foreign_paths(world, bob_http)
+    before = cache_digests(world["cache"])
+    notes = {}
+    for what, path in paths.items():
+        out = bob.predict(file_data(path, meta=False), "tier", api_name="/load_miku")
+        assert SECRET not in json.dumps(out, default=str), what
+        notes[what] = note_of(out)
+    assert set(notes.values()) == {f"⚠️ {NOT_YOUR_UPLOAD}"}, notes
+    assert_nothing_of_alices(world, before)
+
+
+def test_bob_by_fn_index_call_and_run_opens_no_path(world) -> None:
+    """The same paths, with Gradio's meta marker (Gradio would copy any server file it can
+    read into its cache first), through the queue by fn_index, the /call/ API and /run/."""
+    with logged_in(world["url"], "bob", "b") as http:
+        raw = RawGradio(http, "bob", "b")
+        paths = foreign_paths(world, http)
+        before = cache_digests(world["cache"])
+        dep = next(d for d in raw.deps() if d.get("api_name") == "load_miku")
+        upload_slot = dep["inputs"].index(component_id(raw, "isagi-upload"))
+        notes: dict[str, set[str]] = {}
+        for what, path in paths.items():
+            for meta in (True, False):
+                data = [raw.value_for(c, world["sid"]) for c in dep["inputs"]]
+                data[upload_slot] = file_data(path, meta=meta)
+                res = raw.call(dep, data, "bobhash0001")
+                assert res.get("success") and SECRET not in json.dumps(res), (what, res)
+                notes.setdefault(what, set()).add(note_of(res["output"]["data"]))
+                # Gradio's simple API: POST /call/<name>, then read the event's stream
+                r = http.post("gradio_api/call/load_miku", json={"data": [file_data(path, meta=meta), "tier"]})
+                assert r.status_code == 200, r.text
+                stream = http.get(f"gradio_api/call/load_miku/{r.json()['event_id']}").text
+                assert SECRET not in stream and NOT_YOUR_UPLOAD in stream, (what, stream[:300])
+                # the direct route (a queued event: Gradio itself refuses it, or it is refused the same)
+                r = http.post("gradio_api/run/load_miku", json={"data": data, "session_hash": "bobhash0001"})
+                assert SECRET not in r.text and (r.status_code == 404 or NOT_YOUR_UPLOAD in r.text), r.text
+        assert all(n == {f"⚠️ {NOT_YOUR_UPLOAD}"} for n in notes.values()), notes
+    assert_nothing_of_alices(world, before)
+
+
+def test_own_uploads_load_once_and_alice_still_loads_hers(world) -> None:
+    """The control: each user loads their own upload (once: the file is gone afterwards),
+    and alice's waiting upload, tried by bob above, loads for her."""
+    with logged_in(world["url"], "bob", "b") as http:
+        raw = RawGradio(http, "bob", "b")
+        dep = next(d for d in raw.deps() if d.get("api_name") == "load_miku")
+        slot = dep["inputs"].index(component_id(raw, "isagi-upload"))
+        mine = upload_file(http, world["outside"], "bobs-own.miku")
+        data = [raw.value_for(c, "") for c in dep["inputs"]]
+        data[slot] = file_data(mine)
+        first = note_of(raw.call(dep, data, "bobhash0002")["output"]["data"])
+        assert first.startswith("Loaded `bobs-own.miku`"), first
+        assert not Path(mine).exists()
+        again = note_of(raw.call(dep, data, "bobhash0002")["output"]["data"])
+        assert again == f"⚠️ {NOT_YOUR_UPLOAD}", "an upload opens once"
+    # gradio_client's own way: a local file, uploaded by the client, then loaded
+    from gradio_client import Client, handle_file
+
+    bob = Client(world["url"], auth=("bob", "b"), verbose=False)
+    out = bob.predict(handle_file(str(world["outside"])), "tier", api_name="/load_miku")
+    assert note_of(out).startswith("Loaded `outside.miku`"), out
+    raw_alice = world["raw_alice"]
+    dep = next(d for d in raw_alice.deps() if d.get("api_name") == "load_miku")
+    data = [raw_alice.value_for(c, "") for c in dep["inputs"]]
+    data[dep["inputs"].index(component_id(raw_alice, "isagi-upload"))] = file_data(world["waiting"])
+    note = note_of(raw_alice.call(dep, data, "alicehash0001")["output"]["data"])
+    assert note.startswith("Loaded `alice-notes.miku`: 1 trajectories, 1 turns"), note
+    assert not Path(world["waiting"]).exists()
+
+
+def test_no_path_of_the_server_in_errors_of_a_broken_upload(world) -> None:
+    broken = Path(world["outside"]).with_name("my broken file.miku")
+    broken.write_bytes(b"MIKU" + os.urandom(200))
+    with logged_in(world["url"], "bob", "b") as http:
+        raw = RawGradio(http, "bob", "b")
+        dep = next(d for d in raw.deps() if d.get("api_name") == "load_miku")
+        data = [raw.value_for(c, "") for c in dep["inputs"]]
+        up = upload_file(http, broken)
+        data[dep["inputs"].index(component_id(raw, "isagi-upload"))] = file_data(up)
+        note = note_of(raw.call(dep, data, "bobhash0003")["output"]["data"])
+    assert note.startswith("⚠️ Could not load my broken file.miku:"), note
+    for server_path in (str(world["cache"]), str(world["home"]), Path(up).parent.name, "/tmp"):
+        assert server_path not in note, (server_path, note)
+    assert not Path(up).exists()
+
+
+# --------------------------------------------------------------------------- session hashes
+
+
+def test_a_session_hash_belongs_to_the_login_that_made_it(world) -> None:
+    url, raw_alice = world["url"], world["raw_alice"]
+    listing = next(d for d in raw_alice.deps() if d.get("api_name") == "list_sessions")
+    assert raw_alice.call(listing, [""], "alicehash0002")["success"]
+    with logged_in(url, "bob", "b") as bob, httpx.Client(base_url=url, timeout=30) as nobody:
+        for client in (bob, nobody):
+            r = client.get("gradio_api/queue/data", params={"session_hash": "alicehash0002"})
+            assert r.status_code == 403 and r.json()["detail"] == OTHER_LOGIN, r.text
+            body = {"data": [""], "fn_index": listing["id"], "session_hash": "alicehash0002"}
+            assert client.post("gradio_api/queue/join", json=body).status_code == 403
+            assert client.get("gradio_api/heartbeat/alicehash0002").status_code == 403
+            # Gradio's deep links copy a session's page values (the chat) for anyone who names it
+            assert client.get("gradio_api/deep_link", params={"session_hash": "alicehash0002"}).status_code == 403
+            assert client.post("gradio_api/run/list_sessions", json=body).status_code == 403
+            cancel = {"session_hash": "alicehash0002", "fn_index": listing["id"], "event_id": "x"}
+            assert client.post("gradio_api/cancel", json=cancel).status_code == 403
+        # bob's own hash works, and an event id from the /call/ API is its caller's only
+        raw_bob = RawGradio(bob, "bob", "b")
+        assert raw_bob.call(listing, [""], "bobhash0004")["success"]
+        r = world["alice"].post("gradio_api/call/list_sessions", json={"data": [SECRET]})
+        event = r.json()["event_id"]
+        assert bob.get(f"gradio_api/call/list_sessions/{event}").status_code == 403
+    stream = world["alice"].get(f"gradio_api/call/list_sessions/{event}")
+    assert stream.status_code == 200 and world["sid"] in stream.text, "alice reads her own event"
+
+
+def test_bindings_tie_a_key_to_its_first_login_and_stay_bounded() -> None:
+    now = [0.0]
+    b = Bindings(max_keys=3, ttl_s=100, clock=lambda: now[0])
+    assert b.admit("h1", None) and b.holder("h1") is None, "no login ties nothing"
+    assert b.admit("h1", "alice") and b.admit("h1", "alice") and b.holder("h1") == "alice"
+    assert not b.admit("h1", "bob") and not b.admit("h1", None)
+    now[0] = 150.0  # unused for longer than its time: free again
+    assert b.admit("h1", "bob") and b.holder("h1") == "bob"
+    for k in ("h2", "h3", "h4"):
+        assert b.admit(k, "carol")
+    assert len(b) == 3 and b.holder("h1") is None, "the least recently used goes first"
+
+
+# --------------------------------------------------------------------------- the upload quota
+
+
+def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
+    """bob sends ten 6 MiB uploads at once, then ten more one after another, never loading
+    any, with a quota of 16 MiB: the cache (sampled every few milliseconds, each file
+    counted once) never holds more than the quota, uploads beyond it are refused with the
+    reason, and alice's upload meanwhile is untouched."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    quota = 16 * MIB
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRADIO_TEMP_DIR", str(cache))
+        engine = tiny_engine(tmp_path / "home", auth="alice:a,bob:b", max_new_tokens=8, upload_quota_mb=16)
+        app = create_app(engine, engine.settings)
+    block = os.urandom(6 * MIB - 16)
+    count = iter(range(1000))
+
+    def payload() -> Path:
+        """A fresh 6 MiB file (Gradio files uploads by their contents: each must differ)."""
+        path = tmp_path / f"big{next(count)}.miku"
+        path.write_bytes(f"{path.name:16}".encode() + block)
+        return path
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            seen: dict[tuple[int, int], int] = {}
+            for p in cache.rglob("*"):
+                with contextlib.suppress(OSError):
+                    st = p.lstat()
+                    if p.is_file():
+                        seen[(st.st_dev, st.st_ino)] = st.st_size
+            peak = max(peak, sum(seen.values()))
+            time.sleep(0.002)
+
+    with serving(app) as url, logged_in(url, "alice", "a") as alice:
+        small = tmp_path / "alice.miku"
+        small.write_bytes(b"alice's upload")
+        hers = upload_file(alice, small)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        statuses: list[int] = []
+
+        def one() -> None:
+            with logged_in(url, "bob", "b") as bob, open(payload(), "rb") as f:
+                try:
+                    statuses.append(bob.post("gradio_api/upload", files=[("files", ("big.miku", f))]).status_code)
+                except httpx.TransportError:  # refused before its body was read: the connection closes
+                    statuses.append(413)
+
+        threads = [threading.Thread(target=one) for _ in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        at_once = sorted(statuses)
+        with logged_in(url, "bob", "b") as bob:
+            for _ in range(10):
+                with open(payload(), "rb") as f:
+                    r = bob.post("gradio_api/upload", files=[("files", ("big.miku", f))])
+                assert r.status_code == 200, r.text  # each new one removes the oldest waiting
+        stop.set()
+        sampler.join()
+        ledger = app.state.isagi_uploads
+        assert ledger.usage("bob") <= quota and len(ledger.waiting("bob")) == 2
+        assert Path(hers).read_bytes() == b"alice's upload"
+    assert at_once.count(200) >= 1 and at_once.count(413) >= 7, at_once  # two fit: 2 x 6 MiB < 16 MiB
+    assert peak <= quota + len(b"alice's upload"), f"the cache held {peak / MIB:.1f} MiB"
+    engine.store.close()
