@@ -247,4 +247,5 @@ def test_an_imported_research_session_resumes_and_chats_on_the_real_model(defaul
     assert r.distance is not None, "the imported memory was searched"
     again = load_session(default_engine, s.miku_path)
     assert again.turns == s.turns and len(again.turns) == 4  # three imported questions, one new turn
-    assert default_engine.store.get_session(s.id, owner="local").turns == 1
+    # the history holds the whole session: the imported turns recorded with the first new one
+    assert default_engine.store.get_session(s.id, owner="local").turns == 4
