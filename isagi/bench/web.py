@@ -17,9 +17,11 @@ afterwards. Nothing here is hard-coded: every figure is measured in the run.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,21 +140,13 @@ def run_history(base_url: str | None, histories: list[int], sessions: int = 8, t
     import tempfile
 
     histories = sorted(set(histories))
-    server = None
-    url = base_url
-    if url is None:
-        server = live_server.start(settings.home if settings is not None else None, start_timeout_s)
-        url = server.url
-    try:
-        passes = {}
-        with tempfile.TemporaryDirectory(prefix="isagi-bench-web-") as tmp:
-            for n in histories:
-                path = long_session_file(settings, n, Path(tmp) / f"history-{n}.miku")
-                passes[n] = _figures(*_drive(url, sessions, turns, max_new_tokens, path), sessions, turns,
-                                     max_new_tokens, live_server.health(url).get("model"))
-    finally:
-        if server is not None:
-            server.stop()
+    passes = {}
+    with _server(base_url, settings, start_timeout_s) as url, \
+            tempfile.TemporaryDirectory(prefix="isagi-bench-web-") as tmp:
+        for n in histories:
+            path = long_session_file(settings, n, Path(tmp) / f"history-{n}.miku")
+            passes[n] = _figures(*_drive(url, sessions, turns, max_new_tokens, path), sessions, turns,
+                                 max_new_tokens, live_server.health(url).get("model"))
     base = histories[0]
     ratios = {f"ratio_{n}_to_{base}": {k: round(passes[n][k] / passes[base][k], 3) for k in ("p50_s", "p95_s")}
               for n in histories[1:] if passes[n]["p50_s"] and passes[base]["p50_s"]}
@@ -169,18 +163,24 @@ def run(
     start_timeout_s: float = 3600.0,
 ) -> dict[str, Any]:
     """Drive ``sessions`` concurrent sessions of ``turns`` turns each; return the figures."""
-    server = None
-    url = base_url
-    if url is None:
-        server = live_server.start(settings.home if settings is not None else None, start_timeout_s)
-        url = server.url
-    try:
+    with _server(base_url, settings, start_timeout_s) as url:
         model = live_server.health(url).get("model")
         out, wall = _drive(url, sessions, turns, max_new_tokens, None)
-    finally:
-        if server is not None:
-            server.stop()
     return _figures(out, wall, sessions, turns, max_new_tokens, model)
+
+
+@contextlib.contextmanager
+def _server(base_url: str | None, settings: Any, start_timeout_s: float) -> Iterator[str]:
+    """``base_url``, or the URL of a live server started here (with ``settings``' data
+    directory) and stopped afterwards."""
+    if base_url is not None:
+        yield base_url
+        return
+    server = live_server.start(settings.home if settings is not None else None, start_timeout_s)
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def _figures(out: dict[str, list], wall: float, sessions: int, turns: int, max_new_tokens: int,
