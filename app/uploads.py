@@ -63,6 +63,9 @@ class _Upload:
     dev: int
     ino: int
     at: float  # when it was recorded or last named by an event (monotonic)
+    # Uploads of the same file by the same user not yet opened: Gradio names a file by its
+    # contents, so two tabs (or, without a login, two people) uploading one file get one path.
+    count: int = 1
 
 
 @dataclass
@@ -204,7 +207,9 @@ class UploadLedger:
                 for u in self._uploads.values():  # the same file again: its records follow the new inode
                     if u.path == path:
                         u.dev, u.ino, u.size = st.st_dev, st.st_ino, st.st_size
-                self._uploads[(owner, path)] = _Upload(path, quota_key, st.st_size, st.st_dev, st.st_ino, now)
+                earlier = self._uploads.get((owner, path))
+                self._uploads[(owner, path)] = _Upload(path, quota_key, st.st_size, st.st_dev, st.st_ino, now,
+                                                       count=earlier.count + 1 if earlier is not None else 1)
             done.append(path)
         with self._lock:  # an upload larger than it said (it cannot be: the request's length bounds it)
             mine = sorted((u for u in self._uploads.values() if u.quota_key == quota_key), key=lambda u: u.at)
@@ -232,10 +237,15 @@ class UploadLedger:
         if norm is None:
             return None
         with self._lock:
-            u = self._uploads.pop((owner, norm), None)
-            shared = u is not None and any(o.path == norm for o in self._uploads.values())
-        if u is None:
-            return None
+            u = self._uploads.get((owner, norm))
+            if u is None:
+                return None
+            if u.count > 1:  # the same user's other upload of this file still waits: leave it
+                u.count -= 1
+                shared = True
+            else:
+                del self._uploads[(owner, norm)]
+                shared = any(o.path == norm for o in self._uploads.values())
         private = Path(tempfile.mkdtemp(prefix="isagi-claim-", dir=self.root))
         name = os.path.basename(norm)
         dest = private / name

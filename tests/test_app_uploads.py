@@ -147,3 +147,21 @@ def test_discard_and_normalise(ledger: UploadLedger) -> None:
     assert normalise(str(root / "a" / ".." / "b" / "f"), root) == str(root / "b" / "f")
     assert normalise(str(root / "f"), root) is None, "Gradio writes every upload in a folder of its own"
     assert normalise(str(root / ".." / "f"), root) is None and normalise(str(root / "a" / ".."), root) is None
+
+
+def test_one_file_uploaded_twice_by_one_user_opens_twice(ledger: UploadLedger) -> None:
+    """Gradio names an upload by its contents: the same .miku uploaded from two tabs (or, with
+    no login, by two people) is one path with two waiting uploads. Each opens once; the
+    file leaves the cache with the last."""
+    first = arrive(ledger, "local", b"the same bytes")
+    again = Path(first)  # Gradio writes the same bytes to the same path again
+    again.write_bytes(b"the same bytes")
+    assert ledger.record("local", "local", [first]) == [first]
+    one = ledger.claim("local", first)
+    assert one is not None and Path(first).exists(), "the other upload still waits"
+    two = ledger.claim("local", first)
+    assert two is not None and two.path.read_bytes() == b"the same bytes"
+    assert not Path(first).exists() and ledger.claim("local", first) is None
+    one.close()
+    two.close()
+    assert ledger.waiting() == []
