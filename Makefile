@@ -17,6 +17,17 @@ BIN := $(VENV)/bin
 # wheel for this machine: build the library only, none of its tools, server,
 # examples, tests or the multimodal library ISAGI does not use.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+# llama.cpp compiles for this CPU (-march=native). Where the CPU reports Intel AMX
+# but the virtual machine does not let a program use it (Firecracker VMs, such as
+# the project's CI machines), ggml's AMX matrix multiply dies at the first
+# decode with SIGILL; the AMX kernels are compiled out, the AVX-512 ones stay.
+# (CMAKE_ARGS is split on spaces by the build backend, so the flags go in the
+# compilers' own variables, which CMake reads on its first configure.)
+ifeq ($(shell uname -m),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export CFLAGS := $(strip $(CFLAGS) $(NO_AMX))
+export CXXFLAGS := $(strip $(CXXFLAGS) $(NO_AMX))
+endif
 PIP := $(BIN)/pip install --progress-bar on
 export ISAGI_TEST_HOME ?= $(CURDIR)/.isagi/test-home
 
