@@ -507,6 +507,15 @@ def bench_web(url: Annotated[str | None, typer.Option("--url", help="a running s
     _report(run(url, sessions=sessions, turns=turns, settings=settings), as_json)
 
 
+@bench_app.command("attention")
+@friendly
+def bench_attention(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Decode time per token after 50 to 2,500 tokens of context, flash attention on and off (plain llama.cpp)."""
+    from isagi.bench.attention import run
+
+    _report(run(_settings(model=model, home=home)), as_json)
+
+
 @bench_app.command("start")
 @friendly
 def bench_start(warm_repeats: Annotated[int, typer.Option("--warm-repeats")] = 2, as_json: JsonOpt = False) -> None:

@@ -18,10 +18,12 @@ class PlainLlama:
     def __init__(self, path: str | Path, *, n_threads: int, n_ctx: int = 4096) -> None:
         from llama_cpp import Llama
 
-        # flash attention as in ISAGI's context (llama.cpp's default AUTO picks it on the CPU;
-        # ``Llama`` would turn it off): the same arithmetic, so both produce the same greedy reply
+        # the attention kernel of ISAGI's context (isagi.engines.llamacpp.FLASH_ATTN): the same
+        # arithmetic, so both produce the same greedy reply
+        from isagi.engines.llamacpp import FLASH_ATTN
+
         self.llm = Llama(model_path=str(path), n_threads=n_threads, n_threads_batch=n_threads, n_ctx=n_ctx,
-                         n_batch=512, flash_attn=True, verbose=False)
+                         n_batch=512, flash_attn=FLASH_ATTN == 1, verbose=False)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, *, stop_ids: set[int] | None = None) -> tuple[float, float, list[int]]:
         """(seconds, seconds to the first token, new token ids) of one greedy generation."""

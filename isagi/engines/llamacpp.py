@@ -5,8 +5,9 @@ the chat template (the GGUF's own Jinja template, rendered as transformers
 renders it, then tokenised by llama.cpp), reading layer outputs, decoding
 (greedy: the argmax of the logits; sampling: llama.cpp's sampler chain),
 steering through the control-vector API, and cancelling between tokens. The
-context uses llama.cpp's own default attention choice (flash attention on
-the CPU).
+context uses llama.cpp's plain attention kernel, not flash attention: on the
+CPU, flash attention decodes slower once a chat's history fills the KV cache
+(``isagi bench attention`` measures both; docs/measurements.md has the figures).
 
 Layer outputs. llama.cpp names the residual stream after block ``il``
 (0-based) ``l_out-<il>``; that is transformers' ``hidden_states[il + 1]``,
@@ -89,7 +90,7 @@ from isagi.engines.kv_prefix import PrefixStore, Shift
 from isagi.errors import ModelLoadError
 from isagi.pooling import last_token, span_mean
 
-FLASH_ATTN_AUTO = -1  # llama_flash_attn_type: AUTO (llama.cpp's default), 0 disabled, 1 enabled
+FLASH_ATTN = 0  # llama_flash_attn_type: -1 AUTO (llama.cpp's default: on for the CPU), 0 disabled, 1 enabled
 _LOG_SILENCER: Any = None
 
 
@@ -153,9 +154,8 @@ class LlamaCppEngine:
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.cb_eval = self._cb
         cparams.cb_eval_user_data = self._capture.user_data
-        # llama.cpp's own choice (flash attention on the CPU); llama-cpp-python's ``Llama`` turns it
-        # off by default, so the benches' plain baseline asks for it (isagi.bench.plain_llama)
-        cparams.flash_attn_type = FLASH_ATTN_AUTO
+        # plain attention (see FLASH_ATTN); the benches' plain baseline uses the same kernel
+        cparams.flash_attn_type = FLASH_ATTN
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {self._n_ctx} tokens for {path}.")
