@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SaveFile = Callable[["Session", Path], None]
 MAX_TRACKED = 4096  # sessions whose history count the keeper remembers (a bound for a long-running server)
+FLUSH_BATCH = 500  # appended exchanges written per transaction (a loaded session may bring thousands)
 
 
 def _when(cause: str) -> str:
@@ -172,11 +173,21 @@ class TurnKeeper:
                     b.ops[:0] = [(t, False) for t in earlier]
                     b.counted = True
                 while b.ops:
-                    turn, replaces = b.ops[0]
-                    _n, created = self.store.record_exchange(
-                        session.id, turn, owner=session.owner, model_id=self.model_id,
-                        title=session.title, replace_last=replaces)
-                    b.ops.pop(0)
+                    if b.ops[0][1]:  # Regenerate: the last exchange replaced, alone
+                        _n, created = self.store.record_exchange(
+                            session.id, b.ops[0][0], owner=session.owner, model_id=self.model_id,
+                            title=session.title, replace_last=True)
+                        done = 1
+                    else:  # appended turns (a loaded file's earlier ones too): a transaction per batch
+                        run = []
+                        for turn, replaces in b.ops[:FLUSH_BATCH]:
+                            if replaces:
+                                break
+                            run.append(turn)
+                        _n, created = self.store.record_exchanges(
+                            session.id, run, owner=session.owner, model_id=self.model_id, title=session.title)
+                        done = len(run)
+                    del b.ops[:done]
                     if created:
                         with self._guard:
                             self._told.pop((session.owner, session.id), None)

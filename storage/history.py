@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -437,6 +437,20 @@ class HistoryStore:
         return self._write_session("record a turn", session_id, owner=owner, model_id=model_id, title=title,
                                    then=write)
 
+    def record_exchanges(
+        self, session_id: str, records: Sequence[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
+    ) -> tuple[int, bool]:
+        """Several turns appended in ONE transaction (a loaded session's earlier turns, a backlog):
+        :meth:`record_exchange` without ``replace_last``, for many at once.
+
+        Returns (the last exchange's number within the session, whether the session was created).
+        """
+        owner = check_owner(owner)
+        if not records:
+            raise StorageError("record_exchanges needs at least one turn.")
+        return self._write_session("record turns", session_id, owner=owner, model_id=model_id, title=title,
+                                   then=lambda db, created: (self._add_turns(db, session_id, records, owner), created))
+
     def record_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Store one exchange (user row + assistant row) of ``owner``'s session in one
         transaction.
@@ -449,8 +463,14 @@ class HistoryStore:
 
     def _add_turn(self, db: Any, session_id: str, record: TurnRecord, owner: str) -> int:
         """Write one exchange's two rows after the session's last row (inside a transaction)."""
-        if not isinstance(record.user_text, str) or not isinstance(record.reply_text, str):
-            raise StorageError("A turn's user and reply texts must be strings.")
+        return self._add_turns(db, session_id, [record], owner)
+
+    def _add_turns(self, db: Any, session_id: str, records: Sequence[TurnRecord], owner: str) -> int:
+        """Write the exchanges' rows, two each, after the session's last row (inside a transaction);
+        returns the last one's number within the session."""
+        for record in records:
+            if not isinstance(record.user_text, str) or not isinstance(record.reply_text, str):
+                raise StorageError("A turn's user and reply texts must be strings.")
         s = self._get_session(db, session_id, owner, lock=True)
         last = db.execute(
             select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
@@ -458,8 +478,20 @@ class HistoryStore:
         seq = 0 if last is None else last + 1
         seq += seq % 2  # a user row always starts at an even seq
         now = _now()
-        r = record
-        db.add_all(
+        rows = []
+        for r in records:
+            rows += self._exchange_rows(session_id, seq, r, owner, now)
+            seq += 2
+        db.add_all(rows)
+        s.updated_at = now
+        if not s.title:
+            s.title = make_title(records[0].user_text)
+        return seq // 2
+
+    @staticmethod
+    def _exchange_rows(session_id: str, seq: int, r: TurnRecord, owner: str, now: Any) -> list[TurnModel]:
+        """One exchange's user row (at ``seq``, even) and assistant row."""
+        return (
             [
                 TurnModel(
                     session_id=session_id,
@@ -492,10 +524,6 @@ class HistoryStore:
                 ),
             ]
         )
-        s.updated_at = now
-        if not s.title:
-            s.title = make_title(r.user_text)
-        return seq // 2 + 1
 
     def replace_last_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Replace the last exchange of ``owner``'s session by ``record`` (Regenerate), in one transaction.

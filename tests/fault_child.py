@@ -50,7 +50,7 @@ def main(argv: list[str]) -> None:
         if i == turns and mode == "before-rename":
             os.replace = _replace_but_block_miku(os.replace)
         if i == turns and mode == "before-history":
-            engine.store.record_exchange = _block
+            engine.store.record_exchange = engine.store.record_exchanges = _block
         engine.turn(session, f"message number {i}:" + " words" * (i % 7))
         print(f"kept {i}", flush=True)
         i += 1

@@ -390,6 +390,21 @@ def test_record_exchange_creates_the_session_once_and_replaces_in_one_call(store
     assert len(store.get_turns("s1", owner="ann")) == 4
 
 
+def test_record_exchanges_appends_many_in_order_after_the_existing_ones(store: HistoryStore) -> None:
+    """Many exchanges in one call land after the session's last one, in order, numbered on;
+    another owner's id is refused and gets nothing."""
+    assert store.record_exchange("s1", rec(0), owner="ann", model_id="m", title="first") == (1, True)
+    assert store.record_exchanges("s1", [rec(i) for i in range(1, 6)], owner="ann", model_id="m") == (6, False)
+    rows = store.get_turns("s1", owner="ann")
+    assert [r.text for r in rows] == [t for i in range(6) for t in (f"question {i}", f"answer {i}")]
+    assert [r.seq for r in rows] == list(range(12))
+    assert store.record_exchanges("s3", [rec(7), rec(8)], owner="ann", model_id="m") == (2, True)
+    assert store.get_session("s3", owner="ann").title == "question 7"
+    with pytest.raises(StorageError, match="not found|No session"):
+        store.record_exchanges("s1", [rec(9)], owner="bob", model_id="m")
+    assert store.exchange_count("s1", owner="ann") == 6
+
+
 def test_repair_exchanges_brings_the_history_level_with_a_file_and_deletes_nothing_else(store):
     """The start-up repair's store half, on SQLite and PostgreSQL: a prefix is completed,
     a differing last exchange replaced, a longer history kept, an early difference left."""

@@ -199,6 +199,31 @@ def test_a_loaded_session_gets_its_earlier_turns_recorded_and_regenerate_replace
     store.close()
 
 
+def test_a_long_loaded_session_is_recorded_in_a_few_transactions_in_order(tmp_path: Path, monkeypatch) -> None:
+    """A loaded file's earlier turns reach the history in batches of FLUSH_BATCH (one transaction
+    each), not one transaction per turn: the first turn after loading a long session must not
+    grow with it; the order and the Regenerate after it stay right."""
+    from isagi import persist
+
+    monkeypatch.setattr(persist, "FLUSH_BATCH", 7)
+    store = HistoryStore(f"sqlite:///{tmp_path / 'h.sqlite3'}")
+    calls: list[int] = []
+    inner = store.record_exchanges
+    monkeypatch.setattr(store, "record_exchanges", lambda sid, records, **kw: (calls.append(len(records)),
+                                                                            inner(sid, records, **kw))[1])
+    keep = _keeper(store)
+    s = _real_session(tmp_path)
+    s.turns = [Turn(user_text=f"old{i}", reply_text=f"r{i}") for i in range(20)]
+    assert _turn(s, keep, 20) is None
+    assert calls == [7, 7, 7]  # 21 exchanges, 7 a transaction
+    assert _history_turns(store, s) == _file_turns(s.miku_path) and len(_history_turns(store, s)) == 21
+    s.turns.pop()
+    assert _turn(s, keep, 99, replaces_last=True) is None
+    assert calls == [7, 7, 7]  # a Regenerate is its own single write
+    assert _history_turns(store, s) == _file_turns(s.miku_path) and _history_turns(store, s)[-1][0].startswith("q99")
+    store.close()
+
+
 # --------------------------------------------------------------------------- the start-up repair
 
 
