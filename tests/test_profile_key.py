@@ -1,0 +1,64 @@
+"""The profile key's code digest follows what the calibration code does, not its text."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from isagi.profile import DIGESTED_MODULES, code_behaviour, code_digest, module_sources
+
+
+def _edited(source: str, old: str, new: str) -> str:
+    assert source.count(old) >= 1, old
+    return source.replace(old, new, 1)
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, str]:
+    found = module_sources()
+    assert set(found) == set(DIGESTED_MODULES)
+    return found
+
+
+def test_the_digest_of_the_installed_modules_is_the_default(sources):
+    assert code_digest() == code_digest(sources)
+
+
+@pytest.mark.parametrize("module", DIGESTED_MODULES)
+def test_a_changed_docstring_or_comment_leaves_the_digest(sources, module):
+    src = sources[module]
+    tree = ast.parse(src)
+    doc = ast.get_docstring(tree, clean=False)
+    assert doc, f"{module} has a module docstring to edit"
+    edited = _edited(src, doc, doc + "\n\nA sentence added to the docstring.")
+    # a comment on a line of its own and one after code, and a function's docstring rewritten
+    edited = _edited(edited, "\nimport ", "\n# a new comment\nimport ")
+    edited = _edited(edited, "from __future__ import annotations\n", "from __future__ import annotations  # trailing\n")
+    func = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and ast.get_docstring(n, clean=False)), None)
+    if func is not None:
+        fdoc = ast.get_docstring(func, clean=False)
+        edited = _edited(edited, fdoc, "Reworded.")
+    assert edited != src
+    assert code_digest({**sources, module: edited}) == code_digest(sources)
+
+
+@pytest.mark.parametrize("module", DIGESTED_MODULES)
+def test_changed_code_changes_the_digest(sources, module):
+    src = sources[module]
+    # one statement more at the end of the module: the code now does something else
+    assert code_digest({**sources, module: src + "\n_EXTRA = 1\n"}) != code_digest(sources)
+
+
+def test_a_changed_constant_or_operator_changes_the_behaviour():
+    base = "def f(x):\n    '''Doc.'''\n    return x * 2\n"
+    assert code_behaviour(base) == code_behaviour("def f(x):  # comment\n    return x * 2  # twice\n")
+    assert code_behaviour(base) != code_behaviour(base.replace("2", "3"))
+    assert code_behaviour(base) != code_behaviour(base.replace("*", "+"))
+    assert code_behaviour(base) != code_behaviour(base.replace("x", "y"))
+
+
+def test_a_bare_string_that_is_not_a_docstring_is_ignored_but_a_used_string_is_not():
+    base = "A = 1\n\"\"\"What A is.\"\"\"\nB = 'text'\n"
+    assert code_behaviour(base) == code_behaviour("A = 1\nB = 'text'\n")
+    assert code_behaviour(base) != code_behaviour(base.replace("'text'", "'other'"))
