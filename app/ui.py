@@ -486,7 +486,7 @@ class WebUI:
         if path is None:
             return None
         try:
-            session = load_session(self.engine, path)
+            session = load_session(self.engine.frame, path)
         except (IsagiError, EngineLoading) as exc:
             log.warning("could not reopen session %s on page load: %s", sid, exc)
             return None
@@ -782,7 +782,7 @@ class WebUI:
             with self.registry.using(sid, owner=owner) as entry:
                 s = entry.session
                 path = self._download_dir() / f"isagi-{_slug(s.title, 'session')}-{s.id}.miku"
-                save_session(self.engine, s, path)
+                save_session(self.engine.frame, s, path)
         except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
             return gr.skip(), self._warn(msg)
@@ -813,7 +813,7 @@ class WebUI:
         name = claim.name
         with claim:
             try:
-                session = load_session(self.engine, claim.path)
+                session = load_session(self.engine.frame, claim.path)
             except (IsagiError, EngineLoading) as exc:
                 reason = _hide_path(str(exc), claim.path).rstrip()
                 reason += "" if reason.endswith((".", "!", "?")) else "."
@@ -936,7 +936,7 @@ class WebUI:
             return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
                     *keep[2:])
         try:
-            session = load_session(self.engine, path)
+            session = load_session(self.engine.frame, path)
         except (IsagiError, EngineLoading) as exc:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
         session.id = chosen

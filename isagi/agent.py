@@ -60,6 +60,7 @@ from isagi.memory import TrajectoryMemory
 from isagi.pooling import decoding_state
 from isagi.sameness import content_key
 from isagi.session import PROMPT_STATE_CACHE, Session
+from isagi.session_io import SessionFrame
 from isagi.turn import Message, Turn
 from isagi.ugt import Basis, project, route
 from isagi.window import window_start
@@ -164,6 +165,13 @@ class Engine:
     @property
     def layer(self) -> int:
         return self.profile.layer
+
+    @property
+    def frame(self) -> SessionFrame:
+        """What a session file of this engine records and must match (``isagi.session_io``)."""
+        return SessionFrame(model_id=self.lm.model_id, model_fingerprint=self.lm.fingerprint,
+                            hidden_size=int(self.lm.hidden_size), layer=int(self.profile.layer),
+                            profile_key=self.profile.key, system_prompt=self.settings.system_prompt)
 
     def new_session(self, session_id: str | None = None, *, autosave: bool = True) -> Session:
         k = int(self.profile.basis.B.shape[1])

@@ -185,7 +185,7 @@ def chat(
         err.print(f"[dim]{line}[/]", highlight=False)
     engine = _engine(settings)
     if load is not None:
-        session = load_session(engine, load, allow_other_model=allow_other_model)
+        session = load_session(engine.frame, load, allow_other_model=allow_other_model)
     else:
         session = engine.new_session()
     if save is not None:
@@ -419,7 +419,7 @@ def inspect(path: Path, as_json: JsonOpt = False) -> None:
 @friendly
 def import_legacy(old: Path, new: Path) -> None:
     """Convert a research-code miku-v1 pair (OLD.miku + OLD.miku.pt) to a .miku v2 file."""
-    from storage.legacy import import_legacy as convert
+    from isagi.session_io import import_legacy as convert
 
     convert(old, new)
     out.print(f"wrote {new}")
