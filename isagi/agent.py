@@ -232,20 +232,25 @@ class Engine:
         return prompt_tokens(self.lm, messages)
 
     def _prompt(
-        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True
+        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True,
+        history: list[dict[str, str]] | None = None,
     ) -> list[dict[str, str]]:
         """The chat for the model: system prompt, history, a related exchange (AUGMENT), message.
 
-        History is the window of :meth:`fitting_history`; older turns stay in the
-        session, only not in the prompt.
+        History is the window of :meth:`fitting_history` (``history``: this turn's, already
+        fitted; the history is fitted once per turn); older turns stay in the session, only
+        not in the prompt.
         """
         if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
             related = None  # the related exchange does not fit beside the message: answer without it
-        history = self.fitting_history(session, text) if with_history else []
+        if not with_history:
+            history = []
+        elif history is None:
+            history = self.fitting_history(session, text)
         if related is not None and _holds_exchange(history, related):
             related = None  # the related exchange is in the history already: once is enough
         elif related is not None and with_history:
-            history = self.fitting_history(session, text, related)  # room for it beside the history
+            history = self._fit_prompt(history, text, related)  # room for it beside the history
         return self._prompt_messages(text, related, history)
 
     def _prompt_messages(
@@ -285,11 +290,16 @@ class Engine:
         for this prompt only: the window's start does not move.
         """
         start, exchanges = self.history_window(session, text)
-        kept = exchanges[start:]
-        history = [m for exchange in kept for m in exchange]
-        while kept and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
-            kept = kept[1:]
-            history = [m for exchange in kept for m in exchange]
+        return self._fit_prompt([m for exchange in exchanges[start:] for m in exchange], text, related)
+
+    def _fit_prompt(
+        self, history: list[dict[str, str]], text: str, related: dict[str, Any] | None
+    ) -> list[dict[str, str]]:
+        """``history`` (whole exchanges, oldest first) less its oldest exchanges while the prompt
+        with ``related`` and ``text`` is over the budget. A prompt only grows with what it holds,
+        so trimming the history fitted without ``related`` gives what fitting with it would."""
+        while history and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
+            history = history[2:]
         return history
 
     def _exchange_tokens(self, session: Session, user: str, reply: str) -> tuple[int, int]:
@@ -481,7 +491,7 @@ class Engine:
         from isagi.safety import ReplyGuard
 
         if d.tier is Tier.AUGMENT:
-            prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record)
+            prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record, history=history)
         else:
             if history is None:
                 history = self.fitting_history(session, text)

@@ -175,6 +175,8 @@ class TrajectoryMemory:
         self._alloc_stage1(max(64, self.candidates))
         self.rebuilds = 0
         self.evicted = 0
+        # to_columns' result, built once per change of the records (None: changed since)
+        self._columns: dict[str, np.ndarray | list[str]] | None = None
 
     def _alloc_stage1(self, ks: int) -> None:
         self._dists = np.empty((1, ks), np.float32)
@@ -287,6 +289,7 @@ class TrajectoryMemory:
         self._size += 1
         self._alive_count += 1
         self._id2slot[rid] = s
+        self._columns = None
         self._next_cluster = max(self._next_cluster, int(cluster) + 1)
         if self._index is not None:
             z, finv = self._frame_with_norms(q[None, :], self._frame_L)
@@ -319,6 +322,7 @@ class TrajectoryMemory:
         s = self._id2slot[int(id)]
         self._hits[s] += 1
         self._last_hit[s] = time.time() if now is None else float(now)
+        self._columns = None
 
     # -- eviction ----------------------------------------------------------
     def usefulness(self, now: float | None = None) -> np.ndarray:
@@ -340,6 +344,7 @@ class TrajectoryMemory:
         order = np.lexsort((self._ids[alive], last_used, score))
         victims = alive[order[:count]]
         self._alive[victims] = False
+        self._columns = None
         for s in victims.tolist():
             del self._id2slot[int(self._ids[s])]
             for col in ("query_text", "reply_text"):
@@ -611,7 +616,21 @@ class TrajectoryMemory:
 
     # -- columns -----------------------------------------------------------
     def to_columns(self) -> dict[str, np.ndarray | list[str]]:
-        """Alive records as columns, oldest first (for ``.miku`` files)."""
+        """Alive records as columns, oldest first: for the ``.miku`` file, Regenerate's snapshot
+        and the page's map alike.
+
+        Built once per change of the records and shared by every caller until the next
+        change (a turn's autosave builds them, the page and the next turn's snapshot reuse
+        them): the arrays are read-only, the text columns fresh lists.
+        """
+        if self._columns is None:
+            self._columns = self._build_columns()
+        cols = dict(self._columns)
+        for col in _TEXT_COLUMNS:
+            cols[col] = list(cols[col])
+        return cols
+
+    def _build_columns(self) -> dict[str, np.ndarray | list[str]]:
         keep = np.flatnonzero(self._alive[: self._size])
         cols: dict[str, np.ndarray | list[str]] = {
             "id": self._ids[keep].astype(np.int64),
@@ -622,6 +641,8 @@ class TrajectoryMemory:
             "last_hit": self._last_hit[keep].astype(np.float64),
             "hits": self._hits[keep].astype(np.int32),
         }
+        for arr in cols.values():
+            arr.flags.writeable = False  # type: ignore[union-attr]
         idx = keep.tolist()
         for col in _TEXT_COLUMNS:
             lst = self._texts[col]
