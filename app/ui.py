@@ -1008,16 +1008,13 @@ class WebUI:
         import gradio as gr
 
         try:
-            from isagi.explore import explore as run_explore
+            from isagi.explore import explore_on
         except ImportError as exc:
             return self._warn(f"Exploration is not available in this build ({exc})."), gr.skip(), ""
         from isagi.errors import IsagiError
 
         try:
-            engine = self.engine
-            with engine.generation_lock:
-                result = run_explore(engine.lm, engine.profile.safety, seed or "", steps=int(steps),
-                                     max_new_tokens=int(max_tokens))
+            result = explore_on(self.engine, seed or "", steps=int(steps), max_new_tokens=int(max_tokens))
         except (IsagiError, EngineLoading, ValueError) as exc:
             return self._warn(str(exc)), gr.skip(), ""
         data = result.to_dict() if hasattr(result, "to_dict") else dict(result)

@@ -236,11 +236,10 @@ def explore(
     as_json: JsonOpt = False,
 ) -> None:
     """Safe OGD concept exploration: a chain of steered steps, TEH per step, MIKU index."""
-    from isagi.explore import explore as run_explore
+    from isagi.explore import explore_on
 
     engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
-    result = run_explore(engine.lm, engine.profile.safety, seed_concept, steps=steps, safe=not unsafe_regular,
-                         system_prompt=engine.settings.system_prompt)
+    result = explore_on(engine, seed_concept, steps=steps, safe=not unsafe_regular)
     data = result.to_dict() if hasattr(result, "to_dict") else result
     if as_json:
         _print_json(data)

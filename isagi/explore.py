@@ -316,6 +316,22 @@ def explore(
     return result
 
 
+def explore_on(
+    engine: Any, seed: str, *, steps: int = 3, safe: bool = True, max_new_tokens: int = 40
+) -> ExplorationResult:
+    """The one entry point of an exploration, for ``isagi explore`` and the web Explore panel
+    alike: a chain (:func:`explore`) on the engine's model, read in the frame its safety profile
+    was calibrated in (the engine's system prompt, part of the profile's key), while holding the
+    engine's generation lock (one forward pass at a time on a shared model).
+
+    ``engine``: an :class:`isagi.agent.Engine` (its ``lm``, ``profile``, ``settings`` and
+    ``generation_lock``).
+    """
+    with engine.generation_lock:
+        return explore(engine.lm, engine.profile.safety, seed, steps=steps, safe=safe,
+                       max_new_tokens=max_new_tokens, system_prompt=engine.settings.system_prompt)
+
+
 def render(result: ExplorationResult) -> str:
     """Plain-text report of a chain, for `isagi explore`: each step, its TEH, and the index."""
     mode = "Safe OGD" if result.safe else "regular OGD (unprojected)"
