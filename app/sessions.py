@@ -1,6 +1,6 @@
 """The per-browser session registry of the web app.
 
-Owns the mapping *session id → live Session* (DESIGN §2: the model and the
+Owns the mapping *session id → live Session* (docs/architecture.md, Layout: the model and the
 per-model profile are shared, a Session never is). Gradio's ``gr.State`` holds
 only the id string (State values are deep-copied per event, a Session with its
 FAISS index must not be); every handler looks the Session up here.

@@ -1,4 +1,4 @@
-"""The turn pipeline (DESIGN §3) and what every session shares.
+"""The turn pipeline (docs/architecture.md, One turn) and what every session shares.
 
 Owns :class:`Engine` (settings, the model, the per-model profile, the history
 store, a lock that serialises generation on one device, and the callable that

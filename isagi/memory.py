@@ -2,7 +2,7 @@
 
 This module owns the records a session remembers (query and reply UGT
 coordinates, texts, tier, cluster, times, hit counts) and how they are found
-again (DESIGN §3 step 5):
+again (docs/architecture.md, One turn, step 5):
 
 Stage 1 — FAISS over the stored query coordinates in the *metric frame*: with
 ``M = L Lᵀ`` the metric cosine distance of ``x`` and ``y`` is the plain cosine
@@ -13,7 +13,7 @@ distance of ``Lᵀx`` and ``Lᵀy``, so the index holds the unit vectors
 ``IndexHNSWFlat`` with ``hnsw_storage="flat"``. Stage 1 only proposes
 candidates (the codes' rounding is undone by stage 2), and one 64-byte code per
 vector instead of 256 bytes makes the graph walk, which is bound by memory
-latency, about 30 % faster at N = 100,000, k = 64 with the same recall.
+latency, faster with the same recall (docs/measurements.md).
 Parameters (``hnsw_m`` 20, ``ef_construction`` 160, ``ef_search`` 32,
 ``candidates`` 16) were chosen by measurement on the lookup benchmark's data
 (N = 100,000, k = 64, seeds 0–4): recall@1 ≥ 0.994 for both query kinds

@@ -1,6 +1,6 @@
 """Geometric safety: Snipe, the TEH score, the streaming reply guard, Safe OGD's projector.
 
-Owns the forbidden subspace and everything measured against it (DESIGN §4).
+Owns the forbidden subspace and everything measured against it (docs/architecture.md, Definitions).
 
 Definitions (precise, as implemented):
 

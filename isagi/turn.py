@@ -46,7 +46,7 @@ class Message:
 
 @dataclass
 class Turn:
-    """One exchange and what the turn did (DESIGN §3).
+    """One exchange and what the turn did (docs/architecture.md, One turn, step 8).
 
     ``verdict`` is ``ok`` (an accepted reply), ``refused`` (TEH of the prompt
     over the threshold: nothing generated), ``withheld`` (the reply guard
