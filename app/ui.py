@@ -14,9 +14,8 @@ Model work (a turn, Regenerate, an exploration) runs in one Gradio
 concurrency group (``concurrency_id="model"``) of size 2, so a waiting
 browser sees its queue position; the engine's ``generation_lock`` serialises
 the model itself, and the second slot lets one turn's model work start while
-the previous turn is still being recorded and drawn (8 concurrent chats,
-``isagi bench web``, p95: 4.02 and 4.40 s in two runs with one slot; 3.85 to
-4.83 s, median 4.0 s, in eight runs with two: within this machine's noise).
+the previous turn is still being recorded and drawn (``isagi bench web`` with
+one slot and with two: docs/measurements.md).
 Stop sets the session's stop event (the turn loop ends after the current
 token and the turn is recorded as ``cancelled``) and cancels the Gradio event.
 
