@@ -86,21 +86,26 @@ def main(argv: list[str] | None = None) -> int:
               "(isagi/profiles/README.md), or name each with --accept if it cannot move a figure", file=sys.stderr)
         return 1
     old_code = bytes_digest(old) if args.bytes else code_digest(old)
-    new_code = code_digest(now)
+    return rekey(args.dir, old_code, code_digest(now), rev=args.rev, dry_run=args.dry_run)
+
+
+def rekey(directory: Path, old_code: str, new_code: str, *, rev: str = "the old code", dry_run: bool = False) -> int:
+    """Rename each profile in ``directory`` whose name is its key under ``old_code`` to its key
+    under ``new_code``, writing that key into its profile.json; 1 if any was not recognised."""
     status = 0
-    for path in sorted(p for p in args.dir.iterdir() if (p / "profile.json").is_file()):
-        text = (path / "profile.json").read_text()
-        meta = json.loads(text)
+    for path in sorted(p for p in directory.iterdir() if (p / "profile.json").is_file()):
+        meta = json.loads((path / "profile.json").read_text())
         backends = [b for b in SHIPPED_QUANTS if key_of(meta, b, old_code) == path.name]
         if len(backends) != 1:
-            print(f"{path.name}: not a current shipped profile at {args.rev}; left alone", file=sys.stderr)
+            print(f"{path.name}: not a current shipped profile at {rev}; left alone", file=sys.stderr)
             status = 1
             continue
         key = key_of(meta, backends[0], new_code)
         print(f"{backends[0]}: {path.name} -> {key}")
-        if key == path.name or args.dry_run:
+        if key == path.name or dry_run:
             continue
-        assert meta["key"] == path.name, (meta["key"], path.name)
+        if meta["key"] != path.name:
+            raise SystemExit(f"{path}: profile.json says key {meta['key']}, not its directory's name")
         meta["key"] = key
         (path / "profile.json").write_text(json.dumps(meta, indent=1))
         path.rename(path.with_name(key))

@@ -62,3 +62,41 @@ def test_a_bare_string_that_is_not_a_docstring_is_ignored_but_a_used_string_is_n
     base = "A = 1\n\"\"\"What A is.\"\"\"\nB = 'text'\n"
     assert code_behaviour(base) == code_behaviour("A = 1\nB = 'text'\n")
     assert code_behaviour(base) != code_behaviour(base.replace("'text'", "'other'"))
+
+
+def test_the_rekey_script_renames_a_profile_to_todays_key_and_changes_nothing_else(tmp_path):
+    """scripts/rekey_profiles.py: a shipped profile keyed under other code gets today's key, its
+    profile.json says so, and its arrays and every other field are the same bytes and values."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    from isagi.profile import shipped_profiles_dir
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "rekey_profiles.py"
+    spec = importlib.util.spec_from_file_location("rekey_profiles", script)
+    rekey_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rekey_mod)
+
+    shipped = sorted(p for p in shipped_profiles_dir().iterdir() if (p / "profile.json").is_file())
+    assert shipped
+    old_code = "0" * 16  # the digest of some other code
+    renamed = {}
+    for src in shipped:
+        meta = json.loads((src / "profile.json").read_text())
+        (backend,) = [b for b in rekey_mod.SHIPPED_QUANTS if rekey_mod.key_of(meta, b, code_digest()) == src.name]
+        old_key = rekey_mod.key_of(meta, backend, old_code)
+        shutil.copytree(src, tmp_path / old_key)
+        (tmp_path / old_key / "profile.json").write_text(json.dumps({**meta, "key": old_key}, indent=1))
+        renamed[old_key] = src
+    (tmp_path / "not-a-profile").mkdir()
+    (tmp_path / "not-a-profile" / "profile.json").write_text(json.dumps(json.loads((shipped[0] / "profile.json").read_text())))
+
+    assert rekey_mod.rekey(tmp_path, old_code, code_digest()) == 1  # the stranger is left alone, and said so
+    for old_key, src in renamed.items():
+        assert not (tmp_path / old_key).exists()
+        got = tmp_path / src.name
+        assert (got / "profile.json").read_text() == (src / "profile.json").read_text()
+        assert (got / "arrays.npz").read_bytes() == (src / "arrays.npz").read_bytes()
+    assert (tmp_path / "not-a-profile").exists()
