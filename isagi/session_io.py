@@ -12,6 +12,12 @@ raises one :class:`MikuError` naming the field, and nothing is loaded.
 
 A session id from a file is never trusted: one that is missing or not of the
 server's pattern (:func:`isagi.ids.is_session_id`) is replaced by a fresh one.
+
+What a file records of the engine it was made with, and must match to load,
+is a :class:`SessionFrame` (``Engine.frame``), not the engine: this module
+sits below the turn pipeline. Also the import of a research-code miku-v1 pair
+(:func:`import_legacy`): ``storage.legacy`` reads it, this module completes it
+with ISAGI's defaults into a session that resumes.
 """
 
 from __future__ import annotations
