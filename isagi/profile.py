@@ -89,7 +89,22 @@ def code_behaviour(source: str) -> str:
         if isinstance(body, list):
             node.body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
                                                   and isinstance(s.value.value, str))]
+        if isinstance(node, ast.JoinedStr):  # an f-string's literal parts as one node each, none empty
+            node.values = _joined(node.values)  # (Pythons from 3.12 split and pad them differently)
     return _canonical(tree)
+
+
+def _joined(values: list[ast.expr]) -> list[ast.expr]:
+    out: list[ast.expr] = []
+    for value in values:
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            if not value.value:
+                continue
+            if out and isinstance(out[-1], ast.Constant) and isinstance(out[-1].value, str):
+                out[-1] = ast.Constant(out[-1].value + value.value)
+                continue
+        out.append(value)
+    return out
 
 
 def module_sources() -> dict[str, str]:

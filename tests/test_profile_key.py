@@ -100,3 +100,15 @@ def test_the_rekey_script_renames_a_profile_to_todays_key_and_changes_nothing_el
         assert (got / "profile.json").read_text() == (src / "profile.json").read_text()
         assert (got / "arrays.npz").read_bytes() == (src / "arrays.npz").read_bytes()
     assert (tmp_path / "not-a-profile").exists()
+
+
+def test_an_f_strings_literal_parts_count_as_one_whatever_the_python_splits_them_into():
+    # Python 3.12 and later split an f-string's literal text and pad a format spec with an
+    # empty part where 3.11 does not: the same code must give the same digest on each.
+    from isagi.profile import _joined
+
+    parts = [ast.Constant("a"), ast.Constant(""), ast.Constant("b"), ast.FormattedValue(ast.Name("x"), -1, None),
+             ast.Constant("")]
+    got = _joined(parts)
+    assert [type(p).__name__ for p in got] == ["Constant", "FormattedValue"] and got[0].value == "ab"
+    assert code_behaviour('s = f"{x:>{w}}" "tail"') == code_behaviour('s = f"{x:>{w}}tail"')
