@@ -31,9 +31,10 @@ def _white() -> Any:
     """plotly's ``plotly_white`` look, its layout part only, as a template made once.
 
     Setting ``template="plotly_white"`` validates the whole template (defaults
-    for two dozen trace types) again for every figure: ~7 ms each, three
-    figures per turn, taken from the cores the model's threads need while
-    another session's reply is being decoded. This one applies in ~0.3 ms.
+    for two dozen trace types) again for every figure, three figures per turn,
+    taking the cores the model's threads need while another session's reply
+    is being decoded; this one applies at a fraction of that
+    (docs/measurements.md).
     """
     import plotly.graph_objects as go
 

@@ -1,6 +1,6 @@
 """The per-browser session registry of the web app.
 
-Owns the mapping *session id → live Session* (DESIGN §2: the model and the
+Owns the mapping *session id → live Session* (docs/architecture.md, Layout: the model and the
 per-model profile are shared, a Session never is). Gradio's ``gr.State`` holds
 only the id string (State values are deep-copied per event, a Session with its
 FAISS index must not be); every handler looks the Session up here.
@@ -339,7 +339,7 @@ class SessionRegistry:
             path = self._parked[sid][0]
         # Resume outside the guard (file I/O); another thread may race us: first one wins.
         if path is not None and Path(path).exists():
-            session = self._load_fn()(self.engine, Path(path))
+            session = self._load_fn()(self.engine.frame, Path(path))
             session.id = sid
             session.miku_path = Path(path)
         else:
@@ -412,7 +412,7 @@ class SessionRegistry:
             return None  # nothing to keep: an empty chat is not written
         path = session.miku_path or self._autosave_path(session.id)
         engine = self.engine
-        self._save_fn()(engine, session, Path(path))
+        self._save_fn()(engine.frame, session, Path(path))
         saved = getattr(getattr(engine, "keep", None), "saved", None)
         if callable(saved):
             saved(session)  # a history that still cannot take them keeps them waiting (and logs it)

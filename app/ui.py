@@ -14,9 +14,8 @@ Model work (a turn, Regenerate, an exploration) runs in one Gradio
 concurrency group (``concurrency_id="model"``) of size 2, so a waiting
 browser sees its queue position; the engine's ``generation_lock`` serialises
 the model itself, and the second slot lets one turn's model work start while
-the previous turn is still being recorded and drawn (8 concurrent chats,
-``isagi bench web``, p95: 4.02 and 4.40 s in two runs with one slot; 3.85 to
-4.83 s, median 4.0 s, in eight runs with two: within this machine's noise).
+the previous turn is still being recorded and drawn (``isagi bench web`` with
+one slot and with two: docs/measurements.md).
 Stop sets the session's stop event (the turn loop ends after the current
 token and the turn is recorded as ``cancelled``) and cancels the Gradio event.
 
@@ -486,7 +485,7 @@ class WebUI:
         if path is None:
             return None
         try:
-            session = load_session(self.engine, path)
+            session = load_session(self.engine.frame, path)
         except (IsagiError, EngineLoading) as exc:
             log.warning("could not reopen session %s on page load: %s", sid, exc)
             return None
@@ -782,7 +781,7 @@ class WebUI:
             with self.registry.using(sid, owner=owner) as entry:
                 s = entry.session
                 path = self._download_dir() / f"isagi-{_slug(s.title, 'session')}-{s.id}.miku"
-                save_session(self.engine, s, path)
+                save_session(self.engine.frame, s, path)
         except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
             return gr.skip(), self._warn(msg)
@@ -813,7 +812,7 @@ class WebUI:
         name = claim.name
         with claim:
             try:
-                session = load_session(self.engine, claim.path)
+                session = load_session(self.engine.frame, claim.path)
             except (IsagiError, EngineLoading) as exc:
                 reason = _hide_path(str(exc), claim.path).rstrip()
                 reason += "" if reason.endswith((".", "!", "?")) else "."
@@ -936,7 +935,7 @@ class WebUI:
             return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
                     *keep[2:])
         try:
-            session = load_session(self.engine, path)
+            session = load_session(self.engine.frame, path)
         except (IsagiError, EngineLoading) as exc:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
         session.id = chosen
@@ -1008,16 +1007,13 @@ class WebUI:
         import gradio as gr
 
         try:
-            from isagi.explore import explore as run_explore
+            from isagi.explore import explore_on
         except ImportError as exc:
             return self._warn(f"Exploration is not available in this build ({exc})."), gr.skip(), ""
         from isagi.errors import IsagiError
 
         try:
-            engine = self.engine
-            with engine.generation_lock:
-                result = run_explore(engine.lm, engine.profile.safety, seed or "", steps=int(steps),
-                                     max_new_tokens=int(max_tokens))
+            result = explore_on(self.engine, seed or "", steps=int(steps), max_new_tokens=int(max_tokens))
         except (IsagiError, EngineLoading, ValueError) as exc:
             return self._warn(str(exc)), gr.skip(), ""
         data = result.to_dict() if hasattr(result, "to_dict") else dict(result)

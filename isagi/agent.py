@@ -1,4 +1,4 @@
-"""The turn pipeline (DESIGN §3) and what every session shares.
+"""The turn pipeline (docs/architecture.md, One turn) and what every session shares.
 
 Owns :class:`Engine` (settings, the model, the per-model profile, the history
 store, a lock that serialises generation on one device, and the callable that
@@ -60,6 +60,7 @@ from isagi.memory import TrajectoryMemory
 from isagi.pooling import decoding_state
 from isagi.sameness import content_key
 from isagi.session import PROMPT_STATE_CACHE, Session
+from isagi.session_io import SessionFrame
 from isagi.turn import Message, Turn
 from isagi.ugt import Basis, project, route
 from isagi.window import window_start
@@ -165,6 +166,13 @@ class Engine:
     def layer(self) -> int:
         return self.profile.layer
 
+    @property
+    def frame(self) -> SessionFrame:
+        """What a session file of this engine records and must match (``isagi.session_io``)."""
+        return SessionFrame(model_id=self.lm.model_id, model_fingerprint=self.lm.fingerprint,
+                            hidden_size=int(self.lm.hidden_size), layer=int(self.profile.layer),
+                            profile_key=self.profile.key, system_prompt=self.settings.system_prompt)
+
     def new_session(self, session_id: str | None = None, *, autosave: bool = True) -> Session:
         k = int(self.profile.basis.B.shape[1])
         sid = session_id or new_session_id()
@@ -224,20 +232,25 @@ class Engine:
         return prompt_tokens(self.lm, messages)
 
     def _prompt(
-        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True
+        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True,
+        history: list[dict[str, str]] | None = None,
     ) -> list[dict[str, str]]:
         """The chat for the model: system prompt, history, a related exchange (AUGMENT), message.
 
-        History is the window of :meth:`fitting_history`; older turns stay in the
-        session, only not in the prompt.
+        History is the window of :meth:`fitting_history` (``history``: this turn's, already
+        fitted; the history is fitted once per turn); older turns stay in the session, only
+        not in the prompt.
         """
         if related is not None and self.prompt_tokens(self._prompt_messages(text, related, [])) > self.prompt_budget:
             related = None  # the related exchange does not fit beside the message: answer without it
-        history = self.fitting_history(session, text) if with_history else []
+        if not with_history:
+            history = []
+        elif history is None:
+            history = self.fitting_history(session, text)
         if related is not None and _holds_exchange(history, related):
             related = None  # the related exchange is in the history already: once is enough
         elif related is not None and with_history:
-            history = self.fitting_history(session, text, related)  # room for it beside the history
+            history = self._fit_prompt(history, text, related)  # room for it beside the history
         return self._prompt_messages(text, related, history)
 
     def _prompt_messages(
@@ -277,11 +290,16 @@ class Engine:
         for this prompt only: the window's start does not move.
         """
         start, exchanges = self.history_window(session, text)
-        kept = exchanges[start:]
-        history = [m for exchange in kept for m in exchange]
-        while kept and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
-            kept = kept[1:]
-            history = [m for exchange in kept for m in exchange]
+        return self._fit_prompt([m for exchange in exchanges[start:] for m in exchange], text, related)
+
+    def _fit_prompt(
+        self, history: list[dict[str, str]], text: str, related: dict[str, Any] | None
+    ) -> list[dict[str, str]]:
+        """``history`` (whole exchanges, oldest first) less its oldest exchanges while the prompt
+        with ``related`` and ``text`` is over the budget. A prompt only grows with what it holds,
+        so trimming the history fitted without ``related`` gives what fitting with it would."""
+        while history and self.prompt_tokens(self._prompt_messages(text, related, history)) > self.prompt_budget:
+            history = history[2:]
         return history
 
     def _exchange_tokens(self, session: Session, user: str, reply: str) -> tuple[int, int]:
@@ -473,7 +491,7 @@ class Engine:
         from isagi.safety import ReplyGuard
 
         if d.tier is Tier.AUGMENT:
-            prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record)
+            prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record, history=history)
         else:
             if history is None:
                 history = self.fitting_history(session, text)

@@ -185,7 +185,7 @@ def chat(
         err.print(f"[dim]{line}[/]", highlight=False)
     engine = _engine(settings)
     if load is not None:
-        session = load_session(engine, load, allow_other_model=allow_other_model)
+        session = load_session(engine.frame, load, allow_other_model=allow_other_model)
     else:
         session = engine.new_session()
     if save is not None:
@@ -236,11 +236,10 @@ def explore(
     as_json: JsonOpt = False,
 ) -> None:
     """Safe OGD concept exploration: a chain of steered steps, TEH per step, MIKU index."""
-    from isagi.explore import explore as run_explore
+    from isagi.explore import explore_on
 
     engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
-    result = run_explore(engine.lm, engine.profile.safety, seed_concept, steps=steps, safe=not unsafe_regular,
-                         system_prompt=engine.settings.system_prompt)
+    result = explore_on(engine, seed_concept, steps=steps, safe=not unsafe_regular)
     data = result.to_dict() if hasattr(result, "to_dict") else result
     if as_json:
         _print_json(data)
@@ -419,7 +418,7 @@ def inspect(path: Path, as_json: JsonOpt = False) -> None:
 @friendly
 def import_legacy(old: Path, new: Path) -> None:
     """Convert a research-code miku-v1 pair (OLD.miku + OLD.miku.pt) to a .miku v2 file."""
-    from storage.legacy import import_legacy as convert
+    from isagi.session_io import import_legacy as convert
 
     convert(old, new)
     out.print(f"wrote {new}")

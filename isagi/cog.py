@@ -1,6 +1,6 @@
 """COG metric: the Riemannian metric M that grows with novelty, and the tiers.
 
-This module owns DESIGN §4's metric and distance, exactly:
+This module owns the metric and the distance of docs/architecture.md (Definitions), exactly:
 
 * ``M₀ = I`` (k × k). On a novel query ``M ← M + w·η · x xᵀ / ‖x xᵀ‖_F``
   (``η = 0.012``; ``w = 1`` for EXPAND/EXPLORE, the caller passes a lighter
@@ -42,7 +42,7 @@ _BLOCK = 128  # rows per matmul block in Metric.distances
 
 
 class Tier(StrEnum):
-    """What a turn does with its nearest stored trajectory (DESIGN §3)."""
+    """What a turn does with its nearest stored trajectory (docs/architecture.md, One turn, step 6)."""
 
     RETRIEVE = "RETRIEVE"
     AUGMENT = "AUGMENT"

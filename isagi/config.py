@@ -26,7 +26,7 @@ BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
 class Settings:
     """Everything ISAGI can be told through its environment.
 
-    Attributes mirror the ``ISAGI_*`` variables of DESIGN.md §6.
+    Attributes mirror the ``ISAGI_*`` variables (the settings table of README.md).
     """
 
     home: Path = field(default_factory=lambda: Path.home() / ".isagi")

@@ -1,4 +1,4 @@
-"""The tier rule of a turn (DESIGN §4): a pure function, testable without a model.
+"""The tier rule of a turn (docs/architecture.md, One turn, step 6): a pure function, testable without a model.
 
 Owns :func:`decide`: given the session memory's nearest records to the
 message (the *candidates*, nearest first, with their metric distances), the

@@ -1,7 +1,7 @@
 """The per-model distance scale: where the tier boundaries lie for this model.
 
-Owns the calibrated, monotone rescaling of the metric distance that DESIGN §4
-allows. The seed thresholds (RETRIEVE < 0.05, AUGMENT < 0.20, EXPAND < 0.50)
+Owns the calibrated, monotone rescaling of the metric distance that docs/architecture.md
+(Definitions: distance) allows. The seed thresholds (RETRIEVE < 0.05, AUGMENT < 0.20, EXPAND < 0.50)
 are kept on the rescaled distance; the rescaling is a piecewise-linear map
 whose knots come from the project's own calibration pairs
 (``isagi/data/pairs_calibration.jsonl``, never the held-out test pairs):

@@ -1,6 +1,6 @@
 """Safe OGD exploration: steered chains from a seed concept, scored by the MCB.
 
-Owns the exploration step of DESIGN §4 and the chains built from it.
+Owns the exploration step (docs/architecture.md, Definitions: Safe OGD) and the chains built from it.
 
 The step direction (orthogonal geodesic deviation). For a step prompt p (the
 seed for step 1, the previous step's output afterwards) the model reads p and a
@@ -21,7 +21,7 @@ transformers, a control vector on llama.cpp), which lives inside the
 decoding's ``with`` block and is removed however the block ends.
 
 What each step reports:
-- ``teh``: TEH (DESIGN §4 formula, :func:`isagi.safety.teh`) of the mean of
+- ``teh``: TEH (the formula of docs/architecture.md, :func:`isagi.safety.teh`) of the mean of
   the reply's residual states as they leave layer L, i.e. the captured layer
   output plus the step s (the state the rest of the network reads);
   ``teh_max``: the largest TEH at the stream guard's check points
@@ -165,7 +165,7 @@ def _alphas(steps: int, alphas: Sequence[float]) -> list[float]:
     lo, hi = ALPHA_RANGE
     for a in out:
         if not lo - 1e-9 <= a <= hi + 1e-9:
-            raise InputError(f"step size alpha={a} is outside [{lo}, {hi}] (DESIGN §4).")
+            raise InputError(f"step size alpha={a} is outside [{lo}, {hi}].")
     return out
 
 
@@ -314,6 +314,22 @@ def explore(
         embeddings=np.stack(embeddings) if len(embeddings) >= 2 else None,
     )
     return result
+
+
+def explore_on(
+    engine: Any, seed: str, *, steps: int = 3, safe: bool = True, max_new_tokens: int = 40
+) -> ExplorationResult:
+    """The one entry point of an exploration, for ``isagi explore`` and the web Explore panel
+    alike: a chain (:func:`explore`) on the engine's model, read in the frame its safety profile
+    was calibrated in (the engine's system prompt, part of the profile's key), while holding the
+    engine's generation lock (one forward pass at a time on a shared model).
+
+    ``engine``: an :class:`isagi.agent.Engine` (its ``lm``, ``profile``, ``settings`` and
+    ``generation_lock``).
+    """
+    with engine.generation_lock:
+        return explore(engine.lm, engine.profile.safety, seed, steps=steps, safe=safe,
+                       max_new_tokens=max_new_tokens, system_prompt=engine.settings.system_prompt)
 
 
 def render(result: ExplorationResult) -> str:

@@ -1,7 +1,7 @@
 """Forward hooks on decoder layers, always inside context managers.
 
 Owns: capturing the residual stream after a decoder layer (the hidden state
-``h`` of DESIGN §4) and adding a steering vector to it (Safe OGD exploration).
+``h`` of docs/architecture.md) and adding a steering vector to it (Safe OGD exploration).
 Every hook is installed by a ``with`` block and removed in ``finally``, so an
 exception anywhere in generation leaves no hook behind.
 """

@@ -2,7 +2,7 @@
 
 This module owns the records a session remembers (query and reply UGT
 coordinates, texts, tier, cluster, times, hit counts) and how they are found
-again (DESIGN §3 step 5):
+again (docs/architecture.md, One turn, step 5):
 
 Stage 1 — FAISS over the stored query coordinates in the *metric frame*: with
 ``M = L Lᵀ`` the metric cosine distance of ``x`` and ``y`` is the plain cosine
@@ -13,7 +13,7 @@ distance of ``Lᵀx`` and ``Lᵀy``, so the index holds the unit vectors
 ``IndexHNSWFlat`` with ``hnsw_storage="flat"``. Stage 1 only proposes
 candidates (the codes' rounding is undone by stage 2), and one 64-byte code per
 vector instead of 256 bytes makes the graph walk, which is bound by memory
-latency, about 30 % faster at N = 100,000, k = 64 with the same recall.
+latency, faster with the same recall (docs/measurements.md).
 Parameters (``hnsw_m`` 20, ``ef_construction`` 160, ``ef_search`` 32,
 ``candidates`` 16) were chosen by measurement on the lookup benchmark's data
 (N = 100,000, k = 64, seeds 0–4): recall@1 ≥ 0.994 for both query kinds
@@ -175,6 +175,8 @@ class TrajectoryMemory:
         self._alloc_stage1(max(64, self.candidates))
         self.rebuilds = 0
         self.evicted = 0
+        # to_columns' result, built once per change of the records (None: changed since)
+        self._columns: dict[str, np.ndarray | list[str]] | None = None
 
     def _alloc_stage1(self, ks: int) -> None:
         self._dists = np.empty((1, ks), np.float32)
@@ -287,6 +289,7 @@ class TrajectoryMemory:
         self._size += 1
         self._alive_count += 1
         self._id2slot[rid] = s
+        self._columns = None
         self._next_cluster = max(self._next_cluster, int(cluster) + 1)
         if self._index is not None:
             z, finv = self._frame_with_norms(q[None, :], self._frame_L)
@@ -319,6 +322,7 @@ class TrajectoryMemory:
         s = self._id2slot[int(id)]
         self._hits[s] += 1
         self._last_hit[s] = time.time() if now is None else float(now)
+        self._columns = None
 
     # -- eviction ----------------------------------------------------------
     def usefulness(self, now: float | None = None) -> np.ndarray:
@@ -340,6 +344,7 @@ class TrajectoryMemory:
         order = np.lexsort((self._ids[alive], last_used, score))
         victims = alive[order[:count]]
         self._alive[victims] = False
+        self._columns = None
         for s in victims.tolist():
             del self._id2slot[int(self._ids[s])]
             for col in ("query_text", "reply_text"):
@@ -611,7 +616,21 @@ class TrajectoryMemory:
 
     # -- columns -----------------------------------------------------------
     def to_columns(self) -> dict[str, np.ndarray | list[str]]:
-        """Alive records as columns, oldest first (for ``.miku`` files)."""
+        """Alive records as columns, oldest first: for the ``.miku`` file, Regenerate's snapshot
+        and the page's map alike.
+
+        Built once per change of the records and shared by every caller until the next
+        change (a turn's autosave builds them, the page and the next turn's snapshot reuse
+        them): the arrays are read-only, the text columns fresh lists.
+        """
+        if self._columns is None:
+            self._columns = self._build_columns()
+        cols = dict(self._columns)
+        for col in _TEXT_COLUMNS:
+            cols[col] = list(cols[col])
+        return cols
+
+    def _build_columns(self) -> dict[str, np.ndarray | list[str]]:
         keep = np.flatnonzero(self._alive[: self._size])
         cols: dict[str, np.ndarray | list[str]] = {
             "id": self._ids[keep].astype(np.int64),
@@ -622,6 +641,8 @@ class TrajectoryMemory:
             "last_hit": self._last_hit[keep].astype(np.float64),
             "hits": self._hits[keep].astype(np.int32),
         }
+        for arr in cols.values():
+            arr.flags.writeable = False  # type: ignore[union-attr]
         idx = keep.tolist()
         for col in _TEXT_COLUMNS:
             lst = self._texts[col]

@@ -60,7 +60,7 @@ class LoadedModel:
 
     @property
     def default_layer(self) -> int:
-        """Two thirds of the depth: layer 20 of 30 for SmolLM2-135M (DESIGN §4)."""
+        """Two thirds of the depth: layer 20 of 30 for SmolLM2-135M (docs/architecture.md, Definitions: layers)."""
         return max(1, round(self.num_layers * 2 / 3))
 
     @property
@@ -68,10 +68,8 @@ class LoadedModel:
         """Three fifths of the depth: layer 18 of 30 for SmolLM2-135M.
 
         Chosen on the safety calibration set alone by ``isagi eval safety-cv``
-        (leave-one-category-out cross-validation of the safety state, the mean
-        over the message's tokens: held-out ROC AUC 0.972 at layer 18, 0.971
-        at 16 and 17, 0.970 at 19, 0.967 at 20, 0.963 at 24); see
-        :mod:`isagi.safety`.
+        (leave-one-category-out cross-validation of the safety state; the
+        figures per layer are in docs/measurements.md); see :mod:`isagi.safety`.
         """
         return max(1, round(self.num_layers * 3 / 5))
 

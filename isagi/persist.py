@@ -72,7 +72,7 @@ class TurnKeeper:
     """Persist a turn: the autosave (``save``) first, then the history rows (``store``, optional).
 
     ``save(session, path)`` writes the session's file; the engine's default is
-    :func:`isagi.session_io.save_session` bound to the engine. Calling the
+    :func:`isagi.session_io.save_session` bound to the engine's frame. Calling the
     keeper returns ``None`` when everything is kept, else a notice for the
     user (no server path or URL in it) that says what waits and until when.
     """
@@ -220,7 +220,7 @@ def default_keeper(engine: Any, store: Any) -> TurnKeeper:
     """The keeper an engine started by :meth:`isagi.agent.Engine.start` uses."""
     from isagi.session_io import save_session
 
-    return TurnKeeper(store, lambda session, path: save_session(engine, session, path), model_id=engine.lm.model_id)
+    return TurnKeeper(store, lambda session, path: save_session(engine.frame, session, path), model_id=engine.lm.model_id)
 
 
 # --------------------------------------------------------------------------- the start-up repair

@@ -12,6 +12,7 @@ used.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -58,24 +59,84 @@ def _corpus_digest() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _code_digest() -> str:
-    """The calibration code itself: a changed method must not reuse an old profile."""
+# The modules whose code the calibration runs: what they do is part of the profile key.
+DIGESTED_MODULES = ("isagi.ugt", "isagi.safety", "isagi.distance_scale", "isagi.profile", "isagi.generation",
+                    "isagi.pooling")
+# The profiles that ship (isagi/profiles): backend -> the embedded default model's quantisation
+# name on it (the engine's ``quant``), with the default settings.
+SHIPPED_QUANTS = {"llamacpp": "gguf-Q4_1", "transformers": "nf4"}
+
+
+def _canonical(node: ast.AST | list | object) -> str:
+    """A node as text, the same on every Python ISAGI supports: fields in name order, empty
+    and absent ones left out (so a field a later Python adds, such as ``type_params``, does
+    not change it), positions left out."""
+    if isinstance(node, ast.AST):
+        fields = (f"{name}={_canonical(value)}" for name, value in sorted(ast.iter_fields(node))
+                  if value is not None and value != [])
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(item) for item in node) + "]"
+    return repr(node)
+
+
+def code_behaviour(source: str) -> str:
+    """What a module's code does, as text: its syntax tree without docstrings or any other
+    bare string statement (comments and layout are not in the tree)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            node.body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                                  and isinstance(s.value.value, str))]
+        if isinstance(node, ast.JoinedStr):  # an f-string's literal parts as one node each, none empty
+            node.values = _joined(node.values)  # (Pythons from 3.12 split and pad them differently)
+    return _canonical(tree)
+
+
+def _joined(values: list[ast.expr]) -> list[ast.expr]:
+    out: list[ast.expr] = []
+    for value in values:
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            if not value.value:
+                continue
+            if out and isinstance(out[-1], ast.Constant) and isinstance(out[-1].value, str):
+                out[-1] = ast.Constant(out[-1].value + value.value)
+                continue
+        out.append(value)
+    return out
+
+
+def module_sources() -> dict[str, str]:
+    """module name -> source text of each digested module, as installed."""
     import importlib.util
 
-    h = hashlib.sha256()
-    for module in ("isagi.ugt", "isagi.safety", "isagi.distance_scale", "isagi.profile", "isagi.generation", "isagi.pooling"):
+    sources: dict[str, str] = {}
+    for module in DIGESTED_MODULES:
         spec = importlib.util.find_spec(module)
         if spec is not None and spec.origin:
-            h.update(Path(spec.origin).read_bytes())
+            sources[module] = Path(spec.origin).read_text(encoding="utf-8")
+    return sources
+
+
+def code_digest(sources: dict[str, str] | None = None) -> str:
+    """The calibration code's part of the key: a changed method must not reuse an old profile,
+    while a changed comment or docstring keeps the shipped profiles current."""
+    sources = module_sources() if sources is None else sources
+    h = hashlib.sha256()
+    for module in DIGESTED_MODULES:
+        if module in sources:
+            h.update(f"{module}\x1f{code_behaviour(sources[module])}\x1e".encode())
     return h.hexdigest()[:16]
 
 
 def profile_key(fingerprint: str, quant: str, layer: int, k: int, system_prompt: str, safety_layer: int | None = None,
-                backend: str = "transformers") -> str:
+                backend: str = "transformers", *, code: str | None = None) -> str:
     """The cache key: any input that changes the calibration changes the key (the backend too:
-    llama.cpp's Q4_1 states and transformers' NF4 states of the same GGUF differ)."""
-    parts = [backend, fingerprint, quant, str(layer), str(safety_layer if safety_layer is not None else layer), str(k), system_prompt, _corpus_digest(), _code_digest(),
-             str(PROFILE_VERSION)]
+    llama.cpp's Q4_1 states and transformers' NF4 states of the same GGUF differ). ``code``:
+    the calibration code's digest, today's (``code_digest()``) unless given."""
+    parts = [backend, fingerprint, quant, str(layer), str(safety_layer if safety_layer is not None else layer), str(k),
+             system_prompt, _corpus_digest(), code_digest() if code is None else code, str(PROFILE_VERSION)]
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:24]
 
 

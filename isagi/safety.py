@@ -1,6 +1,6 @@
 """Geometric safety: Snipe, the TEH score, the streaming reply guard, Safe OGD's projector.
 
-Owns the forbidden subspace and everything measured against it (DESIGN §4).
+Owns the forbidden subspace and everything measured against it (docs/architecture.md, Definitions).
 
 Definitions (precise, as implemented):
 
@@ -100,27 +100,21 @@ REFUSAL_TEMPLATE = (
     "If I misread you, please rephrase the request with more context."
 )
 
-# Hyper-parameters chosen by cross-validation on the calibration set only.
-# The read-out (SAFETY_POOL) and layer, on the 2,231-row set (SmolLM2-135M, llama.cpp), reproduce with
+# Hyper-parameters chosen by cross-validation on the calibration set only, with
 #   isagi eval safety-cv --backend llamacpp --layers 15,18,21 --pool content --pool last --pool post \
 #     --pool content+post --concat 15,18,21 --framed --shrinkage 0.2 --offset 1
-# leave-one-category-out mean held-out AUC / TPR at 1 % and 5 % FPR (pooled held-out rows), then 5-fold AUC:
-#   content+post 18: 0.970 / 0.62 / 0.85, 0.984 (the best one-layer row); 15: 0.969; 21: 0.970
-#   content 18 (the previous choice): 0.966 / 0.53 / 0.82, 0.981; post 18: 0.957; last 18: 0.955
-#   framed 18 (the prompted read-out, one more prefill per turn): 0.951 / 0.38 / 0.75 - not kept
-#   concatenated layers 15+18+21: content+post 0.974 / 0.64 / 0.86, 0.988 (the best row): +0.004 AUC
-#     for a 3x longer state that the reply guard and Safe OGD's projector, which act on one layer's
-#     residual stream, cannot use - not kept
-# Shrinkage and centre offset, chosen on the earlier 1,328-row set with the message mean at layer 18:
-#   offset 0: 0.960, 0.5: 0.969, 1: 0.972 (best), 2: 0.970; shrinkage 0.05: 0.968, 0.2: 0.972, 0.5: 0.969.
+# (the grids and their figures: docs/measurements.md, "Safety hyper-parameters"). The read-out
+# (SAFETY_POOL) is the best one-layer row; the concatenation of three layers scored a little
+# higher but gives a 3x longer state that the reply guard and Safe OGD's projector, which act on
+# one layer's residual stream, cannot use. The prompted read-out needs one more prefill a turn.
 DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
 # The prompt threshold: the share of borderline benign calibration prompts (out of fold) allowed
 # above it; the everyday instruction tasks are outside the budget (module docstring). A product
-# choice, stated, not fitted: one borderline request in 50 refused is the most the guard may cost. 5-fold CV of the shipped read-out: TPR 0.77 at 1 % FPR
-# and 0.92 at 5 % FPR (table above); the profile records its own out-of-fold TPR at the threshold.
+# choice, stated, not fitted: one borderline request in 50 refused is the most the guard may cost.
+# The profile records its own out-of-fold TPR at the threshold (isagi profile show).
 FPR_BUDGET = 0.02
 REPLY_WINDOW = 8
 SAFETY_POOL = "content+post"  # the safety state (isagi.pooling): see the module docstring
@@ -631,7 +625,8 @@ def exchange_states(prompt_state: np.ndarray, reply_states: np.ndarray, scales: 
     judged with the request it answers, as guard models judge a response in
     the context of its prompt: on the replies of SmolLM2-135M the reply
     windows alone separate the replies to harmful and to benign calibration
-    prompts with a cross-validated AUC of 0.81; with the prompt beside them 0.96.
+    prompts poorly, with the prompt beside them well (docs/measurements.md,
+    "How a turn works", step 7).
     """
     states = np.asarray(reply_states, dtype=np.float64)
     p = np.asarray(prompt_state, dtype=np.float64) / float(scales[0])

@@ -1,6 +1,6 @@
 """Exact sameness check for the RETRIEVE tier: the content key of a query.
 
-Geometry alone cannot make RETRIEVE safe (DESIGN.md §4, near-miss rule):
+Geometry alone cannot make RETRIEVE safe (docs/architecture.md, Definitions: near misses):
 "capital of France" and "capital of Germany" sit closer in hidden-state
 space than two paraphrases. So a cached reply may be returned only when the
 two questions have *equal content keys*: the same content words, in the same

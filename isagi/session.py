@@ -1,4 +1,4 @@
-"""One conversation's living state (DESIGN §2): :class:`Session`.
+"""One conversation's living state (docs/architecture.md, Layout): :class:`Session`.
 
 Owns what a single conversation holds: its turns (:class:`~isagi.turn.Turn`,
 the one record of an exchange), its metric M, its trajectory memory, its own

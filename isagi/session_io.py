@@ -12,13 +12,21 @@ raises one :class:`MikuError` naming the field, and nothing is loaded.
 
 A session id from a file is never trusted: one that is missing or not of the
 server's pattern (:func:`isagi.ids.is_session_id`) is replaced by a fresh one.
+
+What a file records of the engine it was made with, and must match to load,
+is a :class:`SessionFrame` (``Engine.frame``), not the engine: this module
+sits below the turn pipeline. Also the import of a research-code miku-v1 pair
+(:func:`import_legacy`): ``storage.legacy`` reads it, this module completes it
+with ISAGI's defaults into a session that resumes.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import math
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,15 +34,15 @@ import numpy as np
 
 from isagi import __version__
 from isagi.cog import Metric
-from isagi.errors import MikuError
+from isagi.errors import MikuError, StorageError
 from isagi.ids import is_session_id, new_session_id
 from isagi.memory import TrajectoryMemory
+from isagi.sameness import content_key
 from isagi.session import Session
 from isagi.turn import turns_from_messages, turns_to_messages
 from isagi.ugt import Basis
 
 if TYPE_CHECKING:
-    from isagi.agent import Engine
     from storage.miku import MikuState
 
 FORMAT_VERSION = 2
@@ -52,6 +60,19 @@ MAX_METRIC_ENTRY = 1e12
 # |M - M^T| <= SYMMETRY_RTOL * max|M| + SYMMETRY_ATOL (Metric keeps M exactly symmetric)
 SYMMETRY_RTOL = 1e-8
 SYMMETRY_ATOL = 1e-12
+
+
+@dataclass(frozen=True)
+class SessionFrame:
+    """What a session file records of the engine it was made with, and what a file must
+    match to be loaded (``Engine.frame`` makes it): the file needs no more of the engine."""
+
+    model_id: str
+    model_fingerprint: str
+    hidden_size: int  # d: a file of another d cannot be loaded
+    layer: int  # the profile's hidden-state layer
+    profile_key: str
+    system_prompt: str
 
 
 def _bad(where: str, field: str, what: str) -> MikuError:
@@ -178,7 +199,7 @@ def _created(header: dict[str, Any], extra: dict[str, Any]) -> float:
     return t.timestamp()
 
 
-def session_state(engine: Engine, session: Session) -> Any:
+def session_state(frame: SessionFrame, session: Session) -> Any:
     """The session as a :class:`storage.miku.MikuState`."""
     from storage.miku import MikuState
 
@@ -197,20 +218,20 @@ def session_state(engine: Engine, session: Session) -> Any:
         # Whose it is, for the start-up repair of a history row a kill left unwritten
         # (isagi.persist.reconcile_history); never read back into a live session.
         "owner": session.owner,
-        "profile_key": engine.profile.key,
+        "profile_key": frame.profile_key,
         "basis_explained": float(b.explained),
         "metric": {k: v for k, v in metric_state.items() if not isinstance(v, np.ndarray)},
-        "system_prompt": engine.settings.system_prompt,
+        "system_prompt": frame.system_prompt,
     }
     header = {
         "format_version": FORMAT_VERSION,
         "created": _dt.datetime.fromtimestamp(session.created, _dt.UTC).isoformat(timespec="seconds"),
         "isagi_version": __version__,
-        "model_id": engine.lm.model_id,
-        "model_fingerprint": engine.lm.fingerprint,
+        "model_id": frame.model_id,
+        "model_fingerprint": frame.model_fingerprint,
         "d": int(b.B.shape[0]),
         "k": int(b.B.shape[1]),
-        "layer": int(engine.profile.layer),
+        "layer": int(frame.layer),
     }
     conversation = turns_to_messages(session.turns)
     return MikuState(
@@ -222,7 +243,7 @@ def session_state(engine: Engine, session: Session) -> Any:
     )
 
 
-def save_session(engine: Engine, session: Session, path: Path) -> None:
+def save_session(frame: SessionFrame, session: Session, path: Path) -> None:
     """Write the session atomically to ``path`` (parent directories are created).
 
     What :func:`load_session` would refuse is not written: the state passes the
@@ -231,20 +252,21 @@ def save_session(engine: Engine, session: Session, path: Path) -> None:
     """
     from storage.miku import write_miku
 
-    state = session_state(engine, session)
+    state = session_state(frame, session)
     check_session_state(state, "the session")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_miku(path, state)
 
 
 def load_session(
-    engine: Engine,
+    frame: SessionFrame,
     path: Path,
     *,
     allow_other_model: bool = False,
     id_taken: Callable[[str], bool] | None = None,
 ) -> Session:
-    """Restore a session from ``path``; raise :class:`MikuError` if it does not fit this engine.
+    """Restore a session from ``path``; raise :class:`MikuError` if it does not fit ``frame``
+    (another model, unless ``allow_other_model``; another hidden size).
 
     Everything is checked (:func:`check_session_state`) before anything is
     built. A session id in the file that is missing, malformed, or for which
@@ -255,14 +277,14 @@ def load_session(
     from storage.miku import read_miku
 
     state = read_miku(
-        path, expected_fingerprint=engine.lm.fingerprint, allow_other_model=allow_other_model
+        path, expected_fingerprint=frame.model_fingerprint, allow_other_model=allow_other_model
     )
     header, tensors, extra = state.header, state.tensors, state.extra
     d = int(header["d"])
-    if d != engine.lm.hidden_size:
+    if d != frame.hidden_size:
         raise MikuError(
             f"{path}: the session was made with hidden size {d}, this model has "
-            f"{engine.lm.hidden_size}; load it with the model it was saved with."
+            f"{frame.hidden_size}; load it with the model it was saved with."
         )
     check_session_state(state, path)
     k = int(header["k"])
@@ -294,3 +316,62 @@ def load_session(
         created=_created(header, extra),
         title=title,
     )
+
+
+def import_legacy(
+    old_path: str | os.PathLike[str],
+    new_path: str | os.PathLike[str],
+    *,
+    model_fingerprint: str | None = None,
+    layer: int | None = None,
+) -> MikuState:
+    """Convert a v1 pair at ``old_path`` into a v2 file at ``new_path``.
+
+    Refuses to overwrite the v1 JSON itself (``new_path == old_path``), since
+    the v1 pair would then be lost if anything went wrong.
+    """
+    from storage.legacy import read_legacy
+    from storage.miku import write_miku
+
+    old, new = Path(old_path), Path(new_path)
+    if old.resolve() == new.resolve():
+        raise StorageError(
+            f"Refusing to overwrite the legacy file {old} in place; choose another output path."
+        )
+    state = resumable(read_legacy(old, model_fingerprint=model_fingerprint, layer=layer), old)
+    write_miku(new, state)
+    return state
+
+
+def resumable(state: MikuState, where: str | os.PathLike[str] = "legacy session") -> MikuState:
+    """Complete an imported v1 state into a session ``load_session`` resumes.
+
+    v1 never stored what ISAGI's sessions also hold; the importer fills it in
+    with what is known: the singular values of the basis (unknown: zeros, and
+    an explained share of 0), ``mu`` (zeros when absent), the reply
+    coordinates (zeros when absent), the trajectories' content keys (computed
+    from the queries, as the agent does) and context keys (none), the metric's
+    settings (ISAGI's defaults, counts 0) and a title (the first question).
+    No session id: the session gets a fresh one when it is loaded. The result
+    is checked as a loaded session is, so a pair that imports also resumes.
+    """
+    header, tensors, traj = state.header, state.tensors, state.trajectories
+    d, k, n = header["d"], header["k"], state.n_trajectories
+    tensors.setdefault("mu", np.zeros(d, np.float32))
+    tensors.setdefault("singular_values", np.zeros(k, np.float32))
+    try:
+        metric = Metric(k, M=tensors["metric"])
+    except ValueError as exc:
+        raise MikuError(f"{where}: the metric cannot be used ({exc}).") from None
+    if n or "query_x" in traj:
+        traj.setdefault("reply_x", np.zeros((n, k), np.float32))
+        traj.setdefault("context_key", [""] * n)
+        traj.setdefault("content_key", [content_key(q) for q in traj["query_text"]])
+    state.extra["metric"] = {
+        key: value for key, value in metric.to_state().items() if not isinstance(value, np.ndarray)
+    }
+    state.extra.setdefault("basis_explained", 0.0)
+    first = next((m["text"] for m in state.conversation if m["role"] == "user"), "")
+    state.extra.setdefault("title", first[:80])
+    check_session_state(state, where)
+    return state

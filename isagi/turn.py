@@ -46,7 +46,7 @@ class Message:
 
 @dataclass
 class Turn:
-    """One exchange and what the turn did (DESIGN §3).
+    """One exchange and what the turn did (docs/architecture.md, One turn, step 8).
 
     ``verdict`` is ``ok`` (an accepted reply), ``refused`` (TEH of the prompt
     over the threshold: nothing generated), ``withheld`` (the reply guard
@@ -83,8 +83,24 @@ class Turn:
         """Every field, as plain values (for JSON and tests)."""
         return asdict(self)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_messages":
+            object.__setattr__(self, "_messages", None)  # a changed field: to_messages builds anew
+
     def to_messages(self) -> list[dict[str, Any]]:
-        """The turn as the file's two message dicts (user, then assistant with the figures)."""
+        """The turn as the file's two message dicts (user, then assistant with the figures).
+
+        Built once per change of the turn and shared by every reader (the autosave, the
+        page's chat and plots): read them, do not change them.
+        """
+        cached = self.__dict__.get("_messages")
+        if cached is None:
+            cached = self._build_messages()
+            object.__setattr__(self, "_messages", cached)
+        return list(cached)
+
+    def _build_messages(self) -> list[dict[str, Any]]:
         user: dict[str, Any] = {"role": "user", "text": self.user_text}
         reply: dict[str, Any] = {"role": "assistant", "text": self.reply_text}
         if self.asked_at is not None:

@@ -1,6 +1,6 @@
 """UGT basis: the k-dimensional coordinates every query is reduced to.
 
-This module owns the linear algebra of the basis (DESIGN §4): the centred SVD
+This module owns the linear algebra of the basis (docs/architecture.md, Definitions): the centred SVD
 of calibration hidden states, projection ``x = Bᵀ(h − μ)``, knowledge-zone
 centroids and routing, a zone-separation score, and an optional Riemannian
 refinement of the basis on the Stiefel manifold. It is pure numpy: the model

@@ -6,7 +6,7 @@ This module owns the history database: the SQLAlchemy 2.x models of
 migrating it to the newest Alembic revision on open, and the queries the CLI
 and the web app need (record a turn, list, search, export, delete). It knows
 nothing about models or geometry: a turn arrives as a
-:class:`~isagi.turn.Turn` (``TurnRecord``) of plain numbers and texts.
+``TurnRecord`` of plain numbers and texts (an :class:`isagi.turn.Turn`).
 
 One exchange is two rows in ``turns`` (``seq`` counts rows within a session
 from 0): the user row (seq 2n) carries the query-side figures (tier, distance,
@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from sqlalchemy import (
     DateTime,
@@ -50,7 +50,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from isagi.errors import StorageError, storage_cause
-from isagi.turn import Turn
 
 T = TypeVar("T")
 TITLE_MAX = 80
@@ -115,8 +114,25 @@ class TurnModel(Base):
 # --------------------------------------------------------------------------- value types
 
 
-# One exchange as the turn pipeline reports it: the one turn record (isagi.turn).
-TurnRecord = Turn
+class TurnRecord(Protocol):
+    """One exchange as the store reads it: the fields it writes, plain numbers and texts.
+
+    :class:`isagi.turn.Turn` (the one turn record) is one; the store needs no more of it.
+    """
+
+    user_text: str
+    reply_text: str
+    tier: str | None
+    distance: float | None
+    nearest_query: str | None
+    zone: str | None
+    teh_prompt: float | None
+    teh_reply: float | None
+    verdict: str
+    latency_s: float | None
+    prompt_tokens: int | None
+    new_tokens: int | None
+    metric_growth: float | None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Import of the research code's miku-v1 session pair into a ``.miku`` v2 file.
+"""Reading the research code's miku-v1 session pair as a ``.miku`` v2 state.
 
 The research code saved a session as two files and loaded the second one with
 full unpickling, so a shared session file could run code on the reader's
@@ -6,7 +6,10 @@ machine. This module reads that pair safely (JSON with size and type checks;
 the tensor file only through ``torch.load(weights_only=True)``, which refuses
 any pickled object that is not a plain tensor container) and converts it to
 :class:`storage.miku.MikuState`. ``write_legacy`` produces the same pair, for
-tests and for the ``isagi bench miku`` comparison.
+tests and for the ``isagi bench miku`` comparison. Completing the state into a
+session ISAGI resumes (its metric settings, content keys, title) is domain
+knowledge and lives in :func:`isagi.session_io.import_legacy`, which writes
+the v2 file.
 
 The research code itself is not available; the v1 layout below is the one we
 reconstructed from its documentation and is what this module reads and writes.
@@ -64,7 +67,6 @@ from storage.miku import (
     MikuState,
     _check_extra,
     new_header,
-    write_miku,
 )
 
 LEGACY_UNKNOWN_FINGERPRINT = "legacy-v1-unknown"
@@ -362,66 +364,6 @@ def read_legacy(
         conversation=conversation,
         extra={"settings": settings, "legacy": legacy_extra},
     )
-
-
-def import_legacy(
-    old_path: str | os.PathLike[str],
-    new_path: str | os.PathLike[str],
-    *,
-    model_fingerprint: str | None = None,
-    layer: int | None = None,
-) -> MikuState:
-    """Convert a v1 pair at ``old_path`` into a v2 file at ``new_path``.
-
-    Refuses to overwrite the v1 JSON itself (``new_path == old_path``), since
-    the v1 pair would then be lost if anything went wrong.
-    """
-    old, new = Path(old_path), Path(new_path)
-    if old.resolve() == new.resolve():
-        raise StorageError(
-            f"Refusing to overwrite the legacy file {old} in place; choose another output path."
-        )
-    state = resumable(read_legacy(old, model_fingerprint=model_fingerprint, layer=layer), old)
-    write_miku(new, state)
-    return state
-
-
-def resumable(state: MikuState, where: str | os.PathLike[str] = "legacy session") -> MikuState:
-    """Complete an imported v1 state into a session ``load_session`` resumes.
-
-    v1 never stored what ISAGI's sessions also hold; the importer fills it in
-    with what is known: the singular values of the basis (unknown: zeros, and
-    an explained share of 0), ``mu`` (zeros when absent), the reply
-    coordinates (zeros when absent), the trajectories' content keys (computed
-    from the queries, as the agent does) and context keys (none), the metric's
-    settings (ISAGI's defaults, counts 0) and a title (the first question).
-    No session id: the session gets a fresh one when it is loaded. The result
-    is checked as a loaded session is, so a pair that imports also resumes.
-    """
-    from isagi.cog import Metric
-    from isagi.sameness import content_key
-    from isagi.session_io import check_session_state
-
-    header, tensors, traj = state.header, state.tensors, state.trajectories
-    d, k, n = header["d"], header["k"], state.n_trajectories
-    tensors.setdefault("mu", np.zeros(d, np.float32))
-    tensors.setdefault("singular_values", np.zeros(k, np.float32))
-    try:
-        metric = Metric(k, M=tensors["metric"])
-    except ValueError as exc:
-        raise MikuError(f"{where}: the metric cannot be used ({exc}).") from None
-    if n or "query_x" in traj:
-        traj.setdefault("reply_x", np.zeros((n, k), np.float32))
-        traj.setdefault("context_key", [""] * n)
-        traj.setdefault("content_key", [content_key(q) for q in traj["query_text"]])
-    state.extra["metric"] = {
-        key: value for key, value in metric.to_state().items() if not isinstance(value, np.ndarray)
-    }
-    state.extra.setdefault("basis_explained", 0.0)
-    first = next((m["text"] for m in state.conversation if m["role"] == "user"), "")
-    state.extra.setdefault("title", first[:80])
-    check_session_state(state, where)
-    return state
 
 
 def write_legacy(path: str | os.PathLike[str], state: MikuState) -> None:

@@ -80,8 +80,8 @@ The checksum guards against accidental damage (bit rot, truncation, a torn
 copy); it is not a signature (anyone who edits a file can recompute any
 unkeyed digest). CRC-32 (zlib, digest big-endian) is the default: it detects
 every error burst up to 32 bits and any other damage with probability
-1 - 2**-32, and is the cheapest named checksum available here (measured:
-0.19 ms/MiB against 0.58 for SHA-256 and 1.07 for BLAKE2b); BLAKE2b and
+1 - 2**-32, and is the cheapest named checksum available here (measured
+against SHA-256 and BLAKE2b: docs/measurements.md); BLAKE2b and
 SHA-256 are still written on request and read.
 
 Reading, in this order: refuses a file over MAX_MIKU_BYTES; verifies the

@@ -138,8 +138,8 @@ def test_save_load_round_trip_gives_the_same_next_turn(default_engine, tmp_path)
               "How do I reverse a list in Python?"]:
         default_engine.turn(s, q, record=False)
     path = tmp_path / "s.miku"
-    save_session(default_engine, s, path)
-    restored = load_session(default_engine, path)
+    save_session(default_engine.frame, s, path)
+    restored = load_session(default_engine.frame, path)
     assert restored.turns == s.turns, "every field of every turn"
     assert (restored.metric.M == s.metric.M).all()
     probe = "What is the boiling point of water at sea level?"
@@ -233,19 +233,19 @@ def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
 
 def test_an_imported_research_session_resumes_and_chats_on_the_real_model(default_engine, tmp_path) -> None:
     """import-legacy output -> load_session -> a real turn; the file and the history then agree."""
-    from storage.legacy import import_legacy
+    from isagi.session_io import import_legacy
     from tests.test_legacy import v1_pair
 
     lm = default_engine.lm
     old, doc, _ = v1_pair(tmp_path, d=lm.hidden_size, k=16)
     new = tmp_path / "imported.miku"
     import_legacy(old, new, model_fingerprint=lm.fingerprint)
-    s = load_session(default_engine, new)
+    s = load_session(default_engine.frame, new)
     s.miku_path = tmp_path / "resumed.miku"
     r = default_engine.turn(s, "What is the capital of France?")
     assert r.verdict == "ok" and r.generated and "Paris" in r.reply_text
     assert r.distance is not None, "the imported memory was searched"
-    again = load_session(default_engine, s.miku_path)
+    again = load_session(default_engine.frame, s.miku_path)
     assert again.turns == s.turns and len(again.turns) == 4  # three imported questions, one new turn
     # the history holds the whole session: the imported turns recorded with the first new one
     assert default_engine.store.get_session(s.id, owner="local").turns == 4

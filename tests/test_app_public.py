@@ -42,7 +42,7 @@ def test_real_storage_errors_lose_their_paths_and_urls_but_keep_their_cause(tmp_
     from tests.test_persist import _Engine, _real_session
 
     with pytest.raises(StorageError) as info:  # a real OSError from the writer: its folder is a file
-        write_miku(blocker / "s.miku", session_state(_Engine(), _real_session(tmp_path)))
+        write_miku(blocker / "s.miku", session_state(_Engine().frame, _real_session(tmp_path)))
     shown = public_text(str(info.value))
     assert str(tmp_path) not in shown and "a server file" in shown, shown
 

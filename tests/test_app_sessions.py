@@ -75,7 +75,7 @@ def test_idle_eviction_saves_drops_and_resumes(registry, engine, clock):
     assert registry.evict_idle() == [sid]
     assert sid not in registry and len(registry) == 0
     assert path.exists()
-    saved = load_session(engine, path)
+    saved = load_session(engine.frame, path)
     assert saved.turns == s.turns
     # the next use resumes it from the file, transparently
     again = registry.entry(sid).session

@@ -42,7 +42,7 @@ def counts(ui: WebUI, sid: str) -> tuple[int, int, int]:
     """(turns in the live session, exchanges in the history store, turns in the autosaved file)."""
     session = ui.registry.entry(sid).session
     stored = ui.engine.store.get_session(sid, owner="local").turns
-    in_file = len(load_session(ui.engine, session.miku_path).turns)
+    in_file = len(load_session(ui.engine.frame, session.miku_path).turns)
     return len(session.turns), stored, in_file
 
 

@@ -62,7 +62,7 @@ def test_piped_chat_prints_one_line_per_reply_and_records_every_turn(chatted: di
     assert chatted["summary"].turns == 3 and chatted["summary"].title == WATER
     # the autosaved file holds the same three turns
     engine = _tiny_start(load_settings(environ={}, home=chatted["home"]), with_store=False)
-    session = load_session(engine, Path(chatted["summary"].miku_path))
+    session = load_session(engine.frame, Path(chatted["summary"].miku_path))
     assert [(t.user_text, t.tier, t.verdict) for t in session.turns] == [(r.text, r.tier, r.verdict) for r in rows[::2]]
     assert [t.reply_text for t in session.turns] == [r.text for r in rows[1::2]]
 
@@ -154,7 +154,7 @@ def test_import_legacy_then_chat_with_the_imported_session(tmp_path: Path, monke
                       "--save", str(saved), "--max-new-tokens", "6", input=f"{WATER}\n")
     assert chat.exit_code == 0 and len(chat.stdout.splitlines()) == 1
     engine = _tiny_start(load_settings(environ={}, home=tmp_path / "home"), with_store=False)
-    session = load_session(engine, saved)
+    session = load_session(engine.frame, saved)
     assert [t.user_text for t in session.turns] == [m["content"] for m in doc["conversation"] if m["role"] == "user"] + [WATER]
     assert session.turns[-1].verdict == "ok" and session.turns[-1].distance is not None
     store = HistoryStore(load_settings(environ={}, home=tmp_path / "home").resolved_database_url)

@@ -10,7 +10,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from isagi.cli import app
-from storage.history import HistoryStore, TurnRecord
+from isagi.turn import Turn
+from storage.history import HistoryStore
 
 
 def _seed(home: Path) -> tuple[Path, Path]:
@@ -21,7 +22,7 @@ def _seed(home: Path) -> tuple[Path, Path]:
     files = []
     for sid, owner, text in (("aaaaaaaaaaaa", "alice", "alice private words"), ("111111111111", "local", "local words")):
         store.ensure_session(sid, owner=owner, model_id="m")
-        store.record_turn(sid, TurnRecord(user_text=text, reply_text="ok"), owner=owner)
+        store.record_turn(sid, Turn(user_text=text, reply_text="ok"), owner=owner)
         f = sessions / f"{sid}.miku"
         f.write_bytes(b"state")
         store.set_miku_path(sid, str(f), owner=owner)

@@ -270,3 +270,38 @@ def test_pipeline_refusals_count_guard_verdicts_and_refusing_replies() -> None:
     assert seen == [(p, 8) for p in "abcd"]
     assert out == {"n": 4, "prompt_guard_refused": 1, "reply_guard_withheld": 1, "model_refused": 1,
                    "refusal_rate_pipeline": 0.75}
+
+
+def test_the_web_panel_and_the_cli_give_the_same_teh_for_the_same_seed(tmp_path, monkeypatch) -> None:
+    """One entry point (isagi.explore.explore_on): the web Explore panel and `isagi explore` both
+    read the chain in the frame the safety profile was calibrated in (the engine's system
+    prompt), so the same seed on the same engine gives the same steps and TEH."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import isagi.cli as cli
+    import isagi.explore as explore_mod
+    from tests.test_app_ui import make_ui
+
+    ui, engine = make_ui(tmp_path)
+    calls: list[tuple[str | None, Any]] = []
+    real = explore_mod.explore
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        calls.append((kwargs.get("system_prompt"), result))
+        return result
+
+    monkeypatch.setattr(explore_mod, "explore", recorded)
+    monkeypatch.setattr(cli, "_engine", lambda settings, with_store=True: engine)
+    table, _figure, _mcb = ui.explore("the ocean", 2, 40)  # 40 new tokens: the CLI's default
+    out = CliRunner().invoke(cli.app, ["explore", "the ocean", "--steps", "2", "--json", "--home", str(tmp_path / "c")])
+    assert out.exit_code == 0, out.output
+    cli_steps = json.loads(out.stdout)["steps"]
+    (web_prompt, web), (cli_prompt, _) = calls
+    assert web_prompt == cli_prompt == engine.settings.system_prompt
+    assert [s.teh for s in web.steps] == [s["teh"] for s in cli_steps] and len(cli_steps) == 2
+    assert [s.teh_max for s in web.steps] == [s["teh_max"] for s in cli_steps]
+    assert [s.text for s in web.steps] == [s["text"] for s in cli_steps]
+    assert f"{web.steps[0].teh:.2f}%" in table  # what the panel shows is that chain's TEH

@@ -12,12 +12,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
-from storage.history import LOCAL_OWNER, Base, HistoryStore, TurnRecord, make_title
+from isagi.turn import Turn
+from storage.history import LOCAL_OWNER, Base, HistoryStore, make_title
 from storage.migrations import head_revision, upgrade_to_head
 
 
-def rec(i: int, **kw) -> TurnRecord:
-    return TurnRecord(user_text=f"question {i}", reply_text=f"answer {i}", **kw)
+def rec(i: int, **kw) -> Turn:
+    return Turn(user_text=f"question {i}", reply_text=f"answer {i}", **kw)
 
 
 # --------------------------------------------------------------------------- schema
@@ -108,7 +109,7 @@ def test_sqlite_uses_wal_and_foreign_keys(tmp_path: Path) -> None:
 
 def test_record_and_read_back_a_session(store: HistoryStore) -> None:
     store.ensure_session("s1", model_id="org/model", owner=LOCAL_OWNER)
-    full = TurnRecord(
+    full = Turn(
         user_text="  What is   a manifold?\nTell me.  ",
         reply_text="A space that looks flat up close.",
         tier="EXPLORE",
@@ -160,7 +161,7 @@ def test_record_and_read_back_a_session(store: HistoryStore) -> None:
 
 def test_titles_are_truncated_and_explicit_titles_win(store: HistoryStore) -> None:
     store.ensure_session("long", model_id="m", owner=LOCAL_OWNER)
-    store.record_turn("long", TurnRecord(user_text="word " * 100, reply_text="r"), owner=LOCAL_OWNER)
+    store.record_turn("long", Turn(user_text="word " * 100, reply_text="r"), owner=LOCAL_OWNER)
     store.ensure_session("named", model_id="m", title="My title", owner=LOCAL_OWNER)
     store.record_turn("named", rec(0), owner=LOCAL_OWNER)
     titles = {s.id: s.title for s in store.list_sessions(owner=LOCAL_OWNER)}
@@ -183,11 +184,11 @@ def test_search_is_case_insensitive_substring(store: HistoryStore) -> None:
     store.ensure_session("s", model_id="m", owner=LOCAL_OWNER)
     store.record_turn(
         "s",
-        TurnRecord(user_text="Tell me about RIEMANN metrics", reply_text="Riemannian geometry…"),
+        Turn(user_text="Tell me about RIEMANN metrics", reply_text="Riemannian geometry…"),
         owner=LOCAL_OWNER,
     )
     store.record_turn(
-        "s", TurnRecord(user_text="100% sure? use_under_score", reply_text="nothing here"), owner=LOCAL_OWNER
+        "s", Turn(user_text="100% sure? use_under_score", reply_text="nothing here"), owner=LOCAL_OWNER
     )
     hits = store.search("riemann", owner=LOCAL_OWNER)
     assert sorted((h.seq, h.role) for h in hits) == [(0, "user"), (1, "assistant")]
@@ -202,7 +203,7 @@ def test_search_is_case_insensitive_substring(store: HistoryStore) -> None:
 def test_search_folds_unicode_case_on_sqlite(tmp_path: Path) -> None:
     s = HistoryStore(f"sqlite:///{tmp_path}/h.db")
     s.ensure_session("u", model_id="m", owner=LOCAL_OWNER)
-    s.record_turn("u", TurnRecord(user_text="ÜBER Straße", reply_text="ok"), owner=LOCAL_OWNER)
+    s.record_turn("u", Turn(user_text="ÜBER Straße", reply_text="ok"), owner=LOCAL_OWNER)
     assert [h.text for h in s.search("über", owner=LOCAL_OWNER)] == ["ÜBER Straße"]
     assert [h.text for h in s.search("STRASSE", owner=LOCAL_OWNER)] == ["ÜBER Straße"]
     s.close()
@@ -212,7 +213,7 @@ def test_export_json_and_markdown(store: HistoryStore) -> None:
     store.ensure_session("e", model_id="org/model", title="Export me", owner=LOCAL_OWNER)
     store.record_turn(
         "e",
-        TurnRecord(
+        Turn(
             user_text="Hi 🤖", reply_text="Hello!", tier="RETRIEVE", distance=0.1, teh_reply=2.0
         ),
         owner=LOCAL_OWNER,
@@ -294,10 +295,10 @@ def test_eight_threads_hundred_turns_each(db_url: str) -> None:
             mine = stores[i % len(stores)]
             for j in range(100):
                 mine.record_turn(
-                    f"own{i}", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}"), owner=LOCAL_OWNER
+                    f"own{i}", Turn(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}"), owner=LOCAL_OWNER
                 )
                 mine.record_turn(
-                    "shared", TurnRecord(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}"), owner=LOCAL_OWNER
+                    "shared", Turn(user_text=f"u{i}-{j}", reply_text=f"a{i}-{j}"), owner=LOCAL_OWNER
                 )
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -409,7 +410,7 @@ def test_repair_exchanges_brings_the_history_level_with_a_file_and_deletes_nothi
     """The start-up repair's store half, on SQLite and PostgreSQL: a prefix is completed,
     a differing last exchange replaced, a longer history kept, an early difference left."""
     def turns(*pairs):
-        return [TurnRecord(user_text=u, reply_text=r) for u, r in pairs]
+        return [Turn(user_text=u, reply_text=r) for u, r in pairs]
 
     file = turns(("q1", "a1"), ("q2", "a2"), ("q3", "a3"))
     assert store.exchange_count("s1", owner="alice") == 0

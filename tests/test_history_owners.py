@@ -13,17 +13,18 @@ import sqlalchemy as sa
 from alembic import command
 
 from isagi.errors import StorageError
-from storage.history import LOCAL_OWNER, HistoryStore, TurnRecord, remove_session_files
+from isagi.turn import Turn
+from storage.history import LOCAL_OWNER, HistoryStore, remove_session_files
 from storage.migrations import alembic_config, head_revision
 
 
 def _two_owners(store: HistoryStore) -> None:
     store.ensure_session("a1", owner="alice", model_id="m", title="alice secret plan")
-    store.record_turn("a1", TurnRecord(user_text="alice secret question", reply_text="alice answer"),
+    store.record_turn("a1", Turn(user_text="alice secret question", reply_text="alice answer"),
                       owner="alice")
     store.set_miku_path("a1", "/data/sessions/a1.miku", owner="alice")
     store.ensure_session("b1", owner="bob", model_id="m")
-    store.record_turn("b1", TurnRecord(user_text="bob question", reply_text="bob answer"), owner="bob")
+    store.record_turn("b1", Turn(user_text="bob question", reply_text="bob answer"), owner="bob")
 
 
 def test_each_owner_sees_only_their_own(store: HistoryStore) -> None:
@@ -46,7 +47,7 @@ def test_another_owners_id_is_not_found_like_an_unknown_id(store: HistoryStore) 
         "get_turns": lambda sid: store.get_turns(sid, owner="bob"),
         "export json": lambda sid: store.export(sid, "json", owner="bob"),
         "export markdown": lambda sid: store.export(sid, "markdown", owner="bob"),
-        "record_turn": lambda sid: store.record_turn(sid, TurnRecord("bob writes", "into it"), owner="bob"),
+        "record_turn": lambda sid: store.record_turn(sid, Turn("bob writes", "into it"), owner="bob"),
         "set_miku_path": lambda sid: store.set_miku_path(sid, "/tmp/x.miku", owner="bob"),
     }
     for name, call in calls.items():
@@ -129,7 +130,7 @@ def test_migration_0002_makes_existing_rows_local(db_url: str) -> None:
         assert {h.session_id for h in s.search("text of", owner=LOCAL_OWNER)} == {"old1", "old2"}
         assert s.list_sessions(owner="alice") == [] and s.search("text", owner="alice") == []
         # the old sessions keep working: a new turn goes on after the old rows
-        assert s.record_turn("old1", TurnRecord("new", "turn"), owner=LOCAL_OWNER) == 2
+        assert s.record_turn("old1", Turn("new", "turn"), owner=LOCAL_OWNER) == 2
         with s.engine.connect() as conn:
             owners = conn.execute(sa.text("SELECT DISTINCT owner FROM turns")).scalars().all()
             assert owners == [LOCAL_OWNER]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from isagi.errors import MikuError, StorageError
-from storage.legacy import import_legacy, read_legacy, tensor_path, write_legacy
+from isagi.session_io import import_legacy
+from storage.legacy import read_legacy, tensor_path, write_legacy
 from storage.miku import read_miku
 from tests.test_miku import make_state
 
@@ -156,14 +157,11 @@ def test_import_refuses_to_overwrite_the_v1_file(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- resuming an import
 
 
-def _engine(fingerprint: str, d: int):
-    from types import SimpleNamespace
+def _frame(fingerprint: str, d: int):
+    from isagi.session_io import SessionFrame
 
-    return SimpleNamespace(
-        lm=SimpleNamespace(model_id="m", fingerprint=fingerprint, hidden_size=d),
-        profile=SimpleNamespace(key="p", layer=18),
-        settings=SimpleNamespace(system_prompt=""),
-    )
+    return SessionFrame(model_id="m", model_fingerprint=fingerprint, hidden_size=d, layer=18, profile_key="p",
+                        system_prompt="")
 
 
 def test_an_imported_session_is_resumed_by_load_session(tmp_path: Path) -> None:
@@ -174,7 +172,7 @@ def test_an_imported_session_is_resumed_by_load_session(tmp_path: Path) -> None:
     old, doc, tensors = v1_pair(tmp_path)
     new = tmp_path / "new.miku"
     import_legacy(old, new, model_fingerprint="fp")
-    s = load_session(_engine("fp", 8), new)
+    s = load_session(_frame("fp", 8), new)
     assert is_session_id(s.id)
     np.testing.assert_array_equal(s.metric.M, tensors["metric"].numpy())
     np.testing.assert_array_equal(s.basis.B, tensors["basis"].numpy())
@@ -207,7 +205,7 @@ def test_an_import_without_optional_tensors_still_resumes(tmp_path: Path) -> Non
     del tensors["mu"], tensors["response_coords"]
     torch.save(tensors, tensor_path(old))
     import_legacy(old, tmp_path / "new.miku", model_fingerprint="fp")
-    s = load_session(_engine("fp", 8), tmp_path / "new.miku")
+    s = load_session(_frame("fp", 8), tmp_path / "new.miku")
     assert not s.basis.mu.any() and not s.memory.to_columns()["reply_x"].any()
 
 
@@ -308,14 +306,14 @@ def test_an_imported_session_chats_on_the_real_turn_and_its_counts_agree(tmp_pat
     result = CliRunner().invoke(app, ["import-legacy", str(old), str(new)])
     assert result.exit_code == 0 and f"wrote {new}" in result.output.replace("\n", "")
     with pytest.warns(UserWarning, match="another model was allowed"):  # the v1 pair names SmolLM2
-        s = load_session(engine, new, allow_other_model=True)
+        s = load_session(engine.frame, new, allow_other_model=True)
     s.miku_path = tmp_path / "resumed.miku"
     before = len(s.memory)
     turn = engine.turn(s, "What is the boiling point of water?")
     assert turn.verdict == "ok" and turn.tier in ("AUGMENT", "EXPAND", "EXPLORE") and turn.generated
     assert turn.distance is not None, "the imported memory was searched"
     assert len(s.memory) == before + 1 and len(s.turns) == 4
-    again = load_session(engine, s.miku_path)
+    again = load_session(engine.frame, s.miku_path)
     assert again.turns == s.turns
     # the history holds the whole session: the imported turns recorded with its first new one
     assert engine.store.get_session(s.id, owner="local").turns == 4

@@ -18,11 +18,11 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from isagi.errors import MikuError
+from isagi.session_io import SessionFrame
 from storage import miku
 from storage.miku import encode_miku, inspect_miku, read_miku
 from tests import miku_bombs as B
@@ -128,9 +128,9 @@ def test_a_real_session_at_the_turn_limit_loads_far_below_the_bound(tmp_path: Pa
     assert peak <= 4 * size  # measured 2.6x at twice the turns
 
 
-def _engine(d: int = 4) -> SimpleNamespace:
-    """What load_session needs of an engine, for the bombs' header (model "m", fingerprint "f")."""
-    return SimpleNamespace(lm=SimpleNamespace(model_id="m", fingerprint="f", hidden_size=d))
+def _frame(d: int = 4) -> SessionFrame:
+    """The frame of the bombs' header (model "m", fingerprint "f")."""
+    return SessionFrame(model_id="m", model_fingerprint="f", hidden_size=d, layer=0, profile_key="", system_prompt="")
 
 
 @pytest.mark.parametrize("refs", [100, 2_000])
@@ -149,7 +149,7 @@ def test_an_amplified_session_is_refused_before_its_texts_are_expanded(tmp_path:
     path.write_bytes(B.amplified(refs))
     size = path.stat().st_size
     assert size < 2 * MIB and refs * MIB > miku.MAX_TEXT_CHARS  # small file, large session
-    peak, seconds, result = measure(path, lambda p: load_session(_engine(), p))
+    peak, seconds, result = measure(path, lambda p: load_session(_frame(), p))
     assert isinstance(result, MikuError), "loaded"
     text = str(result)
     assert f"add up to more than {miku.MAX_TEXT_CHARS} characters" in text and "\n" not in text and len(text) < 300
@@ -163,7 +163,7 @@ def test_a_large_session_within_the_text_limit_loads(tmp_path: Path) -> None:
 
     path = tmp_path / "large.miku"
     path.write_bytes(B.amplified(60))
-    peak, _, session = measure(path, lambda p: load_session(_engine(), p))
+    peak, _, session = measure(path, lambda p: load_session(_frame(), p))
     assert not isinstance(session, MikuError), session
     assert [len(t.reply_text) for t in session.turns] == [MIB] * 30
     assert peak <= bound(path.stat().st_size)
@@ -178,16 +178,16 @@ def test_a_session_of_more_than_max_turns_is_refused_at_load(tmp_path: Path) -> 
     path = tmp_path / "long.miku"
     path.write_bytes(B.long_session(30_000))
     assert path.stat().st_size < miku.MAX_MIKU_BYTES / 8
-    peak, seconds, result = measure(path, lambda p: load_session(_engine(), p))
+    peak, seconds, result = measure(path, lambda p: load_session(_frame(), p))
     assert isinstance(result, MikuError) and "\n" not in str(result)
     assert f"60000 messages, {TOO_MANY}" in str(result)
     assert seconds < 2 and peak < MIB  # refused from the meta, before the data area is read
     path.write_bytes(B.long_session(miku.MAX_TURNS))
-    session = load_session(_engine(), path)
+    session = load_session(_frame(), path)
     assert len(session.turns) == len(session.memory) == miku.MAX_TURNS
     path.write_bytes(B.long_session(miku.MAX_TURNS + 1))
     with pytest.raises(MikuError, match=r"more than the limit of \d+ \(\d+ turns"):
-        load_session(_engine(), path)
+        load_session(_frame(), path)
 
 
 def test_files_over_the_size_limit_are_refused_before_reading(tmp_path: Path) -> None:

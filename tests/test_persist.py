@@ -48,14 +48,16 @@ def test_the_store_is_told_the_file_path_once_per_session_row(tmp_path: Path, mo
 
 
 class _Engine:
-    """What isagi.session_io.session_state reads of an engine (no model needed to write a file)."""
+    """What isagi.persist reads of an engine (no model needed to write a file)."""
 
     def __init__(self) -> None:
         from types import SimpleNamespace
 
+        from isagi.session_io import SessionFrame
+
         self.lm = SimpleNamespace(model_id="tiny/test", fingerprint="f" * 64, hidden_size=8)
-        self.profile = SimpleNamespace(key="p", layer=1)
-        self.settings = SimpleNamespace(system_prompt="Be brief.")
+        self.frame = SessionFrame(model_id="tiny/test", model_fingerprint="f" * 64, hidden_size=8, layer=1,
+                                  profile_key="p", system_prompt="Be brief.")
 
 
 def _real_session(sessions: Path, owner: str = "local") -> Session:
@@ -106,7 +108,7 @@ def _keeper(store: HistoryStore) -> TurnKeeper:
     from isagi.session_io import save_session
 
     engine = _Engine()
-    return TurnKeeper(store, lambda session, path: save_session(engine, session, path), model_id="tiny/test")
+    return TurnKeeper(store, lambda session, path: save_session(engine.frame, session, path), model_id="tiny/test")
 
 
 def _turn(session: Session, keep: TurnKeeper, i: int, *, replaces_last: bool = False) -> str | None:
@@ -242,16 +244,16 @@ def test_reconcile_adds_what_the_history_lacks_from_the_files(tmp_path: Path) ->
     engine = _Engine()
     # a kill after the file, before the history: two more turns only in the file
     behind.turns += [Turn(user_text="only in the file", reply_text="r"), Turn(user_text="and this", reply_text="r")]
-    save_session(engine, behind, behind.miku_path)
+    save_session(engine.frame, behind, behind.miku_path)
     # a Regenerate killed between the two: the file's last exchange is new
     regen.turns[-1] = Turn(user_text=regen.turns[-1].user_text, reply_text="a regenerated reply")
-    save_session(engine, regen, regen.miku_path)
+    save_session(engine.frame, regen, regen.miku_path)
     # a new session killed before its first history row: the file names its owner
     unknown.turns = [Turn(user_text="first", reply_text="r")]
-    save_session(engine, unknown, unknown.miku_path)
+    save_session(engine.frame, unknown, unknown.miku_path)
     # the history ahead (an older version wrote it first): reported, nothing deleted
     ahead.turns = ahead.turns[:1]
-    save_session(engine, ahead, ahead.miku_path)
+    save_session(engine.frame, ahead, ahead.miku_path)
     report = reconcile_history(store, sessions)
     assert report.added == {behind.id: 2, unknown.id: 1} and report.replaced == [regen.id]
     assert report.history_ahead == {ahead.id: 1} and report.disagree == [] and report.skipped == {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,18 +12,15 @@ from isagi.errors import MikuError
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.session import Session
-from isagi.session_io import load_session, save_session
+from isagi.session_io import SessionFrame, load_session, save_session
 from isagi.turn import TURN_FIELDS, Turn
 from isagi.ugt import fit_basis
 from storage.miku import read_miku, write_miku
 
 
-def _engine(fingerprint: str = "fp-1", d: int = 32) -> SimpleNamespace:
-    return SimpleNamespace(
-        lm=SimpleNamespace(model_id="tiny", fingerprint=fingerprint, hidden_size=d),
-        profile=SimpleNamespace(key="profile-key", layer=3),
-        settings=SimpleNamespace(system_prompt="be brief"),
-    )
+def _frame(fingerprint: str = "fp-1", d: int = 32) -> SessionFrame:
+    return SessionFrame(model_id="tiny", model_fingerprint=fingerprint, hidden_size=d, layer=3,
+                        profile_key="profile-key", system_prompt="be brief")
 
 
 def _turn(i: int) -> Turn:
@@ -55,8 +51,8 @@ def _session(d: int = 32, k: int = 8) -> Session:
 def test_round_trip_is_exact(tmp_path: Path) -> None:
     s = _session()
     path = tmp_path / "nested" / "s.miku"
-    save_session(_engine(), s, path)
-    r = load_session(_engine(), path)
+    save_session(_frame(), s, path)
+    r = load_session(_frame(), path)
     assert r.id == s.id and r.title == s.title and r.turns == s.turns
     np.testing.assert_array_equal(r.metric.M, s.metric.M)
     np.testing.assert_array_equal(r.basis.B, s.basis.B)
@@ -74,29 +70,29 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
 
 def test_other_model_is_refused_unless_asked(tmp_path: Path) -> None:
     path = tmp_path / "s.miku"
-    save_session(_engine("fp-1"), _session(), path)
+    save_session(_frame("fp-1"), _session(), path)
     with pytest.raises(MikuError):
-        load_session(_engine("fp-2"), path)
+        load_session(_frame("fp-2"), path)
     with pytest.warns(UserWarning):
-        load_session(_engine("fp-2"), path, allow_other_model=True)
+        load_session(_frame("fp-2"), path, allow_other_model=True)
 
 
 def test_corrupted_file_is_one_clear_error_and_leaves_the_file(tmp_path: Path) -> None:
     path = tmp_path / "s.miku"
-    save_session(_engine(), _session(), path)
+    save_session(_frame(), _session(), path)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(MikuError):
-        load_session(_engine(), path)
+        load_session(_frame(), path)
     assert path.read_bytes() == bytes(data)
 
 
 def test_hidden_size_mismatch_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "s.miku"
-    save_session(_engine(), _session(), path)
+    save_session(_frame(), _session(), path)
     with pytest.raises(MikuError, match="hidden size"):
-        load_session(_engine(d=64), path)
+        load_session(_frame(d=64), path)
 
 
 # --------------------------------------------------------------------------- every field, every bad value
@@ -116,8 +112,8 @@ def test_every_field_survives_save_and_load(tmp_path: Path) -> None:
                         teh_prompt=80.0, zone="code"))
     s.metric.floor_events = 0
     path = tmp_path / "s.miku"
-    save_session(_engine(), s, path)
-    r = load_session(_engine(), path)
+    save_session(_frame(), s, path)
+    r = load_session(_frame(), path)
     assert (r.id, r.created, r.title, len(r.turns)) == (s.id, s.created, s.title, 6)
     for before, after in zip(s.turns, r.turns, strict=True):  # every field of every turn
         for name in TURN_FIELDS:
@@ -138,11 +134,11 @@ def test_created_of_a_file_without_the_exact_time_comes_from_the_header(tmp_path
     s = _session()
     s.created = 1_700_000_000.0
     path = tmp_path / "s.miku"
-    save_session(_engine(), s, path)
+    save_session(_frame(), s, path)
     state = read_miku(path)
     del state.extra["created"]  # as files written before it was stored
     write_miku(path, state)
-    assert load_session(_engine(), path).created == 1_700_000_000.0
+    assert load_session(_frame(), path).created == 1_700_000_000.0
 
 
 @pytest.mark.parametrize("bad_id", ["../../x", "", None, 12, "ABCDEF123456", "abc123", "0123456789ab/"])
@@ -150,14 +146,14 @@ def test_a_missing_or_malformed_session_id_is_replaced(tmp_path: Path, bad_id) -
     from isagi.ids import is_session_id
 
     path = tmp_path / "s.miku"
-    save_session(_engine(), _session(), path)
+    save_session(_frame(), _session(), path)
     state = read_miku(path)
     if bad_id is None:
         del state.extra["session_id"]
     else:
         state.extra["session_id"] = bad_id
     write_miku(path, state)
-    ids = {load_session(_engine(), path).id for _ in range(3)}
+    ids = {load_session(_frame(), path).id for _ in range(3)}
     assert all(is_session_id(i) for i in ids) and len(ids) == 3  # fresh each time
     assert str(bad_id) not in ids
 
@@ -165,9 +161,9 @@ def test_a_missing_or_malformed_session_id_is_replaced(tmp_path: Path, bad_id) -
 def test_a_colliding_session_id_is_replaced(tmp_path: Path) -> None:
     s = _session()
     path = tmp_path / "s.miku"
-    save_session(_engine(), s, path)
-    assert load_session(_engine(), path, id_taken=lambda sid: False).id == s.id
-    taken = load_session(_engine(), path, id_taken=lambda sid: sid == s.id).id
+    save_session(_frame(), s, path)
+    assert load_session(_frame(), path, id_taken=lambda sid: False).id == s.id
+    taken = load_session(_frame(), path, id_taken=lambda sid: sid == s.id).id
     assert taken != s.id and len(taken) == len(s.id)
 
 
@@ -256,7 +252,7 @@ def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
 
     mutate, message = BAD[name]
     path = tmp_path / "s.miku"
-    save_session(_engine(), _session(), path)
+    save_session(_frame(), _session(), path)
     state = read_miku(path)
     mutate(state)
     write_miku(path, state)  # a real file carrying the bad value
@@ -265,24 +261,24 @@ def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
     real = isagi.session_io.Session
     monkeypatch.setattr(isagi.session_io, "Session", lambda *a, **kw: built.append(1) or real(*a, **kw))
     with pytest.raises(MikuError) as info:
-        load_session(_engine(), path)
+        load_session(_frame(), path)
     text = str(info.value)
     assert message in text, text
     assert "\n" not in text and len(text) < 300
     assert built == []  # nothing half-loaded: no session was made
     assert path.read_bytes() == before
-    save_session(_engine(), _session(), path)  # the same place still loads a good file
-    load_session(_engine(), path)
+    save_session(_frame(), _session(), path)  # the same place still loads a good file
+    load_session(_frame(), path)
     assert built == [1]
 
 
 def test_the_check_accepts_what_save_session_writes(tmp_path: Path) -> None:
     from isagi.session_io import check_session_state, session_state
 
-    check_session_state(session_state(_engine(), _session()))  # raises if not
+    check_session_state(session_state(_frame(), _session()))  # raises if not
     empty = Session(id=new_session_id(), basis=_session().basis, metric=Metric(8), memory=TrajectoryMemory(8))
-    save_session(_engine(), empty, tmp_path / "e.miku")
-    assert load_session(_engine(), tmp_path / "e.miku").turns == []
+    save_session(_frame(), empty, tmp_path / "e.miku")
+    assert load_session(_frame(), tmp_path / "e.miku").turns == []
 
 
 def test_save_refuses_what_load_would_refuse_and_keeps_the_file(tmp_path: Path) -> None:
@@ -292,11 +288,11 @@ def test_save_refuses_what_load_would_refuse_and_keeps_the_file(tmp_path: Path) 
 
     path = tmp_path / "s.miku"
     session = _session()
-    save_session(_engine(), session, path)
+    save_session(_frame(), session, path)
     before = path.read_bytes()
     session.title = "t" * (MAX_TITLE_CHARS + 1)
     with pytest.raises(MikuError, match="title") as err:
-        save_session(_engine(), session, path)
+        save_session(_frame(), session, path)
     assert "\n" not in str(err.value)
     assert path.read_bytes() == before
-    assert load_session(_engine(), path).title != session.title
+    assert load_session(_frame(), path).title != session.title

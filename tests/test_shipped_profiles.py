@@ -18,10 +18,14 @@ import numpy as np
 import pytest
 
 from isagi.config import DEFAULT_SYSTEM_PROMPT, load_settings
-from isagi.profile import load_or_build_profile, profile_key, save_profile, shipped_profiles_dir
+from isagi.profile import (
+    SHIPPED_QUANTS,
+    load_or_build_profile,
+    profile_key,
+    save_profile,
+    shipped_profiles_dir,
+)
 
-# (backend, the engine's quantisation name) of the embedded default model
-BACKENDS = {"llamacpp": "gguf-Q4_1", "transformers": "nf4"}
 # what ships: a profile for each backend of the embedded model
 SHIPPED = ("llamacpp", "transformers")
 # what the model tier rebuilds: both calibrations, 8 min 28 s (llama.cpp, one prompt at a time)
@@ -34,7 +38,7 @@ def _shipped() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for path in sorted(p for p in shipped_profiles_dir().iterdir() if (p / "profile.json").is_file()):
         meta = json.loads((path / "profile.json").read_text())
-        for backend, quant in BACKENDS.items():
+        for backend, quant in SHIPPED_QUANTS.items():
             key = profile_key(meta["model_fingerprint"], quant, meta["layer"], meta["k"], DEFAULT_SYSTEM_PROMPT,
                               meta["safety"]["layer"], backend)
             if key == path.name:

@@ -96,13 +96,13 @@ def test_one_turn_is_the_same_record_in_the_session_the_store_and_the_file(tmp_p
     assert (reply.text, reply.new_tokens, reply.latency_s, reply.metric_growth) == (
         turn.reply_text, 12, turn.latency_s, turn.metric_growth)
     # the autosaved file: the same Turn, every field
-    assert load_session(engine, s.miku_path).turns == s.turns
+    assert load_session(engine.frame, s.miku_path).turns == s.turns
     assert engine.store.get_session(s.id, owner="local").miku_path == str(s.miku_path)
     # the repeat: RETRIEVE from the real rule, the stored reply, nothing generated
     again = engine.turn(s, WATER)
     assert (again.tier, again.generated, again.new_tokens, again.reply_text) == ("RETRIEVE", False, 0, turn.reply_text)
     assert again.distance == pytest.approx(0.0, abs=1e-6) and again.nearest_query == WATER
-    assert engine.store.get_session(s.id, owner="local").turns == 2 == len(load_session(engine, s.miku_path).turns)
+    assert engine.store.get_session(s.id, owner="local").turns == 2 == len(load_session(engine.frame, s.miku_path).turns)
 
 
 def test_a_refused_turn_generates_nothing_learns_nothing_and_is_recorded(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ clusters*: cluster centres random-walk, a new cluster appears every
 ``new_cluster_every`` interactions, and recent clusters are asked about more
 often; a share of queries re-asks an earlier query (a noisy copy), as users do.
 
-Per interaction, exactly as the turn pipeline does (DESIGN §3–§4):
+Per interaction, exactly as the turn pipeline does (docs/architecture.md, One turn):
 lookup (two-stage, under the current metric) → tier from
 :class:`~isagi.cog.TierThresholds` → RETRIEVE: count the hit; AUGMENT: count
 the hit and a light update (``weight = 0.25``); EXPAND: full update, store the

@@ -5,7 +5,7 @@ Behind ``isagi bench lookup --n N --k K --json`` (issue 3, item 7). One run:
 1. ``n`` synthetic query coordinates from 256 Gaussian clusters in ``R^k``.
 2. A random SPD metric grown with the design's own rule: ``Metric.update``
    along ``metric_updates`` anisotropically scaled random directions (the
-   update rule of DESIGN §4, so the metric is of the kind a long life builds).
+   update rule of docs/architecture.md, so the metric is of the kind a long life builds).
 3. A :class:`~isagi.memory.TrajectoryMemory` filled in bulk (``from_columns``)
    and its index built in the metric's frame (``build_s``).
 4. ``queries`` single queries, half noisy copies of stored points, half fresh

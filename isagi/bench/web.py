@@ -128,7 +128,7 @@ def long_session_file(settings: Any, exchanges: int, path: Path) -> Path:
     now = time.time()
     session.turns += [Turn(user_text=q, reply_text=r, tier="EXPLORE", verdict="ok", generated=True,
                            asked_at=now, answered_at=now) for q, r in history_exchanges(exchanges)]
-    save_session(engine, session, path)
+    save_session(engine.frame, session, path)
     return path
 
 

@@ -5,10 +5,9 @@ model engine is loaded. ISAGI's own matrices are small (a k x k metric, a
 few hundred 576-float vectors), so extra BLAS threads never pay for
 themselves there; but after every call OpenBLAS's idle threads busy-wait for
 more work for a while. On a 2-core machine they then hold the cores that the
-model engine's threads need: a llama.cpp prefill of the 44-token default
-prompt took ~150 ms right after a new session's metric eigendecomposition,
-~95 ms without the waiting threads (``isagi bench turn`` measured a turn
-~10 % slower than plain generation for that alone).
+model engine's threads need, and a llama.cpp prefill right after a new
+session's metric eigendecomposition is much slower (``isagi bench turn``;
+the figures are in docs/measurements.md).
 
 ``threadpoolctl`` sets the limit in the loaded libraries, so FAISS is
 imported first to have its OpenBLAS included. torch's own thread pool

@@ -6,7 +6,7 @@ of ``token ids -> the KV-cache bytes of those tokens`` (llama.cpp's
 shares the longest prefix with a new prompt. A chat turn's prompt is the
 previous turn's prompt plus that turn's reply and the new message, so without
 this every turn of a long conversation prefilled the whole history again
-(293 tokens, 0.62 s on 2 cores, for five short exchanges): with it a turn
+(docs/measurements.md, the llama.cpp engine): with it a turn
 evaluates only the tokens after the shared prefix. Several sessions
 interleave on one model, so one entry per recent conversation is kept, not
 just the last KV cache.
@@ -18,9 +18,9 @@ cuts it out of the restored cache and moves the rest down.
 
 A restored prefix holds what llama.cpp computed for those tokens inside the
 earlier prompt's batch, and its CPU kernels round a batch of 64 tokens or
-more differently from a shorter one: the same system prompt evaluated inside
-a 69-token history prompt and inside a 44-token prompt differs by ~2 % at
-layer 18 (cosine to transformers fp32 0.9997 either way). So a reply decoded
+more differently from a shorter one: the same system prompt's states differ
+slightly inside a long and a short prompt (docs/measurements.md), both as
+close to transformers fp32. So a reply decoded
 after a restore may part, in later tokens, from one decoded with nothing
 saved; tests that compare against a whole evaluation clear the store first.
 """

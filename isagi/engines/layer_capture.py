@@ -5,9 +5,10 @@ context's ``cb_eval``. llama.cpp's scheduler calls it for every node of every
 graph (~940 nodes per decoded token for SmolLM2-135M): first to *ask*
 whether the node's data is wanted, then, for a wanted node, with the data
 (host memory on the CPU backend). The callback is compiled to machine code
-with numba (``cfunc``): a ctypes callback that returned at once cost ~2 % of
-plain decoding speed on 2 cores in Python calls alone, and copying a wanted
-``l_out-<il>`` into numpy then ran in the interpreter too. Compiled, the
+with numba (``cfunc``): a ctypes callback that returned at once cost decoding
+speed in Python calls alone (``isagi bench generate``'s ``capture_ratio``;
+docs/measurements.md), and copying a wanted ``l_out-<il>`` into numpy then ran
+in the interpreter too. Compiled, the
 ~940 asks per token cost nanoseconds each and the copy is a loop in machine
 code; numba caches the compiled callback on disk, so only the first start
 compiles it.

@@ -20,18 +20,15 @@ which on the CPU backend is host memory. The callback is compiled machine
 code (:mod:`isagi.engines.layer_capture`), so the ~936 asks per decoded token
 cost no Python call each.
 
-What reading reply states costs (SmolLM2-135M Q4_1, 2 threads, 64 greedy
-tokens, medians of 15 paired runs against llama-cpp-python's own ``Llama``
-with the same attention kernel; scripts in ``/tmp`` while writing this;
-``isagi bench generate`` reports the total as ``llamacpp_vs_plain`` and the
-reading alone as ``capture_ratio``): with a Python (ctypes)
-callback, installed but wanting nothing it cost 2-4 % and reading two layers
-at every token 4.5-7 % in all; compiled, 0.9 % and 1.8-2.3 %. The
-alternative with no callback on the decode context at all -- a second
-context holding the KV cache that re-evaluates each guard window of 8 reply
-tokens as one batch to capture them -- ran at about half the speed: on two
-cores an 8-token batch costs about four single-token steps. So ISAGI uses ONE
-context with the callback installed; the prefill is evaluated exactly once
+What reading reply states costs is what ``isagi bench generate`` reports as
+``capture_ratio`` (against llama-cpp-python's own ``Llama`` with the same
+attention kernel: ``llamacpp_vs_plain``); the figures, for a Python (ctypes)
+callback and the compiled one, are in docs/measurements.md. The alternative
+with no callback on the decode context at all -- a second context holding the
+KV cache that re-evaluates each guard window of 8 reply tokens as one batch
+to capture them -- was slower still (an 8-token batch costs several
+single-token steps on two cores). So ISAGI uses ONE context with the callback
+installed; the prefill is evaluated exactly once
 and every reply token once, with its states at the layers asked for.
 
 Prompt states alone (calibration, and a turn's lookup prompt when the reply

@@ -98,7 +98,7 @@ def eval_prompts(benchmarks_dir: Path | None, n_prompts: int) -> dict[str, list[
 def ablate_forbidden(model: Any, layer: int, Q: np.ndarray, centre: np.ndarray) -> Iterator[None]:
     """ATTACK, evaluation only: h ← h − Q Qᵀ (h − c) after decoder layer ``layer``, all positions.
 
-    Never used by the product (DESIGN §4): it is the published way to strip a
+    Never used by the product (docs/architecture.md, Definitions: Safe OGD): it is the published way to strip a
     model's refusals. It exists so `isagi eval ogd` can show what it costs.
     """
     from isagi.hooks import _hidden, layer_module
