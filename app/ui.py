@@ -488,11 +488,10 @@ class WebUI:
         if path is None:
             return None
         try:
-            session = load_session(self.engine, path)
+            session = load_session(self.engine, path, session_id=sid)
         except (IsagiError, EngineLoading) as exc:
             log.warning("could not reopen session %s on page load: %s", sid, exc)
             return None
-        session.id = sid
         try:
             return self.registry.reopen(session, owner=owner, client=client)
         except KeyError:
@@ -777,7 +776,9 @@ class WebUI:
         registry learns which page shows it; returns the id for the browser's storage (or skip)."""
         import gradio as gr
 
-        self.registry.attach(_page_of(request), sid if is_session_id(sid) else None)
+        owner, _ = self.who(request)
+        mine = is_session_id(sid) and owner is not None and self.registry.holds(sid, owner)
+        self.registry.attach(_page_of(request), sid if mine else None)
         return sid if is_session_id(sid) else gr.skip()
 
     def page_closed(self, request: Any = None) -> None:
@@ -1009,10 +1010,9 @@ class WebUI:
             return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
                     *keep[2:])
         try:
-            session = load_session(self.engine, path)
+            session = load_session(self.engine, path, session_id=chosen)
         except (IsagiError, EngineLoading) as exc:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
-        session.id = chosen
         left = self._release_for(sid, owner)
         try:
             new = self.registry.adopt(session, owner=owner, client=client)

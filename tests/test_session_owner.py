@@ -30,7 +30,7 @@ from app.ui import WebUI
 from isagi.engines.base import GenerationOptions
 from isagi.errors import InputError, StorageError
 from isagi.session_io import load_session
-from isagi.terminal import REGENERATE, chat_loop
+from isagi.terminal import chat_loop
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
@@ -130,7 +130,7 @@ def test_the_terminal_regenerates_the_last_reply(tmp_path):
             yield event
 
     engine.stream_turn = spy
-    items = iter([QUESTION, REGENERATE])
+    items = iter([QUESTION, "/regenerate"])  # isagi.terminal.REGENERATE
 
     def read_line(_prompt: str) -> str:
         line = next(items, None)
