@@ -101,7 +101,7 @@ class SessionRegistry:
         *,
         idle_s: float = DEFAULT_IDLE_S,
         save: Callable[[Any, Any, Path], None] | None = None,
-        load: Callable[[Any, Path], Any] | None = None,
+        load: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_per_client: int = 32,
         max_total: int = 256,
@@ -134,7 +134,7 @@ class SessionRegistry:
             self._save = save_session
         return self._save
 
-    def _load_fn(self) -> Callable[[Any, Path], Any]:
+    def _load_fn(self) -> Callable[..., Any]:
         if self._load is None:
             from isagi.session_io import load_session
 
@@ -313,8 +313,7 @@ class SessionRegistry:
             path = self._parked[sid][0]
         # Resume outside the guard (file I/O); another thread may race us: first one wins.
         if path is not None and Path(path).exists():
-            session = self._load_fn()(self.engine, Path(path))
-            session.id = sid
+            session = self._load_fn()(self.engine, Path(path), session_id=sid)
             session.miku_path = Path(path)
         else:
             session = self.engine.new_session(session_id=sid)

@@ -398,12 +398,16 @@ class Engine:
         last = session.turns[-1]
         now = session.checkpoint()  # with the turn being replaced: put back if the new one fails
         session.rollback(undo)
+        recorded = False  # once the new turn is recorded (its "done" event), nothing takes it back
         try:
-            yield from self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
-                                        replaces_last=True, fresh=True)
+            for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
+                                          replaces_last=True, fresh=True):
+                recorded = recorded or event.kind == "done"
+                yield event
         except BaseException:
-            session.rollback(now)
-            session.undo = undo
+            if not recorded:
+                session.rollback(now)
+                session.undo = undo
             raise
 
     def _run(

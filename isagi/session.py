@@ -111,7 +111,9 @@ class Session:
     @property
     def can_regenerate(self) -> bool:
         """Whether :attr:`undo` is the state just before the last turn (Regenerate can replace it)."""
-        return self.undo is not None and len(self.turns) == len(self.undo.turns) + 1
+        undo = self.undo
+        return (undo is not None and len(self.turns) == len(undo.turns) + 1
+                and all(a is b for a, b in zip(self.turns, undo.turns, strict=False)))
 
     def cached_states(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
         states = self.prompt_states.get(key)
