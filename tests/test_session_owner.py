@@ -116,6 +116,21 @@ def test_the_engine_regenerates_and_puts_the_old_turn_back_when_the_new_one_fail
     assert [r.text for r in engine.store.get_turns(session.id, owner="local")][-1] == turn.reply_text
 
 
+def test_a_turn_closed_before_it_is_recorded_leaves_the_session_as_it_was(tmp_path):
+    """The engine rolls back what a turn did before it was recorded: here RETRIEVE's count of
+    a use of the stored answer, made before the answer is streamed."""
+    engine = tiny_engine(tmp_path, max_new_tokens=6)
+    session = engine.new_session()
+    engine.turn(session, QUESTION)
+    hits = list(session.memory.to_columns()["hits"])
+    events = engine.stream_turn(session, QUESTION)
+    kinds = [next(events).kind, next(events).kind]  # the decision, the stored answer
+    events.close()  # e.g. a second Ctrl-C, or a page that crashed
+    assert kinds == ["decision", "token"]
+    assert len(session.turns) == 1 and list(session.memory.to_columns()["hits"]) == hits
+    assert not engine.generation_lock.locked()
+
+
 def test_the_terminal_regenerates_the_last_reply(tmp_path):
     engine = tiny_engine(tmp_path, max_new_tokens=6)
     session = engine.new_session()
