@@ -22,8 +22,14 @@ What it guarantees:
   from the file transparently. A session whose file cannot be written (a full
   disk) is never dropped: it stays live until a save succeeds. Each file
   written here also lets the engine's keeper bring the history up to it.
-- Regenerate: a snapshot of the living state (metric, memory, turns) taken
-  before each turn, restored to undo that turn.
+- Pages: which browser pages (Gradio session hashes) show each session
+  (:meth:`SessionRegistry.attach`); when the last page of a session is closed
+  (:meth:`SessionRegistry.detach`, on Gradio's unload) the session is saved and
+  parked, so it is no longer "live" and can be deleted, and a reload resumes it.
+
+Nothing here changes a session's turns, metric or memory: a turn, Regenerate
+and the rollback of a failed turn are the engine's (:class:`isagi.agent.Engine`,
+:meth:`isagi.session.Session.checkpoint`).
 - Owners: each entry (and each parked id) belongs to an owner (the logged-in
   user, ``local`` without a login) and remembers its client address; every
   lookup takes the caller's owner, and another owner's id raises ``KeyError``
@@ -52,39 +58,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_S = 30 * 60.0
 LOCAL_OWNER = "local"  # storage.history.LOCAL_OWNER (not imported: no SQLAlchemy at import)
-
-
-@dataclass
-class Snapshot:
-    """The living state of a session before a turn (for Regenerate)."""
-
-    metric_state: dict[str, Any]
-    memory_columns: dict[str, Any]
-    memory_kwargs: dict[str, Any]
-    n_turns: int
-    title: str | None
-
-
-def take_snapshot(session: Any) -> Snapshot:
-    mem = session.memory
-    return Snapshot(
-        metric_state=session.metric.to_state(),
-        memory_columns=mem.to_columns(),
-        memory_kwargs={"cap": getattr(mem, "cap", 50_000)},
-        n_turns=len(session.turns),
-        title=session.title,
-    )
-
-
-def restore_snapshot(session: Any, snap: Snapshot) -> None:
-    """Put the session back to the state of ``snap`` (metric, memory, turns, title)."""
-    metric_cls = type(session.metric)
-    memory_cls = type(session.memory)
-    k = int(snap.metric_state["k"])
-    session.metric = metric_cls.from_state(snap.metric_state)
-    session.memory = memory_cls.from_columns(snap.memory_columns, k, **snap.memory_kwargs)
-    del session.turns[snap.n_turns :]
-    session.title = snap.title
+MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotten beyond it)
 
 
 @dataclass
@@ -97,7 +71,6 @@ class Entry:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     last_used: float = 0.0
-    undo: Snapshot | None = None
     notice: str | None = None  # what the last turn could not keep yet (a full disk), for the page
     stop_requested_at: float | None = None  # monotonic time Stop reached the server
     stop_latency_s: float | None = None  # from then until the turn had ended
@@ -128,7 +101,7 @@ class SessionRegistry:
         *,
         idle_s: float = DEFAULT_IDLE_S,
         save: Callable[[Any, Any, Path], None] | None = None,
-        load: Callable[[Any, Path], Any] | None = None,
+        load: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_per_client: int = 32,
         max_total: int = 256,
@@ -142,6 +115,7 @@ class SessionRegistry:
         self.max_total = int(max_total)
         self._entries: dict[str, Entry] = {}
         self._parked: dict[str, tuple[Path | None, str]] = {}  # id -> (file, owner)
+        self._pages: dict[str, str] = {}  # a browser page (Gradio session hash) -> the session id it shows
         self._guard = threading.Lock()  # protects the two dicts, never held during I/O
         self._reaper: threading.Thread | None = None
         self._reaper_stop = threading.Event()
@@ -160,7 +134,7 @@ class SessionRegistry:
             self._save = save_session
         return self._save
 
-    def _load_fn(self) -> Callable[[Any, Path], Any]:
+    def _load_fn(self) -> Callable[..., Any]:
         if self._load is None:
             from isagi.session_io import load_session
 
@@ -339,8 +313,7 @@ class SessionRegistry:
             path = self._parked[sid][0]
         # Resume outside the guard (file I/O); another thread may race us: first one wins.
         if path is not None and Path(path).exists():
-            session = self._load_fn()(self.engine.frame, Path(path))
-            session.id = sid
+            session = self._load_fn()(self.engine.frame, Path(path), session_id=sid)
             session.miku_path = Path(path)
         else:
             session = self.engine.new_session(session_id=sid)
@@ -382,6 +355,40 @@ class SessionRegistry:
         with self._guard:
             entry = self._entries.get(sid or "")
         return entry if entry is not None and entry.owner == owner else None
+
+    def live_entry(self, sid: str | None, owner: str) -> Entry | None:
+        """``owner``'s live entry for ``sid``, or None (parked, unknown, another's): nothing is
+        resumed and the entry is not touched (a page's periodic check keeps nothing alive)."""
+        return self._live(sid, owner)
+
+    # -- pages ---------------------------------------------------------------------
+    def attach(self, page: str, sid: str | None) -> None:
+        """The browser page ``page`` (its Gradio session hash) now shows ``sid`` (None: nothing)."""
+        if not page:
+            return
+        with self._guard:
+            if sid:
+                self._pages.pop(page, None)
+                self._pages[page] = sid
+                while len(self._pages) > MAX_PAGES:  # pages whose close never reached the server
+                    self._pages.pop(next(iter(self._pages)))
+            else:
+                self._pages.pop(page, None)
+
+    def detach(self, page: str, owner: str | None) -> str | None:
+        """The page ``page`` was closed (or reloaded): when no other page shows its session, save
+        and park it (:meth:`release`), so it is no longer live; a reload resumes it from its file.
+        Returns the id parked, or None (no session, another page still shows it, in use, or the
+        save failed: then it stays live)."""
+        with self._guard:
+            sid = self._pages.pop(page, None)
+            if sid is None or sid in self._pages.values():
+                return None
+        try:
+            return sid if self.release(sid, park=True, owner=owner) else None
+        except Exception as exc:  # a failed save keeps it live (release says so); nobody to tell
+            log.warning("could not park session %s after its page closed: %s", sid, exc)
+            return None
 
     def request_stop(self, sid: str | None, owner: str = LOCAL_OWNER) -> bool:
         """Ask ``owner``'s running turn of ``sid`` (if any) to stop after its current token."""

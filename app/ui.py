@@ -61,8 +61,6 @@ from app.sessions import (
     SessionBusy,
     SessionLimit,
     SessionRegistry,
-    restore_snapshot,
-    take_snapshot,
 )
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from isagi.ids import is_session_id
@@ -76,6 +74,7 @@ STREAM_INTERVAL_S = 0.1  # at most 10 display updates per second while streaming
 CHAT_WINDOW_TURNS = 100
 PLOT_WINDOW_TURNS = 1000
 STOP_WAIT_S = 10.0
+SYNC_S = 2.0  # how often a page checks whether another tab changed its session
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies: every minute, those older than 10 minutes
 NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
@@ -90,8 +89,9 @@ class TurnUpdate:
     """One update of the page by a turn (Send, Enter, Regenerate), by output name.
 
     The turn events' outputs, in order: the session id, the chat, the message box,
-    the alert line, the five manifold panels and the status banner. A field left ``KEEP`` does not
-    change on the page. ``out()`` is the tuple Gradio takes.
+    the alert line, the five manifold panels, the status banner and what the page has drawn
+    (:meth:`WebUI.seen`). A field left ``KEEP`` does not change on the page. ``out()`` is the
+    tuple Gradio takes.
     """
 
     state: Any = KEEP
@@ -104,6 +104,7 @@ class TurnUpdate:
     growth: Any = KEEP
     teh: Any = KEEP
     status: Any = KEEP  # the banner (its live-session count changes when a message makes a session)
+    seen: Any = KEEP  # the session version the page shows now (WebUI.seen), so its sync does not redraw it
 
     def with_view(self, view: tuple[Any, ...]) -> TurnUpdate:
         """This update with the chat and the panels of ``WebUI._view_of``."""
@@ -243,14 +244,15 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def chat_window(session: Any) -> list[dict[str, str]]:
-    """The Chatbot messages of ``session``'s newest :data:`CHAT_WINDOW_TURNS` turns.
+def chat_window(session: Any, *, drop_last: bool = False) -> list[dict[str, str]]:
+    """The Chatbot messages of ``session``'s newest :data:`CHAT_WINDOW_TURNS` turns
+    (without its last turn with ``drop_last``: the one a Regenerate replaces).
 
     A turn's page update renders and sends this much and no more, however long the
     session: earlier turns stay in the session, its memory, its exports and the
     history store, and a first line says how many are not shown.
     """
-    turns = session.turns
+    turns = session.turns[:-1] if drop_last else session.turns
     shown = chat_messages(turns_to_messages(turns[-CHAT_WINDOW_TURNS:]))
     hidden = len(turns) - CHAT_WINDOW_TURNS
     if hidden <= 0:
@@ -485,11 +487,10 @@ class WebUI:
         if path is None:
             return None
         try:
-            session = load_session(self.engine.frame, path)
+            session = load_session(self.engine.frame, path, session_id=sid)
         except (IsagiError, EngineLoading) as exc:
             log.warning("could not reopen session %s on page load: %s", sid, exc)
             return None
-        session.id = sid
         try:
             return self.registry.reopen(session, owner=owner, client=client)
         except KeyError:
@@ -589,8 +590,10 @@ class WebUI:
     ) -> Iterator[tuple[Any, ...]]:
         """Run the last question again, sampling; the new turn replaces the last one everywhere.
 
-        The last turn is undone in the session (metric, memory, turns) and the new
-        one takes its place in the history store and the autosaved file too.
+        The engine does it (:meth:`isagi.agent.Engine.regenerate`): it undoes the last turn in
+        the session (metric, memory, turns), runs the question again (an answer from memory is
+        generated anew) and the new turn takes the old one's place in the history store and the
+        autosaved file too; if it fails, the old turn stays.
         """
         owner, _ = self.who(request)
         try:
@@ -601,25 +604,22 @@ class WebUI:
             msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
             yield TurnUpdate(state=sid, alert=self._warn(msg)).out()
             return
-        session = entry.session
-        snap = entry.undo
-        if snap is None or len(session.turns) != snap.n_turns + 1:
+        if not entry.session.can_regenerate:
             yield TurnUpdate(state=sid, alert=self._warn("Nothing to regenerate: send a message first.")).out()
             return
-        text = session.turns[snap.n_turns].user_text
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
-        for update in self._turn(sid, text, options, colour_by, undo=True, owner=owner):
+        for update in self._turn(sid, None, options, colour_by, regenerate=True, owner=owner):
             yield update.out()
 
     def _turn(
         self, sid: str, message: Any, options: Any, colour_by: str, *,
-        undo: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
+        regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
     ) -> Iterator[TurnUpdate]:
         """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
-        ``undo`` (Regenerate) first puts the session back as it was before its last
-        turn; the new turn replaces that one, or, if it fails on a bug, the old one
-        stays. ``clear_box`` empties the message box once the message is shown.
+        ``regenerate``: the engine's Regenerate of the last question (``message`` is not used);
+        the new turn replaces the last one, or, if it fails, the old one stays. ``clear_box``
+        empties the message box once the message is shown.
         """
         with contextlib.ExitStack() as held:
             try:
@@ -631,51 +631,51 @@ class WebUI:
                 yield TurnUpdate(state=None, alert=self._warn("This chat was closed; send your message again."))
                 return
             session = entry.session
-            before = None
-            if undo and entry.undo is not None:
-                before = (take_snapshot(session), entry.undo, list(session.turns))  # put back if the new turn fails
-                restore_snapshot(session, entry.undo)
             entry.stop.clear()
             entry.stop_requested_at = entry.stop_latency_s = None
             entry.notice = None
-            entry.undo = take_snapshot(session)
-            failure = yield from self._stream(sid, entry, message, options, replaces_last=undo, clear_box=clear_box)
-            if failure is not None:
-                if before is not None and not isinstance(failure, _BadInput):
-                    restore_snapshot(session, before[0])  # a failed Regenerate: the turn it was to replace stays
-                    session.turns[:] = before[2]
-                    entry.undo = before[1]
-                yield TurnUpdate(state=sid, chat=chat_window(session), alert=failure.alert)
+            failure = yield from self._stream(sid, entry, message, options, regenerate=regenerate,
+                                              clear_box=clear_box)
+            if failure is not None:  # the engine has put the session back as it was
+                yield TurnUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
+                                 seen=self.seen(sid, session))
                 return
             alert = verdict_alert(_reply_fields(session.last_turn))
             if entry.notice:  # kept in memory or in the file, not everywhere yet: say so plainly
                 alert = "\n\n".join(a for a in (alert, self._warn(entry.notice)) if a)
-            yield TurnUpdate(state=sid, alert=alert,
-                             status=self.status_line(owner)).with_view(self._view_of(session, colour_by))
+            yield TurnUpdate(state=sid, alert=alert, status=self.status_line(owner),
+                             seen=self.seen(sid, session)).with_view(self._view_of(session, colour_by))
 
     def _stream(
-        self, sid: str, entry: Entry, message: Any, options: Any, *, replaces_last: bool, clear_box: bool,
+        self, sid: str, entry: Entry, message: Any, options: Any, *, regenerate: bool, clear_box: bool,
     ) -> Iterator[TurnUpdate]:
         """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
 
         A turn closed early (Stop's cancel, a lost client) is ended at once and
         recorded as cancelled instead of holding the model. A bug (not bad input)
-        is logged and the session is put back as it was before this turn.
+        is logged; the engine has put the session back as it was before this turn.
         """
         from isagi.errors import IsagiError
 
         session = entry.session
-        history = chat_window(session)
-        text = getattr(message, "text", message)
+        if regenerate:  # the chat without the turn being replaced, then its question again
+            history = chat_window(session, drop_last=True)
+            text = session.turns[-1].user_text if session.turns else ""
+        else:
+            history = chat_window(session)
+            text = getattr(message, "text", message)
         user = {"role": "user", "content": render_text(text)}
         reply, info = "", pending_html(None, None)
         yield TurnUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
                          textbox="" if clear_box else KEEP)
-        events = self.engine.stream_turn(session, message, options=options, stop=entry.stop,
-                                         replaces_last=replaces_last)
+        events: Any = None
         finished = False
         last = 0.0
         try:
+            if regenerate:
+                events = self.engine.regenerate(session, options=options, stop=entry.stop)
+            else:
+                events = self.engine.stream_turn(session, message, options=options, stop=entry.stop)
             for ev in events:
                 if ev.kind == "decision":
                     info = pending_html(ev.tier, ev.distance)
@@ -694,16 +694,19 @@ class WebUI:
                          {"role": "assistant", "content": info}]
                 yield TurnUpdate(state=sid, chat=shown)
         except IsagiError as exc:
+            finished = True
             return _BadInput(self._warn(str(exc)))
         except Exception as exc:
             log.exception("turn failed in session %s", sid)
             finished = True
-            restore_snapshot(session, entry.undo)
+            if events is not None:
+                with contextlib.suppress(Exception):
+                    events.close()  # a failure here, not in the engine: the engine rolls the turn back
             return _Failure(self._warn(
                 f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it was before it; "
                 "try again, and report the error if it repeats."))
         finally:
-            if not finished:
+            if not finished and events is not None:
                 if not entry.stop.is_set():
                     entry.stop_requested_at = time.monotonic()
                 entry.stop.set()
@@ -740,6 +743,49 @@ class WebUI:
             note = "Nothing was generating."
         return (chat_window(session), note,
                 turn_markdown(last_bot, self._safety()), manifold_summary(session), gr.skip(), gr.skip(), gr.skip())
+
+    # -- what the page shows ------------------------------------------------------
+    @staticmethod
+    def seen(sid: str | None, session: Any) -> str:
+        """What a page showing ``session`` (as ``sid``) has drawn: the session object and its version
+        (:attr:`isagi.session.Session.version`, which every recorded turn and rollback moves)."""
+        return f"{sid}:{id(session)}:{session.version}"
+
+    def sync(self, sid: str | None, seen: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
+        """The page's periodic check (every :data:`SYNC_S`): when its session changed since the
+        page last drew it (a turn sent from another tab of the same browser), draw it again;
+        otherwise, and while a turn runs, change nothing. Outputs: what is drawn, then the view."""
+        import gradio as gr
+
+        nothing = (gr.skip(),) * 7
+        owner, _ = self.who(request)
+        if owner is None or not is_session_id(sid) or not self.holder.ready:
+            return nothing
+        entry = self.registry.live_entry(sid, owner)
+        if entry is None or entry.lock.locked():  # not live here (nothing changed), or a turn runs
+            return nothing
+        session = entry.session
+        now = self.seen(sid, session)
+        if now == seen:
+            return nothing
+        return (now, *self._view_of(session, colour_by))
+
+    def page_shows(self, sid: str | None, request: Any = None) -> Any:
+        """The page's session id changed (load, a first message, New chat, Resume, a load): the
+        registry learns which page shows it; returns the id for the browser's storage (or skip)."""
+        import gradio as gr
+
+        owner, _ = self.who(request)
+        mine = is_session_id(sid) and owner is not None and self.registry.holds(sid, owner)
+        self.registry.attach(_page_of(request), sid if mine else None)
+        return sid if is_session_id(sid) else gr.skip()
+
+    def page_closed(self, request: Any = None) -> None:
+        """The page was closed or reloaded (Gradio's unload): its session, shown by no other
+        page, is saved and parked (no longer live: it can be deleted; a reload resumes it)."""
+        owner, _ = self.who(request)
+        if owner is not None:
+            self.registry.detach(_page_of(request), owner)
 
     def new_chat(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         owner, client = self.who(request)
@@ -795,13 +841,18 @@ class WebUI:
         the one answer :data:`~app.uploads.NOT_YOUR_UPLOAD`. Errors leave the
         open session as it is and name the user's own file, never a server
         path. The upload is removed once read, loaded or not.
+
+        A loaded session is written at once (its own file, and every turn into the history
+        store), and the page does what Resume does: the sessions table lists it, the chat tab
+        shows it, the previous chat's alert goes. Outputs: the page's session, the note, the
+        view, the table, the tab, the alert line.
         """
         import gradio as gr
 
         from isagi.errors import IsagiError
         from isagi.session_io import load_session
 
-        keep = (gr.skip(),) * 6
+        keep = (gr.skip(),) * 9
         owner, client = self.who(request)
         if owner is None:
             return (sid, self._warn(NOT_LOGGED_IN), *keep)
@@ -827,10 +878,23 @@ class WebUI:
             new = self.registry.adopt(session, fresh_id=True, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *keep)
+        kept = self._keep_loaded(new, owner)
         # No pop-up notice: the note says it, and a later refused file replaces the note, so the
         # page never says "Loaded" beside that error.
-        return (new, f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns."
-                + (f"\n\n{note}" if note else ""), *self.view(new, colour_by, owner))
+        loaded = f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns."
+        rows, _ = self.list_sessions("", request)
+        return (new, loaded + "".join(f"\n\n{n}" for n in (note, kept) if n), *self.view(new, colour_by, owner),
+                rows, gr.Tabs(selected="chat"), kept)
+
+    def _keep_loaded(self, sid: str, owner: str) -> str:
+        """Write the just-loaded session ``sid`` (its file, then all its turns into the history) with
+        the engine's keeper; '' or a warning when part of it has to wait (e.g. a full disk)."""
+        try:
+            with self.registry.using(sid, owner=owner) as entry:
+                notice = self.engine.keep_loaded(entry.session)
+        except (KeyError, SessionBusy, EngineLoading):
+            return ""
+        return self._warn(notice) if notice else ""
 
     # -- sessions tab ------------------------------------------------------------
     def _store(self) -> Any:
@@ -904,7 +968,17 @@ class WebUI:
 
     def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Open one of the caller's past sessions: their own live (or parked) one is switched
-        to under its id, never forked; another from its saved living state (its autosaved ``.miku``)."""
+        to under its id, never forked; another from its saved living state (its autosaved ``.miku``).
+
+        Outputs: the page's session, the note, the view, the tab, and the chat's alert line
+        (emptied when the chat switches: the previous chat's alert is not the resumed one's)."""
+        import gradio as gr
+
+        out = self._resume(chosen, sid, colour_by, request)
+        switched = isinstance(out[-1], gr.Tabs)  # the chat tab is shown: the resumed session
+        return (*out, "" if switched else gr.skip())
+
+    def _resume(self, chosen: str, sid: str | None, colour_by: str, request: Any) -> tuple[Any, ...]:
         import gradio as gr
 
         from isagi.errors import IsagiError
@@ -935,10 +1009,9 @@ class WebUI:
             return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
                     *keep[2:])
         try:
-            session = load_session(self.engine.frame, path)
+            session = load_session(self.engine.frame, path, session_id=chosen)
         except (IsagiError, EngineLoading) as exc:
             return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
-        session.id = chosen
         left = self._release_for(sid, owner)
         try:
             new = self.registry.adopt(session, owner=owner, client=client)
@@ -976,19 +1049,60 @@ class WebUI:
         path.write_text(text, encoding="utf-8")
         return str(path), f"Exported session {md_cell(shown)} as {ext.upper()}."
 
+    def _deletable(self, chosen: str, sid: str | None, owner: str | None) -> tuple[Any, str | None]:
+        """(the caller's history summary of ``chosen``, None) when it may be deleted, else (None, why)."""
+        if not chosen:
+            return None, "Pick a session in the table first."
+        summary = self._own_summary(chosen, owner)
+        if summary is None or owner is None:
+            return None, f"No session {_short(chosen, 64)} in your history."
+        if chosen == sid:
+            return None, "That is the chat open on this page: start a New chat first, then delete it."
+        if chosen in self.registry.live_ids(owner):
+            return None, "That session is open in a browser; close it there first."
+        return summary, None
+
+    def ask_delete(self, chosen: str, sid: str | None, request: Any = None) -> tuple[Any, ...]:
+        """Delete, step one: name what would be deleted and show "Yes, delete" and "Cancel".
+        Outputs: the id waiting for confirmation (None: nothing), the note, the two buttons."""
+        import gradio as gr
+
+        owner, _ = self.who(request)
+        chosen = (chosen or "").strip()
+        summary, why = self._deletable(chosen, sid, owner)
+        if summary is None:
+            return None, self._warn(why or ""), gr.Button(visible=False), gr.Button(visible=False)
+        title = md_cell(_short(summary.title or "(untitled)", 80))
+        return (chosen, f"**Delete session {chosen}** (“{title}”, {summary.turns} turns) from your history, "
+                "with its saved state? This cannot be undone: click **Yes, delete** to confirm.",
+                gr.Button(visible=True), gr.Button(visible=True))
+
+    def confirm_delete(self, pending: str | None, sid: str | None, request: Any = None) -> tuple[Any, ...]:
+        """Delete, step two ("Yes, delete"): delete the session named in step one. Outputs: the
+        table, the note, the id waiting (None again), the two buttons (hidden again)."""
+        import gradio as gr
+
+        hide = (None, gr.Button(visible=False), gr.Button(visible=False))
+        if not pending:
+            return (gr.skip(), "Nothing to delete: pick a session and click Delete first.", *hide)
+        return (*self.delete(pending, sid, request), *hide)
+
+    @staticmethod
+    def cancel_delete() -> tuple[Any, ...]:
+        import gradio as gr
+
+        return None, "Nothing was deleted.", gr.Button(visible=False), gr.Button(visible=False)
+
     def delete(self, chosen: str, sid: str | None, request: Any = None) -> tuple[Any, str]:
-        """Delete one of the caller's sessions: its history and its autosaved ``.miku``."""
+        """Delete one of the caller's sessions: its history and its autosaved ``.miku`` (the page
+        asks first: :meth:`ask_delete`). Not the page's own chat, nor one open in another page."""
         from storage.history import remove_session_files
 
         owner, _ = self.who(request)
         chosen = (chosen or "").strip()
-        if not chosen:
-            return gr_skip(), self._warn("Pick a session in the table first.")
-        summary = self._own_summary(chosen, owner)
+        summary, why = self._deletable(chosen, sid, owner)
         if summary is None or owner is None:
-            return gr_skip(), self._warn(f"No session {_short(chosen, 64)} in your history.")
-        if chosen in self.registry.live_ids(owner):
-            return gr_skip(), self._warn("That session is open in a browser; close it there first.")
+            return gr_skip(), self._warn(why or "")
         try:
             ok = self.engine.store.delete_session(chosen, owner=owner)
         except Exception as exc:
@@ -1051,6 +1165,12 @@ def _hide_path(message: str, path: str | os.PathLike[str]) -> str:
         if len(folder) > 1:
             message = message.replace(folder + os.sep, "").replace(folder, "")
     return message
+
+
+def _page_of(request: Any) -> str:
+    """The browser page a request comes from: its Gradio session hash ('' when unknown)."""
+    page = getattr(request, "session_hash", None)
+    return page if isinstance(page, str) else ""
 
 
 def gr_skip() -> Any:
@@ -1141,9 +1261,12 @@ def build_blocks(ui: WebUI) -> Any:
         # is sent to the page (Gradio's obfuscation, not a protection): the server trusts the
         # id no more than any other input (owner checks in every handler).
         stored = gr.BrowserState(None, storage_key="isagi-session-id", secret="isagi-session-id-v1")
+        seen = gr.State(None)  # what the page has drawn of its session (WebUI.seen), for its sync
+        pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
         status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
         timer = gr.Timer(2.0, active=not ui.holder.ready)
+        sync_timer = gr.Timer(SYNC_S)
         with gr.Tabs(selected="chat") as tabs:
             with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
                 with gr.Column(scale=5, min_width=420):
@@ -1200,6 +1323,10 @@ def build_blocks(ui: WebUI) -> Any:
                     export_md = gr.Button("Export Markdown", elem_id="isagi-export-md")
                     export_js = gr.Button("Export JSON", elem_id="isagi-export-json")
                     delete = gr.Button("Delete from history", variant="stop", elem_id="isagi-delete")
+                with gr.Row():
+                    confirm_delete = gr.Button("Yes, delete", variant="stop", visible=False,
+                                               elem_id="isagi-delete-confirm")
+                    cancel_delete = gr.Button("Cancel", visible=False, elem_id="isagi-delete-cancel")
                 gr.Markdown("### The open session's living state (`.miku`)")
                 with gr.Row():
                     save = gr.Button("Save .miku", elem_id="isagi-save")
@@ -1224,7 +1351,7 @@ def build_blocks(ui: WebUI) -> Any:
                 ex_steps = gr.Markdown("", elem_id="isagi-steps")
 
         view_out = [chat, turn, summary, map_plot, growth_plot, teh_plot]
-        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status]
+        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status, seen]
         gen_in = [max_tokens, sample, temperature, colour_by]
 
         # The input opens once the load has set the page's session: a message sent before that
@@ -1234,22 +1361,27 @@ def build_blocks(ui: WebUI) -> Any:
                   ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
                          [msg, send], api_name=False, queue=False)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
-        # in the browser; None (none yet) leaves the stored id (Gradio writes only a value).
-        state.change(lambda sid: sid if is_session_id(sid) else gr.skip(), state, stored,
-                     api_name=False, queue=False)
+        # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
+        # registry learns which page shows it; a closed page's session is parked (unload).
+        state.change(R(ui.page_shows, ["sid"]), state, stored, api_name=False, queue=False)
+        demo.unload(R(ui.page_closed, []))
+        # Another tab of this browser may change the session: the page redraws it when it is stale.
+        sync_timer.tick(R(ui.sync, ["sid", "seen", "colour_by"]), [state, seen, colour_by], [seen, *view_out],
+                        show_progress="hidden", api_name=False, **light_q)
         timer.tick(R(ui.on_tick, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out, timer],
                    show_progress="hidden", api_name=False, **light_q)
         send_fn = R(ui.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"])
-        ev_send = send.click(send_fn, [msg, state, *gen_in], turn_out, show_progress="minimal",
-                             api_name="send", **model_q)
-        ev_submit = msg.submit(send_fn, [msg, state, *gen_in], turn_out, show_progress="minimal",
-                               api_name=False, **model_q)
+        # Send and Enter are one event: a message sent while a reply streams waits in the browser
+        # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
+        # dropped.
+        ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], turn_out,
+                        show_progress="minimal", api_name="send", trigger_mode="always_last", **model_q)
         ev_regen = regen.click(R(ui.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"]),
                                [state, *gen_in], turn_out, show_progress="minimal",
                                api_name="regenerate", **model_q)
         stop.click(R(ui.stop, ["sid", "colour_by"]), [state, colour_by],
                    [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
-                   cancels=[ev_send, ev_submit, ev_regen], show_progress="hidden", api_name="stop",
+                   cancels=[ev_send, ev_regen], show_progress="hidden", api_name="stop",
                    queue=False)
         new_fn = R(ui.new_chat, ["sid", "colour_by"])
         new.click(new_fn, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
@@ -1266,18 +1398,23 @@ def build_blocks(ui: WebUI) -> Any:
         on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any, "return": str}
         table.select(on_select, [table], chosen, api_name=False, **light_q)
         resume.click(R(ui.resume, ["chosen", "sid", "colour_by"]), [chosen, state, colour_by],
-                     [state, sessions_note, *view_out, tabs], api_name="resume", **light_q)
+                     [state, sessions_note, *view_out, tabs, alert], api_name="resume", **light_q)
         export_md.click(R(ui.export, ["chosen", "sid"], "markdown"), [chosen, state], [download, files_note],
                         api_name="export_markdown", **light_q)
         export_js.click(R(ui.export, ["chosen", "sid"], "json"), [chosen, state], [download, files_note],
                         api_name="export_json", **light_q)
-        delete.click(R(ui.delete, ["chosen", "sid"]), [chosen, state], [table, sessions_note], api_name=False,
-                     **light_q)
+        delete.click(R(ui.ask_delete, ["chosen", "sid"]), [chosen, state],
+                     [pending_delete, sessions_note, confirm_delete, cancel_delete], api_name=False, **light_q)
+        confirm_delete.click(R(ui.confirm_delete, ["pending", "sid"]), [pending_delete, state],
+                             [table, sessions_note, pending_delete, confirm_delete, cancel_delete],
+                             api_name=False, **light_q)
+        cancel_delete.click(ui.cancel_delete, None, [pending_delete, sessions_note, confirm_delete, cancel_delete],
+                            api_name=False, queue=False)
         save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
         # The box is emptied once the file is read (loaded or refused): it never shows an earlier
         # file beside a later error, and it takes the next file at once.
         upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
-                      [state, files_note, *view_out], api_name="load_miku", **light_q
+                      [state, files_note, *view_out, table, tabs, alert], api_name="load_miku", **light_q
                       ).then(lambda: None, None, upload, api_name=False, queue=False)
         run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
                      **model_q)

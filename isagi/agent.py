@@ -20,7 +20,19 @@ persists each turn) and the turn itself, as named stages:
 6. **record**: the :class:`~isagi.turn.Turn` joins the session and is
    persisted by the engine's ``keep`` callable (autosave, then history rows,
    :class:`isagi.persist.TurnKeeper`), which this module never imports; what
-   it could not keep yet comes back as the "done" event's ``notice``.
+   it could not keep yet comes back as the "done" event's ``notice``. Once the
+   turn has joined the session nothing takes it back: a failure to persist it
+   (even an unexpected one) is such a notice, never an exception.
+
+The engine owns every change of a session by a turn, and its undo: each turn
+starts from a :meth:`~isagi.session.Session.checkpoint`; a turn that fails (or
+is closed) before it is recorded is rolled back to it, so the session is as it
+was; a recorded turn keeps it as ``session.undo``. :meth:`Engine.regenerate`
+(the page's Regenerate, the terminal's ``/regenerate``) puts that back and runs
+the last question again; the new turn replaces the old one in the file and the
+history store, and if it fails the old one is put back. A Regenerate of an
+answer from memory (RETRIEVE) generates a new reply and stores it in place of
+the remembered one.
 
 All model work of a turn is in :func:`_prefill` and :func:`_generate`, on the
 turn's one :class:`_OpenGeneration`.
@@ -40,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 import unicodedata
@@ -54,7 +67,7 @@ from isagi.config import Settings
 from isagi.decide import Candidate, Decision, decide
 from isagi.distance_scale import SEED as SEED_SCALE
 from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions
-from isagi.errors import InputError
+from isagi.errors import InputError, not_saved_notice
 from isagi.ids import new_session_id
 from isagi.memory import TrajectoryMemory
 from isagi.pooling import decoding_state
@@ -66,6 +79,8 @@ from isagi.ugt import Basis, project, route
 from isagi.window import window_start
 
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
+
+log = logging.getLogger(__name__)
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
@@ -354,19 +369,64 @@ class Engine:
         stop: threading.Event | None = None,
         record: bool = True,
         replaces_last: bool = False,
+        fresh: bool = False,
     ) -> Iterator[TurnEvent]:
         """One turn: the decision, the reply's text deltas, then the finished :class:`Turn`.
 
         The message is validated here, at the call (an :class:`InputError` before
         any event), unless it is a :class:`Message` already. ``record=False``
         keeps the turn in the session only (evaluations); ``replaces_last``
-        persists it in place of the session's last exchange (Regenerate, after
-        the caller undid that turn in the session).
+        persists it in place of the session's last exchange (:meth:`regenerate`,
+        which undid that turn in the session first). ``fresh``: never answer from
+        memory; a RETRIEVE generates a new reply, which replaces the stored one.
+
+        A turn that raises, or whose events are closed, before it is recorded leaves
+        the session as it was (rolled back to the checkpoint taken at its start).
         """
         text = self.check(message).text
         if record and not replaces_last:
             _check_room(session)
-        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last)
+        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last, fresh=fresh)
+
+    def regenerate(
+        self,
+        session: Session,
+        *,
+        options: GenerationOptions | None = None,
+        stop: threading.Event | None = None,
+    ) -> Iterator[TurnEvent]:
+        """Run the session's last question again; the new turn replaces the last one everywhere.
+
+        The session is put back as it was before its last turn (``session.undo``: metric,
+        memory, turns), the question runs again (:meth:`stream_turn`, never from memory:
+        an answer from memory is generated anew and the new reply replaces the stored one),
+        and the new turn takes the old one's place in the file and the history store. If it
+        fails (or its events are closed) before it is recorded, the old turn and its undo are
+        put back. An :class:`InputError` at the call when there is nothing to regenerate.
+        """
+        if not session.can_regenerate:
+            raise InputError("Nothing to regenerate: send a message first.")
+        return self._regenerate(session, options, stop)
+
+    def _regenerate(
+        self, session: Session, options: GenerationOptions | None, stop: threading.Event | None
+    ) -> Iterator[TurnEvent]:
+        undo = session.undo
+        assert undo is not None
+        last = session.turns[-1]
+        now = session.checkpoint()  # with the turn being replaced: put back if the new one fails
+        session.rollback(undo)
+        recorded = False  # once the new turn is recorded (its "done" event), nothing takes it back
+        try:
+            for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
+                                          replaces_last=True, fresh=True):
+                recorded = recorded or event.kind == "done"
+                yield event
+        except BaseException:
+            if not recorded:
+                session.rollback(now)
+                session.undo = undo
+            raise
 
     def _run(
         self,
@@ -377,19 +437,27 @@ class Engine:
         *,
         record: bool,
         replaces_last: bool,
+        fresh: bool = False,
     ) -> Iterator[TurnEvent]:
         started, asked_at = time.perf_counter(), time.time()
         options = options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens)
-        with self.generation_lock:
-            turn = yield from self._turn_locked(session, text, options, stop)
-        turn.latency_s = time.perf_counter() - started
-        turn.metric_growth = session.metric.growth
-        turn.asked_at, turn.answered_at = asked_at, time.time()
+        before = session.checkpoint()
+        try:
+            with self.generation_lock:
+                turn = yield from self._turn_locked(session, text, options, stop, fresh=fresh)
+            turn.latency_s = time.perf_counter() - started
+            turn.metric_growth = session.metric.growth
+            turn.asked_at, turn.answered_at = asked_at, time.time()
+        except BaseException:  # a bug, a lost model, Ctrl-C, or the events closed: as before the turn
+            session.rollback(before)
+            raise
         notice = self._record(session, turn, persist=record, replaces_last=replaces_last)
+        session.undo = before
         yield TurnEvent("done", turn=turn, notice=notice)
 
     def _turn_locked(
-        self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None
+        self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None,
+        *, fresh: bool = False,
     ) -> Iterator[TurnEvent]:
         """Prepare, guard, decide, generate and learn, under the generation lock; returns the Turn."""
         safety = self.profile.safety
@@ -410,6 +478,13 @@ class Engine:
                 teh_prompt=teh_prompt, context_dependent=d.context_dependent,
                 prompt_tokens=p.prompt_tokens, new_tokens=0,
             )
+            replacing = None
+            if d.tier is Tier.RETRIEVE and fresh:
+                # Regenerate of an answer from memory: generate anew (as EXPAND would, without the
+                # stored reply in the prompt) and put the new reply in the stored one's place.
+                replacing = d.nearest
+                d = Decision(Tier.EXPAND, d.nearest, d.context_dependent)
+                turn.tier = d.tier.value
             if d.tier is Tier.RETRIEVE:
                 assert d.nearest is not None
                 session.memory.record_hit(d.nearest.id)
@@ -425,7 +500,13 @@ class Engine:
                 yield TurnEvent("token", text="\n\n" + out.reply)
         turn.reply_text, turn.verdict, turn.teh_reply = out.reply, out.verdict, out.teh_reply
         turn.prompt_tokens, turn.new_tokens, turn.generated = out.prompt_tokens, out.new_tokens, True
-        if out.verdict == "ok":
+        if out.verdict == "ok" and replacing is not None:
+            # the question is not new: no metric update, the stored record gets the new reply
+            reply_x = project(session.basis, out.reply_states.mean(axis=0)) if len(out.reply_states) \
+                else np.zeros_like(p.x)
+            session.memory.replace_reply(replacing.id, reply_x, out.reply)
+            turn.cluster = int(replacing.record["cluster"])
+        elif out.verdict == "ok":
             turn.cluster = self._learn(session, p, out.reply, out.reply_states, d)
         return turn
 
@@ -509,13 +590,30 @@ class Engine:
         """The turn joins the session; the engine's ``keep`` persists it (autosave + history).
 
         Returns ``keep``'s notice (something had to wait, e.g. on a full disk), else None.
+        Never raises: the turn has happened and stays in the session whatever the storage
+        does; an unexpected failure of ``keep`` is logged and becomes such a notice.
         """
-        session.turns.append(turn)
-        if session.title is None:
-            session.title = turn.user_text[:80]
+        session.add_turn(turn)
         if persist and self.keep is not None:
-            return self.keep(session, turn, replaces_last=replaces_last)
+            try:
+                return self.keep(session, turn, replaces_last=replaces_last)
+            except Exception as exc:  # a bug in persisting: the turn stands, the next save retries
+                log.exception("could not persist a turn of session %s", session.id)
+                return not_saved_notice(f"an unexpected error, {type(exc).__name__}")
         return None
+
+    def keep_loaded(self, session: Session) -> str | None:
+        """Persist a session just opened from a file under a new id (its own file, and every turn
+        into the history store) with the engine's keeper, before any new turn; returns its notice
+        (None: all kept, or nothing to keep). Never raises, as :meth:`_record`."""
+        adopted = getattr(self.keep, "adopted", None)
+        if not callable(adopted) or not session.turns:
+            return None
+        try:
+            return adopted(session)
+        except Exception as exc:  # the session stays open in memory; its next turn saves it again
+            log.exception("could not persist the loaded session %s", session.id)
+            return not_saved_notice(f"an unexpected error, {type(exc).__name__}")
 
     # -- without generating --------------------------------------------------------
 
@@ -548,6 +646,7 @@ class Engine:
         now = time.time()
         session.turns.append(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
                                   cluster=cluster, asked_at=now, answered_at=now))
+        session.version += 1
 
 
 def _learn(

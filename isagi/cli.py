@@ -172,10 +172,15 @@ def chat(
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="load a .miku made with another model")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
 ) -> None:
-    """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line."""
+    """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line.
+
+    The line /regenerate runs your last question again (sampled) and replaces its reply in the
+    session, its file and the history.
+    """
     from isagi.datadir import open_data_dir
     from isagi.engines.base import GenerationOptions
     from isagi.session_io import load_session
+    from isagi.terminal import HELP as REGENERATE_HELP
     from isagi.terminal import chat_loop
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
@@ -199,7 +204,8 @@ def chat(
         sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         err.print(f"[dim]ISAGI {__version__} · {engine.lm.model_id} · {engine.lm.quant} on {engine.lm.device} · "
-                  f"session {session.id} · Ctrl-C stops a reply · Ctrl-C at the prompt or Ctrl-D quits[/]")
+                  f"session {session.id} · Ctrl-C stops a reply · Ctrl-C at the prompt or Ctrl-D quits · "
+                  f"{REGENERATE_HELP}[/]")
     chat_loop(engine, session, options, interactive=interactive, out=out, err=err, verbose=verbose)
     if save is not None:
         err.print(f"[dim]session saved to {save}[/]")

@@ -86,3 +86,23 @@ def storage_cause(exc: BaseException) -> str:
     if any(w in text for w in _READ_ONLY_WORDS):
         return "the data directory is read-only"
     return "a storage error"
+
+
+def retry_when(cause: str) -> str:
+    """When a write that failed for ``cause`` (:func:`storage_cause`'s words) will work again."""
+    if cause == "the disk is full":
+        return "once the disk has room again"
+    if cause == "the data directory is read-only":
+        return "once the data directory is writable again"
+    return "once storage works again (the server log has the details)"
+
+
+def not_saved_notice(cause: str) -> str:
+    """What the user is told when a turn's autosave failed for ``cause``: one line, no path.
+
+    The turn stands (shown, kept in memory); its file was not written; the next save (the
+    next message, or the server's idle save) writes the whole chat and then its history.
+    """
+    return (f"This chat could not be saved ({cause}): its file was not written. This turn is shown and "
+            f"kept in memory; your next message saves the whole chat again, and adds it to the history, "
+            f"{retry_when(cause)}.")

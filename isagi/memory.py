@@ -317,6 +317,16 @@ class TrajectoryMemory:
             rec[col] = self._texts[col][s]
         return rec
 
+    def replace_reply(self, id: int, reply_x: np.ndarray, reply_text: str) -> None:
+        """Give the record ``id`` a new reply (Regenerate of an answer from memory): its query,
+        cluster and place in the index stay; only the reply's text and coordinates change."""
+        s = self._id2slot[int(id)]
+        r = np.asarray(reply_x, dtype=np.float32).reshape(-1)
+        if r.shape[0] != self.k or not np.all(np.isfinite(r)):
+            raise ValueError(f"reply coordinates must be {self.k} finite numbers")
+        self._rx[s] = r
+        self._texts["reply_text"][s] = str(reply_text)
+
     def record_hit(self, id: int, now: float | None = None) -> None:
         """Count a use of the record (a RETRIEVE answer or AUGMENT context)."""
         s = self._id2slot[int(id)]

@@ -21,8 +21,10 @@ the next turn of that session, by :meth:`TurnKeeper.retry` (which the web
 app's idle reaper calls), or from the file at the next start. A turn whose
 file cannot be written stays in the live session, which the next save writes
 whole; its history rows wait until then. Either way the keeper returns a
-plain notice saying so, and never raises for it: the turn happened and is
-shown. Regenerate *replaces* the session's last exchange in the store, so the
+plain notice saying so (:func:`isagi.errors.not_saved_notice`: the file was not
+written, the next message saves it again), and never raises for it, whatever
+the failure: the turn happened and is shown, and the session is never rolled
+back for it. Regenerate *replaces* the session's last exchange in the store, so the
 store, the live session and the file count the same turns.
 """
 
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from isagi.errors import StorageError, storage_cause
+from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cause
 
 if TYPE_CHECKING:
     from isagi.session import Session
@@ -47,14 +49,6 @@ log = logging.getLogger(__name__)
 SaveFile = Callable[["Session", Path], None]
 MAX_TRACKED = 4096  # sessions whose history count the keeper remembers (a bound for a long-running server)
 FLUSH_BATCH = 500  # appended exchanges written per transaction (a loaded session may bring thousands)
-
-
-def _when(cause: str) -> str:
-    if cause == "the disk is full":
-        return "once the disk has room again"
-    if cause == "the data directory is read-only":
-        return "once the data directory is writable again"
-    return "once storage works again (the server log has the details)"
 
 
 @dataclass
@@ -90,16 +84,32 @@ class TurnKeeper:
         if backlog is not None:
             with backlog.lock:
                 backlog.ops.append((turn, replaces_last))
+        return self._autosave(session, backlog)
+
+    def adopted(self, session: Session) -> str | None:
+        """A session made live from a file under a new id (a loaded ``.miku``): write its own file
+        and record every turn of it in the history now, so the history lists it before its next
+        turn. Returns a notice as a turn's keeping does (None: all kept)."""
+        if not session.turns:
+            return None
+        backlog = self._backlog(session) if self.store is not None else None
+        return self._autosave(session, backlog)
+
+    def _autosave(self, session: Session, backlog: _Backlog | None) -> str | None:
+        """Write the session's file, then bring the history up to it; a notice when either waits."""
         if self.save is not None and session.miku_path is not None:
             try:
                 self.save(session, Path(str(session.miku_path)))
-            except (StorageError, OSError) as exc:
-                log.warning("could not save session %s to %s: %s", session.id, session.miku_path, exc)
+            except Exception as exc:  # any failure: the file was not written; the turns wait in memory
+                if isinstance(exc, StorageError | OSError):
+                    log.warning("could not save session %s to %s: %s", session.id, session.miku_path, exc)
+                else:
+                    log.exception("could not save session %s to %s", session.id, session.miku_path)
                 if backlog is not None:
-                    backlog.filed = False
-                cause = storage_cause(exc)
-                return (f"This chat could not be saved ({cause}). Its turns are kept in memory and will be "
-                        f"saved, and added to the history, with your next message {_when(cause)}.")
+                    backlog.filed = False  # the history never gets ahead of the file
+                cause = storage_cause(exc) if isinstance(exc, StorageError | OSError) \
+                    else f"an unexpected error, {type(exc).__name__}"
+                return not_saved_notice(cause)
         return self.saved(session)
 
     def saved(self, session: Session) -> str | None:
@@ -125,7 +135,7 @@ class TurnKeeper:
         turns = "This turn is" if waiting == 1 else f"These {waiting} turns are"
         return (f"The history could not record this turn ({cause}). {turns} kept in the chat's saved "
                 f"file and will be added to the history with your next message, or at the server's next "
-                f"start, {_when(cause)}.")
+                f"start, {retry_when(cause)}.")
 
     def retry(self) -> int:
         """Write every waiting exchange whose file is written (e.g. once the disk has room again);

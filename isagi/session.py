@@ -5,6 +5,14 @@ the one record of an exchange), its metric M, its trajectory memory, its own
 UGT basis, and a cache of prompt states. A Session is never shared between
 users. The pipeline that changes it is :class:`isagi.agent.Engine`'s; the
 file that stores it is :mod:`isagi.session_io`'s (neither is imported here).
+
+Also the session's own undo: :meth:`Session.checkpoint` and
+:meth:`Session.rollback` (a :class:`Checkpoint` of the metric, the memory, the
+turns and the title). The engine takes one before every turn: a turn that
+fails is rolled back to it, and it is kept as :attr:`Session.undo`, the state
+before the last turn, which Regenerate puts back before it runs the question
+again (:meth:`isagi.agent.Engine.regenerate`). Nobody else rewrites a
+session's turns, metric or memory.
 """
 
 from __future__ import annotations
@@ -25,6 +33,18 @@ from isagi.turn import Turn, turns_to_messages
 from isagi.ugt import Basis
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A session's living state at one moment (:meth:`Session.checkpoint`): what
+    :meth:`Session.rollback` puts back. Held in memory only, never saved."""
+
+    metric_state: dict[str, Any]
+    memory_columns: dict[str, Any]
+    memory_cap: int
+    turns: tuple[Turn, ...]
+    title: str | None
 
 
 @dataclass
@@ -53,6 +73,47 @@ class Session:
     # history window (isagi.agent.Engine.history_window): each exchange is counted once, not at
     # every turn. Derived data: never saved.
     token_counts: dict[tuple[str, str, str], tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
+    # The state before the last turn (set by the engine when a turn is recorded): what Regenerate
+    # puts back. None when there is nothing to regenerate (no turn yet, or a session just loaded).
+    undo: Checkpoint | None = field(default=None, repr=False, compare=False)
+    # Counts every change of the turns (a turn recorded, a rollback): a page showing the session
+    # compares it with the count it last drew to know it is stale (another tab's turn).
+    version: int = field(default=0, repr=False, compare=False)
+
+    # -- changes -----------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        """The living state now (metric, memory, turns, title), for :meth:`rollback`."""
+        return Checkpoint(
+            metric_state=self.metric.to_state(),
+            memory_columns=self.memory.to_columns(),
+            memory_cap=int(getattr(self.memory, "cap", 50_000)),
+            turns=tuple(self.turns),
+            title=self.title,
+        )
+
+    def rollback(self, cp: Checkpoint) -> None:
+        """Put the session back to ``cp``: its metric, memory, turns and title (the prompt-state
+        caches stay: they are a function of the prompt alone)."""
+        k = int(cp.metric_state["k"])
+        self.metric = type(self.metric).from_state(cp.metric_state)
+        self.memory = type(self.memory).from_columns(cp.memory_columns, k, cap=cp.memory_cap)
+        self.turns[:] = cp.turns
+        self.title = cp.title
+        self.version += 1
+
+    def add_turn(self, turn: Turn) -> None:
+        """The turn joins the session (its first message names an untitled session)."""
+        self.turns.append(turn)
+        if self.title is None:
+            self.title = turn.user_text[:80]
+        self.version += 1
+
+    @property
+    def can_regenerate(self) -> bool:
+        """Whether :attr:`undo` is the state just before the last turn (Regenerate can replace it)."""
+        undo = self.undo
+        return (undo is not None and len(self.turns) == len(undo.turns) + 1
+                and all(a is b for a, b in zip(self.turns, undo.turns, strict=False)))
 
     def cached_states(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
         states = self.prompt_states.get(key)

@@ -264,6 +264,7 @@ def load_session(
     *,
     allow_other_model: bool = False,
     id_taken: Callable[[str], bool] | None = None,
+    session_id: str | None = None,
 ) -> Session:
     """Restore a session from ``path``; raise :class:`MikuError` if it does not fit ``frame``
     (another model, unless ``allow_other_model``; another hidden size).
@@ -272,7 +273,8 @@ def load_session(
     built. A session id in the file that is missing, malformed, or for which
     ``id_taken`` answers True (another live or stored session has it) is
     replaced by a fresh :func:`~isagi.ids.new_session_id`; the file's own id
-    is then kept nowhere.
+    is then kept nowhere. ``session_id``: open it as that session instead (the
+    caller knows the file as that session's autosave, e.g. from the history).
     """
     from storage.miku import read_miku
 
@@ -303,8 +305,8 @@ def load_session(
         memory = TrajectoryMemory.from_columns(state.trajectories, k)
     except (KeyError, ValueError, TypeError, OverflowError) as exc:
         raise MikuError(f"{path}: the trajectories or the metric are inconsistent ({exc}).") from None
-    sid = extra.get("session_id")
-    if not is_session_id(sid) or (id_taken is not None and id_taken(sid)):
+    sid = session_id if session_id is not None else extra.get("session_id")
+    if session_id is None and (not is_session_id(sid) or (id_taken is not None and id_taken(sid))):
         sid = new_session_id()
     title = extra.get("title") or None
     return Session(

@@ -10,6 +10,11 @@ streams (:class:`StopOnInterrupt`) and the previous one is put back in
 
 With a pipe (not a terminal) the loop reads one message per line and prints
 one reply per line, an empty line for an empty or refused input.
+
+A line that is exactly :data:`REGENERATE` (``/regenerate``) is a command, not a
+message: the last question runs again and its new reply replaces the last one
+in the session, its file and the history store (the engine's
+:meth:`~isagi.agent.Engine.regenerate`, as the web page's Regenerate).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any
 from isagi.errors import InputError
 
 DOUBLE_PRESS_S = 2.0  # a second Ctrl-C within this many seconds of the first leaves the chat
+REGENERATE = "/regenerate"  # the command that runs the last question again (see the module's docstring)
+HELP = f"{REGENERATE} runs your last question again and replaces its reply"
 
 
 class StopOnInterrupt:
@@ -89,7 +96,12 @@ def chat_loop(
                 out.print("")  # one reply line per input line, even for an empty one
             continue
         try:
-            turn, notice = _one_turn(engine, session, line, options, interactive=interactive, out=out)
+            if line.strip() == REGENERATE:
+                start = engine.regenerate(session, options=_sampling(options), stop=(stop := threading.Event()))
+            else:
+                message = engine.check(line)  # an InputError here runs nothing
+                start = engine.stream_turn(session, message, options=options, stop=(stop := threading.Event()))
+            turn, notice = _one_turn(start, stop, interactive=interactive, out=out)
         except InputError as exc:
             err.print(str(exc), style="yellow", markup=False, highlight=False, soft_wrap=True)
             if not interactive:
@@ -111,18 +123,24 @@ def chat_loop(
     return turns
 
 
-def _one_turn(engine: Any, session: Any, line: str, options: Any, *, interactive: bool,
-              out: Any) -> tuple[Any, str | None]:
-    """Run one turn with Ctrl-C as Stop; print the reply as it streams (terminal) or as one line (pipe).
+def _sampling(options: Any) -> Any:
+    """``options`` for a Regenerate: sampled, with a fresh seed (greedy decoding would repeat the reply)."""
+    import dataclasses
+    import random
+
+    return dataclasses.replace(options, do_sample=True, seed=random.randrange(2**31))
+
+
+def _one_turn(events: Any, stop: threading.Event, *, interactive: bool, out: Any) -> tuple[Any, str | None]:
+    """Run one turn's ``events`` with Ctrl-C as ``stop``; print the reply as it streams (terminal)
+    or as one line (pipe).
 
     Returns the turn and what of it could not be saved yet (the "done" event's notice)."""
-    message = engine.check(line)  # an InputError here runs nothing
-    stop = threading.Event()
     turn, notice = None, None
     if interactive:
         out.print("isagi> ", end="")
     with StopOnInterrupt(stop):
-        for event in engine.stream_turn(session, message, options=options, stop=stop):
+        for event in events:
             if event.kind == "token" and interactive:
                 out.print(event.text, end="", highlight=False, markup=False, soft_wrap=True)
             elif event.kind == "done":

@@ -199,7 +199,11 @@ def test_a_closed_tabs_state_parks_its_session(tmp_path):
     registry, ui = app.state.isagi_registry, app.state.isagi_ui
     sid = _talk(ui, req(None), "keep me")
     blocks = next(r.app.get_blocks() for r in app.routes if hasattr(getattr(r, "app", None), "get_blocks"))
-    [state] = [b for b in blocks.blocks.values() if type(b) is gr.State]
+    from gradio.components.state import default_delete_callback
+
+    # the page's session id: the one State with a delete callback (the others hold no session)
+    [state] = [b for b in blocks.blocks.values()
+               if type(b) is gr.State and b.delete_callback is not default_delete_callback]
     state.delete_callback(sid)
     assert sid not in registry and registry.holds(sid, "local")
     assert registry.entry(sid).session.messages[0]["text"] == "keep me"

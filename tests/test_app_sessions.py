@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from app.sessions import SessionRegistry, restore_snapshot, take_snapshot
+from app.sessions import SessionRegistry
 from isagi.session_io import load_session
 from tests.tiny_engine import tiny_engine
 
@@ -182,11 +182,11 @@ def test_snapshot_restores_metric_memory_and_turns(registry, engine):
     s = registry.entry(sid).session
     one, two = "What is the boiling point of water?", "How do plants make food?"
     _turn(engine, s, one)
-    snap = take_snapshot(s)
+    snap = s.checkpoint()
     M0 = s.metric.M.copy()
     _turn(engine, s, two)
     assert len(s.memory) == 2 and len(s.turns) == 2
-    restore_snapshot(s, snap)
+    s.rollback(snap)
     assert len(s.memory) == 1 and len(s.turns) == 1
     np.testing.assert_allclose(s.metric.M, M0)
     assert s.memory.to_columns()["query_text"] == [one]

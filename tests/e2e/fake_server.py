@@ -13,6 +13,10 @@ tiny random model of :mod:`tests.tiny_engine` (readable noise for replies). Sett
 runs, with its states, its guard and Stop; each token carries the next piece of
 TEXT over the first 24 tokens, one token every ``--token-delay-s`` so the page sees it
 stream): for tests of what the page does with a reply's text, e.g. a hostile one.
+
+``--refuse-marker TEXT`` makes the safety layer refuse every message containing TEXT
+(the tiny profile's thresholds refuse nothing otherwise): for tests of what the page
+does after a refusal.
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ def script_replies(engine: Any, script: str, tokens: int, delay_s: float) -> Non
     engine.lm.generation = lambda *a, **k: ScriptedDecoding(real(*a, **k), script, per_token, delay_s)
 
 
+def refuse_containing(engine: Any, marker: str) -> None:
+    """``engine`` refuses every message containing ``marker`` as its safety layer refuses: a
+    ``refused`` turn, nothing generated."""
+    from isagi.turn import Turn
+
+    real = engine._guard
+
+    def guard(p: Any) -> tuple[float, Any]:
+        teh_prompt, refusal = real(p)
+        if refusal is None and marker in p.text:
+            refusal = Turn(user_text=p.text, reply_text="I can't help with that (refused in this test).",
+                           zone=p.zone, teh_prompt=teh_prompt, verdict="refused", category="test",
+                           prompt_tokens=p.prompt_tokens, new_tokens=0)
+        return teh_prompt, refusal
+
+    engine._guard = guard
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -70,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds the page-load handler waits first (what a busy server does to it)")
     p.add_argument("--reply", help="the text every generated reply streams (default: the model's own)")
     p.add_argument("--token-delay-s", type=float, default=0.02, help="with --reply: seconds per token")
+    p.add_argument("--refuse-marker", help="refuse every message containing this text")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -84,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         _slow_down_page_load(args.slow_load)
     if args.reply:
         script_replies(engine, args.reply, tokens=24, delay_s=args.token_delay_s)
+    if args.refuse_marker:
+        refuse_containing(engine, args.refuse_marker)
     app = create_app(engine, engine.settings)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,

@@ -81,3 +81,36 @@ def test_stop_then_a_question_starts_clean(fake_url, browser, screenshot_dir):
         other.close()
     finally:
         ctx.close()
+
+
+LAST_REPLY = (
+    "() => { const r = Array.from(document.querySelectorAll('#isagi-chat .message-content'))"
+    ".filter(e => !e.querySelector('.isagi-info') && !e.closest('.user-row')); "
+    "return r.length ? r[r.length - 1].innerText.trim() : ''; }"
+)
+
+
+def test_regenerate_of_an_answer_from_memory_gives_a_new_one(fake_url, browser, screenshot_dir):
+    """Regenerate on a RETRIEVE answer generates a new reply (the stored one could never be
+    replaced before), and the question asked again is answered with the new one."""
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        page = open_page(ctx, fake_url)
+        question = "What does a lighthouse keeper do at night?"
+        send_and_wait(page, question)
+        assert send_and_wait(page, question) == "RETRIEVE"
+        stored = page.evaluate(LAST_REPLY)
+        page.click("#isagi-regen")
+        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.includes('generating')",
+                               timeout=120_000, polling=50)
+        page.wait_for_function("() => !document.querySelector('#isagi-chat').innerText.includes('generating')",
+                               timeout=120_000)
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(screenshot_dir / "regenerate-an-answer-from-memory.png"), full_page=True)
+        assert badges(page)[-1] != "RETRIEVE", "Regenerate answered from memory again"
+        regenerated = page.evaluate(LAST_REPLY)
+        assert regenerated != stored and len(user_messages(page)) == 2
+        assert send_and_wait(page, question) == "RETRIEVE"
+        assert page.evaluate(LAST_REPLY) == regenerated, "memory still holds the old reply"
+    finally:
+        ctx.close()
