@@ -326,6 +326,7 @@ class TrajectoryMemory:
             raise ValueError(f"reply coordinates must be {self.k} finite numbers")
         self._rx[s] = r
         self._texts["reply_text"][s] = str(reply_text)
+        self._columns = None
 
     def record_hit(self, id: int, now: float | None = None) -> None:
         """Count a use of the record (a RETRIEVE answer or AUGMENT context)."""
