@@ -12,8 +12,10 @@ BADGE_HELP = {
     "AUGMENT": "Related: close to something already discussed; the model answered with that exchange as context.",
     "EXPAND": "New: a new question on known ground; the model answered and the memory learned it.",
     "EXPLORE": "New topic: far from everything so far; the model answered and the memory opened a new cluster.",
-    "REFUSED": "Refused: the safety layer judged the request harmful, so nothing was generated.",
-    "WITHHELD": "Withheld: the reply drifted into harmful territory while streaming and was stopped.",
+    "REFUSED": "Refused: the request's TEH was over the safety layer's threshold, so nothing was generated. "
+               "The guard is a measurement, not a judgement: it misses some harmful requests and refuses "
+               "some harmless ones (its measured rates: docs/measurements.md, isagi eval safety).",
+    "WITHHELD": "Withheld: the reply's TEH crossed the reply threshold while streaming, so it was stopped.",
     "CANCELLED": "Stopped by you: the partial reply is kept here but never used in later prompts.",
     "OK": "Answered.",
     "PENDING": "The model is still writing this reply.",
@@ -24,7 +26,9 @@ FIGURE_HELP = {
          "measured in the model's hidden states under the session's metric.",
     "zone": "Zone: the broad area of knowledge the question falls in.",
     "teh": "TEH: how much of the question's (and the reply's) hidden state points in the directions "
-           "the safety layer learned for harmful requests, in %; over the threshold it refuses.",
+           "the safety layer learned from labelled harmful and harmless examples, in %; over the threshold "
+           "it refuses. A high TEH is not proof of harm, nor a low one of safety: the measured miss and "
+           "false-refusal rates are in docs/measurements.md (isagi eval safety).",
     "growth": "Metric growth ‖M − I‖: how much the session's sense of distance has been reshaped by the "
               "new questions you asked; it grows only when something new comes up.",
     "tokens": "Tokens: length of the prompt the model read, plus the reply it wrote.",
