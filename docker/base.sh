@@ -28,12 +28,12 @@ certs_dir=/usr/local/share/ca-certificates
 # The Debian mirror apt uses here (deb822 .sources or a classic list), else deb.debian.org.
 mirror="$(
   { cat /etc/apt/sources.list.d/*.sources 2>/dev/null || true; } |
-    awk 'tolower($1) == "uris:" && $2 ~ /\/debian\/?$/ { print $2; exit }'
+    awk '!found && tolower($1) == "uris:" && $2 ~ /\/debian\/?$/ { print $2; found = 1 }'
 )"
 if [[ -z "$mirror" ]]; then
   mirror="$(
     { cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null || true; } |
-      awk '$1 == "deb" && $2 !~ /^\[/ && $2 ~ /\/debian\/?$/ { print $2; exit }'
+      awk '!found && $1 == "deb" && $2 !~ /^\[/ && $2 ~ /\/debian\/?$/ { print $2; found = 1 }'
   )"
 fi
 mirror="${ISAGI_DEBIAN_MIRROR:-${mirror:-http://deb.debian.org/debian}}"

@@ -8,9 +8,9 @@
 # Before the build, docker/wheels/ (the build context) gets
 #   - torch's CPU build (cpu only): the wheel of the version installed in the
 #     project's virtual environment, from PIP_FIND_LINKS (e.g. /opt/wheels);
-#   - llama-cpp-python: the wheel of the installed version from pip's cache
-#     (pip keeps the wheel it compiled for `make install`), else built with
-#     `pip wheel` (which reuses that cache).
+#   - llama-cpp-python: the wheel of the installed version from PIP_FIND_LINKS,
+#     else from pip's cache (pip keeps the wheel it compiled for `make install`),
+#     else built here with `pip wheel` (library only, as the Makefile builds it).
 # docker/install-deps.sh installs a wheel from there when it fits the image's
 # interpreter and falls back to the index and a source build otherwise. The
 # llama-cpp-python wheel from pip's cache was compiled for this machine's CPU
@@ -40,6 +40,9 @@ wheels="$root/docker/wheels"
 mkdir -p "$wheels"
 keep=()  # the wheels of this build; others are removed, these keep their files (and mtimes)
 
+# The Makefile's llama.cpp build: the library only (used when pip has to compile the wheel here).
+LIBRARY_ONLY="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF"
+
 installed() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
 
 if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
@@ -56,12 +59,19 @@ if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
     done
   fi
   if llama_v="$(installed llama-cpp-python)"; then
-    cached="$("$py" -m pip cache list --format=abspath "llama_cpp_python-$llama_v-" 2>/dev/null | head -n 1 || true)"
+    cached=""
+    for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
+      for whl in "$dir"/llama_cpp_python-"$llama_v"-*.whl; do
+        if [[ -f "$whl" && -z "$cached" ]]; then cached="$whl"; fi
+      done
+    done
+    [[ -n "$cached" ]] ||
+      cached="$("$py" -m pip cache list --format=abspath "llama_cpp_python-$llama_v-" 2>/dev/null | head -n 1 || true)"
     if [[ -n "$cached" && -f "$cached" ]]; then
       [[ -f "$wheels/${cached##*/}" ]] || cp -p "$cached" "$wheels/"
       keep+=("${cached##*/}")
-      echo "build: llama-cpp-python $llama_v from pip's cache ($cached)" >&2
-    elif "$py" -m pip wheel --no-deps "llama-cpp-python==$llama_v" -w "$wheels" >&2; then
+      echo "build: llama-cpp-python $llama_v from $cached" >&2
+    elif CMAKE_ARGS="${CMAKE_ARGS:-$LIBRARY_ONLY}" "$py" -m pip wheel --no-deps "llama-cpp-python==$llama_v" -w "$wheels" >&2; then
       keep+=("$(cd "$wheels" && ls llama_cpp_python-"$llama_v"-*.whl | head -n 1)")
       echo "build: llama-cpp-python $llama_v from pip wheel" >&2
     else

@@ -311,7 +311,7 @@ def test_gpu_image_info_says_transformers_bitsandbytes_and_no_cuda_device(gpu_im
     with volumes("data", "models") as vols:
         out = docker("run", "--rm", "--network", "host", "-v", f"{vols['data']}:/data",
                      "-v", f"{vols['models']}:/models", gpu_image, "isagi", "info", "--json", timeout=900)
-    facts = json.loads(out.stdout)
+    facts = json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith("{")))
     assert facts["backend"] == "transformers" and facts["quantisation"] == "nf4", facts
     assert facts["device"] == "cpu" and "cuda" in facts["device_reason"].lower(), facts
     torch = docker("run", "--rm", "--network", "none", gpu_image, "python", "-c",
