@@ -10,6 +10,7 @@
 #     project's virtual environment, from PIP_FIND_LINKS (e.g. /opt/wheels);
 #   - llama-cpp-python: the wheel of the installed version from PIP_FIND_LINKS,
 #     else from pip's cache (pip keeps the wheel it compiled for `make install`),
+#     else packed back from the virtual environment (docker/repack_wheel.py),
 #     else built here with `pip wheel` (library only, as the Makefile builds it).
 # docker/install-deps.sh installs a wheel from there when it fits the image's
 # interpreter and falls back to the index and a source build otherwise. The
@@ -60,7 +61,7 @@ if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
   fi
   if llama_v="$(installed llama-cpp-python)"; then
     cached=""
-    for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
+    for dir in "$wheels" ${PIP_FIND_LINKS:-} /opt/wheels; do  # the one of the last build first
       for whl in "$dir"/llama_cpp_python-"$llama_v"-*.whl; do
         if [[ -f "$whl" && -z "$cached" ]]; then cached="$whl"; fi
       done
@@ -71,6 +72,9 @@ if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
       [[ -f "$wheels/${cached##*/}" ]] || cp -p "$cached" "$wheels/"
       keep+=("${cached##*/}")
       echo "build: llama-cpp-python $llama_v from $cached" >&2
+    elif repacked="$("$py" "$root/docker/repack_wheel.py" llama-cpp-python "$wheels")"; then
+      keep+=("${repacked##*/}")
+      echo "build: llama-cpp-python $llama_v repacked from $venv (pip's cache no longer has its wheel)" >&2
     elif CMAKE_ARGS="${CMAKE_ARGS:-$LIBRARY_ONLY}" "$py" -m pip wheel --no-deps "llama-cpp-python==$llama_v" -w "$wheels" >&2; then
       keep+=("$(cd "$wheels" && ls llama_cpp_python-"$llama_v"-*.whl | head -n 1)")
       echo "build: llama-cpp-python $llama_v from pip wheel" >&2

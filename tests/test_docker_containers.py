@@ -208,6 +208,8 @@ def test_the_history_store_on_the_tests_postgresql_server(cpu_image: str) -> Non
         pytest.skip("ISAGI_TEST_POSTGRES_URL is not set (make services starts PostgreSQL and writes .isagi/postgres.env)")
     from storage.history import HistoryStore
 
+    store = HistoryStore(url)  # the tests' database: other tests' sessions may be there too
+    before = {s.id for s in store.list_sessions(limit=100_000, owner="local")}
     with volumes("data", "models") as vols:
         mounts = {vols["data"]: "/data", vols["models"]: "/models"}
         with container(cpu_image, volumes=mounts, env={"ISAGI_DATABASE_URL": url}) as c:
@@ -215,10 +217,9 @@ def test_the_history_store_on_the_tests_postgresql_server(cpu_image: str) -> Non
             gc = client(c.url)
             reply, _ = send(gc)
             assert "Paris" in reply, reply
-            [row] = sessions(gc)
-            sid = row[0]
-            assert c.exec("test", "-e", "/data/history.sqlite3", check=False).returncode != 0
-    store = HistoryStore(url)
+            [sid] = {s.id for s in store.list_sessions(limit=100_000, owner="local")} - before
+            assert sid in [r[0] for r in sessions(gc)]  # the app lists it from PostgreSQL
+            assert docker("exec", c.name, "test", "-e", "/data/history.sqlite3", check=False).returncode != 0
     assert store.get_session(sid, owner="local").turns == 1
     turns = store.get_turns(sid, owner="local")
     assert [t.text for t in turns if t.role == "user"] == [QUESTION]
