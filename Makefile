@@ -5,7 +5,7 @@
 #               but the container tests
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
 #               from a local Debian base and run the container tests (docker/test.sh)
-#   make docker-test-gpu  the same for the GPU image (not in CI: ~18 min, 7 GB)
+#   make docker-test-gpu  the same for the GPU image (not in CI: torch's CUDA build is several GB)
 #
 # TORCH pins the torch wheel installed *before* ISAGI. The default, 2.13.0, is
 # the CPU build on the project's CI machines (a local wheel there). On a GPU
