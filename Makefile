@@ -2,6 +2,10 @@
 #   make web    install ISAGI in .venv and open the browser app on the embedded model
 #               (PORT=7861 / HOST=0.0.0.0 to listen elsewhere)
 #   make test   install ISAGI with its test tools, start the test services, run every test
+#               but the container tests
+#   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
+#               from a local Debian base and run the container tests (docker/test.sh)
+#   make docker-test-gpu  the same for the GPU image (not in CI: torch's CUDA build is several GB)
 #
 # TORCH pins the torch wheel installed *before* ISAGI. The default, 2.13.0, is
 # the CPU build on the project's CI machines (a local wheel there). On a GPU
@@ -31,7 +35,7 @@ endif
 PIP := $(BIN)/pip install --progress-bar on
 export ISAGI_TEST_HOME ?= $(CURDIR)/.isagi/test-home
 
-.PHONY: install install-dev web test lint services
+.PHONY: install install-dev web test lint services docker-test docker-test-gpu
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,4 +64,12 @@ services:
 	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
 
 test: install-dev services
-	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "" -p no:cacheprovider --durations=40
+	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "not docker" -p no:cacheprovider --durations=40
+
+# The container tests' PostgreSQL is the one `make services` starts (idempotent).
+docker-test: install-dev
+	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
+	ISAGI_VENV=$(abspath $(VENV)) bash docker/test.sh cpu
+
+docker-test-gpu: install-dev
+	ISAGI_VENV=$(abspath $(VENV)) bash docker/test.sh gpu

@@ -214,8 +214,9 @@ def chat(
 @app.command()
 @friendly
 def web(
-    host: Annotated[str, typer.Option("--host", help="address to bind (loopback by default)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port")] = 7860,
+    host: Annotated[str, typer.Option("--host", envvar="ISAGI_HOST",
+                                      help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", envvar="ISAGI_PORT", help="port to listen on")] = 7860,
     model: ModelOpt = None, backend: BackendOpt = None,
     quant: QuantOpt = None,
     device: DeviceOpt = None,

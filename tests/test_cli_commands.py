@@ -164,3 +164,20 @@ def test_import_legacy_then_chat_with_the_imported_session(tmp_path: Path, monke
     assert summary.turns == len(session.turns)
     assert [t.text for t in store.get_turns(summary.id, owner="local") if t.role == "user"] == \
         [t.user_text for t in session.turns]
+
+
+def test_web_takes_host_and_port_from_the_environment_and_flags_override_them(monkeypatch) -> None:
+    """``ISAGI_HOST``/``ISAGI_PORT`` choose where ``isagi web`` listens (the Docker images set
+    them; a container on the host's network is given a free port this way); a flag wins."""
+    import app.server
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(app.server, "serve", lambda settings, host, port: calls.append((host, port)))
+    monkeypatch.setenv("ISAGI_HOST", "0.0.0.0")
+    monkeypatch.setenv("ISAGI_PORT", "7999")
+    assert invoke("web").exit_code == 0
+    assert invoke("web", "--port", "8001", "--host", "127.0.0.1").exit_code == 0
+    monkeypatch.delenv("ISAGI_HOST")
+    monkeypatch.delenv("ISAGI_PORT")
+    assert invoke("web").exit_code == 0
+    assert calls == [("0.0.0.0", 7999), ("127.0.0.1", 8001), ("127.0.0.1", 7860)]

@@ -1,11 +1,13 @@
-"""Checks of the Docker packaging (docker/Dockerfile, docker/compose.yaml).
+"""Static checks of the Docker packaging: docker/cpu.Dockerfile (the CPU image),
+docker/Dockerfile (the GPU image), docker/compose.yaml and .dockerignore.
 
-There is no Docker engine here, so the files are checked as text and as
-YAML, and what the container would run is run outside Docker: the health
-check's command against a local HTTP server, the image's and compose's
-settings through :func:`isagi.config.load_settings`, and (marked ``model``)
-the image's exact CMD with ``ISAGI_HOME`` on a temporary directory until
-``GET /health`` answers.
+The files are checked as text and as YAML, and what a container would run is
+run outside Docker: the health check's command against a local HTTP server,
+the images' and compose's settings through :func:`isagi.config.load_settings`,
+and (marked ``model``) the CPU image's exact CMD and environment with
+``ISAGI_HOME`` on a temporary directory until ``GET /health`` answers. The
+images themselves are built and run by ``make docker-test``
+(tests/test_docker_containers.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DOCKERFILE = REPO / "docker" / "Dockerfile"
+DOCKERFILES = {"cpu": REPO / "docker" / "cpu.Dockerfile", "gpu": REPO / "docker" / "Dockerfile"}
+INSTALL_DEPS = REPO / "docker" / "install-deps.sh"
 COMPOSE = REPO / "docker" / "compose.yaml"
 DOCKERIGNORE = REPO / ".dockerignore"
 SOURCE_DIRS = ("isagi", "storage", "app")
@@ -101,11 +104,11 @@ def _env_pairs(args: str) -> dict[str, str]:
     return dict(p.split("=", 1) for p in parts)
 
 
-def _parse_dockerfile() -> tuple[dict[str, str], list[Stage]]:
-    """Global ARG defaults and the stages of docker/Dockerfile."""
+def _parse_dockerfile(flavor: str) -> tuple[dict[str, str], list[Stage]]:
+    """Global ARG defaults and the stages of the ``flavor`` image's Dockerfile."""
     global_args: dict[str, str] = {}
     stages: list[Stage] = []
-    for ins in _instructions(DOCKERFILE.read_text()):
+    for ins in _instructions(DOCKERFILES[flavor].read_text()):
         if ins.keyword == "FROM":
             words = ins.args.split()
             words = [w for w in words if not w.startswith("--")]
@@ -151,16 +154,10 @@ def _image_cmd(stages: list[Stage]) -> list[str]:
     return _exec_form(cmds[-1])
 
 
-def _flag(argv: list[str], name: str) -> str:
-    assert name in argv, f"{name} missing from {argv}"
-    return argv[argv.index(name) + 1]
-
-
-def _image_env(stages: list[Stage], flavor: str) -> dict[str, str]:
-    """The ENV a container of the given flavour starts with (base stage + app stage)."""
-    env = _stage(stages, f"base-{flavor}").env()
-    env.update(_final_stage(stages).env())
-    return env
+def _image_env(flavor: str) -> dict[str, str]:
+    """The ENV a container of the ``flavor`` image starts with (its final stage's)."""
+    _, stages = _parse_dockerfile(flavor)
+    return _final_stage(stages).env()
 
 
 def _compose() -> dict:
@@ -189,7 +186,7 @@ def _ports(service: dict) -> list[tuple[str | None, str, str]]:
         if isinstance(p, dict):
             out.append((p.get("host_ip"), str(p.get("published")), str(p["target"])))
             continue
-        parts = str(p).split("/")[0].rsplit(":", 2)
+        parts = _interpolate_defaults(p).split("/")[0].rsplit(":", 2)
         if len(parts) == 3:
             out.append((parts[0], parts[1], parts[2]))
         elif len(parts) == 2:
@@ -230,7 +227,8 @@ class _Health(BaseHTTPRequestHandler):
 
 
 def _run_health_command(argv: list[str], status: int, body: bytes) -> int:
-    """Run a health-check argv against a local fake /health; return its exit code."""
+    """Run a health-check argv against a local fake /health on a free port given as the
+    container's ISAGI_PORT; return its exit code."""
     handler = type("H", (_Health,), {"status": status, "body": body})
     server = HTTPServer(("127.0.0.1", 0), handler)
     port = server.server_address[1]
@@ -238,11 +236,10 @@ def _run_health_command(argv: list[str], status: int, body: bytes) -> int:
     thread.start()
     try:
         assert argv[0] == "python", f"health check should run python, got {argv[0]!r}"
-        assert "127.0.0.1:7860/health" in " ".join(argv)
-        local = [sys.executable] + [
-            a.replace("127.0.0.1:7860", f"127.0.0.1:{port}") for a in argv[1:]
-        ]
-        return subprocess.run(local, capture_output=True, timeout=60).returncode
+        assert "127.0.0.1:" in " ".join(argv) and "/health" in " ".join(argv)
+        env = {**os.environ, "ISAGI_PORT": str(port)}
+        return subprocess.run([sys.executable, *argv[1:]], capture_output=True, timeout=60,
+                              env=env).returncode
     finally:
         server.shutdown()
         server.server_close()
@@ -254,30 +251,87 @@ def _assert_health_command_works(argv: list[str]) -> None:
     assert _run_health_command(argv, 503, b'{"status": "ok"}') != 0
 
 
-# ------------------------------------------------------------ Dockerfile --
+# ------------------------------------------------------------ Dockerfiles --
+
+FLAVORS = pytest.mark.parametrize("flavor", ["cpu", "gpu"])
 
 
-def test_dockerfile_runs_as_non_root_user() -> None:
-    _, stages = _parse_dockerfile()
+def _resolve(value: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), value)
+
+
+@FLAVORS
+def test_dockerfile_builds_with_the_legacy_builder_from_a_named_base(flavor: str) -> None:
+    """No `# syntax=` line (BuildKit would fetch a frontend from Docker Hub), no BuildKit-only
+    flags; every stage starts from BASE_IMAGE (the official image by default, a local base
+    by build argument) or from an earlier stage of the same file."""
+    text = DOCKERFILES[flavor].read_text()
+    assert not re.search(r"^\s*#\s*syntax\s*=", text, re.M | re.I), "a # syntax= line needs BuildKit"
+    global_args, stages = _parse_dockerfile(flavor)
+    for st in stages:
+        for ins in st.instrs:
+            assert not re.search(r"--(mount|link|chmod|parents|exclude)\b", ins.args), (ins.line, ins.args)
+            assert "<<" not in ins.args or ins.keyword != "RUN", f"line {ins.line}: a heredoc needs BuildKit"
+    names = [st.name for st in stages]
+    for n, st in enumerate(stages):
+        assert st.base in ("${BASE_IMAGE}", "$BASE_IMAGE") or st.base in names[:n], st.base
+    assert ":" in global_args["BASE_IMAGE"], "the default base image is not pinned to a tag"
+
+
+def test_the_two_images_are_separate_files_and_cpu_never_names_cuda() -> None:
+    """The legacy builder builds every stage of a file: the CPU file has nothing of the GPU's."""
+    cpu_args, cpu_stages = _parse_dockerfile("cpu")
+    text = DOCKERFILES["cpu"].read_text()
+    assert "nvidia" not in text.lower() and not re.search(r"/whl/cu\d", text)
+    # The CPU default base is Debian 12 with CPython 3.11: the interpreter and C library of
+    # the local base (docker/base.sh) and of the host wheels docker/build.sh puts in the context.
+    assert cpu_args["BASE_IMAGE"].startswith("python:3.11-") and "bookworm" in cpu_args["BASE_IMAGE"]
+    assert "bookworm" in (REPO / "docker" / "base.sh").read_text()
+    gpu_args, gpu_stages = _parse_dockerfile("gpu")
+    m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-(?:cudnn-)?runtime-ubuntu\d+\.\d+", gpu_args["BASE_IMAGE"])
+    assert m, f"the GPU base should be a pinned CUDA runtime image, got {gpu_args['BASE_IMAGE']!r}"
+    # torch's index: the CUDA release of the base image for the GPU, the CPU index for the CPU
+    for flavor, stages, expect in (("gpu", gpu_stages, f"/whl/cu{m.group(1)}{m.group(2)}"),
+                                   ("cpu", cpu_stages, "/whl/cpu")):
+        index = [a.args.partition("=")[2] for st in stages for a in st.all("ARG") if a.args.startswith("TORCH_INDEX=")]
+        assert index == [f"https://download.pytorch.org{expect}"], (flavor, index)
+        runs = [i.args for st in stages for i in st.all("RUN")]
+        assert any(f"install-deps.sh {flavor}" in r for r in runs), (flavor, runs)
+
+
+def test_install_deps_takes_wheels_from_the_context_and_falls_back_to_the_index() -> None:
+    script = INSTALL_DEPS.read_text()
+    assert "--no-index" in script and "--find-links" in script  # the context's wheels first
+    assert "TORCH_INDEX" in script and "GGML_NATIVE=OFF" in script  # then the index, portable llama.cpp
+    # The dependency layer reads pyproject.toml's dependencies and the postgres extra.
+    assert "['dependencies']" in script and "['optional-dependencies']['postgres']" in script
+    assert "pip\" check" in script
+    r = subprocess.run(["sh", "-n", str(INSTALL_DEPS)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@FLAVORS
+def test_dockerfile_runs_as_non_root_user(flavor: str) -> None:
+    _, stages = _parse_dockerfile(flavor)
     final = _final_stage(stages)
     users = final.all("USER")
     assert users, "the final stage never switches away from root"
     user = users[-1].args.split(":")[0]
     assert user not in ("root", "0"), f"USER {users[-1].args} is root"
-    # The user is switched before the container's command is defined, and no
-    # later stage instruction switches back.
+    # The user is switched before the container's command is defined.
     assert final.index(lambda i: i.keyword == "USER") < final.index(lambda i: i.keyword == "CMD")
 
 
-def test_dockerfile_cmd_is_the_web_app_on_all_interfaces() -> None:
-    _, stages = _parse_dockerfile()
+@FLAVORS
+def test_dockerfile_cmd_is_the_web_app_on_all_interfaces(flavor: str) -> None:
+    _, stages = _parse_dockerfile(flavor)
     argv = _image_cmd(stages)
-    assert argv[:2] == ["isagi", "web"], argv
-    assert _flag(argv, "--host") == "0.0.0.0"
-    port = _flag(argv, "--port")
+    assert argv == ["isagi", "web"], argv
+    env = _image_env(flavor)
+    # `isagi web` reads where to listen from ISAGI_HOST / ISAGI_PORT
+    assert env["ISAGI_HOST"] == "0.0.0.0"
     exposed = " ".join(i.args for i in _final_stage(stages).all("EXPOSE")).split()
-    assert port in exposed, f"CMD listens on {port}, EXPOSE says {exposed}"
-    # `isagi` is the console script of the distribution.
+    assert env["ISAGI_PORT"] in exposed, f"listens on {env['ISAGI_PORT']}, EXPOSE says {exposed}"
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert "isagi" in scripts
     # An ENTRYPOINT may only be a signal-forwarding init wrapper that execs CMD.
@@ -286,28 +340,28 @@ def test_dockerfile_cmd_is_the_web_app_on_all_interfaces() -> None:
         assert Path(wrapper[0]).name == "tini" and wrapper[-1] == "--", wrapper
 
 
-def test_dockerfile_healthcheck_hits_health_endpoint_and_works() -> None:
-    _, stages = _parse_dockerfile()
+@FLAVORS
+def test_dockerfile_healthcheck_hits_health_endpoint_and_works(flavor: str) -> None:
+    _, stages = _parse_dockerfile(flavor)
     checks = _final_stage(stages).all("HEALTHCHECK")
     assert checks and "NONE" not in checks[-1].args.upper().split()
     argv = _exec_form(checks[-1])
-    port = _flag(_image_cmd(stages), "--port")
-    assert f"127.0.0.1:{port}/health" in " ".join(argv)
+    assert "ISAGI_PORT" in " ".join(argv), "the check asks the port the server was given"
     assert "--start-period=" in checks[-1].args, (
-        "first start converts and calibrates: needs a start period"
+        "a first start with another model calibrates: needs a start period"
     )
     _assert_health_command_works(argv)
 
 
-def test_dependencies_are_installed_before_the_source_is_copied() -> None:
-    _, stages = _parse_dockerfile()
+@FLAVORS
+def test_dependencies_are_installed_before_the_source_is_copied(flavor: str) -> None:
+    _, stages = _parse_dockerfile(flavor)
     for st in stages:
         for ins in st.all("COPY") + st.all("ADD"):
             srcs = [w for w in ins.args.split() if not w.startswith("--")][:-1]
             assert "." not in srcs and "./" not in srcs, (
                 f"line {ins.line}: copies the whole context"
             )
-    final = _final_stage(stages)
 
     def copies(name: str):
         return lambda i: (
@@ -315,66 +369,28 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
             and any(PurePosixPath(w).parts[:1] == (name,) for w in i.args.split()[:-1])
         )
 
-    pyproject = final.index(copies("pyproject.toml"))
-    deps = final.index(
-        lambda i: i.keyword == "RUN" and "pip install" in i.args and "--no-deps" not in i.args
-    )
+    # The build stage sees pyproject.toml, the installer and the wheels: never the source.
+    build = _stage(stages, "build")
+    assert build.index(copies("pyproject.toml")) >= 0
+    assert all(build.index(copies(d)) < 0 for d in SOURCE_DIRS)
+    final = _final_stage(stages)
+    venv = final.index(lambda i: i.keyword == "COPY" and "--from=build" in i.args)
     first_source = min(final.index(copies(d)) for d in SOURCE_DIRS)
     project = final.index(
         lambda i: i.keyword == "RUN" and "pip install" in i.args and "--no-deps" in i.args
     )
-    assert all(x >= 0 for x in (pyproject, deps, first_source, project)), (
-        pyproject,
-        deps,
-        first_source,
-        project,
-    )
-    assert pyproject < deps < first_source < project
-    assert all(final.index(copies(d)) >= 0 for d in SOURCE_DIRS), (
-        "a package directory is never copied"
-    )
-    # The dependency layer installs the postgres extra's driver too.
-    assert "postgres" in final.instrs[deps].args
+    assert all(final.index(copies(d)) >= 0 for d in SOURCE_DIRS), "a package directory is never copied"
+    assert 0 <= venv < first_source < project, (venv, first_source, project)
+    # nothing after the project's install touches the dependencies
+    assert not any("pip install" in i.args and "--no-deps" not in i.args
+                   for i in final.instrs[project:] if i.keyword == "RUN")
 
 
-def test_gpu_torch_wheel_matches_cuda_base_image_and_cpu_uses_cpu_wheels() -> None:
-    global_args, stages = _parse_dockerfile()
-    gpu, cpu = _stage(stages, "base-gpu"), _stage(stages, "base-cpu")
-
-    def resolve(value: str, args: dict[str, str]) -> str:
-        return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), value)
-
-    cuda_image = resolve(gpu.base, global_args)
-    m = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-(?:cudnn-)?runtime-ubuntu\d+\.\d+", cuda_image)
-    assert m, f"the GPU base should be a pinned CUDA runtime image, got {cuda_image!r}"
-    for stage, expect in ((gpu, f"/whl/cu{m.group(1)}{m.group(2)}"), (cpu, "/whl/cpu")):
-        args = {**global_args}
-        for a in stage.all("ARG"):
-            k, _, v = a.args.partition("=")
-            args[k] = v.strip('"')
-        torch_runs = [
-            resolve(i.args, args)
-            for i in stage.all("RUN")
-            if "torch" in i.args and "pip install" in i.args
-        ]
-        assert torch_runs, f"stage {stage.name} does not install torch"
-        assert any(f"download.pytorch.org{expect}" in r for r in torch_runs), (
-            stage.name,
-            torch_runs,
-        )
-    assert ":" in resolve(cpu.base, global_args), "the CPU base image is not pinned to a tag"
-
-
-def test_flavor_argument_selects_gpu_by_default_and_cpu_on_request() -> None:
-    global_args, stages = _parse_dockerfile()
-    assert global_args.get("FLAVOR") == "gpu"
-    final = _final_stage(stages)
-    assert final.base in ("base-${FLAVOR}", "base-$FLAVOR")
-    for flavor in ("gpu", "cpu"):
-        _stage(stages, f"base-{flavor}")
-    # The CPU image runs the embedded default model on the CPU.
-    cpu_settings = _settings_from(_image_env(stages, "cpu"))
-    assert cpu_settings.model == "default" and cpu_settings.device == "cpu"
+def test_cpu_image_runs_the_embedded_model_on_the_cpu_and_gpu_image_nf4() -> None:
+    cpu = _settings_from(_image_env("cpu"))
+    assert cpu.model == "default" and cpu.device == "cpu" and cpu.backend == "llamacpp"
+    gpu = _settings_from(_image_env("gpu"))
+    assert gpu.quant == "nf4" and gpu.backend == "transformers" and gpu.device == "auto"
 
 
 def _settings_from(env: dict[str, str]):
@@ -383,30 +399,30 @@ def _settings_from(env: dict[str, str]):
     return load_settings({k: v for k, v in env.items() if k.startswith("ISAGI_")})
 
 
-def test_image_keeps_data_and_hf_cache_on_volumes() -> None:
-    _, stages = _parse_dockerfile()
+@FLAVORS
+def test_image_keeps_data_and_hf_cache_on_volumes(flavor: str) -> None:
+    _, stages = _parse_dockerfile(flavor)
     volumes: list[str] = []
     for ins in _final_stage(stages).all("VOLUME"):
         args = ins.args
         volumes += json.loads(args) if args.startswith("[") else args.split()
-    for flavor in ("gpu", "cpu"):
-        env = _image_env(stages, flavor)
-        settings = _settings_from(env)
-        for path in (
-            settings.home,
-            settings.sessions_dir,
-            settings.models_dir,
-            settings.profiles_dir,
-            Path(env["HF_HOME"]),
-        ):
-            assert any(PurePosixPath(path).is_relative_to(v) for v in volumes), (
-                f"{path} is not on a volume {volumes}"
-            )
-        assert settings.resolved_database_url == f"sqlite:///{settings.home}/history.sqlite3"
-    assert str(_settings_from(_image_env(stages, "gpu")).home) == "/data"
+    env = _image_env(flavor)
+    settings = _settings_from(env)
+    for path in (
+        settings.home,
+        settings.sessions_dir,
+        settings.models_dir,
+        settings.profiles_dir,
+        Path(env["HF_HOME"]),
+    ):
+        assert any(PurePosixPath(path).is_relative_to(v) for v in volumes), (
+            f"{path} is not on a volume {volumes}"
+        )
+    assert settings.resolved_database_url == f"sqlite:///{settings.home}/history.sqlite3"
+    assert str(settings.home) == "/data"
 
 
-def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
+def test_dockerignore_lets_in_exactly_what_the_dockerfiles_copy() -> None:
     patterns = [
         p.strip()
         for p in DOCKERIGNORE.read_text().splitlines()
@@ -428,14 +444,19 @@ def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
                 verdict = not neg
         return verdict
 
-    _, stages = _parse_dockerfile()
-    for ins in _final_stage(stages).all("COPY"):
-        if "--from" in ins.args:
-            continue
-        for src in [w for w in ins.args.split() if not w.startswith("--")][:-1]:
-            assert not excluded(f"{src.rstrip('/')}/__init__.py" if src in SOURCE_DIRS else src), (
-                src
-            )
+    for flavor in DOCKERFILES:
+        _, stages = _parse_dockerfile(flavor)
+        for st in stages:
+            for ins in st.all("COPY"):
+                if "--from" in ins.args:
+                    continue
+                for src in [w for w in ins.args.split() if not w.startswith("--")][:-1]:
+                    if src in SOURCE_DIRS:
+                        src = f"{src}/__init__.py"
+                    elif src == "docker/wheels":
+                        src = "docker/wheels/torch-2-cp311-cp311-linux_x86_64.whl"
+                    assert (REPO / src).exists() or src.endswith(".whl"), src
+                    assert not excluded(src), src
     for junk in (
         ".venv/bin/python",
         ".git/HEAD",
@@ -444,11 +465,16 @@ def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
         "artifacts/a",
         "tests/test_docker.py",
         "model.safetensors",
+        ".isagi/docker-base/bookworm.tar",
+        "docker/compose.yaml",
     ):
         assert excluded(junk), f"{junk} would be sent to the build context"
     # README.md is the distribution's readme: the project install needs it.
     assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["readme"] == "README.md"
     assert not excluded("README.md")
+    # the wheels are never committed, the directory is (a build without them still works)
+    assert "docker/wheels/*.whl" in (REPO / ".gitignore").read_text().split()
+    assert (REPO / "docker" / "wheels" / "README.md").is_file()
 
 
 # ---------------------------------------------------------------- compose --
@@ -463,13 +489,27 @@ def test_compose_gpu_service_reserves_an_nvidia_gpu() -> None:
     assert gpus, devices
     d = gpus[0]
     assert d.get("count") == "all" or int(d.get("count", 0)) >= 1 or d.get("device_ids")
-    assert svc["build"]["args"]["FLAVOR"] == "gpu"
+
+
+def test_compose_builds_each_service_from_its_dockerfile_with_its_defaults() -> None:
+    """The build arguments' defaults in compose are the Dockerfiles' own: they cannot drift."""
+    services = _compose()["services"]
+    for name, flavor in (("isagi", "gpu"), ("isagi-cpu", "cpu")):
+        build = services[name]["build"]
+        assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILES[flavor]
+        global_args, stages = _parse_dockerfile(flavor)
+        args = {k: _interpolate_defaults(v) for k, v in build["args"].items()}
+        assert args["BASE_IMAGE"] == global_args["BASE_IMAGE"], (name, args)
+        if "TORCH_INDEX" in args:
+            index = [a.args.partition("=")[2] for st in stages for a in st.all("ARG")
+                     if a.args.startswith("TORCH_INDEX=")]
+            assert [args["TORCH_INDEX"]] == index, (name, args, index)
+        assert services[name]["image"] == f"isagi:{flavor}"
 
 
 def test_compose_keeps_data_and_model_cache_in_named_volumes() -> None:
     compose = _compose()
-    _, stages = _parse_dockerfile()
-    env = _image_env(stages, "gpu")
+    env = _image_env("gpu")
     named = set(compose.get("volumes") or {})
     for name in ("isagi", "isagi-cpu"):
         mounts = _volume_mounts(compose["services"][name])
@@ -489,12 +529,15 @@ def test_compose_healthchecks_hit_health_endpoint_and_work() -> None:
         assert isinstance(test, list) and test[0] == "CMD", test
         assert "start_period" in hc
         _assert_health_command_works(test[1:])
+        # the image's own check, with Compose's timing
+        _, stages = _parse_dockerfile("gpu" if name == "isagi" else "cpu")
+        assert test[1:] == _exec_form(_final_stage(stages).all("HEALTHCHECK")[-1])
 
 
 def test_compose_publishes_ports_on_loopback_only() -> None:
     compose = _compose()
-    _, stages = _parse_dockerfile()
-    port = _flag(_image_cmd(stages), "--port")
+    port = _image_env("cpu")["ISAGI_PORT"]
+    assert port == _image_env("gpu")["ISAGI_PORT"]
     published = 0
     for name, svc in compose["services"].items():
         for host_ip, _, target in _ports(svc):
@@ -528,7 +571,6 @@ def test_compose_postgres_is_optional_with_own_volume_and_healthcheck() -> None:
     # Services outside a profile never depend on a profiled one unconditionally.
     assert "profiles" not in services["isagi"]
     assert services["isagi-cpu"]["profiles"] == ["cpu"]
-    assert services["isagi-cpu"]["build"]["args"]["FLAVOR"] == "cpu"
 
 
 def test_compose_settings_are_valid_isagi_settings() -> None:
@@ -572,10 +614,9 @@ def _local_argv(image_argv: list[str]) -> list[str]:
 
 @pytest.mark.model
 def test_image_command_serves_a_healthy_app(tmp_path: Path) -> None:
-    _, stages = _parse_dockerfile()
+    _, stages = _parse_dockerfile("cpu")
     argv = _image_cmd(stages)
     port = _free_port()
-    argv[argv.index("--port") + 1] = str(port)
 
     home = tmp_path / "data"
     if shared := os.environ.get("ISAGI_TEST_HOME"):
@@ -585,8 +626,10 @@ def test_image_command_serves_a_healthy_app(tmp_path: Path) -> None:
             if (Path(shared) / sub).is_dir():
                 shutil.copytree(Path(shared) / sub, home / sub)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ISAGI_")}
-    env.update({k: v for k, v in _image_env(stages, "cpu").items() if k != "PATH"})
+    env.update({k: v for k, v in _image_env("cpu").items() if k != "PATH"})
     env.update(
+        ISAGI_PORT=str(port),
+        ISAGI_HOST="127.0.0.1",
         ISAGI_HOME=str(home),
         HF_HOME=str(tmp_path / "hf"),
         HF_HUB_OFFLINE="1",  # the default model ships in a package: no downloads
