@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -334,11 +335,14 @@ def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
         nonlocal peak
         while not stop.is_set():
             seen: dict[tuple[int, int], int] = {}
-            for p in cache.rglob("*"):
-                with contextlib.suppress(OSError):
-                    st = p.lstat()
-                    if p.is_file():
-                        seen[(st.st_dev, st.st_ino)] = st.st_size
+            # os.walk skips a folder deleted mid-walk (Path.rglob raises, which ended this sampler
+            # early once and left the peak unmeasured)
+            for root, _dirs, files in os.walk(cache):
+                for name in files:
+                    with contextlib.suppress(OSError):
+                        st = os.lstat(os.path.join(root, name))
+                        if stat.S_ISREG(st.st_mode):
+                            seen[(st.st_dev, st.st_ino)] = st.st_size
             peak = max(peak, sum(seen.values()))
             time.sleep(0.002)
 
@@ -370,6 +374,7 @@ def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
                 assert r.status_code == 200, r.text  # each new one removes the oldest waiting
         stop.set()
         sampler.join()
+        assert peak >= 2 * 6 * MIB  # the sampler ran to the end: it saw at least bob's two waiting files
         ledger = app.state.isagi_uploads
         assert ledger.usage("bob") <= quota and len(ledger.waiting("bob")) == 2
         assert Path(hers).read_bytes() == b"alice's upload"

@@ -6,7 +6,9 @@ the default model, with ``ISAGI_HOME`` on a temporary directory, or on
 runs (the first start converts and calibrates: minutes on a small CPU).
 ``ISAGI_E2E_URL`` points the tests at a server that is already running instead.
 Chromium is ``/usr/bin/chromium`` (``.ci/browser.sh`` installs it), or
-``ISAGI_CHROMIUM``. Screenshots go to ``artifacts/screenshots/``.
+``ISAGI_CHROMIUM``. Screenshots go to ``artifacts/screenshots/``. The servers and
+the browser live as long as this package's tests: they stop when the last of
+them ends, instead of idling beside the rest of the suite.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
         log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def base_url(tmp_path_factory: pytest.TempPathFactory):
     """URL (ending in /) of a live, ready ``isagi web`` server."""
     if url := os.environ.get("ISAGI_E2E_URL"):
@@ -110,7 +112,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory):
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fake_url(tmp_path_factory: pytest.TempPathFactory):
     """URL of a live app on the fake engine (fast: for tests of the page and its sessions,
     not of the model), or ``ISAGI_E2E_URL``'s running server (e.g. on the real model)."""
@@ -121,7 +123,7 @@ def fake_url(tmp_path_factory: pytest.TempPathFactory):
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fake_auth_url(tmp_path_factory: pytest.TempPathFactory):
     """URL of a live app on the fake engine with ``ISAGI_AUTH="alice:a,bob:b"``
     (or ``ISAGI_E2E_AUTH_URL``, a running server with those two users)."""
@@ -153,7 +155,7 @@ def wait_ready(page) -> None:
 TWO_USERS = {"alice": "a", "bob": "b"}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def auth_url(tmp_path_factory: pytest.TempPathFactory):
     """URL of a live ``isagi web`` with ``ISAGI_AUTH="alice:a,bob:b"`` (or
     ``ISAGI_E2E_AUTH_URL``, a running server with those two users)."""
@@ -164,7 +166,7 @@ def auth_url(tmp_path_factory: pytest.TempPathFactory):
         yield url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
     exe = os.environ.get("ISAGI_CHROMIUM", "/usr/bin/chromium")
     if not (Path(exe).exists() or shutil.which(exe)):
