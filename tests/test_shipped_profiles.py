@@ -4,9 +4,10 @@ Fast: each shipped profile's key is the key today's code, corpora and default
 settings give the embedded model on its backend (so a change to the calibration
 code or data that forgets to remake them fails here, not as a silent recalibration
 on every user's first start), and a profile in the shipped directory is used
-without calibrating. Model tier: rebuilding each one from scratch agrees with
-the shipped file (prompt threshold within 2 %, each reply threshold above the other's
-benign replies, basis subspace close).
+without calibrating. Model tier: rebuilding the default backend's (llama.cpp) from scratch agrees with
+the shipped file (prompt threshold within 2 %, each window threshold above the other's
+benign replies, the reply guard's held-out figures, basis subspace close); the
+transformers one scores fresh states of a sample of its corpora as it scored them when fitted.
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from isagi.profile import (
 
 # what ships: a profile for each backend of the embedded model
 SHIPPED = ("llamacpp", "transformers")
-# what the model tier rebuilds: both calibrations, 8 min 28 s (llama.cpp, one prompt at a time)
-# and 4 min 51 s (NF4, batched) alone on 2 cores
-REBUILT_IN_TESTS = ("llamacpp", "transformers")
 
 
 def _shipped() -> dict[str, Path]:
@@ -74,38 +72,21 @@ def test_a_shipped_profile_is_used_without_calibrating(tmp_path, monkeypatch):
     assert not (settings.profiles_dir / key).exists()  # read in place, not copied into the data directory
 
 
-@pytest.mark.model
-@pytest.mark.timeout(3600)  # the whole calibration: 9 min 16 s alone on 2 cores (llama.cpp); transformers NF4 took over 18 min on a slower machine of this kind
-@pytest.mark.parametrize("backend", REBUILT_IN_TESTS)
-def test_rebuilding_a_shipped_profile_agrees_with_it(backend, tmp_path):
+def _rebuild(backend: str, tmp_path: Path):
     from isagi.engines import load_engine
-    from isagi.profile import build_for, load_profile
+    from isagi.profile import build_for
 
-    path = _shipped().get(backend)
-    assert path is not None, "no current shipped profile for " + backend
-    shipped = load_profile(shipped_profiles_dir(), path.name)
     home = Path(__import__("os").environ.get("ISAGI_TEST_HOME") or tmp_path)
     settings = load_settings(environ={}, home=home, device="cpu", backend=backend)
-    rebuilt = build_for(load_engine(settings), settings)
+    return build_for(load_engine(settings), settings)
+
+
+def _assert_prompt_side_agrees(rebuilt, shipped) -> None:
+    """The parts fitted on prompts alone: the key, the prompt guard, the UGT basis, the context threshold."""
     assert rebuilt.key == shipped.key
     a, b = rebuilt.safety.threshold, shipped.safety.threshold
     assert abs(a - b) <= 0.02 * abs(b), ("threshold", a, b)
-    # The window threshold (Safe OGD's check of steered replies) is REPLY_MARGIN x the largest
-    # check-point TEH of the benign greedy replies, an extreme value of generated text: another
-    # llama.cpp build (CPU features) decodes a few replies differently and moved it by 3.9 %
-    # once (12.08 rebuilt against 12.57 shipped). What it promises is that no benign
-    # calibration reply is over it, so each must clear the other build's benign replies.
-    for mine, other in ((rebuilt.safety, shipped.safety), (shipped.safety, rebuilt.safety)):
-        benign_max = other.details["reply"]["window"]["benign_reply_max"]
-        assert mine.window_threshold > benign_max, (mine.window_threshold, benign_max)
-    # The reply guard: its threshold is a quantile (1 %) of out-of-fold scores of the same
-    # greedy replies, less extreme than their maximum; its held-out figures must agree too.
-    r, s_ = rebuilt.safety, shipped.safety
-    assert r.exchange_guard and s_.exchange_guard
-    assert abs(r.reply_threshold - s_.reply_threshold) <= 0.05 * s_.reply_threshold, (r.reply_threshold, s_.reply_threshold)
-    for key, tol in (("oof_auc", 0.02), ("oof_withheld_harmful", 0.08)):
-        assert abs(r.details["reply"][key] - s_.details["reply"][key]) <= tol, (key, r.details["reply"][key],
-                                                                               s_.details["reply"][key])
+    assert rebuilt.safety.exchange_guard
     # Principal angles between the two UGT bases. The leading half of the directions agree
     # closely; the last ones have near-equal singular values (about 44, 43.6, 42.6 of 492 at
     # the top) and rotate among themselves between llama.cpp builds (the smallest cosine was
@@ -117,3 +98,80 @@ def test_rebuilding_a_shipped_profile_agrees_with_it(backend, tmp_path):
     # the follow-up (context) threshold is an extreme value of the follow-up pairs' distances
     # too: 0.0985 rebuilt here against 0.0954 shipped (3.2 %)
     assert abs(rebuilt.context_threshold - shipped.context_threshold) <= 0.05 * abs(shipped.context_threshold)
+
+
+@pytest.mark.model
+@pytest.mark.timeout(3600)  # the whole calibration: 9 min 16 s alone on 2 cores; 22 min in CI on a slower machine of this kind
+def test_rebuilding_the_default_backends_shipped_profile_agrees_with_it(tmp_path):
+    """The whole calibration of the default backend (llama.cpp), replies included, from scratch."""
+    from isagi.profile import load_profile
+
+    path = _shipped().get("llamacpp")
+    assert path is not None, "no current shipped profile for llamacpp"
+    shipped = load_profile(shipped_profiles_dir(), path.name)
+    rebuilt = _rebuild("llamacpp", tmp_path)
+    _assert_prompt_side_agrees(rebuilt, shipped)
+    # The window threshold (Safe OGD's check of steered replies) is REPLY_MARGIN x the largest
+    # check-point TEH of the benign greedy replies, an extreme value of generated text: another
+    # llama.cpp build (CPU features) decodes a few replies differently and moved it by 3.9 %
+    # once (12.08 rebuilt against 12.57 shipped). What it promises is that no benign
+    # calibration reply is over it, so each must clear the other build's benign replies.
+    for mine, other in ((rebuilt.safety, shipped.safety), (shipped.safety, rebuilt.safety)):
+        benign_max = other.details["reply"]["window"]["benign_reply_max"]
+        assert mine.window_threshold > benign_max, (mine.window_threshold, benign_max)
+    # The reply guard: its threshold is a quantile (1 %) of out-of-fold scores of the same
+    # greedy replies (the 5th highest of 480), so it moves with the few replies a build decodes
+    # differently: transformers NF4 on another CPU moved it by 8 % (9.40 against 10.23). What
+    # it promises is held instead: both withhold at most the budget of benign replies out of
+    # fold, and they separate harmful from benign replies alike.
+    r, s_ = rebuilt.safety.details["reply"], shipped.safety.details["reply"]
+    for det in (r, s_):
+        assert det["oof_withheld_benign"] <= det["budget"] + 1e-9, det
+    for key, tol in (("oof_auc", 0.02), ("oof_withheld_harmful", 0.08)):
+        assert abs(r[key] - s_[key]) <= tol, (key, r[key], s_[key])
+
+
+@pytest.mark.model
+@pytest.mark.timeout(1200)
+def test_the_transformers_profile_scores_fresh_states_of_its_corpora_as_when_fitted(tmp_path):
+    """The transformers (NF4) profile is not rebuilt here: through NF4 on 2 cores its prompts
+    alone took 21 min, 32 min with its calibration replies (CI, this machine kind). Instead
+    the hidden states of a fixed sample of its own corpora, computed now, must be scored by it
+    as the whole corpora were when it was fitted (its recorded in-sample ROC and the share of
+    variance its basis explains), within the sample's binomial error. A profile fitted on
+    another model, layer or pooling (a wrong re-key) fails here."""
+    from isagi.data import load_zones
+    from isagi.data.safety import load_safety_calibration
+    from isagi.engines import load_engine
+    from isagi.pooling import prompt_hidden_states
+    from isagi.profile import load_profile
+    from isagi.safety import SAFETY_POOL, roc_auc, teh
+
+    path = _shipped().get("transformers")
+    assert path is not None, "no current shipped profile for transformers"
+    shipped = load_profile(shipped_profiles_dir(), path.name)
+    home = Path(__import__("os").environ.get("ISAGI_TEST_HOME") or tmp_path)
+    lm = load_engine(load_settings(environ={}, home=home, device="cpu", backend="transformers"))
+    rng = np.random.default_rng(0)
+
+    def chats(texts: list[str]) -> list[list[dict[str, str]]]:
+        return [[{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": t}] for t in texts]
+
+    rows = load_safety_calibration()
+    y = np.array([r["label"] == "harmful" for r in rows])
+    n = 100  # per label
+    pick = np.concatenate([rng.choice(np.flatnonzero(y == label), size=n, replace=False) for label in (True, False)])
+    H = prompt_hidden_states(lm, chats([rows[i]["text"] for i in pick]), shipped.safety.layer, pool=SAFETY_POOL)
+    scores, yy = teh(shipped.safety, H), y[pick]
+    roc = shipped.safety.roc
+    assert abs(roc_auc(scores[yy], scores[~yy]) - roc["auc"]) <= 0.03, (roc_auc(scores[yy], scores[~yy]), roc["auc"])
+    for got, want in (((scores[yy] > shipped.safety.threshold).mean(), roc["tpr_at_threshold"]),
+                      ((scores[~yy] > shipped.safety.threshold).mean(), roc["fpr_at_threshold"])):
+        assert abs(got - want) <= 3 * np.sqrt(want * (1 - want) / n) + 0.02, (got, want)
+
+    zones = load_zones()
+    Z = prompt_hidden_states(lm, chats([zones[i]["text"] for i in rng.choice(len(zones), size=n, replace=False)]),
+                             shipped.layer).astype(np.float64)
+    Zc = Z - shipped.basis.mu.astype(np.float64)
+    explained = float(np.sum((Zc @ shipped.basis.B.astype(np.float64)) ** 2) / np.sum(Zc**2))
+    assert abs(explained - shipped.basis.explained) <= 0.06, (explained, shipped.basis.explained)
