@@ -51,7 +51,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from app import plots
+from app import plots, turns
 from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
 from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
@@ -631,9 +631,7 @@ class WebUI:
                 yield TurnUpdate(state=None, alert=self._warn("This chat was closed; send your message again."))
                 return
             session = entry.session
-            entry.stop.clear()
-            entry.stop_requested_at = entry.stop_latency_s = None
-            entry.notice = None
+            turns.begin(entry)
             failure = yield from self._stream(sid, entry, message, options, regenerate=regenerate,
                                               clear_box=clear_box)
             if failure is not None:  # the engine has put the session back as it was
@@ -672,10 +670,7 @@ class WebUI:
         finished = False
         last = 0.0
         try:
-            if regenerate:
-                events = self.engine.regenerate(session, options=options, stop=entry.stop)
-            else:
-                events = self.engine.stream_turn(session, message, options=options, stop=entry.stop)
+            events = turns.open_events(self.engine, entry, message, options, regenerate=regenerate)
             for ev in events:
                 if ev.kind == "decision":
                     info = pending_html(ev.tier, ev.distance)
@@ -707,14 +702,7 @@ class WebUI:
                 "try again, and report the error if it repeats."))
         finally:
             if not finished and events is not None:
-                if not entry.stop.is_set():
-                    entry.stop_requested_at = time.monotonic()
-                entry.stop.set()
-                try:
-                    for _ in events:
-                        pass
-                except Exception as exc:  # never mask the close
-                    log.warning("draining a cancelled turn failed: %s", exc)
+                turns.abandon(entry, events, keep=True)  # recorded as cancelled, as Stop does
             if entry.stop_requested_at is not None:
                 entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
         return None
