@@ -1,4 +1,5 @@
-"""The web server: a FastAPI app with ``/health`` and the Gradio page at ``/``.
+"""The web server: a FastAPI app with ``/health``, the OpenAI-compatible API at
+``/v1`` (:mod:`app.api`) and the Gradio page at ``/``.
 
 Owns building the app (:func:`create_app`, nothing happens at import time)
 and running it (:func:`serve`, behind ``isagi web``). The server binds at
@@ -116,6 +117,7 @@ def create_app(
     from gradio.utils import get_upload_folder
     from starlette.routing import Mount
 
+    from app.api import mount_api
     from app.guard import Bindings, GradioGuard, gradio_login
     from app.loader import EngineHolder
     from app.login import Backoff, Logins, LoginThrottleMiddleware
@@ -181,6 +183,7 @@ def create_app(
             }
         return JSONResponse(status_code=503, content=st)
 
+    mount_api(app, holder, registry, settings, client_backoff)  # before the page's mount at "/"
     app.state.isagi_holder = holder
     app.state.isagi_registry = registry
     app.state.isagi_ui = ui

@@ -1,0 +1,563 @@
+"""The OpenAI-compatible API: ``POST /v1/chat/completions`` and ``GET /v1/models``.
+
+Owns translating between OpenAI's chat protocol and ISAGI's sessions, so any
+OpenAI client (the ``openai`` package, ``curl``, editor plugins, chat front
+ends) can talk to ISAGI and keep its living memory. It is mounted on the same
+FastAPI app as the page (:func:`app.server.create_app`) and runs every turn
+through the same pipeline (:mod:`app.turns`, :class:`app.sessions.SessionRegistry`,
+the engine's tiers, RETRIEVE, guard, record and autosave), so an API
+conversation is a session like any other: in the Sessions tab, the history,
+exports and its ``.miku``.
+
+OpenAI clients are stateless: they send the whole conversation each time. A
+request maps to one of the caller's sessions by the ``X-Isagi-Session``
+header (echoed in every response), or, without it, to the caller's live
+session whose recorded turns equal the request's earlier messages; otherwise
+a new session is made. Only the last (user) message is new; system messages
+are ignored (the system prompt is the server's, ``ISAGI_SYSTEM_PROMPT``).
+Responses carry an ``isagi`` object (session id, tier, verdict, TEH) beside
+OpenAI's fields; clients ignore it.
+
+Callers: with ``ISAGI_API_KEYS`` (``alice:KEY,...``) a Bearer key works as its
+owner (the same names as ``ISAGI_AUTH``); a missing or wrong key is a 401 and
+counts as a failed login of the client's address (:class:`app.login.Backoff`,
+the page's throttle). Without any auth setting the API answers loopback
+clients only, as owner ``local``; with ``ISAGI_AUTH`` but no keys it answers
+nobody (a 401 saying to set ``ISAGI_API_KEYS``).
+
+Every failure is an OpenAI-shaped error ``{"error": {"message", "type",
+"param", "code"}}`` with a 4xx status (a 503 while the model loads), never a
+bare 500. A streamed turn whose client disconnects is dropped: the engine
+rolls it back and no turn is kept (:func:`app.turns.abandon`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# At module level: FastAPI resolves the handlers' annotations (``from __future__``) here.
+from starlette.requests import Request
+
+from app import turns
+from app.loader import EngineLoading
+from app.sessions import LOCAL_OWNER, SessionBusy, SessionLimit
+from isagi.errors import ConfigError, IsagiError
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Isagi-Session"
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole conversation is sent each time: room for a long one
+MAX_STOP_SEQUENCES = 4
+BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: ``status``, a one-line ``message``, its ``type``, ``param`` and ``code``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def parse_api_keys(spec: str | None) -> dict[str, str]:
+    """``"alice:KEY,bob:KEY2"`` → ``{"KEY": "alice", "KEY2": "bob"}``; ``None``/empty → no keys."""
+    keys: dict[str, str] = {}
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        user, sep, key = item.partition(":")
+        user, key = user.strip(), key.strip()
+        if not sep or not user or not key:
+            raise ConfigError(f"ISAGI_API_KEYS entry {user[:20]!r}… is not user:key; write it as user:KEY,user2:KEY2.")
+        if user == LOCAL_OWNER:
+            raise ConfigError(f"ISAGI_API_KEYS: the user name {LOCAL_OWNER!r} is reserved; pick another name.")
+        if len(user) > 64:
+            raise ConfigError(f"ISAGI_API_KEYS: the user name {user[:20]!r}… is longer than 64 characters.")
+        if key in keys:
+            raise ConfigError(f"ISAGI_API_KEYS: two entries ({keys[key]!r}, {user!r}) share a key; give each its own.")
+        keys[key] = user
+    return keys
+
+
+def _is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- the request
+
+
+@dataclass
+class ChatRequest:
+    """What ISAGI takes from an OpenAI chat request."""
+
+    model: str
+    text: str  # the new (last) user message, as sent
+    earlier: list[tuple[str, str]] | None  # the earlier (user, assistant) exchanges; None: not pairs
+    stream: bool
+    include_usage: bool
+    options: Any  # isagi.engines.base.GenerationOptions
+
+
+def _content(m: dict[str, Any], i: int) -> str:
+    """The text of message ``i``: a string, or a list of text parts (joined)."""
+    c = m.get("content")
+    if c is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                   for p in c):
+        return "".join(p["text"] for p in c)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts (ISAGI takes text only).",
+                   param=f"messages[{i}].content")
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise ApiError(400, f"{name} must be a number from {lo:g} to {hi:g}; got {json.dumps(v)[:40]}.", param=name)
+    return float(v)
+
+
+def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ApiError(400, f"{name} must be an integer from {lo:,} to {hi:,}; got {json.dumps(v)[:40]}.", param=name)
+    return v
+
+
+def _flag(body: dict[str, Any], name: str, where: str | None = None) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{where or name} must be true or false.", param=where or name)
+    return v
+
+
+def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
+    """The request body checked and read, or an :class:`ApiError` (400) naming what to fix.
+
+    ``max_new_tokens``: the server's reply limit (``ISAGI_MAX_NEW_TOKENS``), the most
+    ``max_tokens`` may ask (and the default). Fields ISAGI does not know are ignored.
+    """
+    from isagi.engines.base import GenerationOptions
+
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not valid JSON; send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is required: a model id from GET /v1/models.", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects.", param="messages")
+    said: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
+                           param=f"messages[{i}]")
+        if m["role"] in ("system", "developer"):
+            _content(m, i)  # checked, not used: the system prompt is the server's
+            continue
+        said.append((m["role"], _content(m, i)))
+    if not said or said[-1][0] != "user":
+        raise ApiError(400, "The last message (besides system ones) must be the user's.", param="messages")
+    rest = said[:-1]
+    pairs = len(rest) % 2 == 0 and all(r == ("user", "assistant")[k % 2] for k, (r, _) in enumerate(rest))
+    earlier = [(rest[k][1], rest[k + 1][1]) for k in range(0, len(rest), 2)] if pairs else None
+
+    stream = _flag(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise ApiError(400, "stream_options must be an object.", param="stream_options")
+        if not stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true.", param="stream_options")
+    include_usage = _flag(opts or {}, "include_usage", "stream_options.include_usage")
+    n = _integer(body, "n", 1, 1)
+    del n
+    limit = _integer(body, "max_completion_tokens", 1, max_new_tokens)
+    if limit is None:
+        limit = _integer(body, "max_tokens", 1, max_new_tokens)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    if top_p == 0.0:
+        raise ApiError(400, "top_p must be above 0 (1 keeps every token).", param="top_p")
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES
+                                 and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings.", param="stop")
+    if stop and any(stop):
+        raise ApiError(400, "stop sequences are not supported by ISAGI: every reply is kept whole in the "
+                       "living memory; leave stop out and end the reply with max_tokens.", param="stop")
+    sample = temperature is not None and temperature > 0  # none or 0: greedy, as the page's default
+    options = GenerationOptions(
+        max_new_tokens=limit or max_new_tokens, do_sample=sample,
+        temperature=temperature if sample else 0.7, top_p=1.0 if top_p is None else top_p,
+        seed=None if seed is None else seed % 2**32,
+    )
+    return ChatRequest(model, said[-1][1], earlier, stream, include_usage, options)
+
+
+# --------------------------------------------------------------------------- the API
+
+
+class Api:
+    """The API's handlers, bound to the app's engine holder, registry and settings."""
+
+    def __init__(self, holder: Any, registry: Any, settings: Any, backoff: Any) -> None:
+        self.holder = holder
+        self.registry = registry
+        self.settings = settings
+        self.backoff = backoff  # failures per client address: the page's login throttle
+        self.keys = {hashlib.sha256(k.encode()).digest(): u for k, u in parse_api_keys(settings.api_keys).items()}
+        self.created = int(time.time())
+
+    # -- who and what --------------------------------------------------------------
+    def caller(self, request: Any) -> str:
+        """The owner a request works as, or an :class:`ApiError` (401, 403, 429)."""
+        client = getattr(getattr(request, "client", None), "host", None) or "unknown"
+        if not self.keys:
+            if self.settings.auth:
+                raise ApiError(401, "This server requires a login (ISAGI_AUTH): the API takes Bearer keys from "
+                               "ISAGI_API_KEYS, which is not set; ask its operator for a key.",
+                               type="invalid_request_error", code="invalid_api_key")
+            if not _is_loopback(client):
+                raise ApiError(403, "Without ISAGI_API_KEYS the API answers this machine only; set "
+                               "ISAGI_API_KEYS=user:KEY on the server and send the key as a Bearer token.",
+                               type="permission_error", code="loopback_only")
+            return LOCAL_OWNER
+        wait = self.backoff.wait_s(client)
+        if wait > 0:
+            raise ApiError(429, f"Too many failed keys from this address; try again in {math.ceil(wait)} s.",
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(math.ceil(wait))})
+        auth = request.headers.get("authorization") or ""
+        scheme, _, key = auth.partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        owner = None
+        for known, user in self.keys.items():  # every key compared, in constant time
+            if hmac.compare_digest(known, digest) and scheme.lower() == "bearer":
+                owner = user
+        if owner is None:
+            self.backoff.failure(client)
+            what = "No API key" if not auth else "Incorrect API key"
+            raise ApiError(401, f"{what}: send Authorization: Bearer KEY with a key of ISAGI_API_KEYS.",
+                           code="invalid_api_key")
+        self.backoff.success(client)
+        return owner
+
+    def engine(self) -> Any:
+        try:
+            return self.holder.engine
+        except EngineLoading as exc:
+            raise ApiError(503, " ".join(str(exc).split()), type="server_error", code="model_loading",
+                           headers={"Retry-After": "10"}) from None
+
+    def models(self) -> dict[str, Any]:
+        engine = self.engine()
+        return {"object": "list", "data": [self._model(engine.lm.model_id)]}
+
+    def _model(self, model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "isagi"}
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        engine = self.engine()
+        if model_id != engine.lm.model_id:
+            raise self._unknown_model(model_id, engine)
+        return self._model(model_id)
+
+    @staticmethod
+    def _unknown_model(model_id: str, engine: Any) -> ApiError:
+        return ApiError(404, f"The model {model_id[:80]!r} is not served here; use {engine.lm.model_id!r} "
+                        "(GET /v1/models).", param="model", code="model_not_found")
+
+    # -- sessions ------------------------------------------------------------------
+    def session_for(self, owner: str, client: str | None, req: ChatRequest, named: str | None) -> str:
+        """The id of the caller's session this request continues (see the module's docstring)."""
+        if named:
+            if not self.registry.holds(named, owner):
+                raise ApiError(404, f"No session {named[:64]!r} of yours is open here; leave out "
+                               f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
+            return named
+        if req.earlier:
+            found = self.find(owner, req.earlier)
+            if found is not None:
+                return found
+        try:
+            return self.registry.create(owner, client)
+        except SessionLimit as exc:
+            raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
+
+    def find(self, owner: str, earlier: list[tuple[str, str]]) -> str | None:
+        """The caller's live session whose turns are exactly ``earlier`` (the newest used first), or None."""
+        from isagi.agent import clean_message
+
+        want = [(clean_message(u), a) for u, a in earlier]
+        found: list[tuple[float, str]] = []
+        for sid in self.registry.live_ids(owner):
+            entry = self.registry.live_entry(sid, owner)
+            if entry is None:
+                continue
+            have = [(t.user_text, t.reply_text) for t in list(entry.session.turns)]
+            if have == want:
+                found.append((entry.last_used, sid))
+        return max(found)[1] if found else None
+
+    # -- a turn --------------------------------------------------------------------
+    def run_turn(self, sid: str, owner: str, message: Any, options: Any,
+                 emit: Callable[[Any], bool], started: Callable[[], None]) -> tuple[Any, str | None]:
+        """Run one turn of ``owner``'s session ``sid`` through the page's pipeline; returns the
+        turn and the engine's notice. ``emit(event)`` gets each event before ``done`` and returns
+        False once nobody listens: the turn is then dropped (nothing kept) and None returned.
+        ``started()`` is called once the turn runs (an error before it is the request's)."""
+        engine = self.engine()
+        try:
+            with self.registry.using(sid, timeout=BUSY_WAIT_S, owner=owner) as entry:
+                turns.begin(entry)
+                try:
+                    events = turns.open_events(engine, entry, message, options)
+                except IsagiError as exc:  # e.g. a session at its most turns
+                    raise ApiError(400, " ".join(str(exc).split()), param="messages") from None
+                started()
+                finished = False
+                try:
+                    for ev in events:
+                        if ev.kind == "done":
+                            finished = True
+                            entry.notice = ev.notice
+                            return ev.turn, ev.notice
+                        if not emit(ev):
+                            break
+                finally:
+                    if not finished:
+                        turns.abandon(entry, events, keep=False)
+                return None, None
+        except SessionBusy as exc:
+            raise ApiError(409, str(exc), code="session_busy") from None
+        except KeyError:
+            raise ApiError(404, "This session was closed meanwhile; send the conversation again.",
+                           code="session_not_found") from None
+
+    def prepare(self, request: Any, raw: bytes) -> tuple[str, ChatRequest, Any, str, Any]:
+        """Who asks, what, in which session: (owner, request, engine, session id, checked message)."""
+        owner = self.caller(request)
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter conversation.")
+        engine = self.engine()
+        req = parse_request(raw, int(self.settings.max_new_tokens))
+        if req.model != engine.lm.model_id:
+            raise self._unknown_model(req.model, engine)
+        try:
+            checked = engine.check(req.text)  # the page's limits: characters, tokens, prompt budget
+        except IsagiError as exc:
+            raise ApiError(400, " ".join(str(exc).split()), param="messages", code="message_too_long"
+                           if "limit" in str(exc) or "budget" in str(exc) else "invalid_message") from None
+        client = getattr(getattr(request, "client", None), "host", None)
+        sid = self.session_for(owner, client, req, request.headers.get(SESSION_HEADER))
+        return owner, req, engine, sid, checked
+
+    # -- answers -------------------------------------------------------------------
+    @staticmethod
+    def finish_reason(turn: Any, options: Any) -> str:
+        if turn.verdict in ("refused", "withheld"):
+            return "content_filter"
+        if getattr(turn, "generated", False) and turn.new_tokens >= options.max_new_tokens:
+            return "length"
+        return "stop"
+
+    @staticmethod
+    def extension(sid: str, turn: Any, notice: str | None) -> dict[str, Any]:
+        return {"session": sid, "tier": turn.tier, "verdict": turn.verdict, "distance": turn.distance,
+                "teh_prompt": turn.teh_prompt, "teh_reply": turn.teh_reply, "notice": notice}
+
+    @staticmethod
+    def usage(engine: Any, turn: Any, content: str) -> dict[str, int]:
+        """Tokens of the prompt the model read and of the reply sent (the model's tokenizer's count)."""
+        out = engine.count_tokens(content) if content else 0
+        return {"prompt_tokens": int(turn.prompt_tokens), "completion_tokens": out,
+                "total_tokens": int(turn.prompt_tokens) + out}
+
+
+def _send_soon(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any) -> Api:
+    """Add ``/v1/models`` and ``/v1/chat/completions`` to ``app`` (before the page's mount)."""
+    from fastapi.responses import JSONResponse
+    from starlette.responses import StreamingResponse
+
+    api = Api(holder, registry, settings, backoff)
+
+    class _Stream(StreamingResponse):
+        """A stream that calls ``on_close`` however it ends (a client gone included)."""
+
+        def __init__(self, body: Any, on_close: Callable[[], None], **kw: Any) -> None:
+            super().__init__(body, **kw)
+            self.on_close = on_close
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.on_close()
+
+    def failure(exc: ApiError, sid: str | None = None) -> Any:
+        headers = dict(exc.headers)
+        if sid:
+            headers[SESSION_HEADER] = sid
+        return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
+
+    @app.get("/v1/models")
+    def list_models(request: Request) -> Any:
+        try:
+            api.caller(request)
+            return api.models()
+        except ApiError as exc:
+            return failure(exc)
+
+    @app.get("/v1/models/{model_id:path}")
+    def get_model(model_id: str, request: Request) -> Any:
+        try:
+            api.caller(request)
+            return api.model(model_id)
+        except ApiError as exc:
+            return failure(exc)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            raw = await request.body()
+            owner, req, engine, sid, checked = await run_in_threadpool(api.prepare, request, raw)
+        except ApiError as exc:
+            return failure(exc, request.headers.get(SESSION_HEADER))
+        completion = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = engine.lm.model_id
+        headers = {SESSION_HEADER: sid}
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+
+        def emit(ev: Any) -> bool:
+            if gone.is_set():
+                return False
+            _send_soon(loop, queue, ("event", ev))
+            return True
+
+        def work() -> None:
+            try:
+                turn, notice = api.run_turn(sid, owner, checked, req.options, emit,
+                                            lambda: _send_soon(loop, queue, ("started", None)))
+                _send_soon(loop, queue, ("done", (turn, notice)))
+            except ApiError as exc:
+                _send_soon(loop, queue, ("error", exc))
+            except Exception as exc:  # a bug: the engine has rolled the turn back
+                log.exception("API turn failed in session %s", sid)
+                _send_soon(loop, queue, ("error", ApiError(
+                    500, f"This turn failed ({type(exc).__name__}); the session is as it was before it. "
+                    "Try again, and report the error if it repeats.", type="server_error")))
+
+        threading.Thread(target=work, name="isagi-api-turn", daemon=True).start()
+        kind, value = await queue.get()
+        if kind == "error":
+            return failure(value, sid)
+
+        if not req.stream:
+            parts: list[str] = []
+            while kind != "done":
+                kind, value = await queue.get()
+                if kind == "event" and value.kind == "token":
+                    parts.append(value.text)
+                elif kind == "error":
+                    return failure(value, sid)
+            turn, notice = value
+            content = turn.reply_text
+            return JSONResponse(headers=headers, content={
+                "id": completion, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
+                             "logprobs": None, "finish_reason": api.finish_reason(turn, req.options)}],
+                "usage": api.usage(engine, turn, content),
+                "isagi": api.extension(sid, turn, notice),
+            })
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            body: dict[str, Any] = {
+                "id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra,
+            }
+            if req.include_usage:
+                body["usage"] = None  # OpenAI: every chunk but the last has a null usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events() -> Any:
+            try:
+                yield chunk({"role": "assistant", "content": ""})
+                sent: list[str] = []
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "event":
+                        if value.kind == "token" and value.text:
+                            sent.append(value.text)
+                            yield chunk({"content": value.text})
+                        continue
+                    if kind == "error":
+                        yield f"data: {json.dumps(value.body())}\n\n"
+                        break
+                    turn, notice = value
+                    if turn is None:
+                        break
+                    yield chunk({}, api.finish_reason(turn, req.options), isagi=api.extension(sid, turn, notice))
+                    if req.include_usage:
+                        yield "data: " + json.dumps({
+                            "id": completion, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [], "usage": api.usage(engine, turn, "".join(sent)),
+                        }) + "\n\n"
+                    break
+                yield "data: [DONE]\n\n"
+            finally:
+                gone.set()
+
+        return _Stream(events(), gone.set, media_type="text/event-stream",
+                       headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    app.state.isagi_api = api
+    return api
