@@ -11,9 +11,10 @@ exports and its ``.miku``.
 
 OpenAI clients are stateless: they send the whole conversation each time. A
 request maps to one of the caller's sessions by the ``X-Isagi-Session``
-header (echoed in every response), or, without it, to the caller's live
-session whose recorded turns equal the request's earlier messages; otherwise
-a new session is made. Only the last (user) message is new; system messages
+header (echoed in every response), or, without it, to the caller's session
+(live, or saved in the history: then made live again under its id, as a page
+reload does) whose recorded turns equal the request's earlier messages;
+otherwise a new session is made. Only the last (user) message is new; system messages
 are ignored (the system prompt is the server's, ``ISAGI_SYSTEM_PROMPT``).
 Responses carry an ``isagi`` object (session id, tier, verdict, TEH) beside
 OpenAI's fields; clients ignore it.
@@ -53,7 +54,7 @@ from starlette.requests import Request
 
 from app import turns
 from app.loader import EngineLoading
-from app.sessions import LOCAL_OWNER, SessionBusy, SessionLimit
+from app.sessions import LOCAL_OWNER, SessionBusy, SessionLimit, autosave_file
 from isagi.errors import ConfigError, IsagiError
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole conversation is sent each time: roo
 MAX_STOP_SEQUENCES = 4
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
 ROLES = ("system", "developer", "user", "assistant")
+MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
 
 
 class ApiError(Exception):
@@ -315,7 +317,7 @@ class Api:
                                f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
             return named
         if req.earlier:
-            found = self.find(owner, req.earlier)
+            found = self.find(owner, client, req.earlier)
             if found is not None:
                 return found
         try:
@@ -323,8 +325,11 @@ class Api:
         except SessionLimit as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
 
-    def find(self, owner: str, earlier: list[tuple[str, str]]) -> str | None:
-        """The caller's live session whose turns are exactly ``earlier`` (the newest used first), or None."""
+    def find(self, owner: str, client: str | None, earlier: list[tuple[str, str]]) -> str | None:
+        """The caller's session whose turns are exactly ``earlier``, or None: a live one (the newest
+        used first), else one of their :data:`MATCH_SCAN` most recently updated sessions in the
+        history, made live again under its id as a page reload does (parked: resumed; saved
+        before a restart: reopened from its ``.miku``)."""
         from isagi.agent import clean_message
 
         want = [(clean_message(u), a) for u, a in earlier]
@@ -336,7 +341,36 @@ class Api:
             have = [(t.user_text, t.reply_text) for t in list(entry.session.turns)]
             if have == want:
                 found.append((entry.last_used, sid))
-        return max(found)[1] if found else None
+        if found:
+            return max(found)[1]
+        return self._find_saved(owner, client, want)
+
+    def _find_saved(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
+        from isagi.session_io import load_session
+
+        engine = self.engine()
+        store = getattr(engine, "store", None)
+        if store is None:
+            return None
+        rows = [(role, text) for u, a in want for role, text in (("user", u), ("assistant", a))]
+        for summary in store.list_sessions(limit=MATCH_SCAN, owner=owner):
+            if summary.turns != len(want) or self.registry.live_entry(summary.id, owner) is not None:
+                continue
+            try:
+                if [(r.role, r.text) for r in store.get_turns(summary.id, owner=owner)] != rows:
+                    continue
+                if self.registry.holds(summary.id, owner):  # parked: resumed at its next use
+                    return summary.id
+                path = autosave_file(summary, engine.settings.sessions_dir)
+                if path is None:
+                    continue  # no living state to continue: a new session it is
+                session = load_session(engine.frame, path, session_id=summary.id)
+                return self.registry.reopen(session, owner=owner, client=client)
+            except SessionLimit as exc:
+                raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
+            except (IsagiError, KeyError, OSError) as exc:  # unreadable or taken: look further
+                log.warning("could not continue session %s from the history: %s", summary.id, exc)
+        return None
 
     # -- a turn --------------------------------------------------------------------
     def run_turn(self, sid: str, owner: str, message: Any, options: Any,

@@ -61,6 +61,7 @@ from app.sessions import (
     SessionBusy,
     SessionLimit,
     SessionRegistry,
+    autosave_file,
 )
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from isagi.ids import is_session_id
@@ -943,16 +944,7 @@ class WebUI:
 
     def _autosave_of(self, summary: Any) -> Path | None:
         """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
-        root = Path(self.settings.sessions_dir).resolve()
-        for cand in (summary.miku_path, f"{summary.id}.miku" if is_session_id(summary.id) else None):
-            if not cand:
-                continue
-            p = (root / cand) if not os.path.isabs(cand) else Path(cand)
-            with contextlib.suppress(OSError, RuntimeError):
-                p = p.resolve()
-                if p.parent == root and p.suffix == ".miku" and p.is_file():
-                    return p
-        return None
+        return autosave_file(summary, self.settings.sessions_dir)
 
     def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Open one of the caller's past sessions: their own live (or parked) one is switched

@@ -205,6 +205,27 @@ def test_multi_turn_conversation_maps_to_one_session(served):
     assert other.headers["X-Isagi-Session"] not in sids
 
 
+def test_a_saved_conversation_is_continued_under_its_id(served):
+    client = served.client("key-alice")
+
+    def say(messages: list[dict[str, str]], q: str) -> str:
+        messages.append({"role": "user", "content": q})
+        r = client.chat.completions.with_raw_response.create(model=served.model, messages=messages)
+        messages.append({"role": "assistant", "content": r.parse().choices[0].message.content})
+        return r.headers["X-Isagi-Session"]
+
+    messages: list[dict[str, str]] = []
+    sid = say(messages, "a conversation to put away")
+    assert served.registry.release(sid, park=True, owner="alice")  # idle, or its page closed: parked
+    assert sid not in served.registry
+    assert say(messages, "after it was parked") == sid
+    assert served.registry.release(sid, owner="alice")  # forgotten, as after a restart: file and history
+    assert not served.registry.holds(sid, "alice")
+    assert say(messages, "after a restart") == sid
+    assert len(served.registry.entry(sid, "alice").session.turns) == 3
+    assert _stored(served, sid, "alice") == [(m["role"], m["content"]) for m in messages]
+
+
 def test_bob_cannot_reach_alices_session(served):
     alice = served.client("key-alice")
     first = [{"role": "user", "content": "alice's secret question"}]
@@ -212,6 +233,7 @@ def test_bob_cannot_reach_alices_session(served):
     sid = r.headers["X-Isagi-Session"]
     said = [*first, {"role": "assistant", "content": r.parse().choices[0].message.content},
             {"role": "user", "content": "and next"}]
+    assert served.registry.release(sid, owner="alice")  # only in her history now: replays look there too
     bob = served.client("key-bob")
     with pytest.raises(openai.NotFoundError) as info:
         bob.chat.completions.create(model=served.model, messages=said, extra_headers={"X-Isagi-Session": sid})
@@ -219,7 +241,7 @@ def test_bob_cannot_reach_alices_session(served):
     replay = bob.chat.completions.with_raw_response.create(model=served.model, messages=said)
     bobs = replay.headers["X-Isagi-Session"]
     assert bobs != sid and served.registry.holds(bobs, "bob")
-    assert len(served.registry.entry(sid, "alice").session.turns) == 1  # alice's untouched
+    assert len(_stored(served, sid, "alice")) == 2 and not served.registry.holds(sid, "bob")  # alice's untouched
     assert len(served.registry.entry(bobs, "bob").session.turns) == 1  # a new session of bob's
 
 
