@@ -312,10 +312,13 @@ class Api:
     def session_for(self, owner: str, client: str | None, req: ChatRequest, named: str | None) -> str:
         """The id of the caller's session this request continues (see the module's docstring)."""
         if named:
-            if not self.registry.holds(named, owner):
-                raise ApiError(404, f"No session {named[:64]!r} of yours is open here; leave out "
-                               f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
-            return named
+            if self.registry.holds(named, owner):  # live, or parked: resumed at its use
+                return named
+            summary = self._summary(named, owner)
+            if summary is not None and (sid := self._reopen(summary, owner, client)) is not None:
+                return sid
+            raise ApiError(404, f"No session {named[:64]!r} of yours to continue here; leave out "
+                           f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
         if req.earlier:
             found = self.find(owner, client, req.earlier)
             if found is not None:
@@ -346,8 +349,6 @@ class Api:
         return self._find_saved(owner, client, want)
 
     def _find_saved(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
-        from isagi.session_io import load_session
-
         engine = self.engine()
         store = getattr(engine, "store", None)
         if store is None:
@@ -357,20 +358,41 @@ class Api:
             if summary.turns != len(want) or self.registry.live_entry(summary.id, owner) is not None:
                 continue
             try:
-                if [(r.role, r.text) for r in store.get_turns(summary.id, owner=owner)] != rows:
-                    continue
-                if self.registry.holds(summary.id, owner):  # parked: resumed at its next use
-                    return summary.id
-                path = autosave_file(summary, engine.settings.sessions_dir)
-                if path is None:
-                    continue  # no living state to continue: a new session it is
-                session = load_session(engine.frame, path, session_id=summary.id)
-                return self.registry.reopen(session, owner=owner, client=client)
-            except SessionLimit as exc:
-                raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
-            except (IsagiError, KeyError, OSError) as exc:  # unreadable or taken: look further
-                log.warning("could not continue session %s from the history: %s", summary.id, exc)
+                same = [(r.role, r.text) for r in store.get_turns(summary.id, owner=owner)] == rows
+            except IsagiError:
+                continue
+            if same and (sid := self._reopen(summary, owner, client)) is not None:
+                return sid
         return None
+
+    def _summary(self, sid: str, owner: str) -> Any:
+        """``owner``'s history summary of ``sid``, or None (unknown, another's, no history)."""
+        store = getattr(self.engine(), "store", None)
+        try:
+            return None if store is None else store.get_session(sid, owner=owner)
+        except (IsagiError, ValueError):
+            return None
+
+    def _reopen(self, summary: Any, owner: str, client: str | None) -> str | None:
+        """Make ``owner``'s saved session live again under its id, as a page reload does (parked:
+        resumed at its next use; else opened from its ``.miku``); None when it has no living
+        state to continue or it cannot be read (a new session it is then)."""
+        from isagi.session_io import load_session
+
+        if self.registry.holds(summary.id, owner):
+            return summary.id
+        engine = self.engine()
+        path = autosave_file(summary, engine.settings.sessions_dir)
+        if path is None:
+            return None
+        try:
+            return self.registry.reopen(load_session(engine.frame, path, session_id=summary.id),
+                                        owner=owner, client=client)
+        except SessionLimit as exc:
+            raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
+        except (IsagiError, KeyError, OSError) as exc:  # unreadable, or live for another owner
+            log.warning("could not continue session %s from the history: %s", summary.id, exc)
+            return None
 
     # -- a turn --------------------------------------------------------------------
     def run_turn(self, sid: str, owner: str, message: Any, options: Any,

@@ -223,6 +223,12 @@ def test_a_saved_conversation_is_continued_under_its_id(served):
     assert not served.registry.holds(sid, "alice")
     assert say(messages, "after a restart") == sid
     assert len(served.registry.entry(sid, "alice").session.turns) == 3
+    assert served.registry.release(sid, owner="alice")  # forgotten again; named by its id this time
+    r = client.chat.completions.with_raw_response.create(
+        model=served.model, messages=[{"role": "user", "content": "by its id"}], extra_headers={"X-Isagi-Session": sid})
+    messages += [{"role": "user", "content": "by its id"},
+                 {"role": "assistant", "content": r.parse().choices[0].message.content}]
+    assert r.headers["X-Isagi-Session"] == sid and len(served.registry.entry(sid, "alice").session.turns) == 4
     assert _stored(served, sid, "alice") == [(m["role"], m["content"]) for m in messages]
 
 
