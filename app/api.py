@@ -101,6 +101,18 @@ def parse_api_keys(spec: str | None) -> dict[str, str]:
     return keys
 
 
+def same_exchanges(recorded: list[tuple[str, str, str]], said: list[tuple[str, str]]) -> bool:
+    """Whether a session's ``recorded`` (question, reply, verdict) exchanges are the ``said``
+    (question, reply) ones a client sends back. A withheld reply counts as said both as recorded
+    and as streamed (the part generated before it was withheld, then the notice)."""
+    if len(recorded) != len(said):
+        return False
+    for (q, reply, verdict), (q2, reply2) in zip(recorded, said, strict=True):
+        if q != q2 or not (reply2 == reply or (verdict == "withheld" and reply2.endswith("\n\n" + reply))):
+            return False
+    return True
+
+
 def _is_loopback(host: str | None) -> bool:
     try:
         return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
@@ -341,8 +353,7 @@ class Api:
             entry = self.registry.live_entry(sid, owner)
             if entry is None:
                 continue
-            have = [(t.user_text, t.reply_text) for t in list(entry.session.turns)]
-            if have == want:
+            if same_exchanges([(t.user_text, t.reply_text, t.verdict) for t in list(entry.session.turns)], want):
                 found.append((entry.last_used, sid))
         if found:
             return max(found)[1]
@@ -353,12 +364,13 @@ class Api:
         store = getattr(engine, "store", None)
         if store is None:
             return None
-        rows = [(role, text) for u, a in want for role, text in (("user", u), ("assistant", a))]
         for summary in store.list_sessions(limit=MATCH_SCAN, owner=owner):
             if summary.turns != len(want) or self.registry.live_entry(summary.id, owner) is not None:
                 continue
             try:
-                same = [(r.role, r.text) for r in store.get_turns(summary.id, owner=owner)] == rows
+                rows = store.get_turns(summary.id, owner=owner)
+                same = [r.role for r in rows] == ["user", "assistant"] * len(want) and same_exchanges(
+                    [(q.text, a.text, a.verdict) for q, a in zip(rows[::2], rows[1::2], strict=True)], want)
             except IsagiError:
                 continue
             if same and (sid := self._reopen(summary, owner, client)) is not None:

@@ -484,3 +484,29 @@ def test_session_caps_apply(tmp_path):
             assert err["code"] == "session_limit" and "ISAGI_MAX_SESSIONS_PER_CLIENT" in err["message"]
     finally:
         engine.store.close()
+
+
+def test_withheld_reply_filters_and_its_replay_continues_the_session(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path, withhold=True)  # every reply withheld at its first check
+    app = create_app(engine, engine.settings)
+    try:
+        with TestClient(app, client=("127.0.0.1", 5000)) as client:
+            messages = [{"role": "user", "content": "say something"}]
+            body = {"model": engine.lm.model_id, "stream": True, "messages": messages}
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                sid = r.headers["X-Isagi-Session"]
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "content_filter"
+            assert chunks[-1]["isagi"]["verdict"] == "withheld"
+            said = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            assert "[reply withheld]" in said
+            messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "and then?"}]
+            again = client.post("/v1/chat/completions", json={"model": engine.lm.model_id, "messages": messages})
+            assert again.headers["X-Isagi-Session"] == sid
+            assert again.json()["choices"][0]["finish_reason"] == "content_filter"
+    finally:
+        engine.store.close()
