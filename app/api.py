@@ -219,8 +219,8 @@ def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
         if not stream:
             raise ApiError(400, "stream_options is only allowed with stream: true.", param="stream_options")
     include_usage = _flag(opts or {}, "include_usage", "stream_options.include_usage")
-    n = _integer(body, "n", 1, 1)
-    del n
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, "n must be 1: each turn of a session has one reply.", param="n")
     limit = _integer(body, "max_completion_tokens", 1, max_new_tokens)
     if limit is None:
         limit = _integer(body, "max_tokens", 1, max_new_tokens)
@@ -441,10 +441,11 @@ class Api:
             raise ApiError(404, "This session was closed meanwhile; send the conversation again.",
                            code="session_not_found") from None
 
-    def prepare(self, request: Any, raw: bytes) -> tuple[str, ChatRequest, Any, str, Any]:
-        """Who asks, what, in which session: (owner, request, engine, session id, checked message)."""
+    def prepare(self, request: Any, raw: bytes | None) -> tuple[str, ChatRequest, Any, str, Any]:
+        """Who asks, what, in which session: (owner, request, engine, session id, checked message).
+        ``raw``: the body, None when it was over :data:`MAX_BODY_BYTES`."""
         owner = self.caller(request)
-        if len(raw) > MAX_BODY_BYTES:
+        if raw is None:
             raise ApiError(413, f"The request is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter conversation.")
         engine = self.engine()
         req = parse_request(raw, int(self.settings.max_new_tokens))
@@ -479,6 +480,17 @@ class Api:
         out = engine.count_tokens(content) if content else 0
         return {"prompt_tokens": int(turn.prompt_tokens), "completion_tokens": out,
                 "total_tokens": int(turn.prompt_tokens) + out}
+
+
+async def read_body(request: Any) -> bytes | None:
+    """The request's body, or None once it is over :data:`MAX_BODY_BYTES` (read no further)."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _send_soon(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
@@ -533,7 +545,7 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
         from starlette.concurrency import run_in_threadpool
 
         try:
-            raw = await request.body()
+            raw = await read_body(request)
             owner, req, engine, sid, checked = await run_in_threadpool(api.prepare, request, raw)
         except ApiError as exc:
             return failure(exc, request.headers.get(SESSION_HEADER))

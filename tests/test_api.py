@@ -339,6 +339,12 @@ def test_bad_requests_get_openai_errors(served, body, status, param):
     assert len(served.registry.live_ids("alice")) == before  # a bad request makes no session
 
 
+def test_an_oversized_body_is_a_413(served):
+    from app.api import MAX_BODY_BYTES
+
+    _assert_openai_error(_raw(served, b"x" * (MAX_BODY_BYTES + 1)), 413)
+
+
 def test_a_24000_token_message_is_a_400_through_the_client(served):
     with pytest.raises(openai.BadRequestError) as info:
         served.client("key-alice").chat.completions.create(
