@@ -26,6 +26,12 @@ the page's throttle). Without any auth setting the API answers loopback
 clients only, as owner ``local``; with ``ISAGI_AUTH`` but no keys it answers
 nobody (a 401 saying to set ``ISAGI_API_KEYS``).
 
+Limits are the page's: message characters and tokens and the prompt budget
+(:meth:`isagi.agent.Engine.check`), the per-client and overall session caps
+(the registry's), one turn of a session at a time, and the one model (the
+engine's lock); at most :data:`MAX_TURNS_IN_FLIGHT` API turns run or wait for
+it at once, beyond that a 429 as from a full queue.
+
 Every failure is an OpenAI-shaped error ``{"error": {"message", "type",
 "param", "code"}}`` with a 4xx status (a 503 while the model loads), never a
 bare 500. A streamed turn whose client disconnects is dropped: the engine
@@ -62,6 +68,7 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Isagi-Session"
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole conversation is sent each time: room for a long one
 MAX_STOP_SEQUENCES = 4
+MAX_TURNS_IN_FLIGHT = 32  # API turns running or waiting for the model at once (the model runs one at a time)
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
 ROLES = ("system", "developer", "user", "assistant")
 MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
@@ -260,6 +267,23 @@ class Api:
         self.backoff = backoff  # failures per client address: the page's login throttle
         self.keys = {hashlib.sha256(k.encode()).digest(): u for k, u in parse_api_keys(settings.api_keys).items()}
         self.created = int(time.time())
+        self.max_turns = MAX_TURNS_IN_FLIGHT
+        self._in_flight = 0
+        self._count = threading.Lock()
+
+    def take_slot(self) -> None:
+        """Take one of the :attr:`max_turns` places of API turns running or waiting for the
+        model (:meth:`free_slot` gives it back); none free: an :class:`ApiError` (429), as a
+        full queue, instead of one more thread parked on the model."""
+        with self._count:
+            if self._in_flight >= self.max_turns:
+                raise ApiError(429, f"The model is busy with {self._in_flight} API requests; try again shortly.",
+                               type="rate_limit_error", code="server_busy", headers={"Retry-After": "5"})
+            self._in_flight += 1
+
+    def free_slot(self) -> None:
+        with self._count:
+            self._in_flight -= 1
 
     # -- who and what --------------------------------------------------------------
     def caller(self, request: Any) -> str:
@@ -546,9 +570,16 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
 
         try:
             raw = await read_body(request)
-            owner, req, engine, sid, checked = await run_in_threadpool(api.prepare, request, raw)
+            api.take_slot()  # before a session is made: a full queue makes none
         except ApiError as exc:
             return failure(exc, request.headers.get(SESSION_HEADER))
+        try:
+            owner, req, engine, sid, checked = await run_in_threadpool(api.prepare, request, raw)
+        except BaseException as exc:
+            api.free_slot()
+            if isinstance(exc, ApiError):
+                return failure(exc, request.headers.get(SESSION_HEADER))
+            raise
         completion = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         model = engine.lm.model_id
@@ -564,19 +595,28 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
             return True
 
         def work() -> None:
+            item: tuple[str, Any] = ("error", ApiError(500, "This turn ended unexpectedly; try again.",
+                                                       type="server_error"))
             try:
                 turn, notice = api.run_turn(sid, owner, checked, req.options, emit,
                                             lambda: _send_soon(loop, queue, ("started", None)))
-                _send_soon(loop, queue, ("done", (turn, notice)))
+                item = ("done", (turn, notice))
             except ApiError as exc:
-                _send_soon(loop, queue, ("error", exc))
+                item = ("error", exc)
             except Exception as exc:  # a bug: the engine has rolled the turn back
                 log.exception("API turn failed in session %s", sid)
-                _send_soon(loop, queue, ("error", ApiError(
+                item = ("error", ApiError(
                     500, f"This turn failed ({type(exc).__name__}); the session is as it was before it. "
-                    "Try again, and report the error if it repeats.", type="server_error")))
+                    "Try again, and report the error if it repeats.", type="server_error"))
+            finally:
+                api.free_slot()  # before the answer: a client that has it may send the next one
+                _send_soon(loop, queue, item)
 
-        threading.Thread(target=work, name="isagi-api-turn", daemon=True).start()
+        try:
+            threading.Thread(target=work, name="isagi-api-turn", daemon=True).start()
+        except BaseException:
+            api.free_slot()
+            raise
         kind, value = await queue.get()
         if kind == "error":
             return failure(value, sid)

@@ -251,6 +251,18 @@ def test_bob_cannot_reach_alices_session(served):
     assert len(served.registry.entry(bobs, "bob").session.turns) == 1  # a new session of bob's
 
 
+def test_turns_beyond_the_queue_are_refused(served, monkeypatch):
+    api = served.app.state.isagi_api
+    monkeypatch.setattr(api, "max_turns", 0)  # as if that many turns were running or waiting
+    before = served.registry.live_ids("alice")
+    err = _assert_openai_error(_raw(served, {"model": served.model, "messages": [
+        {"role": "user", "content": "no room"}]}), 429)
+    assert err["code"] == "server_busy" and served.registry.live_ids("alice") == before
+    monkeypatch.undo()
+    assert _raw(served, {"model": served.model, "messages": [{"role": "user", "content": "room"}]}).status_code == 200
+    assert api._in_flight == 0  # every finished turn gave its place back
+
+
 def test_refused_prompt_finishes_with_content_filter(served):
     done = served.client("key-alice").chat.completions.create(
         model=served.model, messages=[{"role": "user", "content": f"please {REFUSE} now"}])
@@ -337,6 +349,7 @@ def test_bad_requests_get_openai_errors(served, body, status, param):
     err = _assert_openai_error(_raw(served, body), status)
     assert err["param"] == param
     assert len(served.registry.live_ids("alice")) == before  # a bad request makes no session
+    assert served.app.state.isagi_api._in_flight == 0  # nor keeps a place in the queue
 
 
 def test_an_oversized_body_is_a_413(served):
