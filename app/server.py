@@ -299,6 +299,13 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
     url = f"http://{shown}:{port}/"
     console.print(f"[bold]ISAGI web[/] on [link={url}]{url}[/link]  (data: {settings.home})")
     console.print("The page answers at once; it shows the model's loading progress until it is ready.")
+    if settings.api_keys:
+        who = "Bearer keys of ISAGI_API_KEYS"
+    elif settings.auth:
+        who = "closed: set ISAGI_API_KEYS=user:KEY to give ISAGI_AUTH's users keys"
+    else:
+        who = "this machine only; set ISAGI_API_KEYS=user:KEY to open it to others"
+    console.print(f"OpenAI-compatible API at {url}v1 ({who}; README, API).")
     if host not in LOOPBACK:
         if settings.auth:
             console.print(f"[yellow]Listening on {host}: reachable from other machines (login required).[/]")
