@@ -22,7 +22,7 @@ OpenAI's fields; clients ignore it.
 Callers: with ``ISAGI_API_KEYS`` (``alice:KEY,...``) a Bearer key works as its
 owner (the same names as ``ISAGI_AUTH``); a missing or wrong key is a 401 and
 counts as a failed login of the client's address (:class:`app.login.Backoff`,
-the page's throttle). Without any auth setting the API answers loopback
+the page's throttle: after too many, keys and passwords from that address wait). Without any auth setting the API answers loopback
 clients only, as owner ``local``; with ``ISAGI_AUTH`` but no keys it answers
 nobody (a 401 saying to set ``ISAGI_API_KEYS``).
 
@@ -62,6 +62,7 @@ from app import turns
 from app.loader import EngineLoading
 from app.sessions import LOCAL_OWNER, SessionBusy, SessionLimit, autosave_file
 from isagi.errors import ConfigError, IsagiError
+from isagi.ids import is_session_id
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +317,7 @@ class Api:
             what = "No API key" if not auth else "Incorrect API key"
             raise ApiError(401, f"{what}: send Authorization: Bearer KEY with a key of ISAGI_API_KEYS.",
                            code="invalid_api_key")
-        self.backoff.success(client)
-        return owner
+        return owner  # a right key clears nothing: a key holder cannot wipe a guesser's record
 
     def engine(self) -> Any:
         try:
@@ -348,9 +348,9 @@ class Api:
     def session_for(self, owner: str, client: str | None, req: ChatRequest, named: str | None) -> str:
         """The id of the caller's session this request continues (see the module's docstring)."""
         if named:
-            if self.registry.holds(named, owner):  # live, or parked: resumed at its use
+            if is_session_id(named) and self.registry.holds(named, owner):  # live, or parked: resumed at its use
                 return named
-            summary = self._summary(named, owner)
+            summary = self._summary(named, owner) if is_session_id(named) else None
             if summary is not None and (sid := self._reopen(summary, owner, client)) is not None:
                 return sid
             raise ApiError(404, f"No session {named[:64]!r} of yours to continue here; leave out "

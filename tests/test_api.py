@@ -529,3 +529,10 @@ def test_withheld_reply_filters_and_its_replay_continues_the_session(tmp_path):
             assert again.json()["choices"][0]["finish_reason"] == "content_filter"
     finally:
         engine.store.close()
+
+
+@pytest.mark.parametrize("named", ["../../etc/passwd", "x" * 500, "000000000000"])
+def test_an_unknown_session_id_is_a_404(served, named):
+    body = {"model": served.model, "messages": [{"role": "user", "content": "continue that"}]}
+    err = _assert_openai_error(_raw(served, body, **{"X-Isagi-Session": named}), 404)
+    assert err["code"] == "session_not_found"
