@@ -536,3 +536,23 @@ def test_an_unknown_session_id_is_a_404(served, named):
     body = {"model": served.model, "messages": [{"role": "user", "content": "continue that"}]}
     err = _assert_openai_error(_raw(served, body, **{"X-Isagi-Session": named}), 404)
     assert err["code"] == "session_not_found"
+
+
+def test_a_server_without_the_page_serves_the_api(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path)
+    app = create_app(engine, engine.settings, page=False)
+    try:
+        with TestClient(app, client=("127.0.0.1", 5000)) as client:
+            assert client.get("/health").json()["status"] == "ok"
+            assert client.get("/").status_code == 404  # no page
+            r = client.post("/v1/chat/completions", json={
+                "model": engine.lm.model_id, "messages": [{"role": "user", "content": "no page needed"}]})
+            assert r.status_code == 200
+            sid = r.headers["X-Isagi-Session"]
+            assert [t.user_text for t in app.state.isagi_registry.entry(sid).session.turns] == ["no page needed"]
+    finally:
+        engine.store.close()
