@@ -320,11 +320,15 @@ class Api:
         return owner  # a right key clears nothing: a key holder cannot wipe a guesser's record
 
     def engine(self) -> Any:
+        """The engine, or a 503 saying what the loader does (a failed load: no server detail)."""
         try:
             return self.holder.engine
-        except EngineLoading as exc:
-            raise ApiError(503, " ".join(str(exc).split()), type="server_error", code="model_loading",
-                           headers={"Retry-After": "10"}) from None
+        except EngineLoading:
+            if self.holder.failed:
+                raise ApiError(503, "The model could not be loaded; the server's log says why. Restart the "
+                               "server once that is fixed.", type="server_error", code="model_failed") from None
+            raise ApiError(503, f"{self.holder.describe()}. The API answers once the model is ready.",
+                           type="server_error", code="model_loading", headers={"Retry-After": "10"}) from None
 
     def models(self) -> dict[str, Any]:
         engine = self.engine()

@@ -447,7 +447,7 @@ def test_503_while_loading(tmp_path):
         with TestClient(app, client=("127.0.0.1", 5000)) as client:
             r = client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
             err = _assert_openai_error(r, 503)
-            assert err["code"] == "model_loading"
+            assert err["code"] == "model_loading" and err["message"].startswith("Loading the model")
             _assert_openai_error(client.get("/v1/models"), 503)
     finally:
         gate.set()
@@ -556,3 +556,18 @@ def test_a_server_without_the_page_serves_the_api(tmp_path):
             assert [t.user_text for t in app.state.isagi_registry.entry(sid).session.turns] == ["no page needed"]
     finally:
         engine.store.close()
+
+
+def test_a_failed_load_is_a_503_without_its_detail(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from isagi.config import load_settings
+
+    def factory(progress: Any) -> Any:
+        raise RuntimeError("/very/secret/path is broken")
+
+    app = create_app(factory, load_settings(environ={}, home=Path(tmp_path)))
+    with TestClient(app, client=("127.0.0.1", 5000)) as client:
+        assert not app.state.isagi_holder.wait(30)  # loading ended, not ready
+        err = _assert_openai_error(client.get("/v1/models"), 503)
+        assert err["code"] == "model_failed" and "secret" not in err["message"]
