@@ -187,8 +187,8 @@ def _flag(body: dict[str, Any], name: str, where: str | None = None) -> bool:
 def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
     """The request body checked and read, or an :class:`ApiError` (400) naming what to fix.
 
-    ``max_new_tokens``: the server's reply limit (``ISAGI_MAX_NEW_TOKENS``), the most
-    ``max_tokens`` may ask (and the default). Fields ISAGI does not know are ignored.
+    ``max_new_tokens``: the server's reply limit (``ISAGI_MAX_NEW_TOKENS``), the default and
+    the cap of ``max_tokens`` (a larger one is capped, not refused). Fields ISAGI does not know are ignored.
     """
     from isagi.engines.base import GenerationOptions
 
@@ -196,6 +196,8 @@ def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "The request body is not valid JSON; send a JSON object.") from None
+    except RecursionError:  # nesting deeper than Python's parser goes
+        raise ApiError(400, "The request body is nested too deeply; send a JSON object of messages.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model")
@@ -229,9 +231,13 @@ def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
     include_usage = _flag(opts or {}, "include_usage", "stream_options.include_usage")
     if body.get("n") not in (None, 1):
         raise ApiError(400, "n must be 1: each turn of a session has one reply.", param="n")
-    limit = _integer(body, "max_completion_tokens", 1, max_new_tokens)
+    # Above the server's limit: capped to it (clients often send a large default such as 4096);
+    # a reply that reaches it ends with finish_reason "length".
+    limit = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
     if limit is None:
-        limit = _integer(body, "max_tokens", 1, max_new_tokens)
+        limit = _integer(body, "max_tokens", 1, 2**31 - 1)
+    if limit is not None:
+        limit = min(limit, max_new_tokens)
     temperature = _number(body, "temperature", 0.0, 2.0)
     top_p = _number(body, "top_p", 0.0, 1.0)
     if top_p == 0.0:
