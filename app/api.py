@@ -475,10 +475,9 @@ class Api:
             raise ApiError(404, "This session was closed meanwhile; send the conversation again.",
                            code="session_not_found") from None
 
-    def prepare(self, request: Any, raw: bytes | None) -> tuple[str, ChatRequest, Any, str, Any]:
-        """Who asks, what, in which session: (owner, request, engine, session id, checked message).
-        ``raw``: the body, None when it was over :data:`MAX_BODY_BYTES`."""
-        owner = self.caller(request)
+    def prepare(self, request: Any, owner: str, raw: bytes | None) -> tuple[ChatRequest, Any, str, Any]:
+        """What ``owner`` (:meth:`caller`) asks, in which session: (request, engine, session id,
+        checked message). ``raw``: the body, None when it was over :data:`MAX_BODY_BYTES`."""
         if raw is None:
             raise ApiError(413, f"The request is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter conversation.")
         engine = self.engine()
@@ -492,7 +491,7 @@ class Api:
                            if "limit" in str(exc) or "budget" in str(exc) else "invalid_message") from None
         client = getattr(getattr(request, "client", None), "host", None)
         sid = self.session_for(owner, client, req, request.headers.get(SESSION_HEADER))
-        return owner, req, engine, sid, checked
+        return req, engine, sid, checked
 
     # -- answers -------------------------------------------------------------------
     @staticmethod
@@ -579,12 +578,13 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
         from starlette.concurrency import run_in_threadpool
 
         try:
+            owner = api.caller(request)  # before the body: a stranger's body is never read
             raw = await read_body(request)
             api.take_slot()  # before a session is made: a full queue makes none
         except ApiError as exc:
             return failure(exc, request.headers.get(SESSION_HEADER))
         try:
-            owner, req, engine, sid, checked = await run_in_threadpool(api.prepare, request, raw)
+            req, engine, sid, checked = await run_in_threadpool(api.prepare, request, owner, raw)
         except BaseException as exc:
             api.free_slot()
             if isinstance(exc, ApiError):

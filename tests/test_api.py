@@ -392,6 +392,28 @@ def test_parse_request_honours_sampling_options():
     assert big.options.max_new_tokens == 12
 
 
+def test_a_strangers_body_is_not_read(served):
+    import asyncio
+
+    pulled, sent = 0, []
+
+    async def receive() -> dict[str, Any]:  # a body without end, as a slow or huge upload
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": b"x" * 65536, "more_body": True}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"authorization", b"Bearer no")],
+             "client": ("10.0.0.55", 5000), "server": ("127.0.0.1", 80)}  # its own address: locks no other test
+    asyncio.run(served.app(scope, receive, send))
+    assert sent[0]["status"] == 401 and json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    assert pulled == 0  # refused before its body: a stranger cannot make the server hold 16 MiB
+
+
 def test_deeply_nested_json_is_a_400(served):
     body = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     _assert_openai_error(_raw(served, body), 400)
