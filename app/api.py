@@ -70,6 +70,7 @@ SESSION_HEADER = "X-Isagi-Session"
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole conversation is sent each time: room for a long one
 MAX_STOP_SEQUENCES = 4
 MAX_TURNS_IN_FLIGHT = 32  # API turns running or waiting for the model at once (the model runs one at a time)
+DISCONNECT_POLL_S = 0.2  # how often a request waiting for its turn looks whether its client is still there
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
 ROLES = ("system", "developer", "user", "assistant")
 MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
@@ -355,33 +356,37 @@ class Api:
                         "(GET /v1/models).", param="model", code="model_not_found")
 
     # -- sessions ------------------------------------------------------------------
-    def session_for(self, owner: str, client: str | None, req: ChatRequest, named: str | None) -> str:
-        """The id of the caller's session this request continues (see the module's docstring)."""
+    def session_for(self, owner: str, client: str | None, req: ChatRequest,
+                    named: str | None) -> tuple[str, list[tuple[str, str]] | None]:
+        """The id of the caller's session this request continues (see the module's docstring),
+        and, when it was found by the replayed turns, those turns (:meth:`run_turn` checks that
+        the session still holds just them once it has its lock)."""
+        from isagi.agent import clean_message
+
         if named:
             if is_session_id(named) and self.registry.holds(named, owner):  # live, or parked: resumed at its use
-                return named
+                return named, None
             summary = self._summary(named, owner) if is_session_id(named) else None
             if summary is not None and (sid := self._reopen(summary, owner, client)) is not None:
-                return sid
+                return sid, None
             raise ApiError(404, f"No session {named[:64]!r} of yours to continue here; leave out "
                            f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
         if req.earlier:
-            found = self.find(owner, client, req.earlier)
+            want = [(clean_message(u), a) for u, a in req.earlier]
+            found = self.find(owner, client, want)
             if found is not None:
-                return found
+                return found, want
         try:
-            return self.registry.create(owner, client)
+            return self.registry.create(owner, client), None
         except SessionLimit as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
 
-    def find(self, owner: str, client: str | None, earlier: list[tuple[str, str]]) -> str | None:
-        """The caller's session whose turns are exactly ``earlier``, or None: a live one (the newest
+    def find(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
+        """The caller's session whose turns are exactly ``want`` (the earlier exchanges, their
+        questions as :func:`isagi.agent.clean_message` keeps them), or None: a live one (the newest
         used first), else one of their :data:`MATCH_SCAN` most recently updated sessions in the
         history, made live again under its id as a page reload does (parked: resumed; saved
         before a restart: reopened from its ``.miku``)."""
-        from isagi.agent import clean_message
-
-        want = [(clean_message(u), a) for u, a in earlier]
         found: list[tuple[float, str]] = []
         for sid in self.registry.live_ids(owner):
             entry = self.registry.live_entry(sid, owner)
@@ -442,14 +447,21 @@ class Api:
 
     # -- a turn --------------------------------------------------------------------
     def run_turn(self, sid: str, owner: str, message: Any, options: Any,
-                 emit: Callable[[Any], bool], started: Callable[[], None]) -> tuple[Any, str | None]:
+                 emit: Callable[[Any], bool], started: Callable[[], None],
+                 expect: list[tuple[str, str]] | None = None) -> tuple[Any, str | None]:
         """Run one turn of ``owner``'s session ``sid`` through the page's pipeline; returns the
         turn and the engine's notice. ``emit(event)`` gets each event before ``done`` and returns
         False once nobody listens: the turn is then dropped (nothing kept) and None returned.
-        ``started()`` is called once the turn runs (an error before it is the request's)."""
+        ``started()`` is called once the turn runs (an error before it is the request's).
+        ``expect``: the exchanges the session was found by; another request that continued it
+        meanwhile makes this one a 409 (its question would follow a reply its client never saw)."""
         engine = self.engine()
         try:
             with self.registry.using(sid, timeout=BUSY_WAIT_S, owner=owner) as entry:
+                if expect is not None and not same_exchanges(
+                        [(t.user_text, t.reply_text, t.verdict) for t in list(entry.session.turns)], expect):
+                    raise ApiError(409, "Another request continued this conversation first; send the "
+                                   "conversation again with that request's reply.", code="conversation_changed")
                 turns.begin(entry)
                 try:
                     events = turns.open_events(engine, entry, message, options)
@@ -475,9 +487,10 @@ class Api:
             raise ApiError(404, "This session was closed meanwhile; send the conversation again.",
                            code="session_not_found") from None
 
-    def prepare(self, request: Any, owner: str, raw: bytes | None) -> tuple[ChatRequest, Any, str, Any]:
+    def prepare(self, request: Any, owner: str,
+                raw: bytes | None) -> tuple[ChatRequest, Any, str, Any, list[tuple[str, str]] | None]:
         """What ``owner`` (:meth:`caller`) asks, in which session: (request, engine, session id,
-        checked message). ``raw``: the body, None when it was over :data:`MAX_BODY_BYTES`."""
+        checked message, the exchanges it was found by: :meth:`run_turn`'s ``expect``). ``raw``: the body, None when it was over :data:`MAX_BODY_BYTES`."""
         if raw is None:
             raise ApiError(413, f"The request is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter conversation.")
         engine = self.engine()
@@ -490,8 +503,8 @@ class Api:
             raise ApiError(400, " ".join(str(exc).split()), param="messages", code="message_too_long"
                            if "limit" in str(exc) or "budget" in str(exc) else "invalid_message") from None
         client = getattr(getattr(request, "client", None), "host", None)
-        sid = self.session_for(owner, client, req, request.headers.get(SESSION_HEADER))
-        return req, engine, sid, checked
+        sid, expect = self.session_for(owner, client, req, request.headers.get(SESSION_HEADER))
+        return req, engine, sid, checked, expect
 
     # -- answers -------------------------------------------------------------------
     @staticmethod
@@ -584,7 +597,7 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
         except ApiError as exc:
             return failure(exc, request.headers.get(SESSION_HEADER))
         try:
-            req, engine, sid, checked = await run_in_threadpool(api.prepare, request, owner, raw)
+            req, engine, sid, checked, expect = await run_in_threadpool(api.prepare, request, owner, raw)
         except BaseException as exc:
             api.free_slot()
             if isinstance(exc, ApiError):
@@ -609,7 +622,7 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
                                                        type="server_error"))
             try:
                 turn, notice = api.run_turn(sid, owner, checked, req.options, emit,
-                                            lambda: _send_soon(loop, queue, ("started", None)))
+                                            lambda: _send_soon(loop, queue, ("started", None)), expect)
                 item = ("done", (turn, notice))
             except ApiError as exc:
                 item = ("error", exc)
@@ -627,19 +640,32 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
         except BaseException:
             api.free_slot()
             raise
-        kind, value = await queue.get()
-        if kind == "error":
-            return failure(value, sid)
 
+        async def watch() -> None:
+            """A client gone before its answer (a non-streamed one, or one still waiting for its
+            session or the model) ends the turn, which is then dropped as a stream's is."""
+            while not gone.is_set():
+                if await request.is_disconnected():
+                    gone.set()
+                    return
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            kind, value = await queue.get()
+            if kind == "error":
+                return failure(value, sid)
+            if not req.stream:
+                while kind != "done":
+                    kind, value = await queue.get()
+                    if kind == "error":
+                        return failure(value, sid)
+        finally:
+            watcher.cancel()  # a stream's own end (and its client's) is the response's to see
         if not req.stream:
-            parts: list[str] = []
-            while kind != "done":
-                kind, value = await queue.get()
-                if kind == "event" and value.kind == "token":
-                    parts.append(value.text)
-                elif kind == "error":
-                    return failure(value, sid)
             turn, notice = value
+            if turn is None:  # its client left: dropped, nothing kept; nobody reads this
+                return failure(ApiError(499, "The client closed the request; the turn was not kept."), sid)
             content = turn.reply_text
             return JSONResponse(headers=headers, content={
                 "id": completion, "object": "chat.completion", "created": created, "model": model,

@@ -308,6 +308,53 @@ def test_disconnect_mid_stream_leaves_no_turn(served, monkeypatch):
     assert _stored(served, sid, "bob") == []
 
 
+def test_a_replay_continued_meanwhile_is_a_409(served, monkeypatch):
+    client = served.client("key-bob")
+    first = [{"role": "user", "content": "a conversation sent twice at once"}]
+    r = client.chat.completions.with_raw_response.create(model=served.model, messages=first)
+    sid = r.headers["X-Isagi-Session"]
+    said = [*first, {"role": "assistant", "content": r.parse().choices[0].message.content}]
+    api = served.app.state.isagi_api
+    real = api.session_for
+    raced_once: list[bool] = []
+
+    def raced(*a: Any, **k: Any) -> Any:  # another request of the same conversation gets its turn in first
+        found = real(*a, **k)
+        if raced_once:
+            return found
+        raced_once.append(True)
+        other = _raw(served, {"model": served.model, "messages": [*said, {"role": "user", "content": "the other"}]},
+                     key="key-bob")
+        assert other.headers["X-Isagi-Session"] == sid
+        return found
+
+    monkeypatch.setattr(api, "session_for", raced)
+    err = _assert_openai_error(_raw(served, {"model": served.model, "messages": [
+        *said, {"role": "user", "content": "this one"}]}, key="key-bob"), 409)
+    assert err["code"] == "conversation_changed"
+    assert [t.user_text for t in served.registry.entry(sid, "bob").session.turns] == [first[0]["content"], "the other"]
+
+
+def test_a_client_gone_before_its_answer_leaves_no_turn(served, monkeypatch):
+    from tests.e2e.fake_server import script_replies
+
+    lm = served.engine.lm
+    monkeypatch.setattr(lm, "generation", lm.generation)  # put back after the test (the tiny model is shared)
+    script_replies(served.engine, "a slow reply that the client will not wait for", tokens=12, delay_s=0.3)
+    before = set(served.registry.live_ids("bob"))
+    with pytest.raises(httpx.TimeoutException):  # a non-streamed request given up, as a client's timeout does
+        httpx.post(served.url + "/v1/chat/completions", timeout=0.5, headers={"Authorization": "Bearer key-bob"},
+                   json={"model": served.model, "messages": [{"role": "user", "content": "too slow for me"}]})
+    api = served.app.state.isagi_api
+    for _ in range(600):
+        if api._in_flight == 0:
+            break
+        time.sleep(0.05)
+    (sid,) = set(served.registry.live_ids("bob")) - before
+    assert served.registry.wait_until_free(sid, 30, "bob")
+    assert served.registry.entry(sid, "bob").session.turns == [] and _stored(served, sid, "bob") == []
+
+
 # --------------------------------------------------------------------------- errors
 
 
