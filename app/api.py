@@ -63,6 +63,7 @@ from app.loader import EngineLoading
 from app.sessions import LOCAL_OWNER, SessionBusy, SessionLimit, autosave_file
 from isagi.errors import ConfigError, IsagiError
 from isagi.ids import is_session_id
+from storage.miku import MAX_TURNS
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ MAX_TURNS_IN_FLIGHT = 32  # API turns running or waiting for the model at once (
 DISCONNECT_POLL_S = 0.2  # how often a request waiting for its turn looks whether its client is still there
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
 ROLES = ("system", "developer", "user", "assistant")
+# A conversation's messages: a session's turns (a question and a reply each), its new question,
+# and room for system messages; a longer one could never continue a session.
+MAX_MESSAGES = 2 * MAX_TURNS + 64
+PARSES_AT_ONCE = 2  # bodies parsed at once: a 16 MiB body of tiny messages takes ~150 MiB as objects
 MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
 
 
@@ -207,6 +212,10 @@ def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects.", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"messages holds {len(messages):,} messages; a conversation here has at most "
+                       f"{MAX_MESSAGES:,} (a session keeps {MAX_TURNS:,} turns).", param="messages",
+                       code="too_many_messages")
     said: list[tuple[str, str]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -278,6 +287,7 @@ class Api:
         self.max_turns = MAX_TURNS_IN_FLIGHT
         self._in_flight = 0
         self._count = threading.Lock()
+        self._parsing = threading.BoundedSemaphore(PARSES_AT_ONCE)
 
     def take_slot(self) -> None:
         """Take one of the :attr:`max_turns` places of API turns running or waiting for the
@@ -494,7 +504,8 @@ class Api:
         if raw is None:
             raise ApiError(413, f"The request is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter conversation.")
         engine = self.engine()
-        req = parse_request(raw, int(self.settings.max_new_tokens))
+        with self._parsing:  # a few at once: many large bodies parsed together would take GiBs
+            req = parse_request(raw, int(self.settings.max_new_tokens))
         if req.model != engine.lm.model_id:
             raise self._unknown_model(req.model, engine)
         try:
@@ -714,6 +725,12 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
 
         return _Stream(events(), gone.set, media_type="text/event-stream",
                        headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    def unknown_url(rest: str, request: Request) -> Any:
+        """Any other ``/v1`` address (or method): OpenAI's 404, not the page's."""
+        return failure(ApiError(404, f"Invalid URL ({request.method} /v1/{rest[:80]}); this server has "
+                                "POST /v1/chat/completions and GET /v1/models.", code="unknown_url"))
 
     app.state.isagi_api = api
     return api

@@ -461,6 +461,20 @@ def test_a_strangers_body_is_not_read(served):
     assert pulled == 0  # refused before its body: a stranger cannot make the server hold 16 MiB
 
 
+@pytest.mark.parametrize("method, path", [("GET", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                                          ("POST", "/v1/embeddings"), ("DELETE", "/v1/models/x")])
+def test_other_v1_addresses_are_openai_404s(served, method, path):
+    r = httpx.request(method, served.url + path, headers={"Authorization": "Bearer key-alice"}, json={})
+    assert _assert_openai_error(r, 404)["code"] == "unknown_url"
+
+
+def test_too_many_messages_is_a_400(served):
+    from app.api import MAX_MESSAGES
+
+    body = {"model": served.model, "messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)}
+    assert _assert_openai_error(_raw(served, body), 400)["code"] == "too_many_messages"
+
+
 def test_deeply_nested_json_is_a_400(served):
     body = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     _assert_openai_error(_raw(served, body), 400)
