@@ -78,7 +78,8 @@ ROLES = ("system", "developer", "user", "assistant")
 # and room for system messages; a longer one could never continue a session.
 MAX_MESSAGES = 2 * MAX_TURNS + 64
 PARSES_AT_ONCE = 2  # bodies parsed at once: a 16 MiB body of tiny messages takes ~150 MiB as objects
-MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
+MATCH_SCAN = 50
+PARK_TRIES = 4  # sessions parked at most to make room for one (the client's, the user's, the server's cap)  # a caller's most recently updated sessions looked at for a replayed conversation
 
 
 class ApiError(Exception):
@@ -288,6 +289,7 @@ class Api:
         self._in_flight = 0
         self._count = threading.Lock()
         self._parsing = threading.BoundedSemaphore(PARSES_AT_ONCE)
+        self._made: dict[str, None] = {}  # sessions the API made live (parked to make room at a cap)
 
     def take_slot(self) -> None:
         """Take one of the :attr:`max_turns` places of API turns running or waiting for the
@@ -375,21 +377,67 @@ class Api:
 
         if named:
             if is_session_id(named) and self.registry.holds(named, owner):  # live, or parked: resumed at its use
+                with self._count:
+                    self._made[named] = None
                 return named, None
             summary = self._summary(named, owner) if is_session_id(named) else None
-            if summary is not None and (sid := self._reopen(summary, owner, client)) is not None:
+            if summary is not None and (sid := self._admitted(lambda: self._reopen(summary, owner, client),
+                                                              owner, client)) is not None:
                 return sid, None
             raise ApiError(404, f"No session {named[:64]!r} of yours to continue here; leave out "
                            f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
         if req.earlier:
             want = [(clean_message(u), a) for u, a in req.earlier]
-            found = self.find(owner, client, want)
+            found = self._admitted(lambda: self.find(owner, client, want), owner, client)
             if found is not None:
                 return found, want
-        try:
-            return self.registry.create(owner, client), None
-        except SessionLimit as exc:
-            raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
+        return self._admitted(lambda: self.registry.create(owner, client), owner, client), None
+
+    def _admitted(self, make: Callable[[], str | None], owner: str, client: str | None) -> str | None:
+        """``make()`` (a session made or reopened live), making room at a session cap by parking
+        the caller's least recently used idle session the API made live (kept in its file and
+        the history, resumed by its id or its replay, as idle eviction does): every new
+        conversation of a client is a session, and a script of many one-off questions must not
+        lock its user (and their page) out until the idle time. A cap still full: a 429."""
+        for _ in range(PARK_TRIES):
+            try:
+                sid = make()
+            except SessionLimit:
+                if self._park_one(owner, client):
+                    continue
+                break
+            if sid is not None:
+                with self._count:
+                    self._made[sid] = None
+            return sid
+        raise ApiError(429, "Too many open chats for this client or user (ISAGI_MAX_SESSIONS_PER_CLIENT), all of "
+                       "them busy or open in a page; try again shortly.", type="rate_limit_error",
+                       code="session_limit", headers={"Retry-After": "5"})
+
+    def _park_one(self, owner: str, client: str | None) -> bool:
+        """Park ``owner``'s least recently used idle session that the API made live (this
+        client's first); whether one was."""
+        with self._count:
+            made = list(self._made)
+        idle = []
+        for sid in made:
+            entry = self.registry.live_entry(sid, owner) if sid in self.registry else None
+            if entry is None:
+                if sid not in self.registry:
+                    with self._count:
+                        self._made.pop(sid, None)  # gone (evicted, released, another's never listed)
+                continue
+            if not entry.lock.locked():
+                idle.append((entry.client != client, entry.last_used, sid))
+        for *_, sid in sorted(idle):
+            try:
+                if self.registry.release(sid, park=True, owner=owner):
+                    with self._count:
+                        self._made.pop(sid, None)
+                    return True
+            except IsagiError as exc:  # its file could not be written: it stays live
+                log.warning("could not park session %s to make room: %s", sid, exc)
+        return False
 
     def find(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
         """The caller's session whose turns are exactly ``want`` (the earlier exchanges, their
@@ -449,8 +497,8 @@ class Api:
         try:
             return self.registry.reopen(load_session(engine.frame, path, session_id=summary.id),
                                         owner=owner, client=client)
-        except SessionLimit as exc:
-            raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit") from None
+        except SessionLimit:
+            raise  # a cap: :meth:`_admitted` makes room
         except (IsagiError, KeyError, OSError) as exc:  # unreadable, or live for another owner
             log.warning("could not continue session %s from the history: %s", summary.id, exc)
             return None

@@ -576,19 +576,36 @@ def test_harmful_prompt_is_filtered(served_default):
     assert done.model_extra["isagi"]["verdict"] in ("refused", "withheld")
 
 
-def test_session_caps_apply(tmp_path):
+def test_session_caps_park_idle_api_sessions_and_refuse_busy_ones(tmp_path):
     from fastapi.testclient import TestClient
 
     from tests.tiny_engine import tiny_engine
 
-    engine = tiny_engine(tmp_path, api_keys="alice:k", max_sessions_per_client=1)
+    engine = tiny_engine(tmp_path, api_keys="alice:k", max_sessions_per_client=2)
     app = create_app(engine, engine.settings)
+    registry = app.state.isagi_registry
     try:
         with TestClient(app, client=("10.0.0.7", 5000), headers={"Authorization": "Bearer k"}) as client:
-            body = {"model": engine.lm.model_id, "messages": [{"role": "user", "content": "one chat"}]}
-            assert client.post("/v1/chat/completions", json=body).status_code == 200
-            body["messages"][0]["content"] = "another chat"
-            err = _assert_openai_error(client.post("/v1/chat/completions", json=body), 429)
+            def ask(q: str, earlier: list[dict[str, str]] = ()) -> Any:
+                return client.post("/v1/chat/completions", json={
+                    "model": engine.lm.model_id, "messages": [*earlier, {"role": "user", "content": q}]})
+
+            # a script of one-off questions (each a new conversation) is not locked out at the cap
+            first = ask("question 0")
+            sids = [first.headers["X-Isagi-Session"]] + [ask(f"question {i}").headers["X-Isagi-Session"]
+                                                           for i in range(1, 5)]
+            assert len(set(sids)) == 5 and len(registry.live_ids("alice")) <= 2
+            # the first, parked to make room, continues under its id when its conversation goes on
+            said = [{"role": "user", "content": "question 0"},
+                    {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
+            again = ask("and more", said)
+            assert again.status_code == 200 and again.headers["X-Isagi-Session"] == sids[0]
+            assert [t.user_text for t in registry.entry(sids[0], "alice").session.turns] == ["question 0", "and more"]
+            # every live session busy: nothing to park, a 429
+            with contextlib.ExitStack() as held:
+                for sid in registry.live_ids("alice"):
+                    held.enter_context(registry.using(sid, owner="alice"))
+                err = _assert_openai_error(ask("no room now"), 429)
             assert err["code"] == "session_limit" and "ISAGI_MAX_SESSIONS_PER_CLIENT" in err["message"]
     finally:
         engine.store.close()
