@@ -129,10 +129,12 @@ def same_exchanges(recorded: list[tuple[str, str, str]], said: list[tuple[str, s
 
 
 def _is_loopback(host: str | None) -> bool:
+    """Whether ``host`` is this machine (``::ffff:127.0.0.1``, a dual-stack socket's IPv4 client, too)."""
     try:
-        return host is not None and ipaddress.ip_address(host.split("%")[0]).is_loopback
+        ip = ipaddress.ip_address((host or "").split("%")[0])
     except ValueError:
         return False
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
 # --------------------------------------------------------------------------- the request

@@ -493,9 +493,11 @@ def test_without_auth_only_loopback_clients(tmp_path):
         return SimpleNamespace(client=SimpleNamespace(host=host), headers={})
 
     assert api.caller(req("127.0.0.1")) == LOCAL_OWNER and api.caller(req("::1")) == LOCAL_OWNER
-    with pytest.raises(ApiError) as info:
-        api.caller(req("192.168.1.20"))
-    assert info.value.status == 403
+    assert api.caller(req("::ffff:127.0.0.1")) == LOCAL_OWNER  # an IPv4 client of a dual-stack socket
+    for host in ("192.168.1.20", "::ffff:192.168.1.20", "unknown", ""):
+        with pytest.raises(ApiError) as info:
+            api.caller(req(host))
+        assert info.value.status == 403
     settings.auth = "alice:pw"  # a login for the page but no API keys: nobody
     with pytest.raises(ApiError) as info:
         api.caller(req("127.0.0.1"))
