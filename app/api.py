@@ -79,6 +79,7 @@ ROLES = ("system", "developer", "user", "assistant")
 MAX_MESSAGES = 2 * MAX_TURNS + 64
 PARSES_AT_ONCE = 2  # bodies parsed at once: a 16 MiB body of tiny messages takes ~150 MiB as objects
 MATCH_SCAN = 50
+MADE_KEPT = 1024  # ids of sessions the API made live, remembered before the gone ones are forgotten
 PARK_TRIES = 4  # sessions parked at most to make room for one (the client's, the user's, the server's cap)  # a caller's most recently updated sessions looked at for a replayed conversation
 
 
@@ -221,6 +222,9 @@ def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
                        code="too_many_messages")
     said: list[tuple[str, str]] = []
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") in ("tool", "function"):
+            raise ApiError(400, f"messages[{i}] is a {m['role']} result, but ISAGI offers no tools (its replies "
+                           "never call one); send user and assistant messages.", param=f"messages[{i}]")
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
                            param=f"messages[{i}]")
@@ -411,6 +415,8 @@ class Api:
             if sid is not None:
                 with self._count:
                     self._made[sid] = None
+                    if len(self._made) > MADE_KEPT:  # forget the ids of sessions no longer live or parked
+                        self._made = {m: None for m in self._made if m in self.registry}
             return sid
         raise ApiError(429, "Too many open chats for this client or user (ISAGI_MAX_SESSIONS_PER_CLIENT), all of "
                        "them busy or open in a page; try again shortly.", type="rate_limit_error",
