@@ -54,9 +54,12 @@ def _free_port() -> int:
 def serve(engine: Any) -> Iterator[Served]:
     import uvicorn
 
+    from app.server import uvicorn_options
+
     app = create_app(engine, engine.settings)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           **uvicorn_options(engine.settings)))  # as isagi web runs it
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     for _ in range(600):
@@ -502,6 +505,20 @@ def test_without_auth_only_loopback_clients(tmp_path):
     with pytest.raises(ApiError) as info:
         api.caller(req("127.0.0.1"))
     assert info.value.status == 401
+
+
+def test_a_spoofed_forwarded_address_escapes_no_throttle(served):
+    backoff = served.app.state.isagi_logins[1]  # the client addresses' failures (keys and passwords)
+    try:
+        for i in range(backoff.max_failures + 1):
+            r = httpx.get(served.url + "/v1/models", headers={"Authorization": f"Bearer guess-{i}",
+                                                             "X-Forwarded-For": f"203.0.113.{i}"})
+        assert r.status_code == 429  # every guess counted against the real address, not the header's
+        r = httpx.get(served.url + "/v1/models", headers={"Authorization": "Bearer key-alice",
+                                                         "X-Forwarded-For": "198.51.100.9", "X-Real-IP": "198.51.100.9"})
+        assert _assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+    finally:
+        backoff.success("127.0.0.1")  # the other tests' address
 
 
 def test_failed_keys_are_throttled(tmp_path):
