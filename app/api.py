@@ -160,9 +160,10 @@ def _content(m: dict[str, Any], i: int) -> str:
         return ""
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
-        return "".join(p["text"] for p in c)
+    kinds = {"text": "text", "refusal": "refusal"} if m.get("role") == "assistant" else {"text": "text"}
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") in kinds
+                                   and isinstance(p.get(kinds[p["type"]]), str) for p in c):
+        return "".join(p[kinds[p["type"]]] for p in c)  # an assistant's parts: text or refusal (OpenAI's)
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts (ISAGI takes text only).",
                    param=f"messages[{i}].content")
 

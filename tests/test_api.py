@@ -435,6 +435,12 @@ def test_parse_request_honours_sampling_options():
         "max_completion_tokens": 5, "temperature": 0.5, "top_p": 0.5, "seed": 3}).encode(), 12)
     o = req.options
     assert (req.text, o.max_new_tokens, o.do_sample, o.temperature, o.top_p, o.seed) == ("ab", 5, True, 0.5, 0.5, 3)
+    parts = parse_request(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": [{"type": "text", "text": "next"}]}]}).encode(), 12)
+    assert parts.earlier == [("q", "no")] and parts.text == "next"
+    with pytest.raises(ApiError):  # a refusal is an assistant's part only
+        parse_request(b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]}', 12)
     greedy = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 0}', 12)
     assert not greedy.options.do_sample and greedy.options.max_new_tokens == 12
     # a client's large default (4096 is common) is capped at the server's limit, not refused
