@@ -28,14 +28,19 @@ nobody (a 401 saying to set ``ISAGI_API_KEYS``).
 
 Limits are the page's: message characters and tokens and the prompt budget
 (:meth:`isagi.agent.Engine.check`), the per-client and overall session caps
-(the registry's), one turn of a session at a time, and the one model (the
-engine's lock); at most :data:`MAX_TURNS_IN_FLIGHT` API turns run or wait for
-it at once, beyond that a 429 as from a full queue.
+(the registry's; at a cap the caller's least recently used idle API session is
+parked, so one-off questions do not lock a client out), one turn of a session
+at a time (a replayed conversation that another request continued meanwhile is
+a 409), and the one model (the engine's lock); at most
+:data:`MAX_TURNS_IN_FLIGHT` API turns run or wait for it at once, beyond that a
+429 as from a full queue. The key is checked before the body is read, and the
+body (at most :data:`MAX_BODY_BYTES`, :data:`MAX_MESSAGES` messages) is parsed
+by :data:`PARSES_AT_ONCE` requests at a time.
 
 Every failure is an OpenAI-shaped error ``{"error": {"message", "type",
 "param", "code"}}`` with a 4xx status (a 503 while the model loads), never a
-bare 500. A streamed turn whose client disconnects is dropped: the engine
-rolls it back and no turn is kept (:func:`app.turns.abandon`).
+bare 500. A turn whose client disconnects before its answer (streamed or not)
+is dropped: the engine rolls it back and no turn is kept (:func:`app.turns.abandon`).
 """
 
 from __future__ import annotations
