@@ -1,4 +1,5 @@
-"""The web server: a FastAPI app with ``/health`` and the Gradio page at ``/``.
+"""The web server: a FastAPI app with ``/health``, the OpenAI-compatible API at
+``/v1`` (:mod:`app.api`) and the Gradio page at ``/``.
 
 Owns building the app (:func:`create_app`, nothing happens at import time)
 and running it (:func:`serve`, behind ``isagi web``). The server binds at
@@ -99,8 +100,9 @@ def create_app(
     on_progress: Callable[[str, int, int], None] | None = None,
     reaper_interval_s: float = 60.0,
     data_dir: Any = None,
+    page: bool = True,
 ) -> Any:
-    """The FastAPI app: ``GET /health`` and the Gradio page mounted at ``/``.
+    """The FastAPI app: ``GET /health``, the API at ``/v1`` and the Gradio page mounted at ``/``.
 
     ``engine_or_factory``: a ready :class:`~isagi.agent.Engine`, or a callable
     ``factory(progress) -> Engine`` run in the background when the app starts.
@@ -109,19 +111,15 @@ def create_app(
     ``data_dir``: the :class:`isagi.datadir.DataDir` :func:`serve` opened
     (checked, locked, tidied, history repaired); without it the app opens it
     when it starts. Either way it is released at shutdown.
+    ``page=False``: no page, only ``/health`` and the API (``isagi serve``).
     """
-    import gradio as gr
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
-    from gradio.utils import get_upload_folder
-    from starlette.routing import Mount
 
-    from app.guard import Bindings, GradioGuard, gradio_login
+    from app.api import mount_api
     from app.loader import EngineHolder
     from app.login import Backoff, Logins, LoginThrottleMiddleware
     from app.sessions import SessionRegistry
-    from app.ui import CSS, WebUI, build_blocks
-    from app.uploads import MIB, UploadLedger
     from isagi.datadir import open_data_dir
 
     if idle_minutes is None:
@@ -134,10 +132,15 @@ def create_app(
     registry = SessionRegistry(lambda: holder.engine, idle_s=idle_minutes * 60.0,
                                max_per_client=settings.max_sessions_per_client,
                                max_total=settings.max_sessions)
-    uploads = UploadLedger(get_upload_folder(), settings.upload_quota_mb * MIB)
-    ui = WebUI(holder, registry, settings, uploads=uploads)
-    blocks = build_blocks(ui)
-    blocks.queue(default_concurrency_limit=8)
+    uploads = ui = None
+    if page:
+        from gradio.utils import get_upload_folder
+
+        from app.ui import WebUI
+        from app.uploads import MIB, UploadLedger
+
+        uploads = UploadLedger(get_upload_folder(), settings.upload_quota_mb * MIB)
+        ui = WebUI(holder, registry, settings, uploads=uploads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: Any):
@@ -149,19 +152,22 @@ def create_app(
         app_.state.isagi_data_dir = data
         holder.start()
         registry.start_reaper(reaper_interval_s)
-        uploads.start_sweeper()
+        if uploads is not None:
+            uploads.start_sweeper()
         try:
             yield
         finally:
-            uploads.stop_sweeper()
-            uploads.sweep(now=math.inf)  # uploads never opened go with the server
+            if uploads is not None:
+                uploads.stop_sweeper()
+                uploads.sweep(now=math.inf)  # uploads never opened go with the server
             registry.stop_reaper()
             if holder.ready:
                 registry.save_all()  # each file written brings its history up to it
                 if waiting := registry.retry_history():
                     log.warning("%d exchange(s) could not be added to the history at shutdown; they are in "
                                 "their session files, and the next start adds them", waiting)
-            ui.cleanup()
+            if ui is not None:
+                ui.cleanup()
             data.close()
 
     app = FastAPI(title="ISAGI", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -181,11 +187,28 @@ def create_app(
             }
         return JSONResponse(status_code=503, content=st)
 
+    mount_api(app, holder, registry, settings, client_backoff)  # before the page's mount at "/"
     app.state.isagi_holder = holder
     app.state.isagi_registry = registry
     app.state.isagi_ui = ui
     app.state.isagi_logins = (user_backoff, client_backoff)
     app.state.isagi_uploads = uploads
+    if ui is None or uploads is None:
+        return app
+    mount_page(app, ui, uploads, settings, auth)
+    return app
+
+
+def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -> None:
+    """Mount the Gradio page at ``/`` on ``app``, behind :class:`app.guard.GradioGuard`."""
+    import gradio as gr
+    from starlette.routing import Mount
+
+    from app.guard import Bindings, GradioGuard, gradio_login
+    from app.ui import CSS, build_blocks
+
+    blocks = build_blocks(ui)
+    blocks.queue(default_concurrency_limit=8)
     gr.mount_gradio_app(
         app, blocks, path="/", auth=auth,
         auth_message=(
@@ -210,7 +233,6 @@ def create_app(
     app.add_middleware(GradioGuard, ledger=uploads, user_of=gradio_login(gradio_app), auth=auth is not None,
                        hashes=hashes, events=events)
     app.state.isagi_bindings = (hashes, events)
-    return app
 
 
 class _TerminalProgress:
@@ -275,8 +297,10 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"proxy_headers": False}
 
 
-def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None) -> None:
-    """Run the web app with uvicorn until interrupted (``isagi web``)."""
+def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle_minutes: float | None = None,
+          page: bool = True) -> None:
+    """Run the web app with uvicorn until interrupted (``isagi web``; ``page=False``: the API
+    alone, ``isagi serve``)."""
     import uvicorn
     from rich.console import Console
 
@@ -291,11 +315,21 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
         log.warning("%s", line)
     progress = _TerminalProgress()
     app = create_app(default_factory(settings), settings, idle_minutes=idle_minutes, on_progress=progress,
-                     data_dir=data)
+                     data_dir=data, page=page)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}/"
-    console.print(f"[bold]ISAGI web[/] on [link={url}]{url}[/link]  (data: {settings.home})")
-    console.print("The page answers at once; it shows the model's loading progress until it is ready.")
+    console.print(f"[bold]ISAGI {'web' if page else 'serve'}[/] on [link={url}]{url}[/link]  (data: {settings.home})")
+    if page:
+        console.print("The page answers at once; it shows the model's loading progress until it is ready.")
+    else:
+        console.print("No page: /health and the API answer at once (503 until the model is ready).")
+    if settings.api_keys:
+        who = "Bearer keys of ISAGI_API_KEYS"
+    elif settings.auth:
+        who = "closed: set ISAGI_API_KEYS=user:KEY to give ISAGI_AUTH's users keys"
+    else:
+        who = "this machine only; set ISAGI_API_KEYS=user:KEY to open it to others"
+    console.print(f"OpenAI-compatible API at {url}v1 ({who}; README, API).")
     if host not in LOOPBACK:
         if settings.auth:
             console.print(f"[yellow]Listening on {host}: reachable from other machines (login required).[/]")

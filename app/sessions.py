@@ -76,6 +76,26 @@ class Entry:
     stop_latency_s: float | None = None  # from then until the turn had ended
 
 
+def autosave_file(summary: Any, sessions_dir: str | Path) -> Path | None:
+    """A history session's ``.miku`` inside ``sessions_dir`` (``summary``: its
+    :class:`storage.history.SessionSummary`), or None; a recorded path elsewhere is ignored."""
+    import contextlib
+    import os
+
+    from isagi.ids import is_session_id
+
+    root = Path(sessions_dir).resolve()
+    for cand in (summary.miku_path, f"{summary.id}.miku" if is_session_id(summary.id) else None):
+        if not cand:
+            continue
+        p = (root / cand) if not os.path.isabs(cand) else Path(cand)
+        with contextlib.suppress(OSError, RuntimeError):
+            p = p.resolve()
+            if p.parent == root and p.suffix == ".miku" and p.is_file():
+                return p
+    return None
+
+
 class SessionBusy(RuntimeError):
     """The session is in use by another event of the same browser (e.g. a turn)."""
 

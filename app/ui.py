@@ -51,7 +51,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from app import plots
+from app import plots, turns
 from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
 from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
@@ -61,6 +61,7 @@ from app.sessions import (
     SessionBusy,
     SessionLimit,
     SessionRegistry,
+    autosave_file,
 )
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from isagi.ids import is_session_id
@@ -631,9 +632,7 @@ class WebUI:
                 yield TurnUpdate(state=None, alert=self._warn("This chat was closed; send your message again."))
                 return
             session = entry.session
-            entry.stop.clear()
-            entry.stop_requested_at = entry.stop_latency_s = None
-            entry.notice = None
+            turns.begin(entry)
             failure = yield from self._stream(sid, entry, message, options, regenerate=regenerate,
                                               clear_box=clear_box)
             if failure is not None:  # the engine has put the session back as it was
@@ -672,10 +671,7 @@ class WebUI:
         finished = False
         last = 0.0
         try:
-            if regenerate:
-                events = self.engine.regenerate(session, options=options, stop=entry.stop)
-            else:
-                events = self.engine.stream_turn(session, message, options=options, stop=entry.stop)
+            events = turns.open_events(self.engine, entry, message, options, regenerate=regenerate)
             for ev in events:
                 if ev.kind == "decision":
                     info = pending_html(ev.tier, ev.distance)
@@ -707,14 +703,7 @@ class WebUI:
                 "try again, and report the error if it repeats."))
         finally:
             if not finished and events is not None:
-                if not entry.stop.is_set():
-                    entry.stop_requested_at = time.monotonic()
-                entry.stop.set()
-                try:
-                    for _ in events:
-                        pass
-                except Exception as exc:  # never mask the close
-                    log.warning("draining a cancelled turn failed: %s", exc)
+                turns.abandon(entry, events, keep=True)  # recorded as cancelled, as Stop does
             if entry.stop_requested_at is not None:
                 entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
         return None
@@ -955,16 +944,7 @@ class WebUI:
 
     def _autosave_of(self, summary: Any) -> Path | None:
         """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
-        root = Path(self.settings.sessions_dir).resolve()
-        for cand in (summary.miku_path, f"{summary.id}.miku" if is_session_id(summary.id) else None):
-            if not cand:
-                continue
-            p = (root / cand) if not os.path.isabs(cand) else Path(cand)
-            with contextlib.suppress(OSError, RuntimeError):
-                p = p.resolve()
-                if p.parent == root and p.suffix == ".miku" and p.is_file():
-                    return p
-        return None
+        return autosave_file(summary, self.settings.sessions_dir)
 
     def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Open one of the caller's past sessions: their own live (or parked) one is switched

@@ -234,6 +234,27 @@ def web(
 
 @app.command()
 @friendly
+def serve(
+    host: Annotated[str, typer.Option("--host", envvar="ISAGI_HOST",
+                                      help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", envvar="ISAGI_PORT", help="port to listen on")] = 7860,
+    model: ModelOpt = None, backend: BackendOpt = None,
+    quant: QuantOpt = None,
+    device: DeviceOpt = None,
+    home: HomeOpt = None,
+    trusted_proxies: Annotated[str | None, typer.Option(
+        "--trusted-proxies", help="comma-separated proxy addresses or networks whose X-Forwarded-For "
+        "is believed (ISAGI_TRUSTED_PROXIES); none by default")] = None,
+) -> None:
+    """Serve the OpenAI-compatible API alone (no page) on http://HOST:PORT/v1."""
+    from app.server import serve as serve_app
+
+    serve_app(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
+                        trusted_proxies=trusted_proxies), host=host, port=port, page=False)
+
+
+@app.command()
+@friendly
 def explore(
     seed_concept: Annotated[str, typer.Argument(help="the concept to explore from")],
     steps: Annotated[int, typer.Option("--steps")] = 3,

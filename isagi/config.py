@@ -54,6 +54,9 @@ class Settings:
     # with them cut out (a context shift) instead of evaluating the kept history again.
     context_shift: bool = True
     auth: str | None = None  # "user:pass,user2:pass2" for the web app
+    # "user:KEY,user2:KEY2": Bearer keys of the OpenAI-compatible API (app/api.py), each
+    # working as that owner (the same names as ``auth``)
+    api_keys: str | None = None
     # Live sessions the web app keeps at once: per client (each client address,
     # and each logged-in user) and overall. A session is made only for a valid
     # message or an opened file; at a cap the oldest empty ones are reclaimed
@@ -233,6 +236,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["context_shift"] = _switch("ISAGI_CONTEXT_SHIFT", v)
     if v := env.get("ISAGI_AUTH"):
         values["auth"] = v
+    if v := env.get("ISAGI_API_KEYS"):
+        values["api_keys"] = v
     if v := env.get("ISAGI_MAX_SESSIONS_PER_CLIENT"):
         values["max_sessions_per_client"] = _int("ISAGI_MAX_SESSIONS_PER_CLIENT", v)
     if v := env.get("ISAGI_MAX_SESSIONS"):

@@ -181,3 +181,14 @@ def test_web_takes_host_and_port_from_the_environment_and_flags_override_them(mo
     monkeypatch.delenv("ISAGI_PORT")
     assert invoke("web").exit_code == 0
     assert calls == [("0.0.0.0", 7999), ("127.0.0.1", 8001), ("127.0.0.1", 7860)]
+
+
+def test_serve_runs_the_api_without_the_page(monkeypatch) -> None:
+    """``isagi serve`` is ``isagi web`` without the page (the same host and port settings)."""
+    import app.server
+
+    calls: list[tuple[str, int, bool]] = []
+    monkeypatch.setattr(app.server, "serve", lambda settings, host, port, page=True: calls.append((host, port, page)))
+    assert invoke("serve", "--port", "8002").exit_code == 0
+    assert invoke("web").exit_code == 0
+    assert calls == [("127.0.0.1", 8002, False), ("127.0.0.1", 7860, True)]
