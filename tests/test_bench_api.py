@@ -45,15 +45,19 @@ def test_both_parts_alternate_on_one_server_and_every_turn_is_answered(served) -
     assert got["ratio_api_to_web"] == {k: round(got["api"][k] / got["web"][k], 3) for k in ("p50_s", "p95_s")}
     assert "X-Isagi-Session" in got["api_sessions_by"]
 
+    assert got["warmup_errors"] == []
+
     # every pass's sessions are sessions of their own: 4 passes x 2 sessions, each holding its 2
-    # turns (an API conversation kept to one session by the header), no question asked twice
+    # turns (an API conversation kept to one session by the header), then one warm-up session
+    # per part with one turn; no question asked twice
     new = {sid: qs for sid, qs in _conversations(served).items() if sid not in before}
-    assert len(new) == 8 and all(len(qs) == 2 for qs in new.values()), new
-    asked = [q for qs in new.values() for q in qs]
-    assert len(set(asked)) == 16
-    labels = {sid: {re.search(r"\(session (\d+),", q).group(1) for q in qs} for sid, qs in new.items()}
+    labels = {sid: {int(re.search(r"\(session (\d+),", q).group(1)) for q in qs} for sid, qs in new.items()}
     assert all(len(n) == 1 for n in labels.values()), "a session holds one conversation's questions"
-    assert sorted(int(n) for ns in labels.values() for n in ns) == list(range(8))
+    number = {sid: n.pop() for sid, n in labels.items()}
+    assert sorted(number.values()) == list(range(10))
+    assert all(len(new[sid]) == (2 if n < 8 else 1) for sid, n in number.items()), new
+    asked = [q for qs in new.values() for q in qs]
+    assert len(set(asked)) == len(asked) == 18
 
 
 def test_the_command_prints_both_parts_and_the_ratio(served) -> None:

@@ -22,9 +22,10 @@ with the same reply cap (``max_new_tokens``, 32 by default) and greedy
 decoding, each in sessions of its own; every pass numbers its sessions apart
 from every other pass, so no question is asked twice in a run and neither part
 can answer from the other's memory or reuse its prompts from the saved KV
-prefixes. The parts alternate in ABBA order (api, web, web, api, ... over
-``rounds`` rounds) so slow drift of the machine biases neither; the output
-lists the order run. Like ``bench web`` it drives a server without a login
+prefixes. One unmeasured turn through each part warms the server first; then
+the parts alternate in ABBA order (api, web, web, api, ... over ``rounds``
+rounds) so slow drift of the machine biases neither; the output lists the
+order run. Like ``bench web`` it drives a server without a login
 (the API answers loopback callers then).
 """
 
@@ -123,6 +124,11 @@ def run(
     wall = dict.fromkeys(PARTS, 0.0)
     with _server(base_url, settings, start_timeout_s) as url:
         model = live_server.health(url).get("model")
+        # one unmeasured turn through each part first (numbered after every measured pass): the
+        # server's first turns (cold caches, first requests of each route) would bias the first part
+        warmup = [e for j, part in enumerate(PARTS) for e in _drive(
+            url, 1, 1, max_new_tokens, None, first=len(runs) * sessions + j,
+            session=_api_session if part == "api" else None)[0]["errors"]]
         for k, part in enumerate(runs):
             out, took = _drive(url, sessions, turns, max_new_tokens, None, first=k * sessions,
                                session=_api_session if part == "api" else None)
@@ -135,6 +141,8 @@ def run(
         "web": figures["web"],
         "ratio_api_to_web": {k: _ratio(figures["api"][k], figures["web"][k]) for k in ("p50_s", "p95_s")},
         "order": runs,
+        "warmup": "one unmeasured turn through each part before the passes",
+        "warmup_errors": warmup[:5],
         "rounds": rounds,
         "api_sessions_by": f"the {SESSION_HEADER} header (the whole message list sent each turn too)",
         "questions": "the same kind in both parts, never one twice: each pass's sessions are numbered "
