@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.sessions import LOCAL_OWNER
-from isagi.bench.api import order, run
+from isagi.bench.api import first, order, run
 from tests.test_api import Served, serve
 
 pytest.importorskip("gradio_client")
@@ -54,10 +54,16 @@ def test_both_parts_alternate_on_one_server_and_every_turn_is_answered(served) -
     labels = {sid: {int(re.search(r"\(session (\d+),", q).group(1)) for q in qs} for sid, qs in new.items()}
     assert all(len(n) == 1 for n in labels.values()), "a session holds one conversation's questions"
     number = {sid: n.pop() for sid, n in labels.items()}
-    assert sorted(number.values()) == list(range(10))
-    assert all(len(new[sid]) == (2 if n < 8 else 1) for sid, n in number.items()), new
+    passes = [first(k, 2) for k in range(4)]
+    assert sorted(number.values()) == sorted([f + i for f in passes for i in range(2)] + [first(4, 2), first(4, 2) + 1])
+    assert all(len(new[sid]) == (2 if n < first(4, 2) else 1) for sid, n in number.items()), new
     asked = [q for qs in new.values() for q in qs]
     assert len(set(asked)) == len(asked) == 18
+    # and every pass asked the same topics in the same order: only the session numbers differ
+    by_number = {n: new[sid] for sid, n in number.items()}
+    topics = [[re.sub(r"\(session \d+,", "(session N,", q) for i in range(2) for q in by_number[f + i]]
+              for f in passes]
+    assert all(t == topics[0] for t in topics), topics
 
 
 def test_the_command_prints_both_parts_and_the_ratio(served) -> None:

@@ -17,12 +17,13 @@ replayed messages). A turn counts as answered when its stream ended with a
 queue wait (submit → the response's headers, which the server sends once the
 turn runs). The page's part is ``bench web``'s own session driver, unchanged.
 
-Both parts send the same kind of question (:func:`isagi.bench.web.question`)
-with the same reply cap (``max_new_tokens``, 32 by default) and greedy
-decoding, each in sessions of its own; every pass numbers its sessions apart
-from every other pass, so no question is asked twice in a run and neither part
-can answer from the other's memory or reuse its prompts from the saved KV
-prefixes. One unmeasured turn through each part warms the server first; then
+Both parts send the same questions but for the session numbers in them
+(:func:`isagi.bench.web.question`: every pass asks the same topics in the same
+order, :func:`first`), with the same reply cap (``max_new_tokens``, 32 by
+default) and greedy decoding, each in sessions of its own; as the session
+numbers differ, no question is asked twice in a run and neither part can
+answer from the other's memory or have its prompts' KV states saved by the
+other (the engine keeps KV prefixes of earlier prompts across sessions). One unmeasured turn through each part warms the server first; then
 the parts alternate in ABBA order (api, web, web, api, ... over ``rounds``
 rounds) so slow drift of the machine biases neither; the output lists the
 order run. Like ``bench web`` it drives a server without a login
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from isagi.bench import live_server
-from isagi.bench.web import _drive, _figures, _server, question
+from isagi.bench.web import TOPICS, _drive, _figures, _server, question
 from isagi.errors import ConfigError, InputError
 
 SESSION_HEADER = "X-Isagi-Session"  # app.api's header (the app layer is above this one)
@@ -95,6 +96,14 @@ def order(rounds: int) -> list[str]:
     return [p for r in range(rounds) for p in (PARTS if r % 2 == 0 else PARTS[::-1])]
 
 
+def first(k: int, sessions: int) -> int:
+    """The number of pass ``k``'s first session: passes are numbered apart, each from a multiple
+    of the topics' count (so every pass asks the same topics in the same order; only the session
+    numbers in the questions differ) and from 1 such step on (numbers of the same digits)."""
+    step = len(TOPICS) * -(-sessions // len(TOPICS))
+    return (k + 1) * step
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -127,10 +136,10 @@ def run(
         # one unmeasured turn through each part first (numbered after every measured pass): the
         # server's first turns (cold caches, first requests of each route) would bias the first part
         warmup = [e for j, part in enumerate(PARTS) for e in _drive(
-            url, 1, 1, max_new_tokens, None, first=len(runs) * sessions + j,
+            url, 1, 1, max_new_tokens, None, first=first(len(runs), sessions) + j,
             session=_api_session if part == "api" else None)[0]["errors"]]
         for k, part in enumerate(runs):
-            out, took = _drive(url, sessions, turns, max_new_tokens, None, first=k * sessions,
+            out, took = _drive(url, sessions, turns, max_new_tokens, None, first=first(k, sessions),
                                session=_api_session if part == "api" else None)
             for key, values in out.items():
                 pooled[part][key] += values
@@ -145,8 +154,8 @@ def run(
         "warmup_errors": warmup[:5],
         "rounds": rounds,
         "api_sessions_by": f"the {SESSION_HEADER} header (the whole message list sent each turn too)",
-        "questions": "the same kind in both parts, never one twice: each pass's sessions are numbered "
-                     "apart, in sessions of their own",
+        "questions": "every pass asks the same topics in the same order, in sessions of its own; only "
+                     "the session numbers in the questions differ, so none is asked twice",
         "note": f"per part: {rounds} round(s) of {sessions} concurrent sessions x {turns} turns, pooled; "
                 f"replies capped at {max_new_tokens} new tokens, greedy; ratio = api / web",
     }
