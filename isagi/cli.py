@@ -534,6 +534,19 @@ def bench_web(url: Annotated[str | None, typer.Option("--url", help="a running s
     _report(run(url, sessions=sessions, turns=turns, settings=settings), as_json)
 
 
+@bench_app.command("api")
+@friendly
+def bench_api(url: Annotated[str | None, typer.Option("--url", help="a running server; default: start one")] = None,
+              sessions: int = 8, turns: int = 5, home: HomeOpt = None,
+              rounds: Annotated[int, typer.Option(
+                  "--rounds", help="rounds of both parts, in ABBA order (api web, web api, ...; an even count balances it)")] = 2,
+              as_json: JsonOpt = False) -> None:
+    """Turn latency through the OpenAI-compatible API next to bench web's, on one live server (api / web)."""
+    from isagi.bench.api import run
+
+    _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home), rounds=rounds), as_json)
+
+
 @bench_app.command("attention")
 @friendly
 def bench_attention(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:

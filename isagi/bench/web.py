@@ -43,6 +43,12 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(vs[lo] + (vs[hi] - vs[lo]) * (pos - lo), 4)
 
 
+def question(index: int, t: int, turns: int) -> str:
+    """Session ``index``'s question ``t`` (from 0) of ``turns``: distinct for every (index, t)."""
+    topic = TOPICS[(index * turns + t) % len(TOPICS)]
+    return f"In one sentence, tell me something about {topic} (session {index}, question {t + 1})."
+
+
 def _finished(chat: Any) -> bool:
     if not isinstance(chat, list) or not chat:
         return False
@@ -73,12 +79,11 @@ def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[st
             out["errors"].append(f"session {index}: load: {str(note)[:200]}")
             return
     for t in range(turns):
-        topic = TOPICS[(index * turns + t) % len(TOPICS)]
-        question = f"In one sentence, tell me something about {topic} (session {index}, question {t + 1})."
+        text = question(index, t, turns)
         t0 = time.monotonic()
         started: float | None = None
         try:
-            job = client.submit(question, max_new_tokens, False, 0.7, "tier", api_name="/send")
+            job = client.submit(text, max_new_tokens, False, 0.7, "tier", api_name="/send")
             while not job.done():
                 code = job.status().code
                 if started is None and code in (Status.PROCESSING, Status.ITERATING, Status.PROGRESS):
@@ -101,10 +106,14 @@ def _session(url: str, index: int, turns: int, max_new_tokens: int, out: dict[st
             out["errors"].append(f"session {index} turn {t + 1}: no finished reply in the final output")
 
 
-def _drive(url: str, sessions: int, turns: int, max_new_tokens: int, load: Path | None) -> tuple[dict[str, list], float]:
+def _drive(url: str, sessions: int, turns: int, max_new_tokens: int, load: Path | None,
+           *, first: int = 0, session: Any = None) -> tuple[dict[str, list], float]:
+    """``sessions`` concurrent runs of ``session`` (default: :func:`_session`, through the page),
+    one thread each, numbered from ``first`` (so their questions differ from other passes')."""
     out: dict[str, list] = {"latency": [], "queue_wait": [], "answered": [], "errors": []}
     threads = [
-        threading.Thread(target=_session, args=(url, i, turns, max_new_tokens, out, load), daemon=True)
+        threading.Thread(target=session or _session, args=(url, first + i, turns, max_new_tokens, out, load),
+                         daemon=True)
         for i in range(sessions)
     ]
     t0 = time.monotonic()
