@@ -47,6 +47,12 @@ HomeOpt = Annotated[Path | None, typer.Option("--home", help="data directory (IS
 LayerOpt = Annotated[int | None, typer.Option("--layer", help="hidden-state layer (ISAGI_LAYER)")]
 KOpt = Annotated[int | None, typer.Option("--k", help="UGT dimensions (ISAGI_K)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+# the servers' (isagi web, isagi serve)
+HostOpt = Annotated[str, typer.Option("--host", envvar="ISAGI_HOST", help="address to bind (loopback by default)")]
+PortOpt = Annotated[int, typer.Option("--port", envvar="ISAGI_PORT", help="port to listen on")]
+TrustedProxiesOpt = Annotated[str | None, typer.Option(
+    "--trusted-proxies", help="comma-separated proxy addresses or networks whose X-Forwarded-For "
+    "is believed (ISAGI_TRUSTED_PROXIES); none by default")]
 
 
 def friendly(fn: F) -> F:
@@ -214,16 +220,9 @@ def chat(
 @app.command()
 @friendly
 def web(
-    host: Annotated[str, typer.Option("--host", envvar="ISAGI_HOST",
-                                      help="address to bind (loopback by default)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", envvar="ISAGI_PORT", help="port to listen on")] = 7860,
-    model: ModelOpt = None, backend: BackendOpt = None,
-    quant: QuantOpt = None,
-    device: DeviceOpt = None,
-    home: HomeOpt = None,
-    trusted_proxies: Annotated[str | None, typer.Option(
-        "--trusted-proxies", help="comma-separated proxy addresses or networks whose X-Forwarded-For "
-        "is believed (ISAGI_TRUSTED_PROXIES); none by default")] = None,
+    host: HostOpt = "127.0.0.1", port: PortOpt = 7860,
+    model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None,
+    home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None,
 ) -> None:
     """Open the browser app on http://HOST:PORT."""
     from app.server import serve
@@ -235,16 +234,9 @@ def web(
 @app.command()
 @friendly
 def serve(
-    host: Annotated[str, typer.Option("--host", envvar="ISAGI_HOST",
-                                      help="address to bind (loopback by default)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", envvar="ISAGI_PORT", help="port to listen on")] = 7860,
-    model: ModelOpt = None, backend: BackendOpt = None,
-    quant: QuantOpt = None,
-    device: DeviceOpt = None,
-    home: HomeOpt = None,
-    trusted_proxies: Annotated[str | None, typer.Option(
-        "--trusted-proxies", help="comma-separated proxy addresses or networks whose X-Forwarded-For "
-        "is believed (ISAGI_TRUSTED_PROXIES); none by default")] = None,
+    host: HostOpt = "127.0.0.1", port: PortOpt = 7860,
+    model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None,
+    home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None,
 ) -> None:
     """Serve the OpenAI-compatible API alone (no page) on http://HOST:PORT/v1."""
     from app.server import serve as serve_app
