@@ -38,9 +38,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from app.sessions import LOCAL_OWNER
 from app.uploads import UploadLedger
 from isagi.errors import UploadError
+from storage.owners import LOCAL_OWNER
 
 API = "/gradio_api/"
 MAX_JSON_BODY = 4 * 1024 * 1024  # an event's JSON (a message is at most 8,000 characters)

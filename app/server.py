@@ -37,10 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.sessions import LOCAL_OWNER
 from isagi.config import Settings
 from isagi.errors import ConfigError, PortInUseError
 from storage.miku import MAX_MIKU_BYTES
+from storage.owners import LOCAL_OWNER
 
 # The web upload limit is the .miku reader's own limit (64 MiB, 4.5x a measured
 # 10,000-turn session): a larger upload is refused by Gradio before it is stored.

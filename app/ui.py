@@ -56,7 +56,6 @@ from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
 from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
 from app.sessions import (
-    LOCAL_OWNER,
     Entry,
     SessionBusy,
     SessionLimit,
@@ -66,6 +65,7 @@ from app.sessions import (
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from isagi.ids import is_session_id
 from isagi.turn import turns_to_messages
+from storage.owners import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from rich.console import Console
 from isagi import __version__
 from isagi.config import Settings, load_settings
 from isagi.errors import IsagiError
+from storage.owners import LOCAL_OWNER
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ISAGI: chat with a living model.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed, memory, size).")
@@ -345,7 +346,7 @@ def _store(home: Path | None) -> Any:
 @sessions_app.command("list")
 @friendly
 def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = False,
-                  owner: OwnerOpt = "local") -> None:
+                  owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Past sessions of one owner, newest first."""
     rows = _store(home).list_sessions(limit=limit, owner=owner)
     if as_json:
@@ -362,14 +363,14 @@ def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = Fals
 
 @sessions_app.command("show")
 @friendly
-def sessions_show(session_id: str, home: HomeOpt = None, owner: OwnerOpt = "local") -> None:
+def sessions_show(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Print a session as Markdown."""
     out.print(_store(home).export(session_id, "markdown", owner=owner), highlight=False, markup=False)
 
 
 @sessions_app.command("search")
 @friendly
-def sessions_search(text: str, home: HomeOpt = None, limit: int = 50, owner: OwnerOpt = "local") -> None:
+def sessions_search(text: str, home: HomeOpt = None, limit: int = 50, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Find messages containing TEXT."""
     for hit in _store(home).search(text, limit=limit, owner=owner):
         data = hit.__dict__
@@ -380,7 +381,7 @@ def sessions_search(text: str, home: HomeOpt = None, limit: int = 50, owner: Own
 @friendly
 def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format", help="json | markdown")] = "markdown",
                     output: Annotated[Path | None, typer.Option("--output", "-o")] = None, home: HomeOpt = None,
-                    owner: OwnerOpt = "local") -> None:
+                    owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Export a session as JSON or Markdown."""
     text = _store(home).export(session_id, fmt, owner=owner)
     if output is None:
@@ -391,7 +392,7 @@ def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format"
 
 @sessions_app.command("delete")
 @friendly
-def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = "local") -> None:
+def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Delete a session, its turns and its autosaved .miku."""
     from storage.history import remove_session_files
 

@@ -31,6 +31,7 @@ from isagi.memory import TrajectoryMemory
 from isagi.sameness import content_key
 from isagi.turn import Turn, turns_to_messages
 from isagi.ugt import Basis
+from storage.owners import LOCAL_OWNER
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 
@@ -60,9 +61,9 @@ class Session:
     title: str | None = None
     miku_path: Path | None = None
     # Who the session belongs to in the history store: the logged-in user of the
-    # web app, "local" without a login. Set by whoever opens the session; never
-    # read from a file.
-    owner: str = "local"
+    # web app, LOCAL_OWNER without a login. Set by whoever opens the session;
+    # never read from a file.
+    owner: str = LOCAL_OWNER
     # Prompt states already computed in this session, keyed by the exact lookup
     # prompt: an exact repeat skips its prefill (the states are a deterministic
     # function of the prompt). Derived data: never saved, never shared.

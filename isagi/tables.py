@@ -11,6 +11,8 @@ from typing import Any
 
 from rich.table import Table
 
+from storage.owners import LOCAL_OWNER
+
 #: What each tier means, in plain words (the page uses the same wording).
 TIER_WORDS = {
     "RETRIEVE": "answered from memory",
@@ -102,6 +104,6 @@ def sessions_table(rows: list[Any]) -> Table:
     table.add_column("turns", justify="right", no_wrap=True)
     table.add_column("updated (UTC)", no_wrap=True)
     for r in rows:
-        table.add_row(r.id, str(getattr(r, "owner", "local")), r.title or "(untitled)", str(r.turns),
+        table.add_row(r.id, str(getattr(r, "owner", LOCAL_OWNER)), r.title or "(untitled)", str(r.turns),
                       r.updated_at.strftime("%Y-%m-%d %H:%M"))
     return table

@@ -50,13 +50,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from isagi.errors import StorageError, storage_cause
+from storage.owners import LOCAL_OWNER
 
 T = TypeVar("T")
 TITLE_MAX = 80
 ROLES = ("user", "assistant")
-# The owner of everything made without a login (the CLI, the web app without
-# ISAGI_AUTH). Under ISAGI_AUTH the owner is the logged-in user name.
-LOCAL_OWNER = "local"
 OWNER_MAX = 64
 
 

@@ -19,9 +19,9 @@ import pytest
 
 from app.api import ApiError, parse_api_keys, parse_request
 from app.server import create_app
-from app.sessions import LOCAL_OWNER
 from isagi.agent import prompt_messages
 from isagi.errors import ConfigError
+from storage.owners import LOCAL_OWNER
 
 openai = pytest.importorskip("openai")
 

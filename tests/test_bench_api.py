@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from app.sessions import LOCAL_OWNER
 from isagi.bench.api import first, order, run
+from storage.owners import LOCAL_OWNER
 from tests.test_api import Served, serve
 
 pytest.importorskip("gradio_client")

@@ -13,8 +13,9 @@ from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
 from isagi.turn import Turn
-from storage.history import LOCAL_OWNER, Base, HistoryStore, make_title
+from storage.history import Base, HistoryStore, make_title
 from storage.migrations import head_revision, upgrade_to_head
+from storage.owners import LOCAL_OWNER
 
 
 def rec(i: int, **kw) -> Turn:

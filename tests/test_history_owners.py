@@ -14,8 +14,9 @@ from alembic import command
 
 from isagi.errors import StorageError
 from isagi.turn import Turn
-from storage.history import LOCAL_OWNER, HistoryStore, remove_session_files
+from storage.history import HistoryStore, remove_session_files
 from storage.migrations import alembic_config, head_revision
+from storage.owners import LOCAL_OWNER
 
 
 def _two_owners(store: HistoryStore) -> None:

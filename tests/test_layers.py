@@ -159,3 +159,19 @@ def test_the_walk_sees_imports_inside_functions_and_relative_ones(tmp_path):
     (tmp_path / "pkg").mkdir()
     modules["isagi.pkg"].write_text("from . import d\nfrom .. import b\n")
     assert imports_of("isagi.pkg", modules["isagi.pkg"], modules) == {"isagi.pkg.d", "isagi.b"}
+
+
+def test_the_owner_of_work_without_a_login_is_named_once():
+    """One owner constant: ``storage.owners.LOCAL_OWNER``; no other module spells its value
+    (a second spelling drifts: a renamed owner would leave sessions nobody can open).
+    Migrations keep the value they were written with, frozen as migrations must be."""
+    from storage.owners import LOCAL_OWNER
+
+    spelled = []
+    for module, path in project_modules().items():
+        if module == "storage.owners" or module.startswith("storage.migrations"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value == LOCAL_OWNER:
+                spelled.append(f"{module}:{node.lineno}")
+    assert not spelled, f"import LOCAL_OWNER from storage.owners instead: {spelled}"
