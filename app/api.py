@@ -65,10 +65,11 @@ from starlette.requests import Request
 
 from app import turns
 from app.loader import EngineLoading
-from app.sessions import LOCAL_OWNER, SessionBusy, SessionLimit, autosave_file
+from app.sessions import SessionBusy, SessionLimit, autosave_file
 from isagi.errors import ConfigError, IsagiError
 from isagi.ids import is_session_id
 from storage.miku import MAX_TURNS
+from storage.owners import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
 
@@ -403,7 +404,8 @@ class Api:
             found = self._admitted(lambda: self.find(owner, client, want), owner, client)
             if found is not None:
                 return found, want
-        return self._admitted(lambda: self.registry.create(owner, client), owner, client), None
+        # claimed: another request at the cap must not reclaim it as an empty chat before its turn
+        return self._admitted(lambda: self.registry.create(owner, client, claimed=True), owner, client), None
 
     def _admitted(self, make: Callable[[], str | None], owner: str, client: str | None) -> str | None:
         """``make()`` (a session made or reopened live), making room at a session cap by parking

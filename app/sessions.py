@@ -53,11 +53,11 @@ from typing import Any
 
 from isagi.errors import IsagiError
 from isagi.ids import new_session_id
+from storage.owners import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_S = 30 * 60.0
-LOCAL_OWNER = "local"  # storage.history.LOCAL_OWNER (not imported: no SQLAlchemy at import)
 MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotten beyond it)
 
 
@@ -74,6 +74,10 @@ class Entry:
     notice: str | None = None  # what the last turn could not keep yet (a full disk), for the page
     stop_requested_at: float | None = None  # monotonic time Stop reached the server
     stop_latency_s: float | None = None  # from then until the turn had ended
+    # Made for a request that has not begun its turn yet (an API conversation's first message):
+    # empty and idle for that moment, but not to be reclaimed as an empty chat by another
+    # request at a cap. Cleared when a turn takes its lock (:meth:`SessionRegistry.using`).
+    claimed: bool = False
 
 
 def autosave_file(summary: Any, sessions_dir: str | Path) -> Path | None:
@@ -209,7 +213,7 @@ class SessionRegistry:
         """
         empties = sorted(
             (e for e in self._entries.values()
-             if match(e) and not e.session.turns and not e.lock.locked()),
+             if match(e) and not e.session.turns and not e.lock.locked() and not e.claimed),
             key=lambda e: e.last_used,
         )
         n = 0
@@ -250,9 +254,10 @@ class SessionRegistry:
                 )
 
     # -- creating and adopting -------------------------------------------------
-    def create(self, owner: str = LOCAL_OWNER, client: str | None = None) -> str:
+    def create(self, owner: str = LOCAL_OWNER, client: str | None = None, *, claimed: bool = False) -> str:
         """A new empty session of ``owner`` (autosaving under the sessions directory);
-        returns its id. Raises :class:`SessionLimit` at a cap."""
+        returns its id. Raises :class:`SessionLimit` at a cap. ``claimed``: made for a turn
+        about to run (:attr:`Entry.claimed`)."""
         with self._guard:
             self._admit(owner, client)  # check before building anything
         session = self.engine.new_session()
@@ -262,7 +267,8 @@ class SessionRegistry:
             while session.id in self._entries or session.id in self._parked:
                 session = self.engine.new_session()
                 session.owner = owner
-            self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
+            self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock(),
+                                              claimed=claimed)
         return session.id
 
     def adopt(self, session: Any, *, fresh_id: bool = False, owner: str = LOCAL_OWNER,
@@ -366,6 +372,7 @@ class SessionRegistry:
             raise SessionBusy("This chat is busy with another request; try again in a moment.")
         try:
             entry.last_used = self._clock()
+            entry.claimed = False
             yield entry
         finally:
             entry.last_used = self._clock()

@@ -214,6 +214,26 @@ def test_live_session_caps_per_client_user_and_overall(tmp_path):
     store.close()
 
 
+def test_a_session_made_for_a_turn_about_to_run_is_not_reclaimed_as_an_empty_chat(tmp_path):
+    """An API conversation's new session is empty and idle between its making and its turn's
+    lock: another request at the cap took it as an empty chat to reclaim, and the turn found
+    its session gone (a 404 under `isagi bench api --sessions 8`)."""
+    ui, engine, store = make_ui(tmp_path, max_sessions_per_client=2, max_sessions=5)
+    claimed = ui.registry.create("alice", "10.0.0.1", claimed=True)
+    ui.registry.create("alice", "10.0.0.1")
+    ui.registry.create("alice", "10.0.0.1")  # at the cap: the unclaimed empty one goes
+    assert claimed in ui.registry
+    with pytest.raises(Exception, match="Too many open chats"):  # only claimed and in-use ones left
+        with ui.registry.using(ui.registry.live_ids("alice")[-1], owner="alice"):
+            ui.registry.create("alice", "10.0.0.1")
+    with ui.registry.using(claimed, owner="alice"):  # its turn took it: an ordinary chat again
+        pass
+    for _ in range(2):  # the two empty, idle ones are reclaimed, the older first
+        ui.registry.create("alice", "10.0.0.1")
+    assert claimed not in ui.registry  # empty and idle after its turn: reclaimable as any other
+    store.close()
+
+
 def test_download_directories_are_removed(world):
     ui, engine, store, a = world
     path, _ = quiet(ui.export, a, None, "json", request=ALICE)
