@@ -75,12 +75,15 @@ def test_default_report_with_alpaca_keeps_the_four_sets_and_the_extra_one(
 
 
 @pytest.mark.model
-def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_engine, tmp_path: Path) -> None:
+def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_engine, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Sets named harmful/benign, counts equal to TEH > τ on the same states, and the
-    seed method fitted on the same calibration data reported in the same shape.
+    seed method, fitted on calibration data, reported in the same shape.
 
-    On the llama.cpp engine only: the report's logic does not depend on the backend, and the
-    seed method takes the states of all 1,328 calibration prompts (16 minutes in NF4 on 2 cores)."""
+    On the llama.cpp engine only: the report's logic does not depend on the backend. The seed
+    method is fitted on a fixed sample of 300 calibration prompts, not all 2,487 (their states
+    took 6 minutes of CI): this test checks the report, not the seed method's figures."""
+    import isagi.data.safety as safety_data
     from isagi.pooling import prompt_hidden_states
     from isagi.safety import SAFETY_POOL, _chat, teh
 
@@ -99,6 +102,11 @@ def test_report_on_own_files_counts_what_crosses_the_shipped_threshold(llama_eng
     assert report["sets"]["benign"]["flagged"] == int(over[2:].sum())
     assert report["threshold"] == round(sp.threshold, 4) and 0.0 <= report["auc"] <= 1.0
     assert "also_benign" not in report  # only beside the default public sets
+    rows = safety_data.load_safety_calibration()
+    rng = np.random.default_rng(0)
+    sample = [rows[i] for label in ("harmful", "benign") for i in sorted(
+        rng.choice([j for j, r in enumerate(rows) if r["label"] == label], size=150, replace=False))]
+    monkeypatch.setattr(safety_data, "load_safety_calibration", lambda: sample)
     seed = run(llama_engine.lm, sp, system_prompt=system, harmful=path, method="seed")
     assert seed["method"] == "seed" and set(seed["sets"]) == {"harmful", "benign"}
     assert seed["threshold"] != report["threshold"] and np.isfinite(seed["threshold"])
