@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.loader import EngineHolder
-from app.sessions import SessionRegistry
+from app.sessions import SessionLimit, SessionRegistry
 from app.ui import WebUI
 from app.uploads import NOT_YOUR_UPLOAD
 from isagi.agent import Engine
@@ -223,9 +223,9 @@ def test_a_session_made_for_a_turn_about_to_run_is_not_reclaimed_as_an_empty_cha
     ui.registry.create("alice", "10.0.0.1")
     ui.registry.create("alice", "10.0.0.1")  # at the cap: the unclaimed empty one goes
     assert claimed in ui.registry
-    with pytest.raises(Exception, match="Too many open chats"):  # only claimed and in-use ones left
-        with ui.registry.using(ui.registry.live_ids("alice")[-1], owner="alice"):
-            ui.registry.create("alice", "10.0.0.1")
+    in_use = ui.registry.live_ids("alice")[-1]
+    with ui.registry.using(in_use, owner="alice"), pytest.raises(SessionLimit, match="Too many open chats"):
+        ui.registry.create("alice", "10.0.0.1")  # only a claimed one and one in use left
     with ui.registry.using(claimed, owner="alice"):  # its turn took it: an ordinary chat again
         pass
     for _ in range(2):  # the two empty, idle ones are reclaimed, the older first
