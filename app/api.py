@@ -84,9 +84,9 @@ ROLES = ("system", "developer", "user", "assistant")
 # and room for system messages; a longer one could never continue a session.
 MAX_MESSAGES = 2 * MAX_TURNS + 64
 PARSES_AT_ONCE = 2  # bodies parsed at once: a 16 MiB body of tiny messages takes ~150 MiB as objects
-MATCH_SCAN = 50
+MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
 MADE_KEPT = 1024  # ids of sessions the API made live, remembered before the gone ones are forgotten
-PARK_TRIES = 4  # sessions parked at most to make room for one (the client's, the user's, the server's cap)  # a caller's most recently updated sessions looked at for a replayed conversation
+PARK_TRIES = 4  # sessions parked at most to make room for one (the client's, the user's, the server's cap)
 
 
 class ApiError(Exception):
