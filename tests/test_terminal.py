@@ -137,7 +137,10 @@ def test_piped_lines_get_one_reply_line_each(tmp_path: Path, capsys: pytest.Capt
 
 
 CHILD = """
+import faulthandler
+import signal
 import sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a child that hangs
 from isagi import cli
 from isagi.agent import Engine
 from tests.tiny_engine import tiny_lm, tiny_profile
@@ -166,6 +169,35 @@ def _read_until(fd: int, needle: bytes, seen: bytearray, timeout: float = 120.0)
                 chunk = b""
             assert chunk, f"the chat ended before {needle!r}; got {bytes(seen[-400:])!r}"
             seen += chunk
+
+
+def _wait_or_dump(pid: int, fd: int, seen: bytearray, timeout: float = 60.0) -> int:
+    """The child's wait status; a child still running after ``timeout`` (it once hung after the last
+    Ctrl-C, under load, in a run of the whole suite) fails the test with every thread's stack."""
+    import os
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGUSR1)  # faulthandler writes the stacks to the terminal
+    with contextlib.suppress(AssertionError):
+        _read_until(fd, b"Thread", seen, timeout=5.0)
+    import select
+
+    while select.select([fd], [], [], 1.0)[0]:  # the rest of the stacks, until the terminal is quiet
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    raise AssertionError(f"isagi chat did not leave {timeout:.0f} s after Ctrl-C at the prompt; it printed:\n"
+                         + bytes(seen[-6000:]).decode(errors="replace"))
 
 
 def test_isagi_chat_in_a_terminal_ctrl_c_stops_the_reply_then_leaves(tmp_path: Path) -> None:
@@ -199,7 +231,7 @@ def test_isagi_chat_in_a_terminal_ctrl_c_stops_the_reply_then_leaves(tmp_path: P
         _read_until(fd, b"isagi> ", seen)
         _read_until(fd, b"you> ", seen)  # answered, back at the prompt
         os.write(fd, b"\x03")
-        _, status = os.waitpid(pid, 0)
+        status = _wait_or_dump(pid, fd, seen)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
