@@ -18,8 +18,9 @@ repository root::
 
     python scripts/safety_probe_grid.py [--backend llamacpp] [--states states.npz] [--limit N] [--json]
 
-``--states`` caches the read-outs (computed once: about 14 min for 4,007 rows on 2 cores
-with llama.cpp); ``--limit`` takes every N-th row, for a quick look.
+``--states`` caches the read-outs: one forward pass per prompt, the same pass as the profile
+build's, whose 4,007 calibration prompts took 13 min 53 s on 2 cores with llama.cpp.
+``--limit`` takes every N-th row, for a quick look (``--limit 100``: 41 rows, about a minute).
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ def read_outs(backend: str | None, rows: list[dict[str, Any]], cache: Path | Non
                 return z["X"]
     from isagi.config import load_settings
     from isagi.engines import load_engine
-    from isagi.pooling import prompt_hidden_states
+    from isagi.pooling import pool_states
 
     settings = load_settings(**({"backend": backend} if backend else {}))
     lm = load_engine(settings)
     chats = [[{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": t}] for t in texts]
     layer = lm.default_safety_layer
-    X = np.concatenate([prompt_hidden_states(lm, chats, layer, pool=pool) for pool in ("content", "post")], axis=1)
+    # one forward pass per prompt gives both span means (as isagi eval safety-cv reads its read-outs)
+    X = np.stack([np.concatenate([pool_states(per_layer[layer], pool, lm.content_span(chat)) for pool in ("content", "post")])
+                  for chat, per_layer in zip(chats, lm.iter_prompt_states(chats, [layer]), strict=True)])
     if cache is not None:
         np.savez(cache, X=X, texts=np.array(texts))
     return X
@@ -102,13 +105,13 @@ def scorer(kind: str, params: dict[str, float], X: np.ndarray, y: np.ndarray,
 
 def grid(X: np.ndarray, rows: list[dict[str, Any]], probes: dict[str, tuple[str, dict[str, float]]]) -> list[dict]:
     """Each score's out-of-fold figures under ``loco`` and ``pairs`` (module docstring)."""
-    from isagi.safety import budget_threshold, roc_auc, tpr_at_fpr
+    from isagi.safety import budget_threshold, ordinary_mask, roc_auc, tpr_at_fpr
 
     y = np.array([r["label"] == "harmful" for r in rows]).astype(int)
     cats = np.array([r["category"] for r in rows])
     groups = np.array([r.get("pair") or f"row-{i}" for i, r in enumerate(rows)])
     twin = np.array(["pair" in r for r in rows])
-    counted = (y == 0) & np.array([r.get("kind") != "ordinary_task" for r in rows])
+    counted = (y == 0) & ~ordinary_mask(rows)
     harm = y == 1
     protocols = {"loco": [np.flatnonzero(cats == c) for c in sorted(set(cats.tolist()))],
                  "pairs": grouped_folds(groups, 5)}
