@@ -175,6 +175,7 @@ def _wait_or_dump(pid: int, fd: int, seen: bytearray, timeout: float = 60.0) -> 
     """The child's wait status; a child still running after ``timeout`` (it once hung after the last
     Ctrl-C, under load, in a run of the whole suite) fails the test with every thread's stack."""
     import os
+    import select
     import time
 
     deadline = time.monotonic() + timeout
@@ -186,8 +187,6 @@ def _wait_or_dump(pid: int, fd: int, seen: bytearray, timeout: float = 60.0) -> 
     os.kill(pid, signal.SIGUSR1)  # faulthandler writes the stacks to the terminal
     with contextlib.suppress(AssertionError):
         _read_until(fd, b"Thread", seen, timeout=5.0)
-    import select
-
     while select.select([fd], [], [], 1.0)[0]:  # the rest of the stacks, until the terminal is quiet
         try:
             chunk = os.read(fd, 65536)
