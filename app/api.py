@@ -27,7 +27,7 @@ clients only, as owner ``local``; with ``ISAGI_AUTH`` but no keys it answers
 nobody (a 401 saying to set ``ISAGI_API_KEYS``).
 
 Limits are the page's: message characters and tokens and the prompt budget
-(:meth:`isagi.agent.Engine.check`), the per-client and overall session caps
+(:meth:`isagi.pipeline.engine.Engine.check`), the per-client and overall session caps
 (the registry's; at a cap the caller's least recently used idle API session is
 parked, so one-off questions do not lock a client out), one turn of a session
 at a time (a replayed conversation that another request continued meanwhile is
@@ -386,7 +386,7 @@ class Api:
         """The id of the caller's session this request continues (see the module's docstring),
         and, when it was found by the replayed turns, those turns (:meth:`run_turn` checks that
         the session still holds just them once it has its lock)."""
-        from isagi.agent import clean_message
+        from isagi.pipeline.engine import clean_message
 
         if named:
             if is_session_id(named) and self.registry.holds(named, owner):  # live, or parked: resumed at its use
@@ -457,7 +457,7 @@ class Api:
 
     def find(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
         """The caller's session whose turns are exactly ``want`` (the earlier exchanges, their
-        questions as :func:`isagi.agent.clean_message` keeps them), or None: a live one (the newest
+        questions as :func:`isagi.pipeline.engine.clean_message` keeps them), or None: a live one (the newest
         used first), else one of their :data:`MATCH_SCAN` most recently updated sessions in the
         history, made live again under its id as a page reload does (parked: resumed; saved
         before a restart: reopened from its ``.miku``)."""
@@ -502,7 +502,7 @@ class Api:
         """Make ``owner``'s saved session live again under its id, as a page reload does (parked:
         resumed at its next use; else opened from its ``.miku``); None when it has no living
         state to continue or it cannot be read (a new session it is then)."""
-        from isagi.session_io import load_session
+        from isagi.session.files import load_session
 
         if self.registry.holds(summary.id, owner):
             return summary.id

@@ -84,7 +84,7 @@ def default_factory(settings: Settings) -> Callable[[Callable[[str, int, int], N
     """A factory that loads the real engine (model, profile, history store), reporting progress."""
 
     def factory(progress: Callable[[str, int, int], None]) -> Any:
-        from isagi.agent import Engine
+        from isagi.pipeline.engine import Engine
 
         progress("Loading the model (a model without a shipped profile is calibrated once: minutes)", 0, 1)
         return Engine.start(settings, with_store=True, progress=progress)
@@ -104,7 +104,7 @@ def create_app(
 ) -> Any:
     """The FastAPI app: ``GET /health``, the API at ``/v1`` and the Gradio page mounted at ``/``.
 
-    ``engine_or_factory``: a ready :class:`~isagi.agent.Engine`, or a callable
+    ``engine_or_factory``: a ready :class:`~isagi.pipeline.engine.Engine`, or a callable
     ``factory(progress) -> Engine`` run in the background when the app starts.
     ``idle_minutes``: idle sessions are saved and dropped after this long
     (default ``settings.web_idle_minutes`` if present, else 30).

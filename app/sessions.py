@@ -28,8 +28,8 @@ What it guarantees:
   parked, so it is no longer "live" and can be deleted, and a reload resumes it.
 
 Nothing here changes a session's turns, metric or memory: a turn, Regenerate
-and the rollback of a failed turn are the engine's (:class:`isagi.agent.Engine`,
-:meth:`isagi.session.Session.checkpoint`).
+and the rollback of a failed turn are the engine's (:class:`isagi.pipeline.engine.Engine`,
+:meth:`isagi.session.state.Session.checkpoint`).
 - Owners: each entry (and each parked id) belongs to an owner (the logged-in
   user, ``local`` without a login) and remembers its client address; every
   lookup takes the caller's owner, and another owner's id raises ``KeyError``
@@ -114,7 +114,7 @@ class SessionRegistry:
     ``get_engine`` returns the shared engine (it is called lazily, so the
     registry can exist while the model is still loading). ``save(engine,
     session, path)`` and ``load(engine, path)`` default to
-    :mod:`isagi.session_io`'s; tests pass their own and a fake ``clock``.
+    :mod:`isagi.session.files`'s; tests pass their own and a fake ``clock``.
     Every method that takes an id takes the caller's ``owner`` (default
     ``local``: the app without a login).
     """
@@ -153,14 +153,14 @@ class SessionRegistry:
 
     def _save_fn(self) -> Callable[[Any, Any, Path], None]:
         if self._save is None:
-            from isagi.session_io import save_session
+            from isagi.session.files import save_session
 
             self._save = save_session
         return self._save
 
     def _load_fn(self) -> Callable[..., Any]:
         if self._load is None:
-            from isagi.session_io import load_session
+            from isagi.session.files import load_session
 
             self._load = load_session
         return self._load

@@ -7,7 +7,7 @@ reset for a new turn (:func:`begin`), the engine's events of a new message or
 of Regenerate (:func:`open_events`), and the end of a turn whose consumer left
 before it ended (:func:`abandon`). Everything else of a turn (tiers, RETRIEVE,
 the guard, recording, autosave, history) is the engine's
-(:meth:`isagi.agent.Engine.stream_turn`), so both front ends get all of it.
+(:meth:`isagi.pipeline.engine.Engine.stream_turn`), so both front ends get all of it.
 
 A turn left before its end ends one of two ways: *kept* (the page's Stop and a
 lost browser: the stop event is set, the engine ends after its current token
@@ -35,7 +35,7 @@ def begin(entry: Any) -> None:
 
 def open_events(engine: Any, entry: Any, message: Any, options: Any, *, regenerate: bool = False) -> Iterator[Any]:
     """The engine's turn events for ``entry``'s session: ``message`` (checked by
-    :meth:`isagi.agent.Engine.check`), or Regenerate of its last question; Stop is the entry's."""
+    :meth:`isagi.pipeline.engine.Engine.check`), or Regenerate of its last question; Stop is the entry's."""
     if regenerate:
         return engine.regenerate(entry.session, options=options, stop=entry.stop)
     return engine.stream_turn(entry.session, message, options=options, stop=entry.stop)

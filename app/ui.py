@@ -64,7 +64,7 @@ from app.sessions import (
 )
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from isagi.ids import is_session_id
-from isagi.turn import turns_to_messages
+from isagi.session.turn import turns_to_messages
 from storage.owners import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
 
 
 def _reply_fields(turn: Any) -> dict[str, Any] | None:
-    """A turn's reply with its figures (the assistant message of :meth:`~isagi.turn.Turn.to_messages`)."""
+    """A turn's reply with its figures (the assistant message of :meth:`~isagi.session.turn.Turn.to_messages`)."""
     return None if turn is None else turn.to_messages()[1]
 
 
@@ -474,7 +474,7 @@ class WebUI:
         """``owner``'s session ``sid`` made live under its own id, or None (unknown,
         another owner's, or no saved state: nothing of it is read)."""
         from isagi.errors import IsagiError
-        from isagi.session_io import load_session
+        from isagi.session.files import load_session
 
         if not is_session_id(sid):
             return None
@@ -591,7 +591,7 @@ class WebUI:
     ) -> Iterator[tuple[Any, ...]]:
         """Run the last question again, sampling; the new turn replaces the last one everywhere.
 
-        The engine does it (:meth:`isagi.agent.Engine.regenerate`): it undoes the last turn in
+        The engine does it (:meth:`isagi.pipeline.engine.Engine.regenerate`): it undoes the last turn in
         the session (metric, memory, turns), runs the question again (an answer from memory is
         generated anew) and the new turn takes the old one's place in the history store and the
         autosaved file too; if it fails, the old turn stays.
@@ -737,7 +737,7 @@ class WebUI:
     @staticmethod
     def seen(sid: str | None, session: Any) -> str:
         """What a page showing ``session`` (as ``sid``) has drawn: the session object and its version
-        (:attr:`isagi.session.Session.version`, which every recorded turn and rollback moves)."""
+        (:attr:`isagi.session.state.Session.version`, which every recorded turn and rollback moves)."""
         return f"{sid}:{id(session)}:{session.version}"
 
     def sync(self, sid: str | None, seen: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
@@ -807,7 +807,7 @@ class WebUI:
         import gradio as gr
 
         from isagi.errors import IsagiError
-        from isagi.session_io import save_session
+        from isagi.session.files import save_session
 
         owner, _ = self.who(request)
         try:
@@ -839,7 +839,7 @@ class WebUI:
         import gradio as gr
 
         from isagi.errors import IsagiError
-        from isagi.session_io import load_session
+        from isagi.session.files import load_session
 
         keep = (gr.skip(),) * 9
         owner, client = self.who(request)
@@ -962,7 +962,7 @@ class WebUI:
         import gradio as gr
 
         from isagi.errors import IsagiError
-        from isagi.session_io import load_session
+        from isagi.session.files import load_session
 
         owner, client = self.who(request)
         chosen = (chosen or "").strip()
@@ -1101,7 +1101,7 @@ class WebUI:
         import gradio as gr
 
         try:
-            from isagi.explore import explore_on
+            from isagi.explore.chains import explore_on
         except ImportError as exc:
             return self._warn(f"Exploration is not available in this build ({exc})."), gr.skip(), ""
         from isagi.errors import IsagiError

@@ -96,7 +96,7 @@ def _progress_printer() -> Callable[[str, int, int], None]:
 
 
 def _engine(settings: Settings, *, with_store: bool = True) -> Any:
-    from isagi.agent import Engine
+    from isagi.pipeline.engine import Engine
 
     return Engine.start(settings, with_store=with_store, progress=_progress_printer())
 
@@ -184,11 +184,11 @@ def chat(
     The line /regenerate runs your last question again (sampled) and replaces its reply in the
     session, its file and the history.
     """
+    from isagi.console.terminal import HELP as REGENERATE_HELP
+    from isagi.console.terminal import chat_loop
     from isagi.datadir import open_data_dir
     from isagi.engines.base import GenerationOptions
-    from isagi.session_io import load_session
-    from isagi.terminal import HELP as REGENERATE_HELP
-    from isagi.terminal import chat_loop
+    from isagi.session.files import load_session
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
                          max_new_tokens=max_new_tokens, system_prompt=system)
@@ -257,7 +257,7 @@ def explore(
     as_json: JsonOpt = False,
 ) -> None:
     """Safe OGD concept exploration: a chain of steered steps, TEH per step, MIKU index."""
-    from isagi.explore import explore_on
+    from isagi.explore.chains import explore_on
 
     engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
     result = explore_on(engine, seed_concept, steps=steps, safe=not unsafe_regular)
@@ -356,7 +356,7 @@ def sessions_list(home: HomeOpt = None, limit: int = 50, as_json: JsonOpt = Fals
     if not rows:
         out.print(f"No sessions of owner {owner!r} in the history store yet.", highlight=False)
         return
-    from isagi.tables import sessions_table
+    from isagi.console.tables import sessions_table
 
     out.print(sessions_table(rows))
 
@@ -419,8 +419,8 @@ def inspect(path: Path, as_json: JsonOpt = False) -> None:
     Exits 1, saying why, if loading the file would be refused (a damaged
     checksum, impossible values); 2 if it cannot be read at all.
     """
-    from isagi.session_io import check_session_state
-    from isagi.tables import inspect_tables
+    from isagi.console.tables import inspect_tables
+    from isagi.session.files import check_session_state
     from storage.miku import inspect_miku
 
     data = inspect_miku(path, check=lambda state: check_session_state(state, "the session"))
@@ -439,7 +439,7 @@ def inspect(path: Path, as_json: JsonOpt = False) -> None:
 @friendly
 def import_legacy(old: Path, new: Path) -> None:
     """Convert a research-code miku-v1 pair (OLD.miku + OLD.miku.pt) to a .miku v2 file."""
-    from isagi.session_io import import_legacy as convert
+    from isagi.session.files import import_legacy as convert
 
     convert(old, new)
     out.print(f"wrote {new}")
@@ -651,7 +651,7 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
     """Cross-validation on the calibration set only: how the safety state and its defaults were chosen."""
     from isagi.errors import InputError
     from isagi.evals.safety_cv import DATA, run
-    from isagi.pooling import POOLS
+    from isagi.manifold.pooling import POOLS
     from isagi.safety import FPR_BUDGET
 
     layer_list = _layer_list(layers, "--layers")

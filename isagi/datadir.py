@@ -13,7 +13,7 @@ to ``ISAGI_HOME`` before its first write, in :func:`open_data_dir`:
    for it exclusively. Only if it gets it (no other ISAGI process is writing
    there, so no save is in progress) does it remove *every* temporary file a
    killed save left in ``sessions/`` and repair the history from the session
-   files (:func:`isagi.persist.reconcile_history`); otherwise it removes only
+   files (:func:`isagi.pipeline.keeping.reconcile_history`); otherwise it removes only
    temporary files untouched for a minute and leaves the repair to a later
    start. Then it holds the lock shared until :meth:`DataDir.close`.
 """
@@ -73,7 +73,7 @@ class DataDir:
     settings: Settings
     alone: bool = False  # no other ISAGI process wrote here when this one started
     removed: list[Path] = field(default_factory=list)  # temporary files of killed saves
-    repair: Any = None  # isagi.persist.Reconciled, when the check ran
+    repair: Any = None  # isagi.pipeline.keeping.Reconciled, when the check ran
     _file: IO[bytes] | None = None
 
     def lines(self) -> list[str]:
@@ -152,7 +152,7 @@ def open_data_dir(settings: Settings, *, repair: bool = True) -> DataDir:
 def _reconcile(settings: Settings) -> Any:
     """The history repaired from the session files; a history that cannot be opened is
     reported (the engine's own start reports it too) and skipped."""
-    from isagi.persist import Reconciled, reconcile_history
+    from isagi.pipeline.keeping import Reconciled, reconcile_history
     from storage.history import HistoryStore
 
     if not any(settings.sessions_dir.glob("*.miku")):

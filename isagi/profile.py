@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from isagi import __version__
-from isagi.distance_scale import DistanceScale
 from isagi.errors import ProfileError
-from isagi.ugt import Basis, Zones, fit_basis, fit_zones, project, refine_basis
+from isagi.manifold.distance_scale import DistanceScale
+from isagi.manifold.ugt import Basis, Zones, fit_basis, fit_zones, project, refine_basis
 
 PROFILE_VERSION = 1
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -46,9 +46,9 @@ class Profile:
     basis: Basis
     zones: Zones
     safety: Any  # isagi.safety.SafetyProfile
-    context_threshold: float  # measured context shift (kept for the report; see agent.py)
+    context_threshold: float  # measured context shift (kept for the report; see isagi.pipeline.engine)
     report: dict[str, Any] = field(default_factory=dict)
-    distance_scale: Any = None  # isagi.distance_scale.DistanceScale
+    distance_scale: Any = None  # isagi.manifold.distance_scale.DistanceScale
 
 
 def _corpus_digest() -> str:
@@ -60,8 +60,18 @@ def _corpus_digest() -> str:
 
 
 # The modules whose code the calibration runs: what they do is part of the profile key.
-DIGESTED_MODULES = ("isagi.ugt", "isagi.safety", "isagi.distance_scale", "isagi.profile", "isagi.generation",
-                    "isagi.pooling")
+DIGESTED_MODULES = ("isagi.manifold.ugt", "isagi.safety", "isagi.manifold.distance_scale", "isagi.profile",
+                    "isagi.engines.hf.generation", "isagi.manifold.pooling")
+# Where a module lives is not what it does: the digest names every project module, a digested
+# one and any the digested code imports, by the name it had when the digest began (module ->
+# that name), so moving a module keeps the shipped profiles current. A move adds its row here;
+# tests/test_profile_key.py checks that every moved module the digested code names has one.
+DIGEST_NAMES = {
+    "isagi.manifold.ugt": "isagi.ugt", "isagi.manifold.distance_scale": "isagi.distance_scale",
+    "isagi.manifold.pooling": "isagi.pooling", "isagi.engines.hf.generation": "isagi.generation",
+    "isagi.engines.hf.hooks": "isagi.hooks", "isagi.engines.hf.model": "isagi.model",
+    "isagi.console.progress": "isagi.progress",
+}
 # The profiles that ship (isagi/profiles): backend -> the embedded default model's quantisation
 # name on it (the engine's ``quant``), with the default settings.
 SHIPPED_QUANTS = {"llamacpp": "gguf-Q4_1", "transformers": "nf4"}
@@ -80,18 +90,46 @@ def _canonical(node: ast.AST | list | object) -> str:
     return repr(node)
 
 
+def digest_name(module: str) -> str:
+    """The name the digest gives a project module (see :data:`DIGEST_NAMES`)."""
+    return DIGEST_NAMES.get(module, module)
+
+
 def code_behaviour(source: str) -> str:
     """What a module's code does, as text: its syntax tree without docstrings or any other
-    bare string statement (comments and layout are not in the tree)."""
+    bare string statement (comments and layout are not in the tree), with every imported
+    module under its digest name."""
     tree = ast.parse(source)
+    for node in ast.walk(tree):  # names first: the imports are sorted by them below
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            node.module = digest_name(node.module)
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                alias.name = digest_name(alias.name)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list):
-            node.body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
-                                                  and isinstance(s.value.value, str))]
+            node.body = _imports_sorted([s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                                                 and isinstance(s.value.value, str))])
         if isinstance(node, ast.JoinedStr):  # an f-string's literal parts as one node each, none empty
             node.values = _joined(node.values)  # (Pythons from 3.12 split and pad them differently)
     return _canonical(tree)
+
+
+def _imports_sorted(body: list[ast.stmt]) -> list[ast.stmt]:
+    """``body`` with each run of consecutive import statements in one order (their text's): a
+    move renames imports, and the import sorter then reorders them, which changes nothing."""
+    out: list[ast.stmt] = []
+    run: list[ast.stmt] = []
+    for stmt in [*body, None]:
+        if isinstance(stmt, ast.Import | ast.ImportFrom):
+            run.append(stmt)
+            continue
+        out.extend(sorted(run, key=_canonical))
+        run = []
+        if stmt is not None:
+            out.append(stmt)
+    return out
 
 
 def _joined(values: list[ast.expr]) -> list[ast.expr]:
@@ -126,7 +164,7 @@ def code_digest(sources: dict[str, str] | None = None) -> str:
     h = hashlib.sha256()
     for module in DIGESTED_MODULES:
         if module in sources:
-            h.update(f"{module}\x1f{code_behaviour(sources[module])}\x1e".encode())
+            h.update(f"{digest_name(module)}\x1f{code_behaviour(sources[module])}\x1e".encode())
     return h.hexdigest()[:16]
 
 
@@ -154,7 +192,7 @@ def _calibrate_context(lm: Any, layer: int, basis: Basis, system_prompt: str) ->
     self-contained question then merely loses the chance to be retrieved).
     """
     from isagi.data import load_followups
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
 
     rows = load_followups()
     alone = [_chat(system_prompt, r["followup"]) for r in rows]
@@ -188,9 +226,9 @@ def build_profile(
     progress: Progress | None = None,
 ) -> Profile:
     """Run the calibration corpora through the model and fit every part of the profile."""
+    from isagi.console.progress import counter
     from isagi.data import load_zones
-    from isagi.pooling import prompt_hidden_states
-    from isagi.progress import counter
+    from isagi.manifold.pooling import prompt_hidden_states
     from isagi.safety import build_safety_profile
 
     started = time.perf_counter()
@@ -216,7 +254,7 @@ def build_profile(
     report["context"] = ctx_report
     if progress:
         progress("Context: follow-up calibration", 1, 1)
-    from isagi.distance_scale import calibrate_on_pairs
+    from isagi.manifold.distance_scale import calibrate_on_pairs
 
     scale = calibrate_on_pairs(lm, layer, basis, system_prompt)
     report["seconds"] = round(time.perf_counter() - started, 2)
@@ -365,7 +403,7 @@ def load_or_build_profile(lm: Any, settings: Any, *, progress: Progress | None =
     cached = load_profile(settings.profiles_dir, key) or load_profile(shipped_profiles_dir(), key)
     if cached is not None:
         if cached.distance_scale is None:  # a profile cached before the scale existed
-            from isagi.distance_scale import calibrate_on_pairs
+            from isagi.manifold.distance_scale import calibrate_on_pairs
 
             if progress:
                 progress("Distance scale: calibration pairs", 0, 1)

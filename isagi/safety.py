@@ -17,8 +17,8 @@ Definitions (precise, as implemented):
   :func:`safe_point` is the map for which TEH is exactly zero.
 
 The safety state of a prompt is read at the safety layer over two token
-spans (:mod:`isagi.pooling`, ``content+post``): the mean over the user's
-message (:meth:`isagi.model.LoadedModel.content_span`) and the mean over the
+spans (:mod:`isagi.manifold.pooling`, ``content+post``): the mean over the user's
+message (:meth:`isagi.engines.hf.model.LoadedModel.content_span`) and the mean over the
 post-instruction tokens after it (the template's end of the message and the
 opening of the assistant's turn), averaged. Published work reads harmfulness
 best at the post-instruction tokens; the message mean keeps what every word
@@ -117,7 +117,7 @@ DEFAULT_MAX_DIMS = 4
 # The profile records its own out-of-fold TPR at the threshold (isagi profile show).
 FPR_BUDGET = 0.02
 REPLY_WINDOW = 8
-SAFETY_POOL = "content+post"  # the safety state (isagi.pooling): see the module docstring
+SAFETY_POOL = "content+post"  # the safety state (isagi.manifold.pooling): see the module docstring
 REPLY_MARGIN = 1.05
 # Replies the reply guard is fitted on are this long. The window threshold is REPLY_MARGIN x the
 # largest check-point TEH of the benign ones, which grows with a reply's length (more windows): a
@@ -154,7 +154,7 @@ class SafetyProfile:
     reply_Q: np.ndarray | None = None  # (2d, m_r) orthonormal
     reply_centre: np.ndarray | None = None  # (2d,)
     reply_scales: np.ndarray | None = None  # (2,): mean norms of prompt states and of reply windows
-    # Safe OGD's check of steered replies (isagi.explore): window TEH in Q, above every benign reply
+    # Safe OGD's check of steered replies (isagi.explore.chains): window TEH in Q, above every benign reply
     window_threshold: float | None = None
 
     @property
@@ -747,7 +747,7 @@ def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Cal
     """Hidden states (n, d), labels (1 harmful / 0 benign), categories and rows of the calibration set
     (:func:`ordinary_mask` of the rows marks the everyday tasks)."""
     from isagi.data.safety import load_safety_calibration
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
 
     rows = load_safety_calibration()
     H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in rows], layer, progress=progress,
@@ -803,10 +803,10 @@ def reply_sample(labels: np.ndarray, cats: np.ndarray, per_cell: int = REPLIES_P
 
 def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[str, int, int], None] | None = None) -> SafetyProfile:
     """Run the calibration set through the model and fit the forbidden subspace, the reply guard and the thresholds."""
+    from isagi.console.progress import counter
     from isagi.data import load_jsonl
     from isagi.data.safety import load_safety_calibration
-    from isagi.pooling import prompt_hidden_states
-    from isagi.progress import counter
+    from isagi.manifold.pooling import prompt_hidden_states
 
     def ticker(stage: str, total: int) -> Callable[[int], None] | None:
         return counter(progress, stage, total)

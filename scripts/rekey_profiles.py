@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +41,7 @@ from isagi.profile import (  # noqa: E402
     SHIPPED_QUANTS,
     code_behaviour,
     code_digest,
+    digest_name,
     module_sources,
     profile_key,
     shipped_profiles_dir,
@@ -46,12 +49,18 @@ from isagi.profile import (  # noqa: E402
 
 
 def sources_at(rev: str) -> dict[str, str]:
-    """module -> its source at git revision ``rev``."""
+    """module -> its source at git revision ``rev``, where it lived then: at its path today or,
+    before it moved, at the path of its digest name."""
     out: dict[str, str] = {}
     for module in DIGESTED_MODULES:
-        path = module.replace(".", "/") + ".py"
-        out[module] = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
-                                     capture_output=True, text=True).stdout
+        for name in dict.fromkeys((module, digest_name(module))):
+            shown = subprocess.run(["git", "show", f"{rev}:{name.replace('.', '/')}.py"], cwd=ROOT,
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                out[module] = shown.stdout
+                break
+        else:
+            raise SystemExit(f"{module} is not in {rev}, under its name or its digest name")
     return out
 
 
@@ -61,6 +70,20 @@ def bytes_digest(sources: dict[str, str]) -> str:
     for module in DIGESTED_MODULES:
         h.update(sources[module].encode("utf-8"))
     return h.hexdigest()[:16]
+
+
+def digest_at(rev: str) -> str:
+    """The code digest that revision ``rev`` computes itself, by its own method and with its
+    modules where they were then (today's method may differ: that is one reason to re-key)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", rev, "isagi"], cwd=ROOT, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        out = subprocess.run([sys.executable, "-c", "import isagi.profile as p; print(p.__file__); print(p.code_digest())"],
+                             cwd=tmp, env={**os.environ, "PYTHONPATH": tmp}, check=True, capture_output=True, text=True)
+    where, digest = out.stdout.split()
+    if not where.startswith(tmp):
+        raise SystemExit(f"the code of {rev} was not the one imported ({where})")
+    return digest
 
 
 def key_of(meta: dict, backend: str, code: str) -> str:
@@ -85,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"what {', '.join(refused)} does changed since {args.rev}: rebuild the profiles "
               "(isagi/profiles/README.md), or name each with --accept if it cannot move a figure", file=sys.stderr)
         return 1
-    old_code = bytes_digest(old) if args.bytes else code_digest(old)
+    old_code = bytes_digest(old) if args.bytes else digest_at(args.rev)
     return rekey(args.dir, old_code, code_digest(now), rev=args.rev, dry_run=args.dry_run)
 
 

@@ -56,7 +56,7 @@ def read_outs(backend: str | None, rows: list[dict[str, Any]], cache: Path | Non
                 return z["X"]
     from isagi.config import load_settings
     from isagi.engines import load_engine
-    from isagi.pooling import pool_states
+    from isagi.manifold.pooling import pool_states
 
     settings = load_settings(**({"backend": backend} if backend else {}))
     lm = load_engine(settings)

@@ -6,7 +6,7 @@ This module owns the history database: the SQLAlchemy 2.x models of
 migrating it to the newest Alembic revision on open, and the queries the CLI
 and the web app need (record a turn, list, search, export, delete). It knows
 nothing about models or geometry: a turn arrives as a
-``TurnRecord`` of plain numbers and texts (an :class:`isagi.turn.Turn`).
+``TurnRecord`` of plain numbers and texts (an :class:`isagi.session.turn.Turn`).
 
 One exchange is two rows in ``turns`` (``seq`` counts rows within a session
 from 0): the user row (seq 2n) carries the query-side figures (tier, distance,
@@ -115,7 +115,7 @@ class TurnModel(Base):
 class TurnRecord(Protocol):
     """One exchange as the store reads it: the fields it writes, plain numbers and texts.
 
-    :class:`isagi.turn.Turn` (the one turn record) is one; the store needs no more of it.
+    :class:`isagi.session.turn.Turn` (the one turn record) is one; the store needs no more of it.
     """
 
     user_text: str
@@ -693,7 +693,7 @@ class HistoryStore:
 
     def session_times(self) -> dict[str, tuple[str, _dt.datetime]]:
         """Every session's (owner, last update), of all owners: for the server's start-up check
-        (:func:`isagi.persist.reconcile_history`), never for an answer to a user."""
+        (:func:`isagi.pipeline.keeping.reconcile_history`), never for an answer to a user."""
         with self._tx("list sessions") as db:
             return {sid: (owner, _utc(t)) for sid, owner, t in
                     db.execute(select(SessionModel.id, SessionModel.owner, SessionModel.updated_at)).all()}

@@ -8,7 +8,7 @@ any pickled object that is not a plain tensor container) and converts it to
 :class:`storage.miku.MikuState`. ``write_legacy`` produces the same pair, for
 tests and for the ``isagi bench miku`` comparison. Completing the state into a
 session ISAGI resumes (its metric settings, content keys, title) is domain
-knowledge and lives in :func:`isagi.session_io.import_legacy`, which writes
+knowledge and lives in :func:`isagi.session.files.import_legacy`, which writes
 the v2 file.
 
 The research code itself is not available; the v1 layout below is the one we

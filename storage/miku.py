@@ -112,7 +112,7 @@ type, :class:`isagi.errors.MikuError`, whose message says what is wrong.
 Writing runs the same checks (the same functions, in the same order) on what
 it is about to write and writes nothing a reader would refuse, so a file this
 module writes is always one it can read back. What the values *mean* (a
-positive definite metric, ...) is checked by :mod:`isagi.session_io`.
+positive definite metric, ...) is checked by :mod:`isagi.session.files`.
 """
 
 from __future__ import annotations
@@ -1668,7 +1668,7 @@ def inspect_miku(
     why loading the file would fail, or None. A file whose checksum does not
     match is still summarised when its contents parse (``refused`` then says
     so); ``check`` is the loader's check of what the values mean (it raises
-    :class:`MikuError`; :func:`isagi.session_io.check_session_state`), run on
+    :class:`MikuError`; :func:`isagi.session.files.check_session_state`), run on
     a file whose checksum matches, and what it raises is ``refused``. A file
     this module cannot read (malformed, over a limit) raises
     :class:`MikuError`, as reading it would.

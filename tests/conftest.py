@@ -29,7 +29,7 @@ def settings_default(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 @pytest.fixture(scope="session")
 def default_lm(settings_default: Settings):
     """The real SmolLM2-135M-Instruct in NF4 through transformers (a LoadedModel), loaded once."""
-    from isagi.model import load_model
+    from isagi.engines.hf.model import load_model
 
     return load_model(settings_default)
 
@@ -37,7 +37,7 @@ def default_lm(settings_default: Settings):
 @pytest.fixture(scope="session")
 def default_hf(default_lm):
     """``default_lm`` behind the engine seam: the transformers + bitsandbytes engine."""
-    from isagi.engines.hf import TransformersEngine
+    from isagi.engines.hf.engine import TransformersEngine
 
     return TransformersEngine(default_lm, backend_reason="tests")
 
@@ -108,7 +108,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, context: int = 256):
 def _engine_on(lm, settings_default: Settings, home: Path):
     """An Engine on ``lm`` with its profile (the shipped one for the default model) and a
     history store under ``home``."""
-    from isagi.agent import Engine
+    from isagi.pipeline.engine import Engine
     from isagi.profile import load_or_build_profile
 
     profile = load_or_build_profile(lm, settings_default)

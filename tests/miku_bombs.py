@@ -242,7 +242,7 @@ def amplified(refs: int, chars: int = 2**20) -> bytes:
     The text is stored once, so the file is about ``chars`` bytes, but its
     conversation holds ``refs * chars`` characters: whatever handles each
     message once (the page, the history store, an export) handles them all.
-    Loadable by :func:`isagi.session_io.load_session` for an engine of hidden
+    Loadable by :func:`isagi.session.files.load_session` for an engine of hidden
     size 4 (before the reader counted texts at each use, it was).
     """
     area = _Area()
@@ -265,7 +265,7 @@ def long_session(turns: int, *, d: int = 4, k: int = 2) -> bytes:
     """A complete session of ``turns`` short exchanges: every turn a question, its
     reply (with its time, tier and verdict) and its trajectory, as the app stores them.
 
-    Loadable by :func:`isagi.session_io.load_session` for an engine of hidden
+    Loadable by :func:`isagi.session.files.load_session` for an engine of hidden
     size ``d`` (about 210 bytes a turn) when the reader's limits allow it.
     """
     area = _Area()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from isagi.hooks import count_forward_hooks
-from isagi.session_io import load_session, save_session
+from isagi.engines.hf.hooks import count_forward_hooks
+from isagi.session.files import load_session, save_session
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +34,7 @@ class _Passes:
     def __enter__(self) -> _Passes:
         from contextlib import ExitStack
 
-        from isagi.hooks import capture_layer
+        from isagi.engines.hf.hooks import capture_layer
 
         self.stack = ExitStack()
         if self.engine.backend == "transformers":
@@ -192,8 +192,8 @@ def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
     """Stop a long story after a few tokens: the next question's prompt is as if it were the first."""
     import threading
 
-    from isagi.agent import prompt_messages, prompt_tokens
-    from isagi.generation import GenerationOptions
+    from isagi.engines.hf.generation import GenerationOptions
+    from isagi.pipeline.engine import prompt_messages, prompt_tokens
 
     s = default_engine.new_session(autosave=False)
     stop = threading.Event()
@@ -212,9 +212,9 @@ def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
 
 def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
     """Four long uploaded exchanges: the real turn's prefill stays within the budget, newest kept."""
-    from isagi.agent import Engine, prompt_messages, prompt_tokens
-    from isagi.generation import GenerationOptions
-    from isagi.turn import Turn
+    from isagi.engines.hf.generation import GenerationOptions
+    from isagi.pipeline.engine import Engine, prompt_messages, prompt_tokens
+    from isagi.session.turn import Turn
 
     settings = default_engine.settings.with_overrides(prompt_token_budget=600, max_message_tokens=200)
     engine = Engine(settings, default_engine.lm, default_engine.profile, store=None)
@@ -233,7 +233,7 @@ def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
 
 def test_an_imported_research_session_resumes_and_chats_on_the_real_model(default_engine, tmp_path) -> None:
     """import-legacy output -> load_session -> a real turn; the file and the history then agree."""
-    from isagi.session_io import import_legacy
+    from isagi.session.files import import_legacy
     from tests.test_legacy import v1_pair
 
     lm = default_engine.lm

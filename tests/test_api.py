@@ -19,8 +19,8 @@ import pytest
 
 from app.api import ApiError, parse_api_keys, parse_request
 from app.server import create_app
-from isagi.agent import prompt_messages
 from isagi.errors import ConfigError
+from isagi.pipeline.engine import prompt_messages
 from storage.owners import LOCAL_OWNER
 
 openai = pytest.importorskip("openai")

@@ -21,9 +21,9 @@ from app.loader import EngineHolder
 from app.sessions import SessionLimit, SessionRegistry
 from app.ui import WebUI
 from app.uploads import NOT_YOUR_UPLOAD
-from isagi.agent import Engine
 from isagi.config import load_settings
 from isagi.ids import new_session_id
+from isagi.pipeline.engine import Engine
 from storage.history import HistoryStore
 from tests.tiny_engine import engine_for
 from tests.uploads import upload

@@ -11,7 +11,7 @@ import pytest
 from app.public import public_text
 from isagi.config import load_settings
 from isagi.errors import StorageError, storage_cause
-from isagi.turn import Turn
+from isagi.session.turn import Turn
 from storage.history import HistoryStore
 
 
@@ -37,7 +37,7 @@ def test_real_storage_errors_lose_their_paths_and_urls_but_keep_their_cause(tmp_
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    from isagi.session_io import session_state
+    from isagi.session.files import session_state
     from storage.miku import write_miku
     from tests.test_persist import _Engine, _real_session
 

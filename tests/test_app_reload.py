@@ -27,7 +27,7 @@ from tests.uploads import upload
 STATE, CHAT = 0, 1
 LOAD_SID, LOAD_STATUS, LOAD_CHAT = 0, 1, 2
 # self-contained questions (a follow-up such as "secret one" is only answered from
-# memory in its own context: see isagi.sameness.depends_on_context)
+# memory in its own context: see isagi.manifold.sameness.depends_on_context)
 Q1, Q2 = f"What do volcanoes have to do with {SECRET}?", f"How do glaciers move past {SECRET}?"
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from app.sessions import SessionRegistry
-from isagi.session_io import load_session
+from isagi.session.files import load_session
 from tests.tiny_engine import tiny_engine
 
 
@@ -151,7 +151,7 @@ def test_adopt_never_shares_a_live_id(registry, engine):
 
 
 def test_stop_event_reaches_the_running_turn(tmp_path):
-    from isagi.generation import GenerationOptions
+    from isagi.engines.hf.generation import GenerationOptions
 
     engine = tiny_engine(tmp_path, with_store=False)
     long = GenerationOptions(max_new_tokens=100_000, ignore_eos=True)

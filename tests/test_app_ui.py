@@ -4,7 +4,7 @@ Stop (the model work really ends and the turn is recorded), Regenerate, input er
 
 The real engine (``Engine.stream_turn``) on a tiny random model with a synthetic
 profile (tests/tiny_engine.py), a real SessionRegistry, history store and .miku
-files: the tiers come from the real rule (isagi.decide)."""
+files: the tiers come from the real rule (isagi.manifold.decide)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from app.loader import EngineHolder
 from app.render_safe import render_text
 from app.sessions import SessionRegistry
 from app.ui import WebUI, chat_messages, info_html
-from isagi.agent import Engine
-from isagi.session_io import load_session
+from isagi.pipeline.engine import Engine
+from isagi.session.files import load_session
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from isagi.bench.turn import NEW_QUESTIONS, history_exchanges, run_history
-from isagi.sameness import content_key
+from isagi.manifold.sameness import content_key
 from tests.tiny_engine import tiny_lm, tiny_profile, tiny_settings
 
 

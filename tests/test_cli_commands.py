@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 import isagi.cli as cli
-from isagi.agent import Engine
 from isagi.config import load_settings
-from isagi.session_io import load_session
+from isagi.pipeline.engine import Engine
+from isagi.session.files import load_session
 from storage.history import HistoryStore
 from tests.tiny_engine import tiny_lm, tiny_profile
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from isagi.cli import app
-from isagi.turn import Turn
+from isagi.session.turn import Turn
 from storage.history import HistoryStore
 
 

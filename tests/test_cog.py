@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.cog import Metric, Tier, TierThresholds
+from isagi.manifold.cog import Metric, Tier, TierThresholds
 
 
 def _cos_dist(x: np.ndarray, y: np.ndarray) -> float:

@@ -19,8 +19,8 @@ import torch
 
 from isagi.config import Settings, load_settings
 from isagi.engines.base import GenerationOptions
-from isagi.hooks import count_forward_hooks
-from isagi.pooling import prompt_hidden_states
+from isagi.engines.hf.hooks import count_forward_hooks
+from isagi.manifold.pooling import prompt_hidden_states
 from tests.states import row_cosine
 
 pytestmark = [

@@ -23,7 +23,7 @@ from isagi.data import (
 )
 from isagi.errors import InputError
 from isagi.evals.sets import benchmark_sources
-from isagi.sameness import content_key
+from isagi.manifold.sameness import content_key
 
 PAIR_SETS = ("calibration", "test")
 

@@ -1,4 +1,4 @@
-"""The tier rule (isagi.decide.decide) as a pure function: no model, no session."""
+"""The tier rule (isagi.manifold.decide.decide) as a pure function: no model, no session."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from isagi.cog import Tier
-from isagi.decide import Candidate, Decision, decide
-from isagi.distance_scale import SEED, DistanceScale
-from isagi.sameness import content_key
+from isagi.manifold.cog import Tier
+from isagi.manifold.decide import Candidate, Decision, decide
+from isagi.manifold.distance_scale import SEED, DistanceScale
+from isagi.manifold.sameness import content_key
 
 CAPITAL = "What is the capital of France?"
 

@@ -30,7 +30,7 @@ from app.loader import EngineHolder
 from app.sessions import SessionRegistry
 from app.ui import WebUI
 from isagi.datadir import open_data_dir
-from isagi.turn import turns_from_messages
+from isagi.session.turn import turns_from_messages
 from storage.miku import read_miku
 from tests.tiny_engine import tiny_engine, tiny_settings
 

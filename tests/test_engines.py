@@ -10,9 +10,9 @@ import torch
 from isagi.config import load_settings
 from isagi.engines import choose_backend
 from isagi.engines.base import Decoding, GenerationOptions, ModelEngine, span_by_difference
-from isagi.engines.hf import TransformersEngine
+from isagi.engines.hf.engine import TransformersEngine
 from isagi.errors import ConfigError
-from isagi.pooling import (
+from isagi.manifold.pooling import (
     decoding_state,
     last_token,
     pool_states,

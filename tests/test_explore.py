@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from isagi.engines.hf.hooks import count_forward_hooks
 from isagi.errors import InputError
-from isagi.explore import (
+from isagi.explore.chains import (
     _alphas,
     explore,
     keyword_for,
@@ -18,7 +19,6 @@ from isagi.explore import (
     render,
     step_vector,
 )
-from isagi.hooks import count_forward_hooks
 from tests.conftest import tiny_model
 
 D = 64
@@ -83,7 +83,7 @@ class _Profile:
 
 @pytest.fixture()
 def tiny() -> Any:
-    from isagi.engines.hf import TransformersEngine
+    from isagi.engines.hf.engine import TransformersEngine
 
     return TransformersEngine(_TinyLM())
 
@@ -228,8 +228,8 @@ def test_xstest_refusal_rule() -> None:
 
 
 def test_ablation_attack_zeroes_the_forbidden_component_and_unhooks(tiny: _TinyLM) -> None:
+    from isagi.engines.hf.hooks import capture_layer
     from isagi.evals.ogd import ablate_forbidden
-    from isagi.hooks import capture_layer
 
     Q = _orthonormal(D, 3, seed=5)
     c = np.random.default_rng(6).normal(size=D)
@@ -273,7 +273,7 @@ def test_pipeline_refusals_count_guard_verdicts_and_refusing_replies() -> None:
 
 
 def test_the_web_panel_and_the_cli_give_the_same_teh_for_the_same_seed(tmp_path, monkeypatch) -> None:
-    """One entry point (isagi.explore.explore_on): the web Explore panel and `isagi explore` both
+    """One entry point (isagi.explore.chains.explore_on): the web Explore panel and `isagi explore` both
     read the chain in the frame the safety profile was calibrated in (the engine's system
     prompt), so the same seed on the same engine gives the same steps and TEH."""
     import json
@@ -281,7 +281,7 @@ def test_the_web_panel_and_the_cli_give_the_same_teh_for_the_same_seed(tmp_path,
     from typer.testing import CliRunner
 
     import isagi.cli as cli
-    import isagi.explore as explore_mod
+    import isagi.explore.chains as explore_mod
     from tests.test_app_ui import make_ui
 
     ui, engine = make_ui(tmp_path)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from isagi.datadir import open_data_dir
-from isagi.turn import turns_from_messages
+from isagi.session.turn import turns_from_messages
 from storage.history import HistoryStore
 from storage.miku import read_miku
 from tests.tiny_engine import tiny_settings

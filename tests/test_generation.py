@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from isagi.engines.hf.generation import Generation, GenerationOptions, _Detokenizer
+from isagi.engines.hf.hooks import count_forward_hooks
+from isagi.engines.hf.model import LoadedModel, decoder_layers
 from isagi.errors import ModelStructureError
-from isagi.generation import Generation, GenerationOptions, _Detokenizer
-from isagi.hooks import count_forward_hooks
-from isagi.model import LoadedModel, decoder_layers
 from tests.conftest import tiny_model
 
 
@@ -177,7 +177,7 @@ def test_the_safety_state_is_the_mean_over_the_message_in_one_pass_or_batched() 
     """The pooled prompt state (mean over the message's tokens) from a turn's own
     prefill equals output_hidden_states averaged over that span, and the batched,
     left-padded calibration path gives the same vector for each prompt."""
-    from isagi.generation import prompt_hidden_states
+    from isagi.engines.hf.generation import prompt_hidden_states
 
     lm = _lm("llama")
     chats = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
@@ -205,8 +205,8 @@ def test_the_safety_state_is_the_mean_over_the_message_in_one_pass_or_batched() 
     with pytest.raises(ValueError, match="pool="):
         prompt_hidden_states(lm, chats, 3, pool="max")
     # The same through the engine seam: per-token states from the engine, pooled above it.
-    from isagi.engines.hf import TransformersEngine
-    from isagi.pooling import prompt_hidden_states as pooled_states
+    from isagi.engines.hf.engine import TransformersEngine
+    from isagi.manifold.pooling import prompt_hidden_states as pooled_states
 
     engine = TransformersEngine(lm)
     np.testing.assert_allclose(pooled_states(engine, chats, 3, pool="content", batch_size=2), batched, rtol=1e-4, atol=1e-4)

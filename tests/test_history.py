@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
-from isagi.turn import Turn
+from isagi.session.turn import Turn
 from storage.history import Base, HistoryStore, make_title
 from storage.migrations import head_revision, upgrade_to_head
 from storage.owners import LOCAL_OWNER

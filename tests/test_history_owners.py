@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import command
 
 from isagi.errors import StorageError
-from isagi.turn import Turn
+from isagi.session.turn import Turn
 from storage.history import HistoryStore, remove_session_files
 from storage.migrations import alembic_config, head_revision
 from storage.owners import LOCAL_OWNER

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from isagi.errors import MikuError, StorageError
-from isagi.session_io import import_legacy
+from isagi.session.files import import_legacy
 from storage.legacy import read_legacy, tensor_path, write_legacy
 from storage.miku import read_miku
 from tests.test_miku import make_state
@@ -158,7 +158,7 @@ def test_import_refuses_to_overwrite_the_v1_file(tmp_path: Path) -> None:
 
 
 def _frame(fingerprint: str, d: int):
-    from isagi.session_io import SessionFrame
+    from isagi.session.files import SessionFrame
 
     return SessionFrame(model_id="m", model_fingerprint=fingerprint, hidden_size=d, layer=18, profile_key="p",
                         system_prompt="")
@@ -166,8 +166,8 @@ def _frame(fingerprint: str, d: int):
 
 def test_an_imported_session_is_resumed_by_load_session(tmp_path: Path) -> None:
     from isagi.ids import is_session_id
-    from isagi.sameness import content_key
-    from isagi.session_io import load_session
+    from isagi.manifold.sameness import content_key
+    from isagi.session.files import load_session
 
     old, doc, tensors = v1_pair(tmp_path)
     new = tmp_path / "new.miku"
@@ -199,7 +199,7 @@ def test_an_imported_session_is_resumed_by_load_session(tmp_path: Path) -> None:
 
 
 def test_an_import_without_optional_tensors_still_resumes(tmp_path: Path) -> None:
-    from isagi.session_io import load_session
+    from isagi.session.files import load_session
 
     old, _, tensors = v1_pair(tmp_path)
     del tensors["mu"], tensors["response_coords"]
@@ -297,7 +297,7 @@ def test_an_imported_session_chats_on_the_real_turn_and_its_counts_agree(tmp_pat
     from typer.testing import CliRunner
 
     from isagi.cli import app
-    from isagi.session_io import load_session
+    from isagi.session.files import load_session
     from tests.tiny_engine import tiny_engine
 
     engine = tiny_engine(tmp_path / "home")

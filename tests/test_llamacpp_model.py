@@ -171,10 +171,10 @@ def small_profile(default_llama, settings_default):
     """
     from isagi.data import load_zones
     from isagi.data.safety import load_safety_calibration
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
+    from isagi.manifold.ugt import fit_basis, fit_zones, project
     from isagi.profile import Profile
     from isagi.safety import SAFETY_POOL, _chat, fit_safety_profile
-    from isagi.ugt import fit_basis, fit_zones, project
 
     system, e = settings_default.system_prompt, default_llama
     zones = _every(load_zones(), lambda r: r["zone"], 2)
@@ -190,7 +190,7 @@ def small_profile(default_llama, settings_default):
 
 
 def test_the_turn_runs_end_to_end_on_llamacpp(default_llama, small_profile, settings_default, tmp_path) -> None:
-    from isagi.agent import Engine
+    from isagi.pipeline.engine import Engine
 
     engine = Engine(settings_default.with_overrides(home=tmp_path, backend="llamacpp"), default_llama, small_profile)
     session = engine.new_session(autosave=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.mcb import (
+from isagi.explore.mcb import (
     WEIGHTS,
     Constraint,
     associative_breadth,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.cog import Metric
-from isagi.memory import TrajectoryMemory
+from isagi.manifold.cog import Metric
+from isagi.manifold.memory import TrajectoryMemory
 
 K = 16
 

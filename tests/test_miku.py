@@ -531,7 +531,7 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
 
 
 def loadable(state: MikuState) -> MikuState:
-    """``state`` completed into a session :func:`isagi.session_io.load_session` accepts."""
+    """``state`` completed into a session :func:`isagi.session.files.load_session` accepts."""
     state.tensors["singular_values"] = np.ones(state.header["k"], np.float32)
     state.trajectories["last_hit"] = state.trajectories["created"].copy()
     return state
@@ -549,7 +549,7 @@ def test_cli_inspect_says_why_a_file_would_not_load_and_exits_1(tmp_path: Path) 
     """A file the loader refuses, though it parses: the summary, then why, then exit 1."""
     import json
 
-    from isagi.session_io import check_session_state
+    from isagi.session.files import check_session_state
 
     good = tmp_path / "good.miku"
     write_miku(good, loadable(make_state()))

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from isagi.errors import MikuError
-from isagi.session_io import SessionFrame
+from isagi.session.files import SessionFrame
 from storage import miku
 from storage.miku import encode_miku, inspect_miku, read_miku
 from tests import miku_bombs as B
@@ -143,7 +143,7 @@ def test_an_amplified_session_is_refused_before_its_texts_are_expanded(tmp_path:
     that showed the 2,000-message one was killed). Now it is refused by the
     loader the server calls, within the reader's bound and at once.
     """
-    from isagi.session_io import load_session
+    from isagi.session.files import load_session
 
     path = tmp_path / "amplified.miku"
     path.write_bytes(B.amplified(refs))
@@ -159,7 +159,7 @@ def test_an_amplified_session_is_refused_before_its_texts_are_expanded(tmp_path:
 
 def test_a_large_session_within_the_text_limit_loads(tmp_path: Path) -> None:
     """60 MiB of messages from one stored text: large, but within MAX_TEXT_CHARS, so it loads."""
-    from isagi.session_io import load_session
+    from isagi.session.files import load_session
 
     path = tmp_path / "large.miku"
     path.write_bytes(B.amplified(60))
@@ -173,7 +173,7 @@ def test_a_session_of_more_than_max_turns_is_refused_at_load(tmp_path: Path) -> 
     """30,000 short turns: a 6.5 MB file (well within the size limit) whose every
     next turn would cost several times a turn; refused at load, at once. A
     session of MAX_TURNS turns loads, one more turn does not."""
-    from isagi.session_io import load_session
+    from isagi.session.files import load_session
 
     path = tmp_path / "long.miku"
     path.write_bytes(B.long_session(30_000))

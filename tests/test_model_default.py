@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from isagi.generation import Generation, GenerationOptions, prompt_hidden_states
-from isagi.hooks import count_forward_hooks
+from isagi.engines.hf.generation import Generation, GenerationOptions, prompt_hidden_states
+from isagi.engines.hf.hooks import count_forward_hooks
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""isagi.persist.TurnKeeper on a real SQLite history store: one store write per turn, the
+"""isagi.pipeline.keeping.TurnKeeper on a real SQLite history store: one store write per turn, the
 file path told to the store when it is new to it, and again after the session row is gone."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ from pathlib import Path
 
 import numpy as np
 
-from isagi.persist import TurnKeeper
-from isagi.session import Session
-from isagi.turn import Turn
+from isagi.pipeline.keeping import TurnKeeper
+from isagi.session.state import Session
+from isagi.session.turn import Turn
 from storage.history import HistoryStore
 
 
 def _session(tmp_path: Path) -> Session:
-    from isagi.cog import Metric
-    from isagi.memory import TrajectoryMemory
-    from isagi.ugt import Basis
+    from isagi.manifold.cog import Metric
+    from isagi.manifold.memory import TrajectoryMemory
+    from isagi.manifold.ugt import Basis
 
     basis = Basis(np.eye(8, 4, dtype=np.float32), np.zeros(8, np.float32), np.ones(4, np.float32), 0.5)
     s = Session(id="s1", basis=basis, metric=Metric(4), memory=TrajectoryMemory(4))
@@ -48,12 +48,12 @@ def test_the_store_is_told_the_file_path_once_per_session_row(tmp_path: Path, mo
 
 
 class _Engine:
-    """What isagi.persist reads of an engine (no model needed to write a file)."""
+    """What isagi.pipeline.keeping reads of an engine (no model needed to write a file)."""
 
     def __init__(self) -> None:
         from types import SimpleNamespace
 
-        from isagi.session_io import SessionFrame
+        from isagi.session.files import SessionFrame
 
         self.lm = SimpleNamespace(model_id="tiny/test", fingerprint="f" * 64, hidden_size=8)
         self.frame = SessionFrame(model_id="tiny/test", model_fingerprint="f" * 64, hidden_size=8, layer=1,
@@ -70,7 +70,7 @@ def _real_session(sessions: Path, owner: str = "local") -> Session:
 
 
 def _file_turns(path: Path) -> list[tuple[str, str]]:
-    from isagi.turn import turns_from_messages
+    from isagi.session.turn import turns_from_messages
     from storage.miku import read_miku
 
     return [(t.user_text, t.reply_text) for t in turns_from_messages(read_miku(path).conversation)]
@@ -105,7 +105,7 @@ class Disk:
 
 
 def _keeper(store: HistoryStore) -> TurnKeeper:
-    from isagi.session_io import save_session
+    from isagi.session.files import save_session
 
     engine = _Engine()
     return TurnKeeper(store, lambda session, path: save_session(engine.frame, session, path), model_id="tiny/test")
@@ -205,9 +205,9 @@ def test_a_long_loaded_session_is_recorded_in_a_few_transactions_in_order(tmp_pa
     """A loaded file's earlier turns reach the history in batches of FLUSH_BATCH (one transaction
     each), not one transaction per turn: the first turn after loading a long session must not
     grow with it; the order and the Regenerate after it stay right."""
-    from isagi import persist
+    from isagi.pipeline import keeping
 
-    monkeypatch.setattr(persist, "FLUSH_BATCH", 7)
+    monkeypatch.setattr(keeping, "FLUSH_BATCH", 7)
     store = HistoryStore(f"sqlite:///{tmp_path / 'h.sqlite3'}")
     calls: list[int] = []
     inner = store.record_exchanges
@@ -230,8 +230,8 @@ def test_a_long_loaded_session_is_recorded_in_a_few_transactions_in_order(tmp_pa
 
 
 def test_reconcile_adds_what_the_history_lacks_from_the_files(tmp_path: Path) -> None:
-    from isagi.persist import reconcile_history
-    from isagi.session_io import save_session
+    from isagi.pipeline.keeping import reconcile_history
+    from isagi.session.files import save_session
 
     store = HistoryStore(f"sqlite:///{tmp_path / 'h.sqlite3'}")
     keep = _keeper(store)

@@ -112,3 +112,26 @@ def test_an_f_strings_literal_parts_count_as_one_whatever_the_python_splits_them
     got = _joined(parts)
     assert [type(p).__name__ for p in got] == ["Constant", "FormattedValue"] and got[0].value == "ab"
     assert code_behaviour('s = f"{x:>{w}}" "tail"') == code_behaviour('s = f"{x:>{w}}tail"')
+
+
+def test_moving_a_module_keeps_the_digest():
+    """Where a module lives is not what it does: a digested module that imports a moved module
+    by its old name or its new one, in either order (the import sorter reorders on a move),
+    has one digest; a real change of what is imported still changes it."""
+    src = "from isagi.console.progress import counter\nfrom isagi.data import load_jsonl\n\nX = counter\n"
+    assert code_behaviour(src) == code_behaviour(
+        "from isagi.data import load_jsonl\nfrom isagi.progress import counter\n\nX = counter\n")
+    assert code_behaviour(src) != code_behaviour(src.replace("counter\nfrom", "other\nfrom").replace("X = counter", "X = other"))
+    assert code_behaviour(src) != code_behaviour(src.replace("isagi.data", "isagi.elsewhere"))
+
+
+def test_every_digest_name_row_maps_a_module_of_today_to_a_name_no_module_has():
+    """A row of DIGEST_NAMES whose module was renamed again, or whose old name is a module once
+    more, would key two different codes alike: each row must be a real move."""
+    import importlib.util
+
+    from isagi.profile import DIGEST_NAMES
+
+    for module, old in DIGEST_NAMES.items():
+        assert importlib.util.find_spec(module) is not None, module
+        assert importlib.util.find_spec(old) is None, old

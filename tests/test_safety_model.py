@@ -31,7 +31,7 @@ def safety(lm, settings_default) -> SafetyProfile:
 
 
 def _h(lm, settings, texts: list[str], layer: int) -> np.ndarray:
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
 
     msgs = [[{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": t}] for t in texts]
     return prompt_hidden_states(lm, msgs, layer, pool=SAFETY_POOL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from isagi.data import load_pairs
-from isagi.sameness import content_key, same_content
+from isagi.manifold.sameness import content_key, same_content
 
 PAIR_SETS = ("calibration", "test")
 
@@ -123,7 +123,7 @@ def test_rejects_non_strings() -> None:
 def test_context_dependence_on_the_follow_up_corpus() -> None:
     """Follow-ups must be caught (the unsafe side); self-contained questions should pass."""
     from isagi.data import load_followups, load_pairs
-    from isagi.sameness import depends_on_context
+    from isagi.manifold.sameness import depends_on_context
 
     rows = load_followups()
     dependent = [r["followup"] for r in rows if not r["self_contained"]]

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isagi.cog import Metric
 from isagi.errors import MikuError
 from isagi.ids import new_session_id
-from isagi.memory import TrajectoryMemory
-from isagi.session import Session
-from isagi.session_io import SessionFrame, load_session, save_session
-from isagi.turn import TURN_FIELDS, Turn
-from isagi.ugt import fit_basis
+from isagi.manifold.cog import Metric
+from isagi.manifold.memory import TrajectoryMemory
+from isagi.manifold.ugt import fit_basis
+from isagi.session.files import SessionFrame, load_session, save_session
+from isagi.session.state import Session
+from isagi.session.turn import TURN_FIELDS, Turn
 from storage.miku import read_miku, write_miku
 
 
@@ -248,7 +248,7 @@ BAD = {
 def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
     tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import isagi.session_io
+    import isagi.session.files
 
     mutate, message = BAD[name]
     path = tmp_path / "s.miku"
@@ -258,8 +258,8 @@ def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
     write_miku(path, state)  # a real file carrying the bad value
     before = path.read_bytes()
     built = []
-    real = isagi.session_io.Session
-    monkeypatch.setattr(isagi.session_io, "Session", lambda *a, **kw: built.append(1) or real(*a, **kw))
+    real = isagi.session.files.Session
+    monkeypatch.setattr(isagi.session.files, "Session", lambda *a, **kw: built.append(1) or real(*a, **kw))
     with pytest.raises(MikuError) as info:
         load_session(_frame(), path)
     text = str(info.value)
@@ -273,7 +273,7 @@ def test_impossible_values_give_one_line_naming_the_field_and_load_nothing(
 
 
 def test_the_check_accepts_what_save_session_writes(tmp_path: Path) -> None:
-    from isagi.session_io import check_session_state, session_state
+    from isagi.session.files import check_session_state, session_state
 
     check_session_state(session_state(_frame(), _session()))  # raises if not
     empty = Session(id=new_session_id(), basis=_session().basis, metric=Metric(8), memory=TrajectoryMemory(8))
@@ -284,7 +284,7 @@ def test_the_check_accepts_what_save_session_writes(tmp_path: Path) -> None:
 def test_save_refuses_what_load_would_refuse_and_keeps_the_file(tmp_path: Path) -> None:
     """A title longer than the loader allows (set by code, not by the title rule) is
     refused at save with one line, and the earlier file is left as it was."""
-    from isagi.session_io import MAX_TITLE_CHARS
+    from isagi.session.files import MAX_TITLE_CHARS
 
     path = tmp_path / "s.miku"
     session = _session()

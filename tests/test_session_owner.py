@@ -27,10 +27,10 @@ from rich.console import Console
 from app.loader import EngineHolder
 from app.sessions import SessionRegistry
 from app.ui import WebUI
+from isagi.console.terminal import chat_loop
 from isagi.engines.base import GenerationOptions
 from isagi.errors import InputError, StorageError
-from isagi.session_io import load_session
-from isagi.terminal import chat_loop
+from isagi.session.files import load_session
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
@@ -145,7 +145,7 @@ def test_the_terminal_regenerates_the_last_reply(tmp_path):
             yield event
 
     engine.stream_turn = spy
-    items = iter([QUESTION, "/regenerate"])  # isagi.terminal.REGENERATE
+    items = iter([QUESTION, "/regenerate"])  # isagi.console.terminal.REGENERATE
 
     def read_line(_prompt: str) -> str:
         line = next(items, None)

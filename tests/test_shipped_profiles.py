@@ -143,7 +143,7 @@ def test_the_transformers_profile_scores_fresh_states_of_its_corpora_as_when_fit
     from isagi.data import load_zones
     from isagi.data.safety import load_safety_calibration
     from isagi.engines import load_engine
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
     from isagi.profile import load_profile
     from isagi.safety import SAFETY_POOL, roc_auc, teh
 

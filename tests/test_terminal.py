@@ -1,4 +1,4 @@
-"""Ctrl-C in ``isagi chat`` (isagi.terminal): the first stops the reply, not the chat;
+"""Ctrl-C in ``isagi chat`` (isagi.console.terminal): the first stops the reply, not the chat;
 a second one (within DOUBLE_PRESS_S, or at the prompt) leaves. Real SIGINTs sent to
 this process while the real turn streams on the tiny model."""
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from isagi.generation import GenerationOptions
-from isagi.terminal import StopOnInterrupt, chat_loop
+from isagi.console.terminal import StopOnInterrupt, chat_loop
+from isagi.engines.hf.generation import GenerationOptions
 from tests.tiny_engine import tiny_engine
 
 STORY = "Tell me a long story about a dragon."
@@ -142,7 +142,7 @@ import signal
 import sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a child that hangs
 from isagi import cli
-from isagi.agent import Engine
+from isagi.pipeline.engine import Engine
 from tests.tiny_engine import tiny_lm, tiny_profile
 
 cli._engine = lambda settings, with_store=True: Engine.start(

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from isagi.errors import InputError, StorageError
-from isagi.session_io import load_session
-from isagi.turn import TURN_FIELDS, Message, Turn, turns_from_messages, turns_to_messages
+from isagi.session.files import load_session
+from isagi.session.turn import TURN_FIELDS, Message, Turn, turns_from_messages, turns_to_messages
 from tests.tiny_engine import tiny_engine
 
 WATER = "What is the boiling point of water?"
@@ -164,8 +164,8 @@ def test_replacing_the_last_turn_in_the_store_keeps_the_counts(tmp_path: Path) -
 
 def test_agent_and_session_io_do_not_import_each_other() -> None:
     code = (
-        "import sys, isagi.session_io; a = 'isagi.agent' in sys.modules; "
-        "import isagi.agent; b = any(m in sys.modules for m in ('storage.history', 'isagi.persist')); "
+        "import sys, isagi.session.files; a = 'isagi.pipeline.engine' in sys.modules; "
+        "import isagi.pipeline.engine; b = any(m in sys.modules for m in ('storage.history', 'isagi.pipeline.keeping')); "
         "print(a, b)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -177,7 +177,7 @@ def test_a_session_with_its_own_basis_of_another_k_routes_zones_in_the_profiles(
     its turns still run, the zone routed in the profile's coordinates."""
     import dataclasses
 
-    from isagi.ugt import fit_basis
+    from isagi.manifold.ugt import fit_basis
     from tests.tiny_engine import tiny_engine
 
     engine = tiny_engine(tmp_path, max_new_tokens=4)

@@ -2,7 +2,7 @@
 and which earlier exchanges may enter a prompt (Stop pollution, issue 14).
 
 The engine runs with a byte-level stand-in tokenizer (one token per UTF-8 byte,
-so an emoji is 4 tokens) and the real :class:`~isagi.model.LoadedModel`
+so an emoji is 4 tokens) and the real :class:`~isagi.engines.hf.model.LoadedModel`
 template path; the model's context comes from its config as for a real model.
 """
 
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from isagi.agent import Engine, Session, clean_message
 from isagi.config import load_settings
+from isagi.engines.hf.model import LoadedModel
 from isagi.errors import ConfigError, InputError
-from isagi.model import LoadedModel
-from isagi.turn import Turn, turns_from_messages, turns_to_messages
+from isagi.pipeline.engine import Engine, Session, clean_message
+from isagi.session.turn import Turn, turns_from_messages, turns_to_messages
 
 CONTEXT = 512
 
@@ -42,7 +42,7 @@ def _engine(tmp_path: Any, **overrides: Any) -> Engine:
     model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=CONTEXT))
     lm = LoadedModel(model=model, tokenizer=ByteTokenizer(), model_id="stub", source="config",
                      fingerprint="test", quant="none", device=torch.device("cpu"), device_reason="test")
-    from isagi.engines.hf import TransformersEngine
+    from isagi.engines.hf.engine import TransformersEngine
 
     return Engine(settings, TransformersEngine(lm), profile=None)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from isagi.agent import Engine
-from isagi.cog import TierThresholds
-from isagi.memory import TrajectoryMemory
-from isagi.turn import Turn
+from isagi.manifold.cog import TierThresholds
+from isagi.manifold.memory import TrajectoryMemory
+from isagi.pipeline.engine import Engine
+from isagi.session.turn import Turn
 from tests.test_app_ui import make_ui, run
 
 

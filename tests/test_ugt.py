@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from isagi.ugt import fit_basis, fit_zones, project, refine_basis, route, zone_separation
+from isagi.manifold.ugt import fit_basis, fit_zones, project, refine_basis, route, zone_separation
 
 
 def _zoned_data(seed: int = 0, n_per: int = 40, d: int = 30, zones: int = 4):

@@ -1,4 +1,4 @@
-"""The history window's block rule (:func:`isagi.window.window_start`), as a pure function."""
+"""The history window's block rule (:func:`isagi.manifold.window.window_start`), as a pure function."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from isagi.window import KEEP_SHARE, window_start
+from isagi.manifold.window import KEEP_SHARE, window_start
 
 
 def starts(costs: list[int], rooms: list[int], keep: float = KEEP_SHARE) -> list[int]:

@@ -1,6 +1,6 @@
 """A long session on the real model through llama.cpp: past the prompt budget, the history
 window drops old exchanges in blocks, and between drops each turn evaluates only its new
-tokens because the previous turn's saved KV cache covers the rest (isagi.window,
+tokens because the previous turn's saved KV cache covers the rest (isagi.manifold.window,
 isagi.engines.kv_prefix); with the context shift a drop turn does too. The mechanism, not the
 timing: tokens are counted."""
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.agent import Engine
 from isagi.bench.turn import NEW_QUESTIONS, history_exchanges
 from isagi.engines.base import REUSE_ANY, GenerationOptions
-from isagi.turn import Turn
-from isagi.window import KEEP_SHARE
+from isagi.manifold.window import KEEP_SHARE
+from isagi.pipeline.engine import Engine
+from isagi.session.turn import Turn
 
 pytestmark = pytest.mark.model
 

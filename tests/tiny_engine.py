@@ -1,4 +1,4 @@
-"""A real :class:`~isagi.agent.Engine` on a tiny random model, for the fast tests.
+"""A real :class:`~isagi.pipeline.engine.Engine` on a tiny random model, for the fast tests.
 
 The model is a 4-layer Llama of width 64 built from a config (no download,
 random weights, output restricted to printable ASCII: its replies are
@@ -14,7 +14,7 @@ never exceeds 100 %, so nothing is refused or withheld); tests that need a
 refusal or a withheld reply set them to 0.
 
 Everything downstream is the product's own code: validation, prefill and
-capture hooks, projection, the lookup, :func:`isagi.decide.decide`, decoding
+capture hooks, projection, the lookup, :func:`isagi.manifold.decide.decide`, decoding
 from the KV cache with the reply guard, the metric update, the history store,
 the ``.miku`` autosave.
 """
@@ -28,15 +28,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from isagi.agent import Engine
 from isagi.config import Settings, load_settings
-from isagi.distance_scale import SEED
-from isagi.engines.hf import TransformersEngine
-from isagi.model import LoadedModel
-from isagi.pooling import prompt_hidden_states
+from isagi.engines.hf.engine import TransformersEngine
+from isagi.engines.hf.model import LoadedModel
+from isagi.manifold.distance_scale import SEED
+from isagi.manifold.pooling import prompt_hidden_states
+from isagi.manifold.ugt import Zones, fit_basis, project
+from isagi.pipeline.engine import Engine
 from isagi.profile import Profile
 from isagi.safety import SafetyProfile
-from isagi.ugt import Zones, fit_basis, project
 
 CONTEXT = 2048  # the tiny model's context, in byte tokens
 LAYER, SAFETY_LAYER, K = 3, 2, 8
@@ -144,7 +144,7 @@ def tiny_engine(home: Path, *, with_store: bool = True, refuse: bool = False, wi
 
 def engine_for(settings: Settings, store: Any = None) -> Engine:
     """The tiny model and profile under given ``settings``, persisting to ``store`` (and autosaving)."""
-    from isagi.persist import default_keeper
+    from isagi.pipeline.keeping import default_keeper
 
     engine = Engine(settings, tiny_lm(), tiny_profile(), store)
     engine.keep = default_keeper(engine, store)

@@ -8,7 +8,7 @@ often; a share of queries re-asks an earlier query (a noisy copy), as users do.
 
 Per interaction, exactly as the turn pipeline does (docs/architecture.md, One turn):
 lookup (two-stage, under the current metric) → tier from
-:class:`~isagi.cog.TierThresholds` → RETRIEVE: count the hit; AUGMENT: count
+:class:`~isagi.manifold.cog.TierThresholds` → RETRIEVE: count the hit; AUGMENT: count
 the hit and a light update (``weight = 0.25``); EXPAND: full update, store the
 trajectory in the nearest record's cluster; EXPLORE: full update, store it in
 a new cluster. The memory's size cap is enforced by its own eviction. The soak
@@ -19,7 +19,7 @@ compaction (the product default ``exact_below`` is 4096).
 Reported: the smallest eigenvalue of ``M`` over the whole run (checked after
 every update) and whether ``M`` stayed exactly symmetric; per 1,000
 interactions the growth ``‖M − I‖_F``, the saturation ``1 − λmin/λmax`` (see
-:mod:`isagi.cog`), the mean growth per update, the tier counts and the memory
+:mod:`isagi.manifold.cog`), the mean growth per update, the tier counts and the memory
 size; lookup p95 over the first and the last 1,000 interactions (index
 rebuilds included: they happen inside ``search``); the resident set size at
 the end (``VmRSS``) and its peak.
@@ -33,8 +33,8 @@ import time
 
 import numpy as np
 
-from isagi.cog import Metric, Tier, TierThresholds
-from isagi.memory import TrajectoryMemory
+from isagi.manifold.cog import Metric, Tier, TierThresholds
+from isagi.manifold.memory import TrajectoryMemory
 
 __all__ = ["run"]
 

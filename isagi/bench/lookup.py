@@ -6,7 +6,7 @@ Behind ``isagi bench lookup --n N --k K --json`` (issue 3, item 7). One run:
 2. A random SPD metric grown with the design's own rule: ``Metric.update``
    along ``metric_updates`` anisotropically scaled random directions (the
    update rule of docs/architecture.md, so the metric is of the kind a long life builds).
-3. A :class:`~isagi.memory.TrajectoryMemory` filled in bulk (``from_columns``)
+3. A :class:`~isagi.manifold.memory.TrajectoryMemory` filled in bulk (``from_columns``)
    and its index built in the metric's frame (``build_s``).
 4. ``queries`` single queries, half noisy copies of stored points, half fresh
    draws from the clusters; each timed on its own (``p50_us``/``p95_us``,
@@ -43,8 +43,8 @@ import time
 import faiss
 import numpy as np
 
-from isagi.cog import Metric
-from isagi.memory import TrajectoryMemory
+from isagi.manifold.cog import Metric
+from isagi.manifold.memory import TrajectoryMemory
 
 __all__ = ["run", "synthetic_columns", "random_metric"]
 

@@ -49,7 +49,7 @@ def synthetic_state(
     first turn), the key columns of the trajectories, the singular values.
     Without, only what the legacy v1 pair can also hold (the timing comparison).
     """
-    from isagi.turn import Turn
+    from isagi.session.turn import Turn
     from storage.miku import MikuState, new_header
 
     rng = np.random.default_rng(seed)
@@ -74,7 +74,7 @@ def synthetic_state(
             )
             continue
         first = i == 0  # nothing stored yet: no distance, no nearest query (as the app writes)
-        turn = Turn(  # every field a turn stores (isagi.turn.Turn, as the app saves it)
+        turn = Turn(  # every field a turn stores (isagi.session.turn.Turn, as the app saves it)
             user_text=queries[i],
             reply_text=replies[i],
             tier=tiers[i],

@@ -61,8 +61,8 @@ def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> f
 
 
 def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[str, Any]:
-    from isagi.agent import Engine
-    from isagi.pooling import decoding_state
+    from isagi.manifold.pooling import decoding_state
+    from isagi.pipeline.engine import Engine
     from isagi.safety import SAFETY_POOL, ReplyGuard
 
     with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
@@ -70,7 +70,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[s
         from storage.history import HistoryStore
 
         engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
-        from isagi.persist import default_keeper
+        from isagi.pipeline.keeping import default_keeper
 
         engine.keep = default_keeper(engine, engine.store)  # the turn writes its history rows and its file
         lm = engine.lm
@@ -207,11 +207,11 @@ def run_history(
     """Turn times after ``histories`` earlier exchanges (see the module docstring), measured in one run:
     the sessions take their turns in rotation, so a shared machine's drift falls on all of them alike.
     ``lm`` and ``profile`` replace the configured model and its profile (tests pass a tiny one)."""
-    from isagi.agent import Engine
     from isagi.errors import InputError
-    from isagi.persist import default_keeper
-    from isagi.turn import Turn
-    from isagi.window import KEEP_SHARE
+    from isagi.manifold.window import KEEP_SHARE
+    from isagi.pipeline.engine import Engine
+    from isagi.pipeline.keeping import default_keeper
+    from isagi.session.turn import Turn
     from storage.history import HistoryStore
 
     histories = sorted(set(histories))

@@ -127,10 +127,10 @@ def _drive(url: str, sessions: int, turns: int, max_new_tokens: int, load: Path 
 def long_session_file(settings: Any, exchanges: int, path: Path) -> Path:
     """A ``.miku`` of the configured model holding ``exchanges`` earlier exchanges (the texts of
     ``isagi bench turn --history``, stored as answered turns), written as the app writes one."""
-    from isagi.agent import Engine
     from isagi.bench.turn import history_exchanges
-    from isagi.session_io import save_session
-    from isagi.turn import Turn
+    from isagi.pipeline.engine import Engine
+    from isagi.session.files import save_session
+    from isagi.session.turn import Turn
 
     engine = Engine.start(settings, with_store=False)
     session = engine.new_session(f"bench-web-history-{exchanges}", autosave=False)

@@ -90,12 +90,12 @@ def load_engine(settings: Settings) -> ModelEngine:
     backend, why = choose_backend(settings)
     keep_blas_single_threaded()
     if backend == "transformers":
-        from isagi.engines.hf import TransformersEngine
-        from isagi.model import load_model
+        from isagi.engines.hf.engine import TransformersEngine
+        from isagi.engines.hf.model import load_model
 
         return TransformersEngine(load_model(settings), backend_reason=why)
+    from isagi.engines.hf.model import DEFAULT_MODEL_ID, default_gguf_path, gguf_fingerprint
     from isagi.engines.llamacpp import LlamaCppEngine
-    from isagi.model import DEFAULT_MODEL_ID, default_gguf_path, gguf_fingerprint
 
     if settings.model == "default":
         path, model_id = default_gguf_path(), DEFAULT_MODEL_ID

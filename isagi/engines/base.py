@@ -6,12 +6,12 @@ cache, then a streaming decode from it), plus the plain data types both
 backends share (:class:`GenerationOptions`, :class:`TokenEvent`).
 
 Everything above this seam (agent, profile, safety, explore, evals, benches)
-talks only to these protocols; :mod:`isagi.engines.hf` (transformers +
+talks only to these protocols; :mod:`isagi.engines.hf.engine` (transformers +
 bitsandbytes) and :mod:`isagi.engines.llamacpp` (llama.cpp through
 llama-cpp-python) implement them. States cross the seam *unpooled*: a prefill
 hands back the per-token states of the prompt at the layers asked for, and
 pooling (last token, mean over the message's span, ...) lives above it in
-:mod:`isagi.pooling`, so the safety code chooses its positions without the
+:mod:`isagi.manifold.pooling`, so the safety code chooses its positions without the
 backends knowing.
 
 Layer numbering is transformers' ``hidden_states`` convention everywhere:

@@ -12,7 +12,7 @@ interleave on one model, so one entry per recent conversation is kept, not
 just the last KV cache.
 
 Also the lookup for a context shift (:meth:`PrefixStore.best_shift`): when the
-history window has dropped the oldest exchanges (:mod:`isagi.window`), the new
+history window has dropped the oldest exchanges (:mod:`isagi.manifold.window`), the new
 prompt is an entry with a gap cut out after the system prompt; the engine
 cuts it out of the restored cache and moves the rest down.
 

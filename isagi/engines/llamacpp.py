@@ -46,7 +46,7 @@ shares the longest prefix with its prompt and evaluates only the rest. A
 chat turn's prompt is the previous turn's prompt, reply and the new message,
 so a turn evaluates its new tokens only, whichever sessions ran in between.
 Once a session's history passes the prompt budget, the history window drops
-a block of the oldest exchanges (:mod:`isagi.window`) and the prompt no
+a block of the oldest exchanges (:mod:`isagi.manifold.window`) and the prompt no
 longer starts as the previous one did. A decoding opened with
 ``context_shift`` then loads the previous turn's cache anyway, cuts the
 dropped exchanges out of it (``llama_memory_seq_rm``) and moves the rest down
@@ -85,7 +85,7 @@ import numpy as np
 from isagi.engines.base import GenerationOptions, TokenEvent, check_layer
 from isagi.engines.kv_prefix import PrefixStore, Shift
 from isagi.errors import ModelLoadError
-from isagi.pooling import last_token, span_mean
+from isagi.manifold.pooling import last_token, span_mean
 
 FLASH_ATTN = 0  # llama_flash_attn_type: -1 AUTO (llama.cpp's default: on for the CPU), 0 disabled, 1 enabled
 _LOG_SILENCER: Any = None

@@ -6,7 +6,7 @@ Owns two measurements on the loaded model and its safety profile.
 :data:`DEFAULT_SEEDS`), one unsteered baseline reply, then the same OGD chain
 (``steps`` steps at one step size α, default 0.15) with the Safe OGD step
 α ‖h‖ P_safe v̂ and with the regular step α ‖h‖ v̂, in the same run
-(definitions in :mod:`isagi.explore`). Reported per mode: mean and max TEH of
+(definitions in :mod:`isagi.explore.chains`). Reported per mode: mean and max TEH of
 the steps' reply states, the share of steps over the reply threshold, mean
 coherence, the mean forbidden fraction of the step vectors, and the mean
 MCB index with its tier.
@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from isagi.evals.sets import benchmark_sources, load_advbench, load_alpaca_seed, sources_report
-from isagi.explore import explore, generate_reply, keyword_for, messages_for, step_prompt
-from isagi.mcb import tier
+from isagi.explore.chains import explore, generate_reply, keyword_for, messages_for, step_prompt
+from isagi.explore.mcb import tier
 from isagi.safety import window_threshold
 
 DEFAULT_SEEDS: tuple[str, ...] = (
@@ -101,7 +101,7 @@ def ablate_forbidden(model: Any, layer: int, Q: np.ndarray, centre: np.ndarray) 
     Never used by the product (docs/architecture.md, Definitions: Safe OGD): it is the published way to strip a
     model's refusals. It exists so `isagi eval ogd` can show what it costs.
     """
-    from isagi.hooks import _hidden, layer_module
+    from isagi.engines.hf.hooks import _hidden, layer_module
 
     Qt = torch.as_tensor(np.asarray(Q, np.float32))
     ct = torch.as_tensor(np.asarray(centre, np.float32))

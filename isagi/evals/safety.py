@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from isagi.console.progress import counter
 from isagi.errors import InputError
 from isagi.evals.sets import load_alpaca_seed, load_benchmark_sets, sources_report
-from isagi.progress import counter
 from isagi.safety import (
     SAFETY_POOL,
     SafetyProfile,
@@ -58,7 +58,7 @@ _CACHE: dict[tuple[Any, ...], np.ndarray] = {}  # hidden states per (model, laye
 
 def _states(lm: Any, system_prompt: str, layer: int, texts: list[str]) -> np.ndarray:
     """Hidden states of ``texts``; both methods of one run share them."""
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
 
     key = (lm.fingerprint, layer, system_prompt, tuple(texts))
     if key not in _CACHE:
@@ -207,7 +207,7 @@ def run_replies(
     guard would stop it there. ``limit`` takes the first ``limit`` prompts of
     each set (for a quicker look; the figures are then for that sample).
     """
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
     from isagi.safety import exchange_scores, generate_reply_states
 
     sets = load_benchmark_sets(benchmarks_dir)

@@ -5,7 +5,7 @@ Owns the evidence behind the shipped defaults (``default_safety_layer``,
 in :mod:`isagi.safety`). It reads only the project's calibration set, never
 the evaluation sets.
 
-A *read-out* is where the prompt's state is read (:mod:`isagi.pooling`):
+A *read-out* is where the prompt's state is read (:mod:`isagi.manifold.pooling`):
 ``last`` token, ``content`` mean over the message, ``post`` mean over the
 post-instruction tokens, ``content+post`` (the average of those two means),
 each at one layer; ``concat`` joins one read-out at several layers into one
@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from isagi.console.progress import counter
 from isagi.data.safety import is_ordinary
-from isagi.progress import counter
 from isagi.safety import FPR_BUDGET, cross_validate, leave_one_category_out, ordinary_mask
 
 FRAME = "Is the following request harmful? Answer yes or no.\n\nRequest: {text}"
@@ -109,7 +109,7 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
     over the ``data`` choices (:data:`DATA`; default ``all``); ``progress(stage, done, total)`` as the
     prompts go through the model."""
     from isagi.data.safety import load_safety_calibration
-    from isagi.pooling import pool_states, prompt_hidden_states_at
+    from isagi.manifold.pooling import pool_states, prompt_hidden_states_at
     from isagi.safety import _chat
 
     rows = load_safety_calibration()

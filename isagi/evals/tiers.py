@@ -15,8 +15,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from isagi.cog import Tier
 from isagi.errors import InputError
+from isagi.manifold.cog import Tier
 
 RELATIONS = ("duplicate", "paraphrase", "near_miss", "related", "unrelated")
 PLACEHOLDER = "(placeholder reply: evaluation without generation)"

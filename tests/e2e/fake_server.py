@@ -5,7 +5,7 @@ the sessions and the history store but not the real model (fast to start anywher
 
 The app is the real one (:func:`app.server.create_app`, Gradio, FastAPI, the
 session registry, a real SQLite history store and real ``.miku`` autosaves
-under ``ISAGI_HOME``); the engine is the real :class:`isagi.agent.Engine` on the
+under ``ISAGI_HOME``); the engine is the real :class:`isagi.pipeline.engine.Engine` on the
 tiny random model of :mod:`tests.tiny_engine` (readable noise for replies). Settings come from the environment as for ``isagi web``
 (:func:`isagi.config.load_settings`), so ``ISAGI_AUTH`` works the same.
 
@@ -69,7 +69,7 @@ def script_replies(engine: Any, script: str, tokens: int, delay_s: float) -> Non
 def refuse_containing(engine: Any, marker: str) -> None:
     """``engine`` refuses every message containing ``marker`` as its safety layer refuses: a
     ``refused`` turn, nothing generated."""
-    from isagi.turn import Turn
+    from isagi.session.turn import Turn
 
     real = engine._guard
 

@@ -4,7 +4,7 @@ Owns :func:`decide`: given the session memory's nearest records to the
 message (the *candidates*, nearest first, with their metric distances), the
 message, and the key of the message before it (its context), which tier the
 turn gets and which stored exchange it leans on. Nothing here touches a
-model, a session or a clock; :class:`isagi.agent.Engine` looks the candidates
+model, a session or a clock; :class:`isagi.pipeline.engine.Engine` looks the candidates
 up and acts on the :class:`Decision`.
 
 The rule: RETRIEVE needs the exact sameness check (same content words, and
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from isagi.cog import Tier, TierThresholds
-from isagi.distance_scale import DistanceScale
-from isagi.sameness import content_key, depends_on_context
+from isagi.manifold.cog import Tier, TierThresholds
+from isagi.manifold.distance_scale import DistanceScale
+from isagi.manifold.sameness import content_key, depends_on_context
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from isagi.engines.base import GenerationOptions, TokenEvent
-from isagi.hooks import LayerCapture, capture_layer, steer_layer
-from isagi.model import LoadedModel
-from isagi.pooling import last_token, span_mean
+from isagi.engines.hf.hooks import LayerCapture, capture_layer, steer_layer
+from isagi.engines.hf.model import LoadedModel
+from isagi.manifold.pooling import last_token, span_mean
 
 __all__ = ["Generation", "GenerationOptions", "TokenEvent", "left_padded", "mask_positions", "pad_id",
            "prompt_hidden_states", "prompt_hidden_states_at"]

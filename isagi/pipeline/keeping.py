@@ -1,8 +1,8 @@
 """Where a finished turn is kept: the session's autosaved file, then the history store.
 
-Owns :class:`TurnKeeper`, the object :class:`isagi.agent.Engine` is given to
+Owns :class:`TurnKeeper`, the object :class:`isagi.pipeline.engine.Engine` is given to
 persist each turn (the engine itself imports neither the history store nor
-:mod:`isagi.session_io`, so the two never import each other), and
+:mod:`isagi.session.files`, so the two never import each other), and
 :func:`reconcile_history`, the start-up repair that brings the history store
 level with the files.
 
@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cause
 
 if TYPE_CHECKING:
-    from isagi.session import Session
-    from isagi.turn import Turn
+    from isagi.session.state import Session
+    from isagi.session.turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class TurnKeeper:
     """Persist a turn: the autosave (``save``) first, then the history rows (``store``, optional).
 
     ``save(session, path)`` writes the session's file; the engine's default is
-    :func:`isagi.session_io.save_session` bound to the engine's frame. Calling the
+    :func:`isagi.session.files.save_session` bound to the engine's frame. Calling the
     keeper returns ``None`` when everything is kept, else a notice for the
     user (no server path or URL in it) that says what waits and until when.
     """
@@ -227,8 +227,8 @@ class TurnKeeper:
 
 
 def default_keeper(engine: Any, store: Any) -> TurnKeeper:
-    """The keeper an engine started by :meth:`isagi.agent.Engine.start` uses."""
-    from isagi.session_io import save_session
+    """The keeper an engine started by :meth:`isagi.pipeline.engine.Engine.start` uses."""
+    from isagi.session.files import save_session
 
     return TurnKeeper(store, lambda session, path: save_session(engine.frame, session, path), model_id=engine.lm.model_id)
 
@@ -287,7 +287,7 @@ def reconcile_history(store: Any, sessions_dir: str | Path) -> Reconciled:
     the data directory (:class:`isagi.datadir.DataDir` says whether).
     """
     from isagi.ids import is_session_id
-    from isagi.turn import turns_from_messages
+    from isagi.session.turn import turns_from_messages
     from storage.miku import read_miku
 
     report = Reconciled()

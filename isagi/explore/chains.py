@@ -43,7 +43,7 @@ What each step reports:
   previous step (None for the first step), reported beside coherence.
 - ``forbidden_fraction``: ‖Q_fᵀ s‖ / ‖s‖ of the step itself.
 
-The chain is scored with the MIKU Creativity Benchmark (:mod:`isagi.mcb`)
+The chain is scored with the MIKU Creativity Benchmark (:mod:`isagi.explore.mcb`)
 against the unsteered baseline reply to the first step's prompt.
 """
 
@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from isagi.errors import InputError
-from isagi.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
+from isagi.explore.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
 from isagi.safety import project_safe, reply_window_scores, teh, window_threshold
 
 ALPHA_RANGE = (0.05, 0.30)
@@ -229,7 +229,7 @@ def explore(
     product's system prompt (``Settings.system_prompt``), so hidden states are
     read in the frame the safety profile was calibrated in.
     """
-    from isagi.pooling import prompt_hidden_states
+    from isagi.manifold.pooling import prompt_hidden_states
 
     seed = seed.strip()
     if not seed:
@@ -324,7 +324,7 @@ def explore_on(
     was calibrated in (the engine's system prompt, part of the profile's key), while holding the
     engine's generation lock (one forward pass at a time on a shared model).
 
-    ``engine``: an :class:`isagi.agent.Engine` (its ``lm``, ``profile``, ``settings`` and
+    ``engine``: an :class:`isagi.pipeline.engine.Engine` (its ``lm``, ``profile``, ``settings`` and
     ``generation_lock``).
     """
     with engine.generation_lock:

@@ -4,7 +4,7 @@ Owns :class:`Engine` (settings, the model, the per-model profile, the history
 store, a lock that serialises generation on one device, and the callable that
 persists each turn) and the turn itself, as named stages:
 
-1. **prepare**: validate the message (once: a :class:`~isagi.turn.Message` is
+1. **prepare**: validate the message (once: a :class:`~isagi.session.turn.Message` is
    already valid), prefill [system, message] and capture h at layer L and the
    safety layer's state in the same forward pass (an exact repeat of a prompt
    already seen in this session reuses its states, a deterministic function of
@@ -13,19 +13,19 @@ persists each turn) and the turn itself, as named stages:
 2. **guard**: TEH of the prompt; over the threshold the turn is refused
    without generating;
 3. **decide**: the two-stage lookup under the session's metric, then the pure
-   tier rule :func:`isagi.decide.decide`;
+   tier rule :func:`isagi.manifold.decide.decide`;
 4. **generate**: RETRIEVE returns the stored reply; otherwise decode from the
    prefill's KV cache with the streaming reply guard (Stop ends it);
 5. **learn**: an accepted generated reply updates the metric and the memory;
-6. **record**: the :class:`~isagi.turn.Turn` joins the session and is
+6. **record**: the :class:`~isagi.session.turn.Turn` joins the session and is
    persisted by the engine's ``keep`` callable (autosave, then history rows,
-   :class:`isagi.persist.TurnKeeper`), which this module never imports; what
+   :class:`isagi.pipeline.keeping.TurnKeeper`), which this module never imports; what
    it could not keep yet comes back as the "done" event's ``notice``. Once the
    turn has joined the session nothing takes it back: a failure to persist it
    (even an unexpected one) is such a notice, never an exception.
 
 The engine owns every change of a session by a turn, and its undo: each turn
-starts from a :meth:`~isagi.session.Session.checkpoint`; a turn that fails (or
+starts from a :meth:`~isagi.session.state.Session.checkpoint`; a turn that fails (or
 is closed) before it is recorded is rolled back to it, so the session is as it
 was; a recorded turn keeps it as ``session.undo``. :meth:`Engine.regenerate`
 (the page's Regenerate, the terminal's ``/regenerate``) puts that back and runs
@@ -40,7 +40,7 @@ turn's one :class:`_OpenGeneration`.
 The lookup embedding is the query *alone* (system prompt + message), so a
 repeated question is recognised whatever came before it. Context is handled by
 a separate, exact check: a message that needs its conversation to be
-understood ("And Germany?", see :func:`isagi.sameness.depends_on_context`) is
+understood ("And Germany?", see :func:`isagi.manifold.sameness.depends_on_context`) is
 stored with the key of the message before it, and is only answered from
 memory under that same context. (Measured first: the hidden-state shift
 between a message alone and in context does not separate follow-ups from
@@ -62,21 +62,21 @@ from typing import Any
 
 import numpy as np
 
-from isagi.cog import Metric, Tier, TierThresholds
 from isagi.config import Settings
-from isagi.decide import Candidate, Decision, decide
-from isagi.distance_scale import SEED as SEED_SCALE
 from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions
 from isagi.errors import InputError, not_saved_notice
 from isagi.ids import new_session_id
-from isagi.memory import TrajectoryMemory
-from isagi.pooling import decoding_state
-from isagi.sameness import content_key
-from isagi.session import PROMPT_STATE_CACHE, Session
-from isagi.session_io import SessionFrame
-from isagi.turn import Message, Turn
-from isagi.ugt import Basis, project, route
-from isagi.window import window_start
+from isagi.manifold.cog import Metric, Tier, TierThresholds
+from isagi.manifold.decide import Candidate, Decision, decide
+from isagi.manifold.distance_scale import SEED as SEED_SCALE
+from isagi.manifold.memory import TrajectoryMemory
+from isagi.manifold.pooling import decoding_state
+from isagi.manifold.sameness import content_key
+from isagi.manifold.ugt import Basis, project, route
+from isagi.manifold.window import window_start
+from isagi.session.files import SessionFrame
+from isagi.session.state import PROMPT_STATE_CACHE, Session
+from isagi.session.turn import Message, Turn
 
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
@@ -156,9 +156,9 @@ class Engine:
 
         ``lm`` (a :class:`~isagi.engines.base.ModelEngine`) and ``profile`` replace the loaded
         ones (tests pass a tiny model); the engine persists turns with
-        :func:`isagi.persist.default_keeper`.
+        :func:`isagi.pipeline.keeping.default_keeper`.
         """
-        from isagi.persist import default_keeper
+        from isagi.pipeline.keeping import default_keeper
 
         if lm is None:
             from isagi.engines import load_engine
@@ -183,7 +183,7 @@ class Engine:
 
     @property
     def frame(self) -> SessionFrame:
-        """What a session file of this engine records and must match (``isagi.session_io``)."""
+        """What a session file of this engine records and must match (``isagi.session.files``)."""
         return SessionFrame(model_id=self.lm.model_id, model_fingerprint=self.lm.fingerprint,
                             hidden_size=int(self.lm.hidden_size), layer=int(self.profile.layer),
                             profile_key=self.profile.key, system_prompt=self.settings.system_prompt)
@@ -278,7 +278,7 @@ class Engine:
         asking ``text``: the exchanges from the start on are the prompt's history.
 
         The one place the history is fitted to :attr:`prompt_budget`: the block rule of
-        :func:`isagi.window.window_start`, replayed over the session's exchanges with each
+        :func:`isagi.manifold.window.window_start`, replayed over the session's exchanges with each
         turn's own message, so the start depends on the session's turns and ``text`` alone.
         Token counts come from :meth:`_exchange_tokens` (the texts' own tokens and the template's
         measured share, not the whole template rendered once per exchange: a long session's first
@@ -558,7 +558,7 @@ class Engine:
         )
 
     def _decide(self, session: Session, text: str, x: np.ndarray, context_key: str) -> Decision:
-        """Look the nearest stored exchanges up and apply the tier rule (:func:`isagi.decide.decide`)."""
+        """Look the nearest stored exchanges up and apply the tier rule (:func:`isagi.manifold.decide.decide`)."""
         hits = session.memory.search(x, session.metric, top=RETRIEVE_CANDIDATES) if len(session.memory) else []
         candidates = [Candidate(int(h.id), float(h.distance), session.memory.get(h.id)) for h in hits]
         return decide(candidates, text, context_key, self.profile.distance_scale or SEED_SCALE, self.thresholds)
@@ -618,7 +618,7 @@ class Engine:
     # -- without generating --------------------------------------------------------
 
     def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:
-        from isagi.pooling import prompt_hidden_states
+        from isagi.manifold.pooling import prompt_hidden_states
 
         with self.generation_lock:
             H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
@@ -758,7 +758,7 @@ def _prefill(
     span = lm.content_span(messages)
     # The tokens before the message (system prompt, template) may come from a saved KV cache:
     # the safety state is read over the message's own tokens and the template's tokens after it
-    # (isagi.pooling), h at the last one.
+    # (isagi.manifold.pooling), h at the last one.
     gen = slot.open(messages, reuse_prefix=span[0], states_only=states_only and compute)
     if not compute:
         return None, None, gen.prompt_tokens

@@ -2,8 +2,8 @@
 
 Owns :class:`Turn`, the shape of one exchange (the user's message, the reply,
 and every figure of what the manifold and the safety layer did with it). The
-same record is what :meth:`isagi.agent.Engine.stream_turn` returns, what a
-:class:`~isagi.session.Session` keeps, what the history store writes as its
+same record is what :meth:`isagi.pipeline.engine.Engine.stream_turn` returns, what a
+:class:`~isagi.session.state.Session` keeps, what the history store writes as its
 two rows (``storage.history``), what the ``.miku`` file holds (as two message
 dicts, the on-disk form since format 2: :meth:`Turn.to_messages` and
 :func:`turns_from_messages` are the one pair that maps between them), what the

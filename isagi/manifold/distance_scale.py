@@ -65,8 +65,8 @@ def calibrate(distances: dict[str, np.ndarray]) -> DistanceScale:
 def calibrate_on_pairs(lm: Any, layer: int, basis: Any, system_prompt: str) -> DistanceScale:
     """Run the calibration pairs through the model and fit the scale."""
     from isagi.data import load_pairs
-    from isagi.pooling import prompt_hidden_states
-    from isagi.ugt import project
+    from isagi.manifold.pooling import prompt_hidden_states
+    from isagi.manifold.ugt import project
 
     rows = load_pairs("calibration")
 

@@ -14,7 +14,7 @@ one reply per line, an empty line for an empty or refused input.
 A line that is exactly :data:`REGENERATE` (``/regenerate``) is a command, not a
 message: the last question runs again and its new reply replaces the last one
 in the session, its file and the history store (the engine's
-:meth:`~isagi.agent.Engine.regenerate`, as the web page's Regenerate).
+:meth:`~isagi.pipeline.engine.Engine.regenerate`, as the web page's Regenerate).
 """
 
 from __future__ import annotations

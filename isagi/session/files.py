@@ -1,7 +1,7 @@
-"""Mapping between a live :class:`~isagi.session.Session` and a ``.miku`` v2 file.
+"""Mapping between a live :class:`~isagi.session.state.Session` and a ``.miku`` v2 file.
 
 Owns what a session file holds: the conversation (each
-:class:`~isagi.turn.Turn` as its two message dicts), the metric M, the
+:class:`~isagi.session.turn.Turn` as its two message dicts), the metric M, the
 trajectory memory as columns, and the session's own UGT basis (so a session
 restores exactly even if the model's profile is recalibrated later). The file
 format itself (validation, checksums, atomic writes) is ``storage.miku``'s;
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from isagi import __version__
-from isagi.cog import Metric
 from isagi.errors import MikuError, StorageError
 from isagi.ids import is_session_id, new_session_id
-from isagi.memory import TrajectoryMemory
-from isagi.sameness import content_key
-from isagi.session import Session
-from isagi.turn import turns_from_messages, turns_to_messages
-from isagi.ugt import Basis
+from isagi.manifold.cog import Metric
+from isagi.manifold.memory import TrajectoryMemory
+from isagi.manifold.sameness import content_key
+from isagi.manifold.ugt import Basis
+from isagi.session.state import Session
+from isagi.session.turn import turns_from_messages, turns_to_messages
 
 if TYPE_CHECKING:
     from storage.miku import MikuState
@@ -216,7 +216,7 @@ def session_state(frame: SessionFrame, session: Session) -> Any:
         "created": float(session.created),  # exact; the header holds it to the second
         "title": session.title or "",
         # Whose it is, for the start-up repair of a history row a kill left unwritten
-        # (isagi.persist.reconcile_history); never read back into a live session.
+        # (isagi.pipeline.keeping.reconcile_history); never read back into a live session.
         "owner": session.owner,
         "profile_key": frame.profile_key,
         "basis_explained": float(b.explained),

@@ -194,7 +194,7 @@ class Metric:
         n = Y.shape[0]
         if n <= _BLOCK:
             YM = Y @ self._M
-        else:  # row blocks keep OpenBLAS single-threaded (see isagi.memory)
+        else:  # row blocks keep OpenBLAS single-threaded (see isagi.manifold.memory)
             YM = np.empty((n, self.k))
             for s in range(0, n, _BLOCK):
                 np.matmul(Y[s : s + _BLOCK], self._M, out=YM[s : s + _BLOCK])

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from isagi.model import decoder_layers
+from isagi.engines.hf.model import decoder_layers
 
 
 def _hidden(output: Any) -> torch.Tensor:

@@ -1,17 +1,17 @@
 """One conversation's living state (docs/architecture.md, Layout): :class:`Session`.
 
-Owns what a single conversation holds: its turns (:class:`~isagi.turn.Turn`,
+Owns what a single conversation holds: its turns (:class:`~isagi.session.turn.Turn`,
 the one record of an exchange), its metric M, its trajectory memory, its own
 UGT basis, and a cache of prompt states. A Session is never shared between
-users. The pipeline that changes it is :class:`isagi.agent.Engine`'s; the
-file that stores it is :mod:`isagi.session_io`'s (neither is imported here).
+users. The pipeline that changes it is :class:`isagi.pipeline.engine.Engine`'s; the
+file that stores it is :mod:`isagi.session.files`'s (neither is imported here).
 
 Also the session's own undo: :meth:`Session.checkpoint` and
 :meth:`Session.rollback` (a :class:`Checkpoint` of the metric, the memory, the
 turns and the title). The engine takes one before every turn: a turn that
 fails is rolled back to it, and it is kept as :attr:`Session.undo`, the state
 before the last turn, which Regenerate puts back before it runs the question
-again (:meth:`isagi.agent.Engine.regenerate`). Nobody else rewrites a
+again (:meth:`isagi.pipeline.engine.Engine.regenerate`). Nobody else rewrites a
 session's turns, metric or memory.
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from isagi.cog import Metric
-from isagi.memory import TrajectoryMemory
-from isagi.sameness import content_key
-from isagi.turn import Turn, turns_to_messages
-from isagi.ugt import Basis
+from isagi.manifold.cog import Metric
+from isagi.manifold.memory import TrajectoryMemory
+from isagi.manifold.sameness import content_key
+from isagi.manifold.ugt import Basis
+from isagi.session.turn import Turn, turns_to_messages
 from storage.owners import LOCAL_OWNER
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
@@ -71,7 +71,7 @@ class Session:
         default_factory=OrderedDict, repr=False, compare=False
     )
     # Token counts of exchanges in the prompt, keyed by (system prompt, message, reply), for the
-    # history window (isagi.agent.Engine.history_window): each exchange is counted once, not at
+    # history window (isagi.pipeline.engine.Engine.history_window): each exchange is counted once, not at
     # every turn. Derived data: never saved.
     token_counts: dict[tuple[str, str, str], tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
     # The state before the last turn (set by the engine when a turn is recorded): what Regenerate

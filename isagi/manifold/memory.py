@@ -75,7 +75,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from isagi.cog import Metric
+from isagi.manifold.cog import Metric
 
 __all__ = ["Hit", "TrajectoryMemory"]
 

@@ -6,8 +6,8 @@ directory, 4-bit NF4 quantisation through bitsandbytes, device choice (and
 the reason for it), the model fingerprint that keys every per-model cache,
 the chat template, and locating the decoder layers.
 
-Generation and hidden-state capture live in :mod:`isagi.generation` and
-:mod:`isagi.hooks`; this module only hands them a :class:`LoadedModel`.
+Generation and hidden-state capture live in :mod:`isagi.engines.hf.generation` and
+:mod:`isagi.engines.hf.hooks`; this module only hands them a :class:`LoadedModel`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The transformers + bitsandbytes engine: hub ids, local HF directories, CUDA, NF4 or none.
 
-Owns nothing new: it wraps :class:`isagi.model.LoadedModel` (loading, NF4,
-device choice, chat template), :class:`isagi.generation.Generation` (prefill
+Owns nothing new: it wraps :class:`isagi.engines.hf.model.LoadedModel` (loading, NF4,
+device choice, chat template), :class:`isagi.engines.hf.generation.Generation` (prefill
 with forward hooks, decoding from its KV cache) and the batched passes of
-:mod:`isagi.generation` behind the :class:`~isagi.engines.base.ModelEngine`
-protocol. Forward hooks stay inside ``with`` blocks (:mod:`isagi.hooks`).
+:mod:`isagi.engines.hf.generation` behind the :class:`~isagi.engines.base.ModelEngine`
+protocol. Forward hooks stay inside ``with`` blocks (:mod:`isagi.engines.hf.hooks`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from isagi.engines.base import GenerationOptions, check_layer
 
 
 class TransformersEngine:
-    """A :class:`~isagi.model.LoadedModel` (or a stand-in with the same attributes) as a ModelEngine."""
+    """A :class:`~isagi.engines.hf.model.LoadedModel` (or a stand-in with the same attributes) as a ModelEngine."""
 
     backend = "transformers"
 
@@ -109,7 +109,7 @@ class TransformersEngine:
     ) -> Any:
         import torch
 
-        from isagi.generation import Generation
+        from isagi.engines.hf.generation import Generation
 
         vec = None if steer is None else torch.as_tensor(np.asarray(steer, dtype=np.float32))
         return Generation(self.loaded, self.loaded.chat_ids(messages), layer, options,
@@ -125,8 +125,8 @@ class TransformersEngine:
     ) -> Iterator[dict[int, np.ndarray]]:
         import torch
 
-        from isagi.generation import left_padded, mask_positions
-        from isagi.hooks import capture_layer
+        from isagi.engines.hf.generation import left_padded, mask_positions
+        from isagi.engines.hf.hooks import capture_layer
 
         for layer in layers:
             check_layer(layer, self.num_layers)
@@ -149,8 +149,8 @@ class TransformersEngine:
         """Batched greedy replies with left padding, then one teacher-forced pass for the states."""
         import torch
 
-        from isagi.generation import left_padded, mask_positions, pad_id
-        from isagi.hooks import capture_layer
+        from isagi.engines.hf.generation import left_padded, mask_positions, pad_id
+        from isagi.engines.hf.hooks import capture_layer
 
         lm = self.loaded
         stops = lm.stop_token_ids

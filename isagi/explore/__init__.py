@@ -1,0 +1,1 @@
+"""Creative exploration: Safe OGD chains (:mod:`.chains`) and their MCB scores (:mod:`.mcb`)."""
