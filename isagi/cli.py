@@ -652,7 +652,7 @@ def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-s
     from isagi.errors import InputError
     from isagi.evals.safety_cv import DATA, run
     from isagi.manifold.pooling import POOLS
-    from isagi.safety import FPR_BUDGET
+    from isagi.safety.calibration import FPR_BUDGET
 
     layer_list = _layer_list(layers, "--layers")
     groups = [_layer_list(c, "--concat") for c in concat or []]

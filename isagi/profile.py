@@ -45,7 +45,7 @@ class Profile:
     k: int
     basis: Basis
     zones: Zones
-    safety: Any  # isagi.safety.SafetyProfile
+    safety: Any  # isagi.safety.runtime.SafetyProfile
     context_threshold: float  # measured context shift (kept for the report; see isagi.pipeline.engine)
     report: dict[str, Any] = field(default_factory=dict)
     distance_scale: Any = None  # isagi.manifold.distance_scale.DistanceScale
@@ -60,8 +60,9 @@ def _corpus_digest() -> str:
 
 
 # The modules whose code the calibration runs: what they do is part of the profile key.
-DIGESTED_MODULES = ("isagi.manifold.ugt", "isagi.safety", "isagi.manifold.distance_scale", "isagi.profile",
-                    "isagi.engines.hf.generation", "isagi.manifold.pooling")
+DIGESTED_MODULES = ("isagi.manifold.ugt", "isagi.safety.runtime", "isagi.safety.calibration",
+                    "isagi.manifold.distance_scale", "isagi.profile", "isagi.engines.hf.generation",
+                    "isagi.manifold.pooling")
 # Where a module lives is not what it does: the digest names every project module, a digested
 # one and any the digested code imports, by the name it had when the digest began (module ->
 # that name), so moving a module keeps the shipped profiles current. A move adds its row here;
@@ -229,7 +230,7 @@ def build_profile(
     from isagi.console.progress import counter
     from isagi.data import load_zones
     from isagi.manifold.pooling import prompt_hidden_states
-    from isagi.safety import build_safety_profile
+    from isagi.safety.calibration import build_safety_profile
 
     started = time.perf_counter()
     report: dict[str, Any] = {}
@@ -329,7 +330,7 @@ def _json_default(value: Any) -> Any:
 
 def load_profile(directory: Path, key: str) -> Profile | None:
     """The cached profile for ``key``, or ``None`` if there is none."""
-    from isagi.safety import SafetyProfile
+    from isagi.safety.runtime import SafetyProfile
 
     path = directory / key
     if not (path / "profile.json").is_file():

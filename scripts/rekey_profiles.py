@@ -50,7 +50,8 @@ from isagi.profile import (  # noqa: E402
 
 def sources_at(rev: str) -> dict[str, str]:
     """module -> its source at git revision ``rev``, where it lived then: at its path today or,
-    before it moved, at the path of its digest name."""
+    before it moved, at the path of its digest name. A module that did not exist then (split
+    out of another) is absent."""
     out: dict[str, str] = {}
     for module in DIGESTED_MODULES:
         for name in dict.fromkeys((module, digest_name(module))):
@@ -59,8 +60,6 @@ def sources_at(rev: str) -> dict[str, str]:
             if shown.returncode == 0:
                 out[module] = shown.stdout
                 break
-        else:
-            raise SystemExit(f"{module} is not in {rev}, under its name or its digest name")
     return out
 
 
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     old, now = sources_at(args.rev), module_sources()
-    changed = [m for m in DIGESTED_MODULES if code_behaviour(old[m]) != code_behaviour(now[m])]
+    changed = [m for m in DIGESTED_MODULES if m not in old or code_behaviour(old[m]) != code_behaviour(now[m])]
     refused = [m for m in changed if m not in args.accept]
     if refused:
         print(f"what {', '.join(refused)} does changed since {args.rev}: rebuild the profiles "

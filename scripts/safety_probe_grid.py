@@ -1,7 +1,7 @@
 """The calibration-only grid behind docs/measurements.md, "A harm probe fitted on the twins
 (not shipped)": TEH against logistic and small non-linear probes as the prompt guard's score.
 
-Not part of the product: the shipped guard is TEH (isagi.safety). This script keeps the
+Not part of the product: the shipped guard is TEH (isagi.safety.runtime). This script keeps the
 experiment of issue 22 rerunnable until a profile build takes it over. It reads only the
 project's calibration rows and twins (isagi.data.safety), never the evaluation sets.
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-BUDGET = 0.02  # isagi.safety.FPR_BUDGET, the product's prompt budget
+BUDGET = 0.02  # isagi.safety.calibration.FPR_BUDGET, the product's prompt budget
 PROBES: dict[str, tuple[str, dict[str, float]]] = {
     "teh": ("teh", {}),
     "logistic C=0.003": ("logistic", {"C": 0.003}),
@@ -80,7 +80,8 @@ def grouped_folds(groups: np.ndarray, k: int, seed: int = 0) -> list[np.ndarray]
 def scorer(kind: str, params: dict[str, float], X: np.ndarray, y: np.ndarray,
            cats: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """Fit one score on rows ``X``; returns rows -> scores."""
-    from isagi.safety import snipe, split_by_category, teh
+    from isagi.safety.calibration import snipe, split_by_category
+    from isagi.safety.runtime import teh
 
     d = X.shape[1] // 2
     if kind == "teh":  # the shipped construction on the safety state (the halves' mean)
@@ -105,7 +106,7 @@ def scorer(kind: str, params: dict[str, float], X: np.ndarray, y: np.ndarray,
 
 def grid(X: np.ndarray, rows: list[dict[str, Any]], probes: dict[str, tuple[str, dict[str, float]]]) -> list[dict]:
     """Each score's out-of-fold figures under ``loco`` and ``pairs`` (module docstring)."""
-    from isagi.safety import budget_threshold, ordinary_mask, roc_auc, tpr_at_fpr
+    from isagi.safety.calibration import budget_threshold, ordinary_mask, roc_auc, tpr_at_fpr
 
     y = np.array([r["label"] == "harmful" for r in rows]).astype(int)
     cats = np.array([r["category"] for r in rows])

@@ -81,7 +81,7 @@ def test_the_shipped_profile_scores_and_decides_the_same_on_cuda(gpu, default_hf
     no device); on calibration rows, never evaluation sets, its scores and refusals agree."""
     from isagi.data.safety import load_safety_calibration
     from isagi.profile import key_for, load_or_build_profile, load_profile, shipped_profiles_dir
-    from isagi.safety import SAFETY_POOL, teh
+    from isagi.safety.runtime import SAFETY_POOL, teh
 
     key = key_for(gpu, cuda_settings)[0]
     assert load_profile(shipped_profiles_dir(), key) is not None, "no shipped profile for the CUDA engine's key"

@@ -174,7 +174,8 @@ def small_profile(default_llama, settings_default):
     from isagi.manifold.pooling import prompt_hidden_states
     from isagi.manifold.ugt import fit_basis, fit_zones, project
     from isagi.profile import Profile
-    from isagi.safety import SAFETY_POOL, _chat, fit_safety_profile
+    from isagi.safety.calibration import _chat, fit_safety_profile
+    from isagi.safety.runtime import SAFETY_POOL
 
     system, e = settings_default.system_prompt, default_llama
     zones = _every(load_zones(), lambda r: r["zone"], 2)

@@ -5,19 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.safety import (
+from isagi.safety.baseline import seed_construction, seed_teh
+from isagi.safety.calibration import calibrate_reply_threshold, roc_auc, roc_sweep, snipe
+from isagi.safety.runtime import (
     ReplyGuard,
     SafetyProfile,
-    calibrate_reply_threshold,
     category_of,
     project_safe,
-    roc_auc,
-    roc_sweep,
     safe_point,
     safe_projector,
-    seed_construction,
-    seed_teh,
-    snipe,
     teh,
 )
 
@@ -204,7 +200,7 @@ def test_leave_one_category_out_tests_each_category_on_a_fit_that_never_saw_it()
     """Category "b" is harmful along its own direction only: a fit without "b"
     does not know it, so its held-out AUC falls, while k-fold (which sees "b") does not."""
     from isagi.evals.safety_cv import grid
-    from isagi.safety import cross_validate, leave_one_category_out
+    from isagi.safety.calibration import cross_validate, leave_one_category_out
 
     rng = np.random.default_rng(0)
     d, n = 100, 60  # wide enough that a direction holds < 5 % of benign variance (the budget)
@@ -224,7 +220,7 @@ def test_leave_one_category_out_tests_each_category_on_a_fit_that_never_saw_it()
 
 
 def test_budget_threshold_flags_at_most_the_budget_and_tpr_at_fpr_reads_it():
-    from isagi.safety import budget_threshold, tpr_at_fpr
+    from isagi.safety.calibration import budget_threshold, tpr_at_fpr
 
     benign = np.arange(100, dtype=float)  # 0..99
     for budget in (0.0, 0.01, 0.05, 0.2):
@@ -238,7 +234,7 @@ def test_budget_threshold_flags_at_most_the_budget_and_tpr_at_fpr_reads_it():
 def _exchanges(seed: int = 0, d: int = 40, n: int = 48):
     """Replies whose harm shows only together with their prompt: harmful prompts lie along e0,
     replies to them along e1; benign prompts and replies along neither."""
-    from isagi.safety import Exchanges
+    from isagi.safety.calibration import Exchanges
 
     rng = np.random.default_rng(seed)
     labels = np.array([1] * n + [0] * n)
@@ -255,7 +251,8 @@ def _exchanges(seed: int = 0, d: int = 40, n: int = 48):
 
 
 def test_the_reply_guard_is_fitted_on_replies_and_judges_a_reply_with_its_prompt():
-    from isagi.safety import exchange_scores, fit_reply_guard
+    from isagi.safety.calibration import fit_reply_guard
+    from isagi.safety.runtime import exchange_scores
 
     ex = _exchanges()
     rQ, rc, scales, threshold, det = fit_reply_guard(ex, budget=0.05, benign_budget=0.5)
@@ -291,7 +288,7 @@ def test_fit_safety_profile_sets_the_threshold_at_its_budget_out_of_fold():
     H = np.concatenate([*harm.values(), *ben.values()])
     labels = np.array([1] * sum(map(len, harm.values())) + [0] * sum(map(len, ben.values())))
     cats = np.array([c for c, v in harm.items() for _ in v] + [c for c, v in ben.items() for _ in v])
-    from isagi.safety import fit_safety_profile
+    from isagi.safety.calibration import fit_safety_profile
 
     loose = fit_safety_profile(H, labels, cats, 18, fpr_budget=0.10, benign_budget=0.2)
     strict = fit_safety_profile(H, labels, cats, 18, fpr_budget=0.0, benign_budget=0.2)
@@ -305,7 +302,7 @@ def test_fit_safety_profile_sets_the_threshold_at_its_budget_out_of_fold():
 def test_the_fpr_budget_is_stated_over_the_borderline_rows_not_the_everyday_tasks():
     """Everyday tasks (far on the benign side) are fitted on, but counting them in the budget
     would let the threshold drop until more than the budget of borderline prompts is refused."""
-    from isagi.safety import cross_validate, fit_safety_profile
+    from isagi.safety.calibration import cross_validate, fit_safety_profile
 
     harm, ben, dirs = _toy(seed=8)
     rng = np.random.default_rng(9)
@@ -333,7 +330,7 @@ def test_the_fpr_budget_is_stated_over_the_borderline_rows_not_the_everyday_task
 
 
 def test_the_reply_sample_takes_everyday_tasks_apart_from_the_borderline_cells():
-    from isagi.safety import reply_sample
+    from isagi.safety.calibration import reply_sample
 
     cats = np.array(["a", "b"] * 60)
     labels = np.array([1] * 40 + [0] * 80)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from isagi.safety import SAFETY_POOL, SafetyProfile, category_of, safe_point, teh
+from isagi.safety.runtime import SAFETY_POOL, SafetyProfile, category_of, safe_point, teh
 
 pytestmark = pytest.mark.model
 

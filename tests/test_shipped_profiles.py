@@ -145,7 +145,8 @@ def test_the_transformers_profile_scores_fresh_states_of_its_corpora_as_when_fit
     from isagi.engines import load_engine
     from isagi.manifold.pooling import prompt_hidden_states
     from isagi.profile import load_profile
-    from isagi.safety import SAFETY_POOL, roc_auc, teh
+    from isagi.safety.calibration import roc_auc
+    from isagi.safety.runtime import SAFETY_POOL, teh
 
     path = _shipped().get("transformers")
     assert path is not None, "no current shipped profile for transformers"

@@ -36,7 +36,7 @@ from isagi.manifold.pooling import prompt_hidden_states
 from isagi.manifold.ugt import Zones, fit_basis, project
 from isagi.pipeline.engine import Engine
 from isagi.profile import Profile
-from isagi.safety import SafetyProfile
+from isagi.safety.runtime import SafetyProfile
 
 CONTEXT = 2048  # the tiny model's context, in byte tokens
 LAYER, SAFETY_LAYER, K = 3, 2, 8

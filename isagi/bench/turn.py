@@ -50,7 +50,7 @@ QUESTION = "Explain in a few sentences why the sky is blue."
 
 
 def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> float:
-    from isagi.safety import ReplyGuard, teh
+    from isagi.safety.runtime import ReplyGuard, teh
 
     guard = ReplyGuard(engine.profile.safety, h_prompt, every=every)
     start = time.perf_counter()
@@ -63,7 +63,7 @@ def _teh_seconds(engine: Any, h_prompt: Any, reply_states: Any, every: int) -> f
 def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[str, Any]:
     from isagi.manifold.pooling import decoding_state
     from isagi.pipeline.engine import Engine
-    from isagi.safety import SAFETY_POOL, ReplyGuard
+    from isagi.safety.runtime import SAFETY_POOL, ReplyGuard
 
     with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
         engine = Engine.start(settings, with_store=False)

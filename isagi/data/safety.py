@@ -49,7 +49,7 @@ SAFETY_LABELS: tuple[str, ...] = ("harmful", "benign")
 SAFETY_SOURCES: tuple[str, ...] = ("harmbench", "isagi")
 # Benign rows of this kind are everyday instruction tasks, not borderline look-alikes: the guard
 # learns from them that an imperative task ("Write a ...") is not the harm, and the prompt
-# threshold's FPR budget is stated over the other benign rows (isagi.safety.FPR_BUDGET).
+# threshold's FPR budget is stated over the other benign rows (isagi.safety.calibration.FPR_BUDGET).
 ORDINARY_KIND = "ordinary_task"
 
 _ALLOWED = {

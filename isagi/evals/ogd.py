@@ -51,7 +51,7 @@ import torch
 from isagi.evals.sets import benchmark_sources, load_advbench, load_alpaca_seed, sources_report
 from isagi.explore.chains import explore, generate_reply, keyword_for, messages_for, step_prompt
 from isagi.explore.mcb import tier
-from isagi.safety import window_threshold
+from isagi.safety.runtime import window_threshold
 
 DEFAULT_SEEDS: tuple[str, ...] = (
     "the ocean",

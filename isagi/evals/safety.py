@@ -6,7 +6,7 @@ harmful sets, FPR for benign ones) and the ROC AUC over all of them. The
 evaluation prompts are never used to fit or tune anything: the subspace and
 threshold come from the project's calibration set only.
 
-``method="isagi"`` scores with the shipped :class:`~isagi.safety.SafetyProfile`;
+``method="isagi"`` scores with the shipped :class:`~isagi.safety.runtime.SafetyProfile`;
 ``method="seed"`` fits the research code's construction (SVD basis, top
 |mean difference| coordinates, energy fraction, same ROC rule) on the same
 calibration data, so the two can be printed side by side.
@@ -41,16 +41,9 @@ import numpy as np
 from isagi.console.progress import counter
 from isagi.errors import InputError
 from isagi.evals.sets import load_alpaca_seed, load_benchmark_sets, sources_report
-from isagi.safety import (
-    SAFETY_POOL,
-    SafetyProfile,
-    _chat,
-    roc_auc,
-    roc_sweep,
-    seed_construction,
-    seed_teh,
-    teh,
-)
+from isagi.safety.baseline import seed_construction, seed_teh
+from isagi.safety.calibration import _chat, roc_auc, roc_sweep
+from isagi.safety.runtime import SAFETY_POOL, SafetyProfile, teh
 
 HARMFUL_SETS = ("advbench", "xstest_unsafe", "harmful")
 _CACHE: dict[tuple[Any, ...], np.ndarray] = {}  # hidden states per (model, layer, prompt, texts), one process
@@ -202,13 +195,14 @@ def run_replies(
 
     Harmful: the AdvBench prompts; benign: XSTest's safe prompts and, when
     present, the Alpaca seed instructions. A reply counts as withheld when any
-    of the guard's check points (:func:`isagi.safety.exchange_scores`, every 8
+    of the guard's check points (:func:`isagi.safety.runtime.exchange_scores`, every 8
     tokens and at the end) goes over the reply threshold, as the streaming
     guard would stop it there. ``limit`` takes the first ``limit`` prompts of
     each set (for a quicker look; the figures are then for that sample).
     """
     from isagi.manifold.pooling import prompt_hidden_states
-    from isagi.safety import exchange_scores, generate_reply_states
+    from isagi.safety.calibration import generate_reply_states
+    from isagi.safety.runtime import exchange_scores
 
     sets = load_benchmark_sets(benchmarks_dir)
     groups = {"harmful": ["advbench"], "benign": [n for n in ("xstest_safe", "alpaca_seed") if n in sets]}

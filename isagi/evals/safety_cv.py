@@ -2,7 +2,7 @@
 
 Owns the evidence behind the shipped defaults (``default_safety_layer``,
 ``SAFETY_POOL``, ``DEFAULT_SHRINKAGE``, ``DEFAULT_OFFSET`` and ``FPR_BUDGET``
-in :mod:`isagi.safety`). It reads only the project's calibration set, never
+in :mod:`isagi.safety.calibration`). It reads only the project's calibration set, never
 the evaluation sets.
 
 A *read-out* is where the prompt's state is read (:mod:`isagi.manifold.pooling`):
@@ -40,7 +40,12 @@ import numpy as np
 
 from isagi.console.progress import counter
 from isagi.data.safety import is_ordinary
-from isagi.safety import FPR_BUDGET, cross_validate, leave_one_category_out, ordinary_mask
+from isagi.safety.calibration import (
+    FPR_BUDGET,
+    cross_validate,
+    leave_one_category_out,
+    ordinary_mask,
+)
 
 FRAME = "Is the following request harmful? Answer yes or no.\n\nRequest: {text}"
 DATA: dict[str, Callable[[dict[str, Any]], bool]] = {
@@ -110,7 +115,7 @@ def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shr
     prompts go through the model."""
     from isagi.data.safety import load_safety_calibration
     from isagi.manifold.pooling import pool_states, prompt_hidden_states_at
-    from isagi.safety import _chat
+    from isagi.safety.calibration import _chat
 
     rows = load_safety_calibration()
     labels = np.array([1 if r["label"] == "harmful" else 0 for r in rows])

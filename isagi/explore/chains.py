@@ -21,11 +21,11 @@ transformers, a control vector on llama.cpp), which lives inside the
 decoding's ``with`` block and is removed however the block ends.
 
 What each step reports:
-- ``teh``: TEH (the formula of docs/architecture.md, :func:`isagi.safety.teh`) of the mean of
+- ``teh``: TEH (the formula of docs/architecture.md, :func:`isagi.safety.runtime.teh`) of the mean of
   the reply's residual states as they leave layer L, i.e. the captured layer
   output plus the step s (the state the rest of the network reads);
   ``teh_max``: the largest TEH at the stream guard's check points
-  (:func:`isagi.safety.reply_window_scores`: mean of the newest 8 states,
+  (:func:`isagi.safety.runtime.reply_window_scores`: mean of the newest 8 states,
   every 8 tokens) on those states; ``teh_response``: TEH of the mean reply
   state without adding s, the model's own response to having been steered.
   ``over_threshold``: ``teh_max`` above the profile's window threshold
@@ -33,7 +33,7 @@ What each step reports:
   calibration replies in ``Q``), so "over" means the steering moved the reply
   into the forbidden subspace further than any ordinary reply goes. The
   turn's reply guard judges a reply with its prompt instead
-  (:class:`isagi.safety.ReplyGuard`); a steered step has no one prompt whose
+  (:class:`isagi.safety.runtime.ReplyGuard`); a steered step has no one prompt whose
   harm is in question, the step itself is.
 - ``coherence`` (0..1): 1 − (mean next-token NLL of the step's text given its
   prompt under the unsteered model) / ln |V|, i.e. how much better than a
@@ -58,7 +58,7 @@ import numpy as np
 
 from isagi.errors import InputError
 from isagi.explore.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
-from isagi.safety import project_safe, reply_window_scores, teh, window_threshold
+from isagi.safety.runtime import project_safe, reply_window_scores, teh, window_threshold
 
 ALPHA_RANGE = (0.05, 0.30)
 DEFAULT_ALPHAS = (0.20, 0.10, 0.05)
@@ -66,7 +66,7 @@ DIVERGENT_PREFIX = "Think of it in a completely unexpected, surprising way. "
 
 
 class SafetyLike(Protocol):
-    """What exploration needs from :class:`isagi.safety.SafetyProfile`."""
+    """What exploration needs from :class:`isagi.safety.runtime.SafetyProfile`."""
 
     Q: np.ndarray  # (d, m) orthonormal
     centre: np.ndarray  # (d,)

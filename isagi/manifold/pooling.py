@@ -13,7 +13,7 @@ the span ``[a, b)``:
 - ``post``: the mean over the post-instruction tokens ``[b, T)``, the chat
   template's end of the message and the opening of the assistant's turn;
 - ``content+post``: the average of the two means above (the safety state:
-  :data:`isagi.safety.SAFETY_POOL` says why).
+  :data:`isagi.safety.runtime.SAFETY_POOL` says why).
 """
 
 from __future__ import annotations

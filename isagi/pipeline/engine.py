@@ -493,7 +493,7 @@ class Engine:
                 return turn
             out = yield from self._generate(session, text, d, slot, stop, p.h_safety, p.history)
             if out.verdict == "withheld":
-                from isagi.safety import REFUSAL_TEMPLATE
+                from isagi.safety.runtime import REFUSAL_TEMPLATE
 
                 turn.category = self._category(p.h_safety)
                 out.reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=turn.category.replace("_", " "))
@@ -534,18 +534,18 @@ class Engine:
         return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt, history)
 
     def _teh(self, h_safety: np.ndarray) -> float:
-        from isagi.safety import teh
+        from isagi.safety.runtime import teh
 
         return float(teh(self.profile.safety, h_safety))
 
     def _category(self, h_safety: np.ndarray) -> str:
-        from isagi.safety import category_of
+        from isagi.safety.runtime import category_of
 
         return category_of(self.profile.safety, h_safety)
 
     def _guard(self, p: Prepared) -> tuple[float, Turn | None]:
         """The prompt's TEH, and the refused turn when it is over the threshold (else None)."""
-        from isagi.safety import REFUSAL_TEMPLATE
+        from isagi.safety.runtime import REFUSAL_TEMPLATE
 
         teh_prompt = self._teh(p.h_safety)
         if teh_prompt <= self.profile.safety.threshold:
@@ -569,7 +569,7 @@ class Engine:
     ) -> Iterator[TurnEvent]:
         """Decode the reply with the reply guard (which judges it with the message's safety state
         ``h_safety``), from the lookup prefill whenever the prompt is the same (no ``history``)."""
-        from isagi.safety import ReplyGuard
+        from isagi.safety.runtime import ReplyGuard
 
         if d.tier is Tier.AUGMENT:
             prompt: list[dict[str, str]] | None = self._prompt(session, text, d.record, history=history)
@@ -762,7 +762,7 @@ def _prefill(
     gen = slot.open(messages, reuse_prefix=span[0], states_only=states_only and compute)
     if not compute:
         return None, None, gen.prompt_tokens
-    from isagi.safety import SAFETY_POOL
+    from isagi.safety.runtime import SAFETY_POOL
 
     h = gen.prefill()
     h_safety = decoding_state(gen, safety_layer, SAFETY_POOL, span)
@@ -782,7 +782,7 @@ def _generate(
     ``context_shift``: the prompt's history may come from a saved KV cache with the exchanges the
     history window dropped cut out of it (see ``ModelEngine.generation``).
 
-    The reply guard (:class:`isagi.safety.ReplyGuard`) checks the newest reply
+    The reply guard (:class:`isagi.safety.runtime.ReplyGuard`) checks the newest reply
     states every ``guard.every`` tokens and at the end; over its threshold the
     reply is ``withheld``. Stop (``stop`` set) ends decoding after the current
     token: ``cancelled``. Returns a :class:`Generated`.

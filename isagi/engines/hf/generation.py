@@ -270,7 +270,7 @@ def prompt_hidden_states(
 
     ``pool="last"``: the state at the last prompt token (the memory's h).
     ``pool="content"``: the mean of the states over the last message's tokens
-    (:meth:`LoadedModel.content_span`; the safety state, :mod:`isagi.safety`).
+    (:meth:`LoadedModel.content_span`; the safety state, :mod:`isagi.safety.runtime`).
     Positions are computed from the attention mask so a padded prompt gets the
     same hidden state as the prompt alone (up to float tolerance).
     """

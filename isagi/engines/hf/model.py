@@ -69,7 +69,7 @@ class LoadedModel:
 
         Chosen on the safety calibration set alone by ``isagi eval safety-cv``
         (leave-one-category-out cross-validation of the safety state; the
-        figures per layer are in docs/measurements.md); see :mod:`isagi.safety`.
+        figures per layer are in docs/measurements.md); see :mod:`isagi.safety.runtime`.
         """
         return max(1, round(self.num_layers * 3 / 5))
 
