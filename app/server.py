@@ -205,7 +205,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
     from starlette.routing import Mount
 
     from app.guard import Bindings, GradioGuard, gradio_login
-    from app.ui import CSS, build_blocks
+    from app.layout import CSS, build_blocks
 
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)

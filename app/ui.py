@@ -1,6 +1,8 @@
-"""The Gradio page: chat, the manifold panel, sessions and exploration.
+"""The Gradio page's event handlers: chat, the manifold panel, sessions and exploration.
 
-Owns the layout and the event handlers. Handlers get the browser's session
+Owns what each event does (:class:`WebUI`); the layout and the wiring of events to
+components are :mod:`app.layout`, what the page shows of a session :mod:`app.views`
+(pure functions). Handlers get the browser's session
 *id* from ``gr.State`` and look the Session up in the
 :class:`~app.sessions.SessionRegistry`; the Session itself never enters
 Gradio's state. The server-side Session is the single source of truth: the
@@ -52,9 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from app import plots, turns
-from app.help_text import BADGE_HELP, FIGURE_HELP, help_markdown
 from app.loader import EngineHolder, EngineLoading
-from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
+from app.render_safe import esc, md_cell, render_text
 from app.sessions import (
     Entry,
     SessionBusy,
@@ -63,6 +64,18 @@ from app.sessions import (
     autosave_file,
 )
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
+from app.views import (
+    chat_window,
+    fmt,
+    highlight_row,
+    manifold_summary,
+    pending_html,
+    reply_fields,
+    short,
+    slug,
+    turn_markdown,
+    verdict_alert,
+)
 from isagi.ids import is_session_id
 from isagi.session.turn import turns_to_messages
 from storage.owners import LOCAL_OWNER
@@ -70,9 +83,6 @@ from storage.owners import LOCAL_OWNER
 log = logging.getLogger(__name__)
 
 STREAM_INTERVAL_S = 0.1  # at most 10 display updates per second while streaming (a browser keeps up)
-# What one page update renders and sends, whatever the session's length: the chat's
-# newest turns, and the plots' newest turns and stored trajectories.
-CHAT_WINDOW_TURNS = 100
 PLOT_WINDOW_TURNS = 1000
 STOP_WAIT_S = 10.0
 SYNC_S = 2.0  # how often a page checks whether another tab changed its session
@@ -80,7 +90,6 @@ DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cac
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies: every minute, those older than 10 minutes
 NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
 
-EMPTY_REPLY = "<p><em>(empty reply)</em></p>"
 
 KEEP: Any = object()  # an output a handler leaves as it is on the page (``gr.skip()`` at the boundary)
 
@@ -118,210 +127,41 @@ class TurnUpdate:
         return tuple(gr.skip() if (v := getattr(self, f.name)) is KEEP else v for f in fields(self))
 
 
-CSS = """
-.isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
-.isagi-tier { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff;
-  font-weight: 600; font-size: 0.85em; letter-spacing: 0.03em; margin-right: 4px; }
-.isagi-tier-retrieve { background: #1a9850; }
-.isagi-tier-augment { background: #2c7fb8; }
-.isagi-tier-expand { background: #7b3294; }
-.isagi-tier-explore { background: #e66101; }
-.isagi-tier-refused, .isagi-tier-withheld { background: #b2182b; }
-.isagi-tier-cancelled { background: #777; }
-.isagi-tier-pending { background: #999; }
-.isagi-info [title], .isagi-tier[title] { cursor: help; }
-#isagi-sessions th, #isagi-sessions th * { white-space: nowrap; word-break: keep-all; overflow-wrap: normal; }
-#isagi-alert p { color: #b2182b; font-weight: 600; }
-#isagi-status p { font-size: 0.95em; }
-"""
 
 
 # --------------------------------------------------------------------------- rendering
 
 
-def _fmt(v: Any, digits: int = 3, suffix: str = "") -> str:
-    """A number for the page; anything else (a file can hold anything) is shown as ``?``."""
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return UNKNOWN
-    try:
-        return f"{float(v):.{digits}f}{suffix}"
-    except (TypeError, ValueError, OverflowError):
-        return UNKNOWN
 
 
-def _count(v: Any) -> str:
-    """A token count for the page: a whole number, or "–"."""
-    if isinstance(v, bool):
-        return "–"
-    if isinstance(v, int):
-        return str(v)
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return "–"
-    return str(int(f)) if f.is_integer() else "–"
 
 
-def _short(text: str | None, n: int = 70) -> str:
-    t = " ".join(str(text or "").split())
-    return t if len(t) <= n else t[: n - 1] + "…"
 
 
-BADGES = (*TIERS, "REFUSED", "WITHHELD", "CANCELLED", "OK", "PENDING")
 
 
-def badge_label(m: dict[str, Any]) -> str:
-    """The badge of an assistant entry: its tier, or its verdict when not ok; ``?`` if unknown.
-
-    Only known labels come out (tiers and verdicts are enums), so the label is
-    safe in a class name and in text.
-    """
-    verdict = m.get("verdict") or "ok"
-    if verdict in ("refused", "withheld"):
-        return verdict.upper()
-    label = m.get("tier") or verdict
-    return enum_label(label.upper() if isinstance(label, str) else label, BADGES)
 
 
-def _badge(label: str) -> str:
-    cls = label.lower() if label in BADGES else "unknown"
-    tip = f' title="{esc(BADGE_HELP[label])}"' if label in BADGE_HELP else ""
-    return f'<span class="isagi-tier isagi-tier-{cls}"{tip}>{esc(label)}</span>'
 
 
-def _tip(key: str, html_text: str) -> str:
-    """``html_text`` (already escaped) with its plain-language explanation on hover."""
-    return f'<span title="{esc(FIGURE_HELP[key])}">{html_text}</span>'
 
 
-def info_html(m: dict[str, Any]) -> str:
-    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens.
-
-    Every field can come from an uploaded file: each is escaped (or allowlisted) here.
-    """
-    parts = [_badge(badge_label(m))]
-    if m.get("verdict") == "cancelled":
-        parts.append('<span class="isagi-tier isagi-tier-cancelled">STOPPED</span>')
-    if m.get("distance") is not None:
-        near = m.get("nearest_query")
-        near_txt = f" to “{esc(_short(near, 60))}”" if near else ""
-        parts.append(_tip("d", f"d = {_fmt(m['distance'], 4)}{near_txt}"))
-    if m.get("zone"):
-        parts.append(_tip("zone", f"zone {esc(_short(m['zone'], 40))}"))
-    parts.append(_tip("teh", f"TEH {_fmt(m.get('teh_prompt'), 1, '%')} / {_fmt(m.get('teh_reply'), 1, '%')}"))
-    if m.get("latency_s") is not None:
-        parts.append(_tip("latency", f"{_fmt(m['latency_s'], 2)} s"))
-    toks = m.get("new_tokens")
-    if toks is not None:
-        pt = m.get("prompt_tokens")
-        parts.append(_tip("tokens", f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens"))
-    head, rest = parts[0], " · ".join(parts[1:])
-    return f'<div class="isagi-info">{head} {rest}</div>'
 
 
-def pending_html(tier: str | None, distance: float | None) -> str:
-    label = "PENDING" if tier is None else enum_label(tier.upper() if isinstance(tier, str) else tier, BADGES)
-    d = f" d = {_fmt(distance, 4)} ·" if distance is not None else ""
-    return f'<div class="isagi-info">{_badge(label)}{d} generating…</div>'
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Session log → Chatbot messages (each reply followed by its info line).
-
-    Message texts are rendered by :func:`app.render_safe.render_text` (HTML made
-    on the server: raw HTML shows as text and images as links, so nothing in a
-    message makes the browser fetch a URL); the info line is the app's own
-    escaped HTML.
-    """
-    out: list[dict[str, str]] = []
-    for m in messages:
-        if m.get("role") == "user":
-            out.append({"role": "user", "content": render_text(m.get("text", ""))})
-        elif m.get("role") == "assistant":
-            out.append({"role": "assistant", "content": render_text(m.get("text", "")) or EMPTY_REPLY})
-            out.append({"role": "assistant", "content": info_html(m)})
-    return out
 
 
-def chat_window(session: Any, *, drop_last: bool = False) -> list[dict[str, str]]:
-    """The Chatbot messages of ``session``'s newest :data:`CHAT_WINDOW_TURNS` turns
-    (without its last turn with ``drop_last``: the one a Regenerate replaces).
-
-    A turn's page update renders and sends this much and no more, however long the
-    session: earlier turns stay in the session, its memory, its exports and the
-    history store, and a first line says how many are not shown.
-    """
-    turns = session.turns[:-1] if drop_last else session.turns
-    shown = chat_messages(turns_to_messages(turns[-CHAT_WINDOW_TURNS:]))
-    hidden = len(turns) - CHAT_WINDOW_TURNS
-    if hidden <= 0:
-        return shown
-    note = (f"*{hidden:,} earlier exchange{'s' if hidden != 1 else ''} of this session "
-            "are not shown here; Export (Sessions tab) has them all.*")
-    return [{"role": "assistant", "content": render_text(note)}, *shown]
 
 
-def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
-    """The Turn panel: every figure of the latest turn (file fields escaped for markdown)."""
-    if m is None:
-        return "*No turn yet. Ask something: the panel shows what the manifold did with it.*"
-    thr = getattr(safety, "threshold", None)
-    rthr = getattr(safety, "reply_threshold", None)
-    category = m.get("category")
-    verdict = m.get("verdict") or "ok"
-    rows = [
-        ("Tier", f"**{badge_label(m)}**" + (f" ({md_cell(_short(category, 60))})" if category else "")),
-        ("Verdict", verdict if verdict in VERDICTS else UNKNOWN),
-        ("Distance", _fmt(m.get("distance"), 4)),
-        ("Nearest stored query", md_cell(_short(m.get("nearest_query"), 90)) or "–"),
-        ("Zone", md_cell(_short(m.get("zone"), 40)) or "–"),
-        ("TEH prompt", _fmt(m.get("teh_prompt"), 2, "%") + (f" (threshold {thr:.2f}%)" if thr is not None else "")),
-        ("TEH reply", _fmt(m.get("teh_reply"), 2, "%") + (f" (threshold {rthr:.2f}%)" if rthr is not None else "")),
-        ("Latency", _fmt(m.get("latency_s"), 3, " s")),
-        ("Tokens", f"prompt {_count(m.get('prompt_tokens'))}, reply {_count(m.get('new_tokens'))}"),
-        ("Metric growth ‖M − I‖", _fmt(m.get("metric_growth"), 4)),
-    ]
-    body = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    return "| Latest turn | |\n|---|---|\n" + body
 
 
-def _reply_fields(turn: Any) -> dict[str, Any] | None:
-    """A turn's reply with its figures (the assistant message of :meth:`~isagi.session.turn.Turn.to_messages`)."""
-    return None if turn is None else turn.to_messages()[1]
 
 
-def manifold_summary(session: Any) -> str:
-    mem = session.memory
-    n = len(mem)
-    clusters = len(getattr(mem, "clusters", {}) or {})
-    sid = f"`{session.id}`" if is_session_id(session.id) else md_cell(session.id)
-    return (
-        f"Trajectories: **{n}** · clusters: **{clusters}** · "
-        f"metric growth: **{session.metric.growth:.4f}** · turns: **{len(session.turns)}** · "
-        f"session {sid}"
-    )
 
 
-def highlight_row(session: Any, columns: dict[str, Any]) -> int | None:
-    """The stored trajectory of the latest query: itself if stored, else its nearest."""
-    last = session.last_turn
-    texts = list(columns.get("query_text", []))
-    if not texts or last is None:
-        return None
-    user, bot = last.to_messages()
-    for target in (user.get("text"), bot.get("nearest_query")):
-        if target:
-            for i in range(len(texts) - 1, -1, -1):
-                if texts[i] == target:
-                    return i
-    return None
 
 
-def _slug(text: str | None, fallback: str) -> str:
-    s = re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-").lower()[:40]
-    return s or fallback
 
 
 # --------------------------------------------------------------------------- the app
@@ -415,7 +255,7 @@ class WebUI:
         length (the chat's newest turns, the plots' newest turns and trajectories)."""
         first = max(0, len(session.turns) - PLOT_WINDOW_TURNS)
         msgs = turns_to_messages(session.turns[first:])
-        last_bot = _reply_fields(session.last_turn)
+        last_bot = reply_fields(session.last_turn)
         safety = self._safety()
         return (
             chat_window(session),
@@ -639,7 +479,7 @@ class WebUI:
                 yield TurnUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
                                  seen=self.seen(sid, session))
                 return
-            alert = verdict_alert(_reply_fields(session.last_turn))
+            alert = verdict_alert(reply_fields(session.last_turn))
             if entry.notice:  # kept in memory or in the file, not everywhere yet: say so plainly
                 alert = "\n\n".join(a for a in (alert, self._warn(entry.notice)) if a)
             yield TurnUpdate(state=sid, alert=alert, status=self.status_line(owner),
@@ -723,7 +563,7 @@ class WebUI:
         except (KeyError, EngineLoading):
             return (gr.skip(),) * 7
         session = entry.session
-        last_bot = _reply_fields(session.last_turn)
+        last_bot = reply_fields(session.last_turn)
         # A stopped turn stores no trajectory and does not move the metric: the plots stay.
         took = getattr(entry, "stop_latency_s", None)
         if last_bot is not None and last_bot.get("verdict") == "cancelled" and took is not None:
@@ -815,7 +655,7 @@ class WebUI:
                 raise KeyError(sid)
             with self.registry.using(sid, owner=owner) as entry:
                 s = entry.session
-                path = self._download_dir() / f"isagi-{_slug(s.title, 'session')}-{s.id}.miku"
+                path = self._download_dir() / f"isagi-{slug(s.title, 'session')}-{s.id}.miku"
                 save_session(self.engine.frame, s, path)
         except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
@@ -906,7 +746,7 @@ class WebUI:
                     if h.session_id not in seen:
                         seen.append(h.session_id)
                 summaries = [store.get_session(i, owner=owner) for i in seen[:100]]
-                note = f"{len(summaries)} session(s) with messages containing “{md_cell(_short(query.strip(), 80))}”."
+                note = f"{len(summaries)} session(s) with messages containing “{md_cell(short(query.strip(), 80))}”."
             else:
                 summaries = store.list_sessions(limit=100, owner=owner)
                 note = f"{len(summaries)} most recent session(s)."
@@ -978,12 +818,12 @@ class WebUI:
             except (KeyError, EngineLoading, IsagiError) as exc:
                 return (sid, self._warn(f"Could not resume {chosen}: {exc}"), *keep[2:])
             left = self._release_for(sid, owner)
-            note = (f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({len(session.turns)} turns, "
+            note = (f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({len(session.turns)} turns, "
                     f"{len(session.memory)} trajectories).") + (f"\n\n{left}" if left else "")
             return (chosen, note, *self.view(chosen, colour_by, owner), gr.Tabs(selected="chat"))
         summary = self._own_summary(chosen, owner)
         if summary is None:
-            return (sid, self._warn(f"No session {_short(chosen, 64)} in your history."), *keep[2:])
+            return (sid, self._warn(f"No session {short(chosen, 64)} in your history."), *keep[2:])
         path = self._autosave_of(summary)
         if path is None:
             return (sid, self._warn(f"Session {chosen} has no saved living state; export its history instead."),
@@ -997,7 +837,7 @@ class WebUI:
             new = self.registry.adopt(session, owner=owner, client=client)
         except SessionLimit as exc:
             return (sid, self._warn(str(exc)), *keep[2:])
-        note = f"Resumed “{md_cell(_short(session.title or chosen, 80))}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
+        note = f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
         if new != chosen:
             note += f" It is open in another browser, so this is a copy with id {new}."
         if left:
@@ -1011,7 +851,7 @@ class WebUI:
 
         owner, _ = self.who(request)
         target = (chosen or "").strip() or (sid or "")
-        shown = _short(target, 64) or "(none)"
+        shown = short(target, 64) or "(none)"
         try:
             store = self.engine.store
             if store is None:
@@ -1035,7 +875,7 @@ class WebUI:
             return None, "Pick a session in the table first."
         summary = self._own_summary(chosen, owner)
         if summary is None or owner is None:
-            return None, f"No session {_short(chosen, 64)} in your history."
+            return None, f"No session {short(chosen, 64)} in your history."
         if chosen == sid:
             return None, "That is the chat open on this page: start a New chat first, then delete it."
         if chosen in self.registry.live_ids(owner):
@@ -1052,7 +892,7 @@ class WebUI:
         summary, why = self._deletable(chosen, sid, owner)
         if summary is None:
             return None, self._warn(why or ""), gr.Button(visible=False), gr.Button(visible=False)
-        title = md_cell(_short(summary.title or "(untitled)", 80))
+        title = md_cell(short(summary.title or "(untitled)", 80))
         return (chosen, f"**Delete session {chosen}** (“{title}”, {summary.turns} turns) from your history, "
                 "with its saved state? This cannot be undone: click **Yes, delete** to confirm.",
                 gr.Button(visible=True), gr.Button(visible=True))
@@ -1114,23 +954,23 @@ class WebUI:
         steps_out = data.get("steps", [])
         lines = ["| step | α | TEH mean / max | coherence | text |", "|---|---|---|---|---|"]
         for i, st in enumerate(steps_out, 1):
-            txt = md_cell(_short(st.get("text", ""), 160))
+            txt = md_cell(short(st.get("text", ""), 160))
             flag = " ⚠" if st.get("over_threshold") else ""
             lines.append(
-                f"| {st.get('index', i)} | {_fmt(st.get('alpha'), 2)} | {_fmt(st.get('teh'), 2, '%')} / "
-                f"{_fmt(st.get('teh_max'), 2, '%')}{flag} | {_fmt(st.get('coherence'), 2)} | {txt} |"
+                f"| {st.get('index', i)} | {fmt(st.get('alpha'), 2)} | {fmt(st.get('teh'), 2, '%')} / "
+                f"{fmt(st.get('teh_max'), 2, '%')}{flag} | {fmt(st.get('coherence'), 2)} | {txt} |"
             )
         rows = [{"step": st.get("index", i), "teh": st.get("teh"), "alpha": st.get("alpha")}
                 for i, st in enumerate(steps_out, 1)]
         fig = plots.explore_figure(rows, data.get("reply_threshold"))
         mcb = data.get("mcb") or {}
         dims = ", ".join(
-            f"{k.replace('_', ' ')} {_fmt(v, 1)}" for k, v in mcb.items() if k not in ("index", "tier")
+            f"{k.replace('_', ' ')} {fmt(v, 1)}" for k, v in mcb.items() if k not in ("index", "tier")
         )
         mode = "Safe OGD (steps projected off the forbidden subspace)" if data.get("safe", True) else "regular OGD"
         mcb_md = (
-            f"### MIKU creativity index: **{_fmt(mcb.get('index'), 1)}** (tier {md_cell(mcb.get('tier', '–'))})\n\n"
-            f"{dims}\n\n{mode}; baseline (unsteered): “{md_cell(_short(data.get('baseline'), 200))}”"
+            f"### MIKU creativity index: **{fmt(mcb.get('index'), 1)}** (tier {md_cell(mcb.get('tier', '–'))})\n\n"
+            f"{dims}\n\n{mode}; baseline (unsteered): “{md_cell(short(data.get('baseline'), 200))}”"
         )
         return "\n".join(lines), fig, mcb_md
 
@@ -1171,233 +1011,10 @@ class _BadInput(_Failure):
     """A turn refused as bad input (an IsagiError): the session is as it was."""
 
 
-def verdict_alert(reply: dict[str, Any] | None) -> str:
-    """The alert line after a turn: why nothing (or only part) was generated, or nothing."""
-    verdict = (reply or {}).get("verdict")
-    if verdict == "refused":
-        return ("⚠️ This request was refused by the geometric safety layer (TEH over the threshold): "
-                "nothing was generated.")
-    if verdict == "withheld":
-        return "⚠️ The reply was withheld: its TEH went over the threshold while it streamed."
-    if verdict == "cancelled":
-        return "Stopped: the generation was ended; the partial reply is kept."
-    return ""
 
 
 # --------------------------------------------------------------------------- layout
 
 
-def with_request(fn: Any, names: list[str], *fixed: Any) -> Any:
-    """``fn`` as a Gradio handler taking inputs ``names`` and the request (as ``request=``).
-
-    Gradio hands the request only to a positional parameter typed ``gr.Request``;
-    this module's annotations are strings (no Gradio at import time), so the
-    wrapper carries the signature and the real type. ``fixed`` arguments go
-    between the inputs and the request (e.g. an export format).
-    """
-    import inspect
-
-    import gradio as gr
-
-    n = len(names)
-    if inspect.isgeneratorfunction(fn):
-        def handler(*args: Any) -> Any:
-            yield from fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
-    else:
-        def handler(*args: Any) -> Any:
-            return fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    handler.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(x, kind) for x in names] + [inspect.Parameter("request", kind)]
-    )
-    handler.__annotations__ = {"request": gr.Request}
-    handler.__name__ = getattr(fn, "__name__", "handler")
-    handler.__doc__ = getattr(fn, "__doc__", None)
-    return handler
 
 
-def build_blocks(ui: WebUI) -> Any:
-    """The page. Call inside ``create_app`` only (never at import time).
-
-    Every handler gets the request (its owner); events not meant for API use
-    are private (``api_name=False``): hidden from the API page, though still
-    callable by ``fn_index``, so the owner check is in each handler anyway.
-    """
-    import gradio as gr
-
-    s = ui.settings
-    R = with_request  # noqa: N806 - a short local alias for the wiring below
-    model_q = {"concurrency_id": "model", "concurrency_limit": 2}
-    light_q = {"concurrency_limit": 8}
-    with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
-                   delete_cache=GRADIO_CACHE_DELETE) as demo:
-        # A closed tab's state (Gradio drops it an hour after the tab closed): its session is saved
-        # and parked, not forgotten, so a page that has reopened it since (a reload) resumes it
-        # from its file under the same id.
-        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid, park=True, owner=None)
-                         if sid else None)
-        # The same id in the browser's storage, read at page load: a reload reopens the session.
-        # The storage key and "secret" are fixed so a restarted server still reads it; the secret
-        # is sent to the page (Gradio's obfuscation, not a protection): the server trusts the
-        # id no more than any other input (owner checks in every handler).
-        stored = gr.BrowserState(None, storage_key="isagi-session-id", secret="isagi-session-id-v1")
-        seen = gr.State(None)  # what the page has drawn of its session (WebUI.seen), for its sync
-        pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
-        gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
-        status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
-        timer = gr.Timer(2.0, active=not ui.holder.ready)
-        sync_timer = gr.Timer(SYNC_S)
-        with gr.Tabs(selected="chat") as tabs:
-            with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
-                with gr.Column(scale=5, min_width=420):
-                    chat = gr.Chatbot(
-                        label="Conversation", elem_id="isagi-chat", height=520,
-                        # texts arrive as HTML rendered on the server (render_text); a message's own
-                        # copy button would copy that HTML, so code blocks carry their own instead
-                        render_markdown=False, sanitize_html=True, buttons=[],
-                        feedback_options=None, layout="bubble",
-                        placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
-                    )
-                    alert = gr.Markdown("", elem_id="isagi-alert")
-                    with gr.Row():
-                        msg = gr.Textbox(
-                            placeholder=f"Message (up to {s.max_message_chars:,} characters) — Enter sends",
-                            show_label=False, lines=1, max_lines=8, scale=8, elem_id="isagi-input",
-                            autofocus=True, interactive=False,
-                        )
-                        send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send",
-                                         interactive=False)
-                    with gr.Row():
-                        stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
-                        regen = gr.Button("Regenerate", elem_id="isagi-regen")
-                        new = gr.Button("New chat", elem_id="isagi-new")
-                    with gr.Accordion("Generation settings", open=False):
-                        max_tokens = gr.Slider(8, 2048, value=s.max_new_tokens, step=8,
-                                               label="Max new tokens", elem_id="isagi-max-tokens")
-                        sample = gr.Checkbox(False, label="Sample (otherwise greedy)")
-                        temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="Temperature")
-                with gr.Column(scale=4, min_width=380):
-                    turn = gr.Markdown(turn_markdown(None), elem_id="isagi-turn")
-                    with gr.Accordion("What do these mean?", open=False, elem_id="isagi-help"):
-                        gr.Markdown(help_markdown())
-                    summary = gr.Markdown("Trajectories: **0**", elem_id="isagi-manifold-summary")
-                    colour_by = gr.Radio(["tier", "cluster"], value="tier", label="Colour the map by",
-                                         elem_id="isagi-colour")
-                    map_plot = gr.Plot(label="Trajectory map", elem_id="isagi-map")
-                    growth_plot = gr.Plot(label="Metric growth", elem_id="isagi-growth")
-                    teh_plot = gr.Plot(label="TEH", elem_id="isagi-teh")
-            with gr.Tab("Sessions", id="sessions") as sessions_tab:
-                gr.Markdown("Your past sessions from the history store (with a login, each user sees "
-                            "only their own). Every session autosaves its living state; resume one to "
-                            "continue it with its memory and metric.")
-                with gr.Row():
-                    query = gr.Textbox(placeholder="Search message text…", show_label=False, scale=6,
-                                       elem_id="isagi-search")
-                    refresh = gr.Button("Search / refresh", scale=1, elem_id="isagi-refresh")
-                table = gr.Dataframe(headers=["id", "title", "turns", "updated (UTC)", "state"],
-                                     interactive=False, wrap=True, elem_id="isagi-sessions")
-                sessions_note = gr.Markdown("")
-                chosen = gr.Textbox(label="Selected session id", elem_id="isagi-chosen")
-                with gr.Row():
-                    resume = gr.Button("Resume", variant="primary", elem_id="isagi-resume")
-                    export_md = gr.Button("Export Markdown", elem_id="isagi-export-md")
-                    export_js = gr.Button("Export JSON", elem_id="isagi-export-json")
-                    delete = gr.Button("Delete from history", variant="stop", elem_id="isagi-delete")
-                with gr.Row():
-                    confirm_delete = gr.Button("Yes, delete", variant="stop", visible=False,
-                                               elem_id="isagi-delete-confirm")
-                    cancel_delete = gr.Button("Cancel", visible=False, elem_id="isagi-delete-cancel")
-                gr.Markdown("### The open session's living state (`.miku`)")
-                with gr.Row():
-                    save = gr.Button("Save .miku", elem_id="isagi-save")
-                    upload = gr.File(label="Load a .miku", file_types=[".miku"], file_count="single",
-                                     elem_id="isagi-upload", height=120)
-                download = gr.File(label="Download", interactive=False, elem_id="isagi-download")
-                files_note = gr.Markdown("", elem_id="isagi-files-note")
-            with gr.Tab("Concept explorer", id="explore"):
-                gr.Markdown(
-                    "Safe OGD concept exploration: a chain of steps from a seed, each steered by "
-                    "α·P_safe·v (never along a forbidden direction), with the TEH of every step and "
-                    "the MIKU creativity index of the chain. Uses the model: it waits its turn in the queue."
-                )
-                with gr.Row():
-                    seed = gr.Textbox(label="Seed concept", placeholder="e.g. the ocean", scale=4,
-                                      elem_id="isagi-seed")
-                    steps = gr.Slider(1, 6, value=3, step=1, label="Steps", scale=2)
-                    ex_tokens = gr.Slider(16, 128, value=40, step=8, label="Tokens per step", scale=2)
-                    run_ex = gr.Button("Run the explorer", variant="primary", scale=1, elem_id="isagi-explore")
-                mcb_md = gr.Markdown("", elem_id="isagi-mcb")
-                ex_plot = gr.Plot(label="TEH per step")
-                ex_steps = gr.Markdown("", elem_id="isagi-steps")
-
-        view_out = [chat, turn, summary, map_plot, growth_plot, teh_plot]
-        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status, seen]
-        gen_in = [max_tokens, sample, temperature, colour_by]
-
-        # The input opens once the load has set the page's session: a message sent before that
-        # would be undone by the load's answer (its session replaced by the one the load read).
-        demo.load(R(ui.on_load, ["sid", "colour_by"]), [stored, colour_by], [state, status, *view_out],
-                  api_name=False, **light_q
-                  ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
-                         [msg, send], api_name=False, queue=False)
-        # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
-        # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
-        # registry learns which page shows it; a closed page's session is parked (unload).
-        state.change(R(ui.page_shows, ["sid"]), state, stored, api_name=False, queue=False)
-        demo.unload(R(ui.page_closed, []))
-        # Another tab of this browser may change the session: the page redraws it when it is stale.
-        sync_timer.tick(R(ui.sync, ["sid", "seen", "colour_by"]), [state, seen, colour_by], [seen, *view_out],
-                        show_progress="hidden", api_name=False, **light_q)
-        timer.tick(R(ui.on_tick, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out, timer],
-                   show_progress="hidden", api_name=False, **light_q)
-        send_fn = R(ui.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"])
-        # Send and Enter are one event: a message sent while a reply streams waits in the browser
-        # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
-        # dropped.
-        ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], turn_out,
-                        show_progress="minimal", api_name="send", trigger_mode="always_last", **model_q)
-        ev_regen = regen.click(R(ui.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"]),
-                               [state, *gen_in], turn_out, show_progress="minimal",
-                               api_name="regenerate", **model_q)
-        stop.click(R(ui.stop, ["sid", "colour_by"]), [state, colour_by],
-                   [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
-                   cancels=[ev_send, ev_regen], show_progress="hidden", api_name="stop",
-                   queue=False)
-        new_fn = R(ui.new_chat, ["sid", "colour_by"])
-        new.click(new_fn, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
-        chat.clear(new_fn, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
-        colour_by.change(R(ui.recolour, ["sid", "colour_by"]), [state, colour_by], map_plot, api_name=False,
-                         **light_q)
-
-        list_fn = R(ui.list_sessions, ["query"])
-        refresh.click(list_fn, query, [table, sessions_note], api_name="list_sessions", **light_q)
-        query.submit(list_fn, query, [table, sessions_note], api_name=False, **light_q)
-        def on_select(evt: Any, rows: Any) -> str:
-            return ui.select_row(evt, rows)
-
-        on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any, "return": str}
-        table.select(on_select, [table], chosen, api_name=False, **light_q)
-        resume.click(R(ui.resume, ["chosen", "sid", "colour_by"]), [chosen, state, colour_by],
-                     [state, sessions_note, *view_out, tabs, alert], api_name="resume", **light_q)
-        export_md.click(R(ui.export, ["chosen", "sid"], "markdown"), [chosen, state], [download, files_note],
-                        api_name="export_markdown", **light_q)
-        export_js.click(R(ui.export, ["chosen", "sid"], "json"), [chosen, state], [download, files_note],
-                        api_name="export_json", **light_q)
-        delete.click(R(ui.ask_delete, ["chosen", "sid"]), [chosen, state],
-                     [pending_delete, sessions_note, confirm_delete, cancel_delete], api_name=False, **light_q)
-        confirm_delete.click(R(ui.confirm_delete, ["pending", "sid"]), [pending_delete, state],
-                             [table, sessions_note, pending_delete, confirm_delete, cancel_delete],
-                             api_name=False, **light_q)
-        cancel_delete.click(ui.cancel_delete, None, [pending_delete, sessions_note, confirm_delete, cancel_delete],
-                            api_name=False, queue=False)
-        save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
-        # The box is emptied once the file is read (loaded or refused): it never shows an earlier
-        # file beside a later error, and it takes the next file at once.
-        upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
-                      [state, files_note, *view_out, table, tabs, alert], api_name="load_miku", **light_q
-                      ).then(lambda: None, None, upload, api_name=False, queue=False)
-        run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
-                     **model_q)
-        # opening the tab shows the list as it is now (wired last: earlier events keep their fn_index)
-        sessions_tab.select(list_fn, query, [table, sessions_note], api_name=False, **light_q)
-    return demo

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 import app.ui
+import app.views
 from app import plots
 from app.loader import EngineHolder
 from app.render_safe import render_text
 from app.sessions import SessionRegistry
-from app.ui import WebUI, chat_messages, info_html
+from app.ui import WebUI
+from app.views import chat_messages, info_html
 from isagi.pipeline.engine import Engine
 from isagi.session.files import load_session
 from tests.tiny_engine import tiny_engine
@@ -346,7 +348,7 @@ def test_a_long_sessions_page_updates_stay_bounded(ui, monkeypatch):
     CHAT_WINDOW_TURNS turns (and a line counting the others) and plots the newest
     PLOT_WINDOW_TURNS turns under their own numbers, not the whole session."""
     monkeypatch.setattr(app.ui, "PLOT_WINDOW_TURNS", 20)
-    window = app.ui.CHAT_WINDOW_TURNS
+    window = app.views.CHAT_WINDOW_TURNS
     sid = ui.registry.create()
     run(ui.send("What is the boiling point of water?", sid, 4))
     session = ui.registry.entry(sid).session

@@ -52,7 +52,7 @@ def test_every_badge_and_figure_of_a_reply_explains_itself_on_hover():
     import re
 
     from app.help_text import BADGE_HELP, help_markdown
-    from app.ui import info_html
+    from app.views import info_html
 
     m = {"role": "assistant", "tier": "AUGMENT", "verdict": "ok", "distance": 0.12, "nearest_query": "q",
          "zone": "science", "teh_prompt": 2.0, "teh_reply": 1.0, "latency_s": 0.5, "new_tokens": 5,

@@ -17,7 +17,7 @@ import pytest
 
 from app import plots
 from app.render_safe import esc, hover_text, md_cell, render_text
-from app.ui import (
+from app.views import (
     badge_label,
     chat_messages,
     info_html,

@@ -1,0 +1,245 @@
+"""The page's layout and its wiring: which components each handler of :class:`app.ui.WebUI`
+reads and updates (:func:`build_blocks`), the page's CSS, and the wrapper that hands a
+handler its request. Built inside ``create_app`` only, never at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.help_text import help_markdown
+from app.ui import GRADIO_CACHE_DELETE, SYNC_S, WebUI
+from app.views import turn_markdown
+
+CSS = """
+.isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
+.isagi-tier { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff;
+  font-weight: 600; font-size: 0.85em; letter-spacing: 0.03em; margin-right: 4px; }
+.isagi-tier-retrieve { background: #1a9850; }
+.isagi-tier-augment { background: #2c7fb8; }
+.isagi-tier-expand { background: #7b3294; }
+.isagi-tier-explore { background: #e66101; }
+.isagi-tier-refused, .isagi-tier-withheld { background: #b2182b; }
+.isagi-tier-cancelled { background: #777; }
+.isagi-tier-pending { background: #999; }
+.isagi-info [title], .isagi-tier[title] { cursor: help; }
+#isagi-sessions th, #isagi-sessions th * { white-space: nowrap; word-break: keep-all; overflow-wrap: normal; }
+#isagi-alert p { color: #b2182b; font-weight: 600; }
+#isagi-status p { font-size: 0.95em; }
+"""
+
+
+def with_request(fn: Any, names: list[str], *fixed: Any) -> Any:
+    """``fn`` as a Gradio handler taking inputs ``names`` and the request (as ``request=``).
+
+    Gradio hands the request only to a positional parameter typed ``gr.Request``;
+    this module's annotations are strings (no Gradio at import time), so the
+    wrapper carries the signature and the real type. ``fixed`` arguments go
+    between the inputs and the request (e.g. an export format).
+    """
+    import inspect
+
+    import gradio as gr
+
+    n = len(names)
+    if inspect.isgeneratorfunction(fn):
+        def handler(*args: Any) -> Any:
+            yield from fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
+    else:
+        def handler(*args: Any) -> Any:
+            return fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    handler.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(x, kind) for x in names] + [inspect.Parameter("request", kind)]
+    )
+    handler.__annotations__ = {"request": gr.Request}
+    handler.__name__ = getattr(fn, "__name__", "handler")
+    handler.__doc__ = getattr(fn, "__doc__", None)
+    return handler
+
+
+def build_blocks(ui: WebUI) -> Any:
+    """The page. Call inside ``create_app`` only (never at import time).
+
+    Every handler gets the request (its owner); events not meant for API use
+    are private (``api_name=False``): hidden from the API page, though still
+    callable by ``fn_index``, so the owner check is in each handler anyway.
+    """
+    import gradio as gr
+
+    s = ui.settings
+    R = with_request  # noqa: N806 - a short local alias for the wiring below
+    model_q = {"concurrency_id": "model", "concurrency_limit": 2}
+    light_q = {"concurrency_limit": 8}
+    with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
+                   delete_cache=GRADIO_CACHE_DELETE) as demo:
+        # A closed tab's state (Gradio drops it an hour after the tab closed): its session is saved
+        # and parked, not forgotten, so a page that has reopened it since (a reload) resumes it
+        # from its file under the same id.
+        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid, park=True, owner=None)
+                         if sid else None)
+        # The same id in the browser's storage, read at page load: a reload reopens the session.
+        # The storage key and "secret" are fixed so a restarted server still reads it; the secret
+        # is sent to the page (Gradio's obfuscation, not a protection): the server trusts the
+        # id no more than any other input (owner checks in every handler).
+        stored = gr.BrowserState(None, storage_key="isagi-session-id", secret="isagi-session-id-v1")
+        seen = gr.State(None)  # what the page has drawn of its session (WebUI.seen), for its sync
+        pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
+        gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
+        status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
+        timer = gr.Timer(2.0, active=not ui.holder.ready)
+        sync_timer = gr.Timer(SYNC_S)
+        with gr.Tabs(selected="chat") as tabs:
+            with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
+                with gr.Column(scale=5, min_width=420):
+                    chat = gr.Chatbot(
+                        label="Conversation", elem_id="isagi-chat", height=520,
+                        # texts arrive as HTML rendered on the server (render_text); a message's own
+                        # copy button would copy that HTML, so code blocks carry their own instead
+                        render_markdown=False, sanitize_html=True, buttons=[],
+                        feedback_options=None, layout="bubble",
+                        placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
+                    )
+                    alert = gr.Markdown("", elem_id="isagi-alert")
+                    with gr.Row():
+                        msg = gr.Textbox(
+                            placeholder=f"Message (up to {s.max_message_chars:,} characters) — Enter sends",
+                            show_label=False, lines=1, max_lines=8, scale=8, elem_id="isagi-input",
+                            autofocus=True, interactive=False,
+                        )
+                        send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send",
+                                         interactive=False)
+                    with gr.Row():
+                        stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
+                        regen = gr.Button("Regenerate", elem_id="isagi-regen")
+                        new = gr.Button("New chat", elem_id="isagi-new")
+                    with gr.Accordion("Generation settings", open=False):
+                        max_tokens = gr.Slider(8, 2048, value=s.max_new_tokens, step=8,
+                                               label="Max new tokens", elem_id="isagi-max-tokens")
+                        sample = gr.Checkbox(False, label="Sample (otherwise greedy)")
+                        temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="Temperature")
+                with gr.Column(scale=4, min_width=380):
+                    turn = gr.Markdown(turn_markdown(None), elem_id="isagi-turn")
+                    with gr.Accordion("What do these mean?", open=False, elem_id="isagi-help"):
+                        gr.Markdown(help_markdown())
+                    summary = gr.Markdown("Trajectories: **0**", elem_id="isagi-manifold-summary")
+                    colour_by = gr.Radio(["tier", "cluster"], value="tier", label="Colour the map by",
+                                         elem_id="isagi-colour")
+                    map_plot = gr.Plot(label="Trajectory map", elem_id="isagi-map")
+                    growth_plot = gr.Plot(label="Metric growth", elem_id="isagi-growth")
+                    teh_plot = gr.Plot(label="TEH", elem_id="isagi-teh")
+            with gr.Tab("Sessions", id="sessions") as sessions_tab:
+                gr.Markdown("Your past sessions from the history store (with a login, each user sees "
+                            "only their own). Every session autosaves its living state; resume one to "
+                            "continue it with its memory and metric.")
+                with gr.Row():
+                    query = gr.Textbox(placeholder="Search message text…", show_label=False, scale=6,
+                                       elem_id="isagi-search")
+                    refresh = gr.Button("Search / refresh", scale=1, elem_id="isagi-refresh")
+                table = gr.Dataframe(headers=["id", "title", "turns", "updated (UTC)", "state"],
+                                     interactive=False, wrap=True, elem_id="isagi-sessions")
+                sessions_note = gr.Markdown("")
+                chosen = gr.Textbox(label="Selected session id", elem_id="isagi-chosen")
+                with gr.Row():
+                    resume = gr.Button("Resume", variant="primary", elem_id="isagi-resume")
+                    export_md = gr.Button("Export Markdown", elem_id="isagi-export-md")
+                    export_js = gr.Button("Export JSON", elem_id="isagi-export-json")
+                    delete = gr.Button("Delete from history", variant="stop", elem_id="isagi-delete")
+                with gr.Row():
+                    confirm_delete = gr.Button("Yes, delete", variant="stop", visible=False,
+                                               elem_id="isagi-delete-confirm")
+                    cancel_delete = gr.Button("Cancel", visible=False, elem_id="isagi-delete-cancel")
+                gr.Markdown("### The open session's living state (`.miku`)")
+                with gr.Row():
+                    save = gr.Button("Save .miku", elem_id="isagi-save")
+                    upload = gr.File(label="Load a .miku", file_types=[".miku"], file_count="single",
+                                     elem_id="isagi-upload", height=120)
+                download = gr.File(label="Download", interactive=False, elem_id="isagi-download")
+                files_note = gr.Markdown("", elem_id="isagi-files-note")
+            with gr.Tab("Concept explorer", id="explore"):
+                gr.Markdown(
+                    "Safe OGD concept exploration: a chain of steps from a seed, each steered by "
+                    "α·P_safe·v (never along a forbidden direction), with the TEH of every step and "
+                    "the MIKU creativity index of the chain. Uses the model: it waits its turn in the queue."
+                )
+                with gr.Row():
+                    seed = gr.Textbox(label="Seed concept", placeholder="e.g. the ocean", scale=4,
+                                      elem_id="isagi-seed")
+                    steps = gr.Slider(1, 6, value=3, step=1, label="Steps", scale=2)
+                    ex_tokens = gr.Slider(16, 128, value=40, step=8, label="Tokens per step", scale=2)
+                    run_ex = gr.Button("Run the explorer", variant="primary", scale=1, elem_id="isagi-explore")
+                mcb_md = gr.Markdown("", elem_id="isagi-mcb")
+                ex_plot = gr.Plot(label="TEH per step")
+                ex_steps = gr.Markdown("", elem_id="isagi-steps")
+
+        view_out = [chat, turn, summary, map_plot, growth_plot, teh_plot]
+        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status, seen]
+        gen_in = [max_tokens, sample, temperature, colour_by]
+
+        # The input opens once the load has set the page's session: a message sent before that
+        # would be undone by the load's answer (its session replaced by the one the load read).
+        demo.load(R(ui.on_load, ["sid", "colour_by"]), [stored, colour_by], [state, status, *view_out],
+                  api_name=False, **light_q
+                  ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
+                         [msg, send], api_name=False, queue=False)
+        # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
+        # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
+        # registry learns which page shows it; a closed page's session is parked (unload).
+        state.change(R(ui.page_shows, ["sid"]), state, stored, api_name=False, queue=False)
+        demo.unload(R(ui.page_closed, []))
+        # Another tab of this browser may change the session: the page redraws it when it is stale.
+        sync_timer.tick(R(ui.sync, ["sid", "seen", "colour_by"]), [state, seen, colour_by], [seen, *view_out],
+                        show_progress="hidden", api_name=False, **light_q)
+        timer.tick(R(ui.on_tick, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out, timer],
+                   show_progress="hidden", api_name=False, **light_q)
+        send_fn = R(ui.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"])
+        # Send and Enter are one event: a message sent while a reply streams waits in the browser
+        # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
+        # dropped.
+        ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], turn_out,
+                        show_progress="minimal", api_name="send", trigger_mode="always_last", **model_q)
+        ev_regen = regen.click(R(ui.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"]),
+                               [state, *gen_in], turn_out, show_progress="minimal",
+                               api_name="regenerate", **model_q)
+        stop.click(R(ui.stop, ["sid", "colour_by"]), [state, colour_by],
+                   [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
+                   cancels=[ev_send, ev_regen], show_progress="hidden", api_name="stop",
+                   queue=False)
+        new_fn = R(ui.new_chat, ["sid", "colour_by"])
+        new.click(new_fn, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
+        chat.clear(new_fn, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
+        colour_by.change(R(ui.recolour, ["sid", "colour_by"]), [state, colour_by], map_plot, api_name=False,
+                         **light_q)
+
+        list_fn = R(ui.list_sessions, ["query"])
+        refresh.click(list_fn, query, [table, sessions_note], api_name="list_sessions", **light_q)
+        query.submit(list_fn, query, [table, sessions_note], api_name=False, **light_q)
+        def on_select(evt: Any, rows: Any) -> str:
+            return ui.select_row(evt, rows)
+
+        on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any, "return": str}
+        table.select(on_select, [table], chosen, api_name=False, **light_q)
+        resume.click(R(ui.resume, ["chosen", "sid", "colour_by"]), [chosen, state, colour_by],
+                     [state, sessions_note, *view_out, tabs, alert], api_name="resume", **light_q)
+        export_md.click(R(ui.export, ["chosen", "sid"], "markdown"), [chosen, state], [download, files_note],
+                        api_name="export_markdown", **light_q)
+        export_js.click(R(ui.export, ["chosen", "sid"], "json"), [chosen, state], [download, files_note],
+                        api_name="export_json", **light_q)
+        delete.click(R(ui.ask_delete, ["chosen", "sid"]), [chosen, state],
+                     [pending_delete, sessions_note, confirm_delete, cancel_delete], api_name=False, **light_q)
+        confirm_delete.click(R(ui.confirm_delete, ["pending", "sid"]), [pending_delete, state],
+                             [table, sessions_note, pending_delete, confirm_delete, cancel_delete],
+                             api_name=False, **light_q)
+        cancel_delete.click(ui.cancel_delete, None, [pending_delete, sessions_note, confirm_delete, cancel_delete],
+                            api_name=False, queue=False)
+        save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
+        # The box is emptied once the file is read (loaded or refused): it never shows an earlier
+        # file beside a later error, and it takes the next file at once.
+        upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
+                      [state, files_note, *view_out, table, tabs, alert], api_name="load_miku", **light_q
+                      ).then(lambda: None, None, upload, api_name=False, queue=False)
+        run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
+                     **model_q)
+        # opening the tab shows the list as it is now (wired last: earlier events keep their fn_index)
+        sessions_tab.select(list_fn, query, [table, sessions_note], api_name=False, **light_q)
+    return demo

@@ -1,0 +1,221 @@
+"""What the page shows, as pure functions of a session or of a turn's figures: the chat's
+messages, the turn panel, the badges, the manifold summary and the alert line.
+
+No Gradio and no state: the handlers (:mod:`app.ui`) call them, and tests call them directly.
+Every text from outside is rendered by :func:`app.render_safe.render_text`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from app.help_text import BADGE_HELP, FIGURE_HELP
+from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
+from isagi.ids import is_session_id
+from isagi.session.turn import turns_to_messages
+
+# What one page update renders and sends, whatever the session's length: the chat's
+# newest turns, and the plots' newest turns and stored trajectories.
+CHAT_WINDOW_TURNS = 100
+
+
+EMPTY_REPLY = "<p><em>(empty reply)</em></p>"
+
+
+def fmt(v: Any, digits: int = 3, suffix: str = "") -> str:
+    """A number for the page; anything else (a file can hold anything) is shown as ``?``."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return UNKNOWN
+    try:
+        return f"{float(v):.{digits}f}{suffix}"
+    except (TypeError, ValueError, OverflowError):
+        return UNKNOWN
+
+
+def _count(v: Any) -> str:
+    """A token count for the page: a whole number, or "–"."""
+    if isinstance(v, bool):
+        return "–"
+    if isinstance(v, int):
+        return str(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return "–"
+    return str(int(f)) if f.is_integer() else "–"
+
+
+def short(text: str | None, n: int = 70) -> str:
+    t = " ".join(str(text or "").split())
+    return t if len(t) <= n else t[: n - 1] + "…"
+
+
+BADGES = (*TIERS, "REFUSED", "WITHHELD", "CANCELLED", "OK", "PENDING")
+
+
+def badge_label(m: dict[str, Any]) -> str:
+    """The badge of an assistant entry: its tier, or its verdict when not ok; ``?`` if unknown.
+
+    Only known labels come out (tiers and verdicts are enums), so the label is
+    safe in a class name and in text.
+    """
+    verdict = m.get("verdict") or "ok"
+    if verdict in ("refused", "withheld"):
+        return verdict.upper()
+    label = m.get("tier") or verdict
+    return enum_label(label.upper() if isinstance(label, str) else label, BADGES)
+
+
+def _badge(label: str) -> str:
+    cls = label.lower() if label in BADGES else "unknown"
+    tip = f' title="{esc(BADGE_HELP[label])}"' if label in BADGE_HELP else ""
+    return f'<span class="isagi-tier isagi-tier-{cls}"{tip}>{esc(label)}</span>'
+
+
+def _tip(key: str, html_text: str) -> str:
+    """``html_text`` (already escaped) with its plain-language explanation on hover."""
+    return f'<span title="{esc(FIGURE_HELP[key])}">{html_text}</span>'
+
+
+def info_html(m: dict[str, Any]) -> str:
+    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens.
+
+    Every field can come from an uploaded file: each is escaped (or allowlisted) here.
+    """
+    parts = [_badge(badge_label(m))]
+    if m.get("verdict") == "cancelled":
+        parts.append('<span class="isagi-tier isagi-tier-cancelled">STOPPED</span>')
+    if m.get("distance") is not None:
+        near = m.get("nearest_query")
+        near_txt = f" to “{esc(short(near, 60))}”" if near else ""
+        parts.append(_tip("d", f"d = {fmt(m['distance'], 4)}{near_txt}"))
+    if m.get("zone"):
+        parts.append(_tip("zone", f"zone {esc(short(m['zone'], 40))}"))
+    parts.append(_tip("teh", f"TEH {fmt(m.get('teh_prompt'), 1, '%')} / {fmt(m.get('teh_reply'), 1, '%')}"))
+    if m.get("latency_s") is not None:
+        parts.append(_tip("latency", f"{fmt(m['latency_s'], 2)} s"))
+    toks = m.get("new_tokens")
+    if toks is not None:
+        pt = m.get("prompt_tokens")
+        parts.append(_tip("tokens", f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens"))
+    head, rest = parts[0], " · ".join(parts[1:])
+    return f'<div class="isagi-info">{head} {rest}</div>'
+
+
+def pending_html(tier: str | None, distance: float | None) -> str:
+    label = "PENDING" if tier is None else enum_label(tier.upper() if isinstance(tier, str) else tier, BADGES)
+    d = f" d = {fmt(distance, 4)} ·" if distance is not None else ""
+    return f'<div class="isagi-info">{_badge(label)}{d} generating…</div>'
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Session log → Chatbot messages (each reply followed by its info line).
+
+    Message texts are rendered by :func:`app.render_safe.render_text` (HTML made
+    on the server: raw HTML shows as text and images as links, so nothing in a
+    message makes the browser fetch a URL); the info line is the app's own
+    escaped HTML.
+    """
+    out: list[dict[str, str]] = []
+    for m in messages:
+        if m.get("role") == "user":
+            out.append({"role": "user", "content": render_text(m.get("text", ""))})
+        elif m.get("role") == "assistant":
+            out.append({"role": "assistant", "content": render_text(m.get("text", "")) or EMPTY_REPLY})
+            out.append({"role": "assistant", "content": info_html(m)})
+    return out
+
+
+def chat_window(session: Any, *, drop_last: bool = False) -> list[dict[str, str]]:
+    """The Chatbot messages of ``session``'s newest :data:`CHAT_WINDOW_TURNS` turns
+    (without its last turn with ``drop_last``: the one a Regenerate replaces).
+
+    A turn's page update renders and sends this much and no more, however long the
+    session: earlier turns stay in the session, its memory, its exports and the
+    history store, and a first line says how many are not shown.
+    """
+    turns = session.turns[:-1] if drop_last else session.turns
+    shown = chat_messages(turns_to_messages(turns[-CHAT_WINDOW_TURNS:]))
+    hidden = len(turns) - CHAT_WINDOW_TURNS
+    if hidden <= 0:
+        return shown
+    note = (f"*{hidden:,} earlier exchange{'s' if hidden != 1 else ''} of this session "
+            "are not shown here; Export (Sessions tab) has them all.*")
+    return [{"role": "assistant", "content": render_text(note)}, *shown]
+
+
+def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
+    """The Turn panel: every figure of the latest turn (file fields escaped for markdown)."""
+    if m is None:
+        return "*No turn yet. Ask something: the panel shows what the manifold did with it.*"
+    thr = getattr(safety, "threshold", None)
+    rthr = getattr(safety, "reply_threshold", None)
+    category = m.get("category")
+    verdict = m.get("verdict") or "ok"
+    rows = [
+        ("Tier", f"**{badge_label(m)}**" + (f" ({md_cell(short(category, 60))})" if category else "")),
+        ("Verdict", verdict if verdict in VERDICTS else UNKNOWN),
+        ("Distance", fmt(m.get("distance"), 4)),
+        ("Nearest stored query", md_cell(short(m.get("nearest_query"), 90)) or "–"),
+        ("Zone", md_cell(short(m.get("zone"), 40)) or "–"),
+        ("TEH prompt", fmt(m.get("teh_prompt"), 2, "%") + (f" (threshold {thr:.2f}%)" if thr is not None else "")),
+        ("TEH reply", fmt(m.get("teh_reply"), 2, "%") + (f" (threshold {rthr:.2f}%)" if rthr is not None else "")),
+        ("Latency", fmt(m.get("latency_s"), 3, " s")),
+        ("Tokens", f"prompt {_count(m.get('prompt_tokens'))}, reply {_count(m.get('new_tokens'))}"),
+        ("Metric growth ‖M − I‖", fmt(m.get("metric_growth"), 4)),
+    ]
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return "| Latest turn | |\n|---|---|\n" + body
+
+
+def reply_fields(turn: Any) -> dict[str, Any] | None:
+    """A turn's reply with its figures (the assistant message of :meth:`~isagi.session.turn.Turn.to_messages`)."""
+    return None if turn is None else turn.to_messages()[1]
+
+
+def manifold_summary(session: Any) -> str:
+    mem = session.memory
+    n = len(mem)
+    clusters = len(getattr(mem, "clusters", {}) or {})
+    sid = f"`{session.id}`" if is_session_id(session.id) else md_cell(session.id)
+    return (
+        f"Trajectories: **{n}** · clusters: **{clusters}** · "
+        f"metric growth: **{session.metric.growth:.4f}** · turns: **{len(session.turns)}** · "
+        f"session {sid}"
+    )
+
+
+def highlight_row(session: Any, columns: dict[str, Any]) -> int | None:
+    """The stored trajectory of the latest query: itself if stored, else its nearest."""
+    last = session.last_turn
+    texts = list(columns.get("query_text", []))
+    if not texts or last is None:
+        return None
+    user, bot = last.to_messages()
+    for target in (user.get("text"), bot.get("nearest_query")):
+        if target:
+            for i in range(len(texts) - 1, -1, -1):
+                if texts[i] == target:
+                    return i
+    return None
+
+
+def slug(text: str | None, fallback: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-").lower()[:40]
+    return s or fallback
+
+
+def verdict_alert(reply: dict[str, Any] | None) -> str:
+    """The alert line after a turn: why nothing (or only part) was generated, or nothing."""
+    verdict = (reply or {}).get("verdict")
+    if verdict == "refused":
+        return ("⚠️ This request was refused by the geometric safety layer (TEH over the threshold): "
+                "nothing was generated.")
+    if verdict == "withheld":
+        return "⚠️ The reply was withheld: its TEH went over the threshold while it streamed."
+    if verdict == "cancelled":
+        return "Stopped: the generation was ended; the partial reply is kept."
+    return ""
