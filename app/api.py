@@ -65,9 +65,10 @@ from starlette.requests import Request
 
 from app import turns
 from app.loader import EngineLoading
-from app.sessions import SessionBusy, SessionLimit, autosave_file
+from app.sessions import SessionBusy, SessionLimit
 from isagi.errors import ConfigError, IsagiError
 from isagi.ids import is_session_id
+from isagi.session.folder import SessionFiles
 from storage.miku import MAX_TURNS
 from storage.owners import LOCAL_OWNER
 
@@ -507,7 +508,7 @@ class Api:
         if self.registry.holds(summary.id, owner):
             return summary.id
         engine = self.engine()
-        path = autosave_file(summary, engine.settings.sessions_dir)
+        path = SessionFiles(engine.settings.sessions_dir).find(summary.id, summary.miku_path)
         if path is None:
             return None
         try:

@@ -53,6 +53,7 @@ from typing import Any
 
 from isagi.errors import IsagiError
 from isagi.ids import new_session_id
+from isagi.session.folder import SessionFiles
 from storage.owners import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
@@ -78,26 +79,6 @@ class Entry:
     # empty and idle for that moment, but not to be reclaimed as an empty chat by another
     # request at a cap. Cleared when a turn takes its lock (:meth:`SessionRegistry.using`).
     claimed: bool = False
-
-
-def autosave_file(summary: Any, sessions_dir: str | Path) -> Path | None:
-    """A history session's ``.miku`` inside ``sessions_dir`` (``summary``: its
-    :class:`storage.history.SessionSummary`), or None; a recorded path elsewhere is ignored."""
-    import contextlib
-    import os
-
-    from isagi.ids import is_session_id
-
-    root = Path(sessions_dir).resolve()
-    for cand in (summary.miku_path, f"{summary.id}.miku" if is_session_id(summary.id) else None):
-        if not cand:
-            continue
-        p = (root / cand) if not os.path.isabs(cand) else Path(cand)
-        with contextlib.suppress(OSError, RuntimeError):
-            p = p.resolve()
-            if p.parent == root and p.suffix == ".miku" and p.is_file():
-                return p
-    return None
 
 
 class SessionBusy(RuntimeError):
@@ -166,7 +147,7 @@ class SessionRegistry:
         return self._load
 
     def _autosave_path(self, sid: str) -> Path:
-        return Path(self.engine.settings.sessions_dir) / f"{sid}.miku"
+        return SessionFiles(self.engine.settings.sessions_dir).path(sid)
 
     def __len__(self) -> int:
         with self._guard:

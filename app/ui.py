@@ -61,7 +61,6 @@ from app.sessions import (
     SessionBusy,
     SessionLimit,
     SessionRegistry,
-    autosave_file,
 )
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from app.views import (
@@ -77,6 +76,7 @@ from app.views import (
     verdict_alert,
 )
 from isagi.ids import is_session_id
+from isagi.session.folder import SessionFiles
 from isagi.session.turn import turns_to_messages
 from storage.owners import LOCAL_OWNER
 
@@ -784,7 +784,7 @@ class WebUI:
 
     def _autosave_of(self, summary: Any) -> Path | None:
         """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
-        return autosave_file(summary, self.settings.sessions_dir)
+        return SessionFiles(self.settings.sessions_dir).find(summary.id, summary.miku_path)
 
     def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Open one of the caller's past sessions: their own live (or parked) one is switched
@@ -916,8 +916,6 @@ class WebUI:
     def delete(self, chosen: str, sid: str | None, request: Any = None) -> tuple[Any, str]:
         """Delete one of the caller's sessions: its history and its autosaved ``.miku`` (the page
         asks first: :meth:`ask_delete`). Not the page's own chat, nor one open in another page."""
-        from storage.history import remove_session_files
-
         owner, _ = self.who(request)
         chosen = (chosen or "").strip()
         summary, why = self._deletable(chosen, sid, owner)
@@ -930,7 +928,7 @@ class WebUI:
         if not ok:
             return gr_skip(), self._warn(f"No session {chosen} in your history.")
         self.registry.forget(chosen, owner)
-        removed = remove_session_files(chosen, summary.miku_path, self.settings.sessions_dir)
+        removed = SessionFiles(self.settings.sessions_dir).remove(chosen, summary.miku_path)
         rows, _ = self.list_sessions("", request)
         gone = f" and its saved state ({removed[0].name})" if removed else ""
         return rows, f"Deleted session {chosen} from the history{gone}."

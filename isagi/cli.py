@@ -394,7 +394,7 @@ def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format"
 @friendly
 def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Delete a session, its turns and its autosaved .miku."""
-    from storage.history import remove_session_files
+    from isagi.session.folder import SessionFiles
 
     settings = _settings(home=home)
     store = _store(home)
@@ -406,7 +406,7 @@ def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOC
         err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
                   highlight=False, markup=False)
         raise typer.Exit(1)
-    removed = remove_session_files(session_id, summary.miku_path, settings.sessions_dir)
+    removed = SessionFiles(settings.sessions_dir).remove(session_id, summary.miku_path)
     note = f" and {removed[0].name}" if removed else ""
     out.print(f"Deleted session {session_id}{note}.", highlight=False, markup=False)
 

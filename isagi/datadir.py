@@ -153,9 +153,10 @@ def _reconcile(settings: Settings) -> Any:
     """The history repaired from the session files; a history that cannot be opened is
     reported (the engine's own start reports it too) and skipped."""
     from isagi.pipeline.keeping import Reconciled, reconcile_history
+    from isagi.session.folder import SessionFiles
     from storage.history import HistoryStore
 
-    if not any(settings.sessions_dir.glob("*.miku")):
+    if not SessionFiles(settings.sessions_dir).all():
         return None
     try:
         store = HistoryStore(settings.resolved_database_url)

@@ -51,9 +51,9 @@ from sqlalchemy.pool import StaticPool
 
 from isagi.errors import StorageError, storage_cause
 from storage.owners import LOCAL_OWNER
+from storage.titles import make_title
 
 T = TypeVar("T")
-TITLE_MAX = 80
 ROLES = ("user", "assistant")
 OWNER_MAX = 64
 
@@ -188,14 +188,6 @@ def _utc(t: _dt.datetime) -> _dt.datetime:
     return t.replace(tzinfo=_dt.UTC) if t.tzinfo is None else t.astimezone(_dt.UTC)
 
 
-def make_title(text: str, limit: int = TITLE_MAX) -> str:
-    """A one-line title from a first message: whitespace collapsed, cut at ``limit``."""
-    line = " ".join(text.split())
-    if len(line) <= limit:
-        return line or "(empty)"
-    return line[: limit - 1].rstrip() + "…"
-
-
 def check_owner(owner: str) -> str:
     """``owner`` if it is a usable owner name (1 to 64 characters), else a StorageError."""
     if not isinstance(owner, str) or not owner or len(owner) > OWNER_MAX:
@@ -208,33 +200,6 @@ def not_found(session_id: str) -> StorageError:
     return StorageError(
         f"No session {session_id!r} in the history; `isagi sessions list` shows the ids."
     )
-
-
-def remove_session_files(
-    session_id: str, miku_path: str | Path | None, sessions_dir: str | Path
-) -> list[Path]:
-    """Remove a deleted session's autosave; return the removed paths.
-
-    The candidates are the recorded ``miku_path`` and ``sessions_dir/<id>.miku``;
-    each is removed only when it resolves to a ``.miku`` file inside
-    ``sessions_dir`` (a path recorded from elsewhere is never followed out of it).
-    """
-    root = Path(sessions_dir).resolve()
-    removed: list[Path] = []
-    candidates = [Path(miku_path)] if miku_path else []
-    if session_id and "/" not in session_id and "\\" not in session_id and session_id not in (".", ".."):
-        candidates.append(root / f"{session_id}.miku")
-    for cand in candidates:
-        try:
-            real = cand.resolve()
-        except (OSError, RuntimeError):
-            continue
-        if real.parent != root or real.suffix != ".miku" or real in removed:
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            real.unlink()
-            removed.append(real)
-    return removed
 
 
 def _safe_url(url: URL) -> str:

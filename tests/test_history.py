@@ -13,9 +13,10 @@ from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
 from isagi.session.turn import Turn
-from storage.history import Base, HistoryStore, make_title
+from storage.history import Base, HistoryStore
 from storage.migrations import head_revision, upgrade_to_head
 from storage.owners import LOCAL_OWNER
+from storage.titles import make_title
 
 
 def rec(i: int, **kw) -> Turn:

@@ -14,7 +14,7 @@ from alembic import command
 
 from isagi.errors import StorageError
 from isagi.session.turn import Turn
-from storage.history import HistoryStore, remove_session_files
+from storage.history import HistoryStore
 from storage.migrations import alembic_config, head_revision
 from storage.owners import LOCAL_OWNER
 
@@ -155,24 +155,3 @@ def test_migration_0002_downgrades_and_upgrades_again(tmp_path: Path) -> None:
     s = HistoryStore(url)
     assert len(s.list_sessions(owner=LOCAL_OWNER)) == 2
     s.close()
-
-
-# --------------------------------------------------------------------------- files
-
-
-def test_remove_session_files_stays_inside_the_sessions_directory(tmp_path: Path) -> None:
-    sessions = tmp_path / "sessions"
-    sessions.mkdir()
-    own = sessions / "0123456789ab.miku"
-    own.write_bytes(b"x")
-    outside = tmp_path / "victim.miku"
-    outside.write_bytes(b"keep me")
-    link = sessions / "fedcba987654.miku"
-    link.symlink_to(outside)
-    assert remove_session_files("0123456789ab", str(own), sessions) == [own.resolve()]
-    assert not own.exists()
-    # a recorded path outside sessions/, a traversal id, a link out: nothing removed
-    assert remove_session_files("x", str(outside), sessions) == []
-    assert remove_session_files("../victim", None, sessions) == []
-    assert remove_session_files("fedcba987654", None, sessions) == []
-    assert outside.read_bytes() == b"keep me"

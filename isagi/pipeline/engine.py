@@ -75,6 +75,7 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis, project, route
 from isagi.manifold.window import window_start
 from isagi.session.files import SessionFrame
+from isagi.session.folder import SessionFiles
 from isagi.session.state import PROMPT_STATE_CACHE, Session
 from isagi.session.turn import Message, Turn
 
@@ -193,7 +194,7 @@ class Engine:
         sid = session_id or new_session_id()
         session = Session(id=sid, basis=self.profile.basis, metric=Metric(k), memory=TrajectoryMemory(k))
         if autosave:
-            session.miku_path = self.settings.sessions_dir / f"{sid}.miku"
+            session.miku_path = SessionFiles(self.settings.sessions_dir).path(sid)
         return session
 
     # -- validation --------------------------------------------------------------

@@ -286,14 +286,14 @@ def reconcile_history(store: Any, sessions_dir: str | Path) -> Reconciled:
     alone, so nothing is ever deleted. Run only while no other process writes
     the data directory (:class:`isagi.datadir.DataDir` says whether).
     """
-    from isagi.ids import is_session_id
+    from isagi.session.folder import SessionFiles
     from isagi.session.turn import turns_from_messages
     from storage.miku import read_miku
 
     report = Reconciled()
     root = Path(sessions_dir)
     try:
-        files = sorted(p for p in root.glob("*.miku") if is_session_id(p.stem))
+        files = SessionFiles(root).all()
     except OSError:
         return report
     if not files:

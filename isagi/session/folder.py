@@ -1,0 +1,79 @@
+"""Where a session's file lives: the one owner of the ``<id>.miku`` path in the sessions folder.
+
+Every part that names, finds, lists or removes a session's autosave asks a
+:class:`SessionFiles` for the sessions folder: the engine when it makes a session, the web
+registry when it reopens one, the page and the API when they serve a file, ``isagi sessions
+delete`` and the page's Delete, and the start-up repair of the history. What a file *holds*
+is :mod:`isagi.session.files`.
+
+Paths recorded elsewhere (a history row's ``miku_path``) are never followed out of the
+folder: a candidate counts only when it resolves to a ``.miku`` file directly inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from isagi.ids import is_session_id
+
+SUFFIX = ".miku"
+
+
+@dataclass(frozen=True)
+class SessionFiles:
+    """The sessions folder (``Settings.sessions_dir``) and the rules for the files in it."""
+
+    root: Path
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    def path(self, session_id: str) -> Path:
+        """Where the session ``session_id`` autosaves: a file directly in the folder (an id from
+        outside is checked against the server's pattern where it enters, :mod:`isagi.ids`)."""
+        if not session_id or session_id in (".", "..") or any(c in session_id for c in "/\\\0"):
+            raise ValueError(f"a session id names a file in the sessions folder, not {session_id!r}")
+        return self.root / f"{session_id}{SUFFIX}"
+
+    def _inside(self, candidate: str | os.PathLike[str]) -> Path | None:
+        """``candidate`` resolved, when it is a ``.miku`` directly inside the folder."""
+        root = self.root.resolve()
+        p = Path(candidate)
+        p = p if p.is_absolute() else root / p
+        with contextlib.suppress(OSError, RuntimeError):
+            real = p.resolve()
+            if real.parent == root and real.suffix == SUFFIX:
+                return real
+        return None
+
+    def _candidates(self, session_id: str, recorded: str | os.PathLike[str] | None) -> list[Path]:
+        found: list[Path] = []
+        for cand in (recorded, f"{session_id}{SUFFIX}" if is_session_id(session_id) else None):
+            real = self._inside(cand) if cand else None
+            if real is not None and real not in found:
+                found.append(real)
+        return found
+
+    def find(self, session_id: str, recorded: str | os.PathLike[str] | None = None) -> Path | None:
+        """The session's file inside the folder (its recorded path first, then ``<id>.miku``), or None."""
+        return next((p for p in self._candidates(session_id, recorded) if p.is_file()), None)
+
+    def remove(self, session_id: str, recorded: str | os.PathLike[str] | None = None) -> list[Path]:
+        """Remove a deleted session's file(s) inside the folder; the paths removed."""
+        removed: list[Path] = []
+        for real in self._candidates(session_id, recorded):
+            with contextlib.suppress(FileNotFoundError):
+                real.unlink()
+                removed.append(real)
+        return removed
+
+    def all(self) -> list[Path]:
+        """Every session file in the folder (named by a session id, and a file there, not a link
+        out of it), in name order."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob(f"*{SUFFIX}")
+                      if is_session_id(p.stem) and self._inside(p) is not None and p.is_file())
