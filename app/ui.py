@@ -65,6 +65,7 @@ from app.sessions import (
 from app.uploads import MIB, NOT_YOUR_UPLOAD, UploadLedger
 from app.views import (
     chat_window,
+    counted,
     fmt,
     highlight_row,
     manifold_summary,
@@ -660,7 +661,8 @@ class WebUI:
         except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
             return gr.skip(), self._warn(msg)
-        return str(path), f"Saved {len(s.memory)} trajectories and {len(s.turns)} turns to `{path.name}`."
+        return str(path), (f"Saved {counted(len(s.memory), 'trajectory', 'trajectories')} and "
+                           f"{counted(len(s.turns), 'turn')} to `{path.name}`.")
 
     def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier", request: Any = None) -> tuple[Any, ...]:
         """Open an uploaded ``.miku`` (a fork with a fresh id, the caller's).

@@ -203,6 +203,11 @@ def highlight_row(session: Any, columns: dict[str, Any]) -> int | None:
     return None
 
 
+def counted(n: int, one: str, many: str | None = None) -> str:
+    """``n`` with its noun, singular for one: "1 trajectory", "3 trajectories"."""
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
+
+
 def slug(text: str | None, fallback: str) -> str:
     s = re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-").lower()[:40]
     return s or fallback

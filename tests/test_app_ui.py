@@ -192,7 +192,10 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     for q in ("How do plants make food?", "What is the boiling point of water?", "Name three primary colours."):
         run(ui.send(q, sid, 4))
     path, note = ui.save_miku(sid)
-    assert Path(path).exists() and "3 trajectories" in note
+    assert Path(path).exists() and "3 trajectories and 3 turns" in note
+    one = ui.registry.create()
+    run(ui.send("How do plants make food?", one, 4))
+    assert "Saved 1 trajectory and 1 turn to" in ui.save_miku(one)[1]
     # a corrupted upload: an error, the open session untouched
     bad = tmp_path / "bad.miku"
     data = bytearray(Path(path).read_bytes())
