@@ -375,6 +375,6 @@ def resumable(state: MikuState, where: str | os.PathLike[str] = "legacy session"
     }
     state.extra.setdefault("basis_explained", 0.0)
     first = next((m["text"] for m in state.conversation if m["role"] == "user"), "")
-    state.extra.setdefault("title", make_title(first))
+    state.extra.setdefault("title", make_title(first) if first.strip() else "")  # none: untitled, as before
     check_session_state(state, where)
     return state

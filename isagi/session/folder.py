@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from isagi.ids import is_session_id
@@ -22,14 +21,11 @@ from isagi.ids import is_session_id
 SUFFIX = ".miku"
 
 
-@dataclass(frozen=True)
 class SessionFiles:
     """The sessions folder (``Settings.sessions_dir``) and the rules for the files in it."""
 
-    root: Path
-
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        object.__setattr__(self, "root", Path(root))
+        self.root = Path(root)
 
     def path(self, session_id: str) -> Path:
         """Where the session ``session_id`` autosaves: a file directly in the folder (an id from
