@@ -387,7 +387,7 @@ class Api:
         """The id of the caller's session this request continues (see the module's docstring),
         and, when it was found by the replayed turns, those turns (:meth:`run_turn` checks that
         the session still holds just them once it has its lock)."""
-        from isagi.pipeline.engine import clean_message
+        from isagi.pipeline.prompts import clean_message
 
         if named:
             if is_session_id(named) and self.registry.holds(named, owner):  # live, or parked: resumed at its use
@@ -458,7 +458,7 @@ class Api:
 
     def find(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
         """The caller's session whose turns are exactly ``want`` (the earlier exchanges, their
-        questions as :func:`isagi.pipeline.engine.clean_message` keeps them), or None: a live one (the newest
+        questions as :func:`isagi.pipeline.prompts.clean_message` keeps them), or None: a live one (the newest
         used first), else one of their :data:`MATCH_SCAN` most recently updated sessions in the
         history, made live again under its id as a page reload does (parked: resumed; saved
         before a restart: reopened from its ``.miku``)."""
@@ -599,7 +599,7 @@ class Api:
     @staticmethod
     def usage(engine: Any, turn: Any, content: str) -> dict[str, int]:
         """Tokens of the prompt the model read and of the reply sent (the model's tokenizer's count)."""
-        out = engine.count_tokens(content) if content else 0
+        out = engine.prompts.count_tokens(content) if content else 0
         return {"prompt_tokens": int(turn.prompt_tokens), "completion_tokens": out,
                 "total_tokens": int(turn.prompt_tokens) + out}
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from app import updates as u
+from app.handlers.chat import SYNC_S
 from app.help_text import help_markdown
-from app.ui import GRADIO_CACHE_DELETE, SYNC_S, WebUI
+from app.ui import WebUI
 from app.views import turn_markdown
+
+GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies of downloads: every minute, those older than 10 minutes
 
 CSS = """
 .isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
@@ -29,25 +33,32 @@ CSS = """
 """
 
 
-def with_request(fn: Any, names: list[str], *fixed: Any) -> Any:
-    """``fn`` as a Gradio handler taking inputs ``names`` and the request (as ``request=``).
+def with_request(fn: Any, names: list[str], outputs: tuple[str, ...] | None, *fixed: Any) -> Any:
+    """``fn`` as a Gradio handler taking inputs ``names`` and the request (as ``request=``), its
+    :class:`~app.updates.PageUpdate` values turned into the tuple of the event's ``outputs``.
 
     Gradio hands the request only to a positional parameter typed ``gr.Request``;
     this module's annotations are strings (no Gradio at import time), so the
     wrapper carries the signature and the real type. ``fixed`` arguments go
-    between the inputs and the request (e.g. an export format).
+    between the inputs and the request (e.g. an export format). ``outputs`` None: an
+    event that outputs nothing.
     """
     import inspect
 
     import gradio as gr
 
     n = len(names)
+
+    def shown(update: Any) -> Any:
+        return update.out(outputs) if outputs is not None else update
+
     if inspect.isgeneratorfunction(fn):
         def handler(*args: Any) -> Any:
-            yield from fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
+            for update in fn(*args[:n], *fixed, request=args[n] if len(args) > n else None):
+                yield shown(update)
     else:
         def handler(*args: Any) -> Any:
-            return fn(*args[:n], *fixed, request=args[n] if len(args) > n else None)
+            return shown(fn(*args[:n], *fixed, request=args[n] if len(args) > n else None))
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     handler.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
         [inspect.Parameter(x, kind) for x in names] + [inspect.Parameter("request", kind)]
@@ -67,7 +78,8 @@ def build_blocks(ui: WebUI) -> Any:
     """
     import gradio as gr
 
-    s = ui.settings
+    s = ui.page.settings
+    chat_h, history_h, files_h = ui.chat, ui.history, ui.files
     R = with_request  # noqa: N806 - a short local alias for the wiring below
     model_q = {"concurrency_id": "model", "concurrency_limit": 2}
     light_q = {"concurrency_limit": 8}
@@ -76,18 +88,18 @@ def build_blocks(ui: WebUI) -> Any:
         # A closed tab's state (Gradio drops it an hour after the tab closed): its session is saved
         # and parked, not forgotten, so a page that has reopened it since (a reload) resumes it
         # from its file under the same id.
-        state = gr.State(None, delete_callback=lambda sid: ui.registry.release(sid, park=True, owner=None)
+        state = gr.State(None, delete_callback=lambda sid: ui.page.registry.release(sid, park=True, owner=None)
                          if sid else None)
         # The same id in the browser's storage, read at page load: a reload reopens the session.
         # The storage key and "secret" are fixed so a restarted server still reads it; the secret
         # is sent to the page (Gradio's obfuscation, not a protection): the server trusts the
         # id no more than any other input (owner checks in every handler).
         stored = gr.BrowserState(None, storage_key="isagi-session-id", secret="isagi-session-id-v1")
-        seen = gr.State(None)  # what the page has drawn of its session (WebUI.seen), for its sync
+        seen = gr.State(None)  # what the page has drawn of its session (Page.seen), for its sync
         pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
-        status = gr.Markdown(ui.status_line(), elem_id="isagi-status")
-        timer = gr.Timer(2.0, active=not ui.holder.ready)
+        status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
+        timer = gr.Timer(2.0, active=not ui.page.holder.ready)
         sync_timer = gr.Timer(SYNC_S)
         with gr.Tabs(selected="chat") as tabs:
             with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
@@ -172,74 +184,88 @@ def build_blocks(ui: WebUI) -> Any:
                 ex_plot = gr.Plot(label="TEH per step")
                 ex_steps = gr.Markdown("", elem_id="isagi-steps")
 
-        view_out = [chat, turn, summary, map_plot, growth_plot, teh_plot]
-        turn_out = [state, chat, msg, alert, turn, summary, map_plot, growth_plot, teh_plot, status, seen]
+        # Each handler names what it changes (app.updates.PageUpdate); an event's outputs are the
+        # components of one of app.updates' output lists, in that order.
+        components = {
+            "state": state, "chat": chat, "textbox": msg, "alert": alert, "turn": turn, "summary": summary,
+            "map": map_plot, "growth": growth_plot, "teh": teh_plot, "status": status, "seen": seen,
+            "timer": timer, "stored": stored, "table": table, "chosen": chosen, "sessions_note": sessions_note,
+            "pending": pending_delete, "confirm": confirm_delete, "cancel": cancel_delete,
+            "download": download, "files_note": files_note, "tabs": tabs,
+            "ex_steps": ex_steps, "ex_plot": ex_plot, "mcb": mcb_md,
+        }
+
+        def out(names: tuple[str, ...]) -> list[Any]:
+            return [components[n] for n in names]
+
         gen_in = [max_tokens, sample, temperature, colour_by]
 
         # The input opens once the load has set the page's session: a message sent before that
         # would be undone by the load's answer (its session replaced by the one the load read).
-        demo.load(R(ui.on_load, ["sid", "colour_by"]), [stored, colour_by], [state, status, *view_out],
+        demo.load(R(chat_h.on_load, ["sid", "colour_by"], u.LOAD), [stored, colour_by], out(u.LOAD),
                   api_name=False, **light_q
                   ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
                          [msg, send], api_name=False, queue=False)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
         # registry learns which page shows it; a closed page's session is parked (unload).
-        state.change(R(ui.page_shows, ["sid"]), state, stored, api_name=False, queue=False)
-        demo.unload(R(ui.page_closed, []))
+        state.change(R(chat_h.page_shows, ["sid"], u.STORED), state, out(u.STORED), api_name=False, queue=False)
+        demo.unload(R(chat_h.page_closed, [], None))
         # Another tab of this browser may change the session: the page redraws it when it is stale.
-        sync_timer.tick(R(ui.sync, ["sid", "seen", "colour_by"]), [state, seen, colour_by], [seen, *view_out],
-                        show_progress="hidden", api_name=False, **light_q)
-        timer.tick(R(ui.on_tick, ["sid", "colour_by"]), [state, colour_by], [state, status, *view_out, timer],
+        sync_timer.tick(R(chat_h.sync, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
+                        out(u.SYNC), show_progress="hidden", api_name=False, **light_q)
+        timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
                    show_progress="hidden", api_name=False, **light_q)
-        send_fn = R(ui.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"])
+        send_fn = R(chat_h.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"], u.TURN)
         # Send and Enter are one event: a message sent while a reply streams waits in the browser
         # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
         # dropped.
-        ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], turn_out,
+        ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], out(u.TURN),
                         show_progress="minimal", api_name="send", trigger_mode="always_last", **model_q)
-        ev_regen = regen.click(R(ui.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"]),
-                               [state, *gen_in], turn_out, show_progress="minimal",
+        ev_regen = regen.click(R(chat_h.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
+                                 u.TURN),
+                               [state, *gen_in], out(u.TURN), show_progress="minimal",
                                api_name="regenerate", **model_q)
-        stop.click(R(ui.stop, ["sid", "colour_by"]), [state, colour_by],
-                   [chat, alert, turn, summary, map_plot, growth_plot, teh_plot],
+        stop.click(R(chat_h.stop, ["sid", "colour_by"], u.STOP), [state, colour_by], out(u.STOP),
                    cancels=[ev_send, ev_regen], show_progress="hidden", api_name="stop",
                    queue=False)
-        new_fn = R(ui.new_chat, ["sid", "colour_by"])
-        new.click(new_fn, [state, colour_by], [state, alert, *view_out], api_name="new_chat", **light_q)
-        chat.clear(new_fn, [state, colour_by], [state, alert, *view_out], api_name=False, **light_q)
-        colour_by.change(R(ui.recolour, ["sid", "colour_by"]), [state, colour_by], map_plot, api_name=False,
-                         **light_q)
+        new_fn = R(chat_h.new_chat, ["sid", "colour_by"], u.NEW_CHAT)
+        new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q)
+        chat.clear(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name=False, **light_q)
+        colour_by.change(R(chat_h.recolour, ["sid", "colour_by"], u.RECOLOUR), [state, colour_by],
+                         out(u.RECOLOUR), api_name=False, **light_q)
 
-        list_fn = R(ui.list_sessions, ["query"])
-        refresh.click(list_fn, query, [table, sessions_note], api_name="list_sessions", **light_q)
-        query.submit(list_fn, query, [table, sessions_note], api_name=False, **light_q)
-        def on_select(evt: Any, rows: Any) -> str:
-            return ui.select_row(evt, rows)
+        list_fn = R(history_h.list_sessions, ["query"], u.LIST)
+        refresh.click(list_fn, query, out(u.LIST), api_name="list_sessions", **light_q)
+        query.submit(list_fn, query, out(u.LIST), api_name=False, **light_q)
+        def on_select(evt: Any, rows: Any) -> tuple[Any, ...]:
+            return history_h.select_row(evt, rows).out(u.SELECT)
 
-        on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any, "return": str}
-        table.select(on_select, [table], chosen, api_name=False, **light_q)
-        resume.click(R(ui.resume, ["chosen", "sid", "colour_by"]), [chosen, state, colour_by],
-                     [state, sessions_note, *view_out, tabs, alert], api_name="resume", **light_q)
-        export_md.click(R(ui.export, ["chosen", "sid"], "markdown"), [chosen, state], [download, files_note],
+        on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any}
+        table.select(on_select, [table], out(u.SELECT), api_name=False, **light_q)
+        resume.click(R(history_h.resume, ["chosen", "sid", "colour_by"], u.RESUME), [chosen, state, colour_by],
+                     out(u.RESUME), api_name="resume", **light_q)
+        export_md.click(R(history_h.export, ["chosen", "sid"], u.FILE, "markdown"), [chosen, state], out(u.FILE),
                         api_name="export_markdown", **light_q)
-        export_js.click(R(ui.export, ["chosen", "sid"], "json"), [chosen, state], [download, files_note],
+        export_js.click(R(history_h.export, ["chosen", "sid"], u.FILE, "json"), [chosen, state], out(u.FILE),
                         api_name="export_json", **light_q)
-        delete.click(R(ui.ask_delete, ["chosen", "sid"]), [chosen, state],
-                     [pending_delete, sessions_note, confirm_delete, cancel_delete], api_name=False, **light_q)
-        confirm_delete.click(R(ui.confirm_delete, ["pending", "sid"]), [pending_delete, state],
-                             [table, sessions_note, pending_delete, confirm_delete, cancel_delete],
-                             api_name=False, **light_q)
-        cancel_delete.click(ui.cancel_delete, None, [pending_delete, sessions_note, confirm_delete, cancel_delete],
+        delete.click(R(history_h.ask_delete, ["chosen", "sid"], u.ASK_DELETE), [chosen, state],
+                     out(u.ASK_DELETE), api_name=False, **light_q)
+        confirm_delete.click(R(history_h.confirm_delete, ["pending", "sid"], u.CONFIRM_DELETE),
+                             [pending_delete, state], out(u.CONFIRM_DELETE), api_name=False, **light_q)
+        cancel_delete.click(lambda: history_h.cancel_delete().out(u.ASK_DELETE), None, out(u.ASK_DELETE),
                             api_name=False, queue=False)
-        save.click(R(ui.save_miku, ["sid"]), state, [download, files_note], api_name="save_miku", **light_q)
+        save.click(R(files_h.save_miku, ["sid"], u.FILE), state, out(u.FILE), api_name="save_miku", **light_q)
         # The box is emptied once the file is read (loaded or refused): it never shows an earlier
         # file beside a later error, and it takes the next file at once.
-        upload.upload(R(ui.load_miku, ["file", "sid", "colour_by"]), [upload, state, colour_by],
-                      [state, files_note, *view_out, table, tabs, alert], api_name="load_miku", **light_q
+        upload.upload(R(files_h.load_miku, ["file", "sid", "colour_by"], u.UPLOAD), [upload, state, colour_by],
+                      out(u.UPLOAD), api_name="load_miku", **light_q
                       ).then(lambda: None, None, upload, api_name=False, queue=False)
-        run_ex.click(ui.explore, [seed, steps, ex_tokens], [ex_steps, ex_plot, mcb_md], api_name="explore",
-                     **model_q)
+
+        def explore(seed: str, steps: float, tokens: float) -> tuple[Any, ...]:
+            return ui.explorer.run(seed, steps, tokens).out(u.EXPLORE)
+
+        run_ex.click(explore, [seed, steps, ex_tokens], out(u.EXPLORE), api_name="explore", **model_q)
         # opening the tab shows the list as it is now (wired last: earlier events keep their fn_index)
-        sessions_tab.select(list_fn, query, [table, sessions_note], api_name=False, **light_q)
+        sessions_tab.select(list_fn, query, out(u.LIST), api_name=False, **light_q)
     return demo

@@ -167,7 +167,7 @@ def create_app(
                     log.warning("%d exchange(s) could not be added to the history at shutdown; they are in "
                                 "their session files, and the next start adds them", waiting)
             if ui is not None:
-                ui.cleanup()
+                ui.page.cleanup()
             data.close()
 
     app = FastAPI(title="ISAGI", lifespan=lifespan, docs_url=None, redoc_url=None)

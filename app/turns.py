@@ -1,6 +1,6 @@
 """One turn of a live session, as every front end runs it (the page, the API).
 
-Owns what the page (:mod:`app.ui`) and the OpenAI-compatible API
+Owns what the page (:mod:`app.handlers.chat`) and the OpenAI-compatible API
 (:mod:`app.api`) share once they hold a session's lock
 (:meth:`app.sessions.SessionRegistry.using`): the entry's Stop and notice
 reset for a new turn (:func:`begin`), the engine's events of a new message or

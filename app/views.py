@@ -1,7 +1,7 @@
 """What the page shows, as pure functions of a session or of a turn's figures: the chat's
 messages, the turn panel, the badges, the manifold summary and the alert line.
 
-No Gradio and no state: the handlers (:mod:`app.ui`) call them, and tests call them directly.
+No Gradio and no state: the handlers (:mod:`app.handlers`) call them, and tests call them directly.
 Every text from outside is rendered by :func:`app.render_safe.render_text`.
 """
 

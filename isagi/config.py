@@ -48,7 +48,7 @@ class Settings:
     # Token budget of a whole prompt (system prompt, kept history, related exchange,
     # message). Prefill cost grows with the prompt: on a 2-core CPU an 8,105-token
     # prompt took 27 s per turn, ~2,000 tokens keep a turn to a few seconds. Capped
-    # at the model's context minus max_new_tokens (Engine.prompt_budget).
+    # at the model's context minus max_new_tokens (isagi.pipeline.prompts.Prompts.budget).
     prompt_token_budget: int = 2048
     # llama.cpp: when the history window drops old exchanges, reuse the previous turn's KV cache
     # with them cut out (a context shift) instead of evaluating the kept history again.

@@ -193,7 +193,7 @@ def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
     import threading
 
     from isagi.engines.hf.generation import GenerationOptions
-    from isagi.pipeline.engine import prompt_messages, prompt_tokens
+    from isagi.pipeline.prompts import prompt_messages, prompt_tokens
 
     s = default_engine.new_session(autosave=False)
     stop = threading.Event()
@@ -213,7 +213,8 @@ def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
 def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
     """Four long uploaded exchanges: the real turn's prefill stays within the budget, newest kept."""
     from isagi.engines.hf.generation import GenerationOptions
-    from isagi.pipeline.engine import Engine, prompt_messages, prompt_tokens
+    from isagi.pipeline.engine import Engine
+    from isagi.pipeline.prompts import prompt_messages, prompt_tokens
     from isagi.session.turn import Turn
 
     settings = default_engine.settings.with_overrides(prompt_token_budget=600, max_message_tokens=200)
@@ -228,7 +229,7 @@ def test_long_history_is_cut_to_the_prompt_budget(default_engine) -> None:
     r = engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=8))
     alone = prompt_tokens(engine.lm, prompt_messages(settings.system_prompt, question))
     assert alone < r.prompt_tokens <= 600, "some history, within the budget"
-    assert "Part 3:" in engine._prompt(s, "x", None)[2]["content"], "the newest exchange is the one kept"
+    assert "Part 3:" in engine.prompts.build(s, "x", None)[2]["content"], "the newest exchange is the one kept"
 
 
 def test_an_imported_research_session_resumes_and_chats_on_the_real_model(default_engine, tmp_path) -> None:

@@ -20,7 +20,7 @@ import pytest
 from app.api import ApiError, parse_api_keys, parse_request
 from app.server import create_app
 from isagi.errors import ConfigError
-from isagi.pipeline.engine import prompt_messages
+from isagi.pipeline.prompts import prompt_messages
 from storage.owners import LOCAL_OWNER
 
 openai = pytest.importorskip("openai")
@@ -133,8 +133,8 @@ def test_non_streamed_turn_is_a_session_turn_with_usage(served):
     assert isinstance(ext["teh_prompt"], float)
     # usage: the model's tokenizer's counts of the prompt it read and of the reply sent
     engine = served.engine
-    assert done.usage.prompt_tokens == engine.prompt_tokens(prompt_messages(engine.settings.system_prompt, q))
-    assert done.usage.completion_tokens == engine.count_tokens(content)
+    assert done.usage.prompt_tokens == engine.prompts.prompt_tokens(prompt_messages(engine.settings.system_prompt, q))
+    assert done.usage.completion_tokens == engine.prompts.count_tokens(content)
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
     # the turn went through the page's pipeline: alice's session, her history, her Sessions tab
     assert served.registry.holds(sid, "alice") and not served.registry.holds(sid, "bob")
@@ -170,8 +170,8 @@ def test_streamed_turn_with_usage_ends_with_one_usage_chunk(served):
     assert body[-1].choices[0].finish_reason in ("stop", "length")
     content = "".join(c.choices[0].delta.content or "" for c in body)
     engine = served.engine
-    assert last.usage.completion_tokens == engine.count_tokens(content)
-    assert last.usage.prompt_tokens == engine.prompt_tokens(prompt_messages(engine.settings.system_prompt, q))
+    assert last.usage.completion_tokens == engine.prompts.count_tokens(content)
+    assert last.usage.prompt_tokens == engine.prompts.prompt_tokens(prompt_messages(engine.settings.system_prompt, q))
 
 
 def test_sse_ends_with_done(served):

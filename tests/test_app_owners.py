@@ -28,7 +28,6 @@ from storage.history import HistoryStore
 from tests.tiny_engine import engine_for
 from tests.uploads import upload
 
-STATE, CHAT, TEXTBOX, ALERT = range(4)
 SECRET = "alice-secret-zebra"
 
 
@@ -62,19 +61,19 @@ def make_ui(tmp_path: Path, **settings_kw) -> tuple[WebUI, Engine, HistoryStore]
 @pytest.fixture
 def world(tmp_path):
     ui, engine, store = make_ui(tmp_path)
-    a = ui.registry.create("alice", "10.0.0.1")
+    a = ui.page.registry.create("alice", "10.0.0.1")
     for q in (f"{SECRET} one", f"{SECRET} two"):
-        quiet(ui.send, q, a, 4, False, 0.7, "tier", ALICE)
+        quiet(ui.chat.send, q, a, 4, False, 0.7, "tier", ALICE)
     yield ui, engine, store, a
     store.close()
 
 
 def alice_unchanged(ui: WebUI, store: HistoryStore, a: str) -> None:
-    entry = ui.registry.entry(a, "alice")
+    entry = ui.page.registry.entry(a, "alice")
     assert entry.owner == "alice" and len(entry.session.messages) == 4 and len(entry.session.memory) == 2
     assert not entry.stop.is_set()
     assert store.get_session(a, owner="alice").turns == 2
-    assert (Path(ui.settings.sessions_dir) / f"{a}.miku").is_file()
+    assert (Path(ui.page.settings.sessions_dir) / f"{a}.miku").is_file()
 
 
 def text_of(out) -> str:
@@ -90,90 +89,93 @@ def test_every_handler_answers_bob_as_for_an_unknown_id(world):
     ui, engine, store, a = world
     unknown = new_session_id()
     assert store.get_session(a, owner="alice").turns == 2
-    b = ui.registry.create("bob", "10.0.0.2")
+    b = ui.page.registry.create("bob", "10.0.0.2")
     assert b != a
     # the page state (or the browser's storage) holding alice's id: every event treats it as unknown
-    page = quiet(ui.on_load, a, "tier", BOB)
-    assert page[0] is None and SECRET not in text_of(page)  # nothing reopened, nothing made
-    assert "· 1 live session(s)" in page[1]  # bob's one, not the server's two
-    out = quiet(ui.recolour, a, "tier", BOB)
+    page = quiet(ui.chat.on_load, a, "tier", BOB)
+    assert page.state is None and SECRET not in text_of(page)  # nothing reopened, nothing made
+    assert "· 1 live session(s)" in page.status  # bob's one, not the server's two
+    out = quiet(ui.chat.recolour, a, "tier", BOB)
     assert SECRET not in text_of(out)
-    assert SECRET not in text_of(quiet(ui.view, a, "tier", "bob"))
-    regen = quiet(ui.regenerate, a, 4, False, 0.7, "tier", BOB)
-    assert "Nothing to regenerate" in regen[-1][ALERT] and SECRET not in text_of(regen)
-    stop = quiet(ui.stop, a, "tier", BOB)
+    assert SECRET not in text_of(quiet(ui.page.view, a, "tier", "bob"))
+    regen = quiet(ui.chat.regenerate, a, 4, False, 0.7, "tier", BOB)
+    assert "Nothing to regenerate" in regen[-1].alert and SECRET not in text_of(regen)
+    stop = quiet(ui.chat.stop, a, "tier", BOB)
     assert SECRET not in text_of(stop)
-    saved = quiet(ui.save_miku, a, BOB)
-    assert "no session to save" in saved[1] and SECRET not in text_of(saved)
-    new = quiet(ui.new_chat, a, "tier", BOB)
-    assert new[0] != a and a in ui.registry  # alice's session was not released
-    sent = quiet(ui.send, "bob asks", a, 4, False, 0.7, "tier", BOB)
-    bob_sid = sent[-1][STATE]
+    saved = quiet(ui.files.save_miku, a, BOB)
+    assert "no session to save" in saved.files_note and SECRET not in text_of(saved)
+    new = quiet(ui.chat.new_chat, a, "tier", BOB)
+    assert new.state != a and a in ui.page.registry  # alice's session was not released
+    sent = quiet(ui.chat.send, "bob asks", a, 4, False, 0.7, "tier", BOB)
+    bob_sid = sent[-1].state
     assert bob_sid != a and SECRET not in text_of(sent)
-    assert ui.registry.entry(bob_sid, "bob").session.messages[0]["text"] == "bob asks"
+    assert ui.page.registry.entry(bob_sid, "bob").session.messages[0]["text"] == "bob asks"
     # the chosen id of the Sessions tab, and the open session, for export, resume, delete
-    for fn, args in (
-        (ui.resume, ("tier",)),
-        (ui.export, ("markdown",)),
-        (ui.export, ("json",)),
-        (ui.delete, ()),
+    for fn, args, note in (
+        (ui.history.resume, ("tier",), "sessions_note"),
+        (ui.history.export, ("markdown",), "files_note"),
+        (ui.history.export, ("json",), "files_note"),
+        (ui.history.delete, (), "sessions_note"),
     ):
         theirs = quiet(fn, a, b, *args, request=BOB)
         none = quiet(fn, unknown, b, *args, request=BOB)
         assert SECRET not in text_of(theirs), fn.__name__
-        assert same_answer(theirs[1], none[1], a, unknown), (fn.__name__, theirs[1], none[1])
-        assert re.search(r"No session|Could not export", theirs[1]), theirs[1]
+        said, said_none = getattr(theirs, note), getattr(none, note)
+        assert same_answer(said, said_none, a, unknown), (fn.__name__, said, said_none)
+        assert re.search(r"No session|Could not export", said), said
     for fmt in ("markdown", "json"):  # nothing chosen: the open session (alice's id as the state)
-        theirs = quiet(ui.export, "", a, fmt, request=BOB)
-        assert SECRET not in text_of(theirs) and "Could not export" in theirs[1]
+        theirs = quiet(ui.history.export, "", a, fmt, request=BOB)
+        assert SECRET not in text_of(theirs) and "Could not export" in theirs.files_note
     # the sessions table and search
-    rows, note = quiet(ui.list_sessions, "", BOB)
+    listed = quiet(ui.history.list_sessions, "", BOB)
+    rows = listed.table
     assert a not in text_of(rows) and SECRET not in text_of(rows)
-    rows, note = quiet(ui.list_sessions, SECRET, BOB)
+    listed = quiet(ui.history.list_sessions, SECRET, BOB)
+    rows, note = listed.table, listed.sessions_note
     assert rows == [] and note.startswith("0 session")
     alice_unchanged(ui, store, a)
     # and alice still can do all of it
-    rows, _ = quiet(ui.list_sessions, SECRET, ALICE)
+    rows = quiet(ui.history.list_sessions, SECRET, ALICE).table
     assert [r[0] for r in rows] == [a]
-    path, note = quiet(ui.export, a, None, "markdown", request=ALICE)
+    path = quiet(ui.history.export, a, None, "markdown", request=ALICE).download
     assert SECRET in Path(path).read_text()
 
 
 def test_no_login_means_nothing_at_all(world):
     ui, engine, store, a = world
     nobody = req(None)
-    assert quiet(ui.on_load, a, "tier", nobody)[0] is None
-    assert quiet(ui.list_sessions, "", nobody)[0] == []
-    assert "Log in" in quiet(ui.export, a, a, "json", request=nobody)[1]
-    assert "No session" in quiet(ui.delete, a, a, request=nobody)[1]
-    sent = quiet(ui.send, "hi", a, 4, False, 0.7, "tier", nobody)
-    assert "Log in" in sent[-1][ALERT]
+    assert quiet(ui.chat.on_load, a, "tier", nobody).state is None
+    assert quiet(ui.history.list_sessions, "", nobody).table == []
+    assert "Log in" in quiet(ui.history.export, a, a, "json", request=nobody).files_note
+    assert "No session" in quiet(ui.history.delete, a, a, request=nobody).sessions_note
+    sent = quiet(ui.chat.send, "hi", a, 4, False, 0.7, "tier", nobody)
+    assert "Log in" in sent[-1].alert
     alice_unchanged(ui, store, a)
 
 
 def test_delete_removes_history_and_the_autosave(world):
     ui, engine, store, a = world
-    miku = Path(ui.settings.sessions_dir) / f"{a}.miku"
+    miku = Path(ui.page.settings.sessions_dir) / f"{a}.miku"
     assert miku.is_file()
-    out = quiet(ui.delete, a, None, request=ALICE)
-    assert "open in a browser" in out[1] and miku.is_file()  # live: refused, kept
-    quiet(ui.new_chat, a, "tier", ALICE)  # alice moves on: the session is saved and dropped
-    assert a not in ui.registry
-    out = quiet(ui.delete, a, None, request=ALICE)
-    assert out[1].startswith(f"Deleted session {a}") and f"{a}.miku" in out[1]
+    out = quiet(ui.history.delete, a, None, request=ALICE)
+    assert "open in a browser" in out.sessions_note and miku.is_file()  # live: refused, kept
+    quiet(ui.chat.new_chat, a, "tier", ALICE)  # alice moves on: the session is saved and dropped
+    assert a not in ui.page.registry
+    out = quiet(ui.history.delete, a, None, request=ALICE)
+    assert out.sessions_note.startswith(f"Deleted session {a}") and f"{a}.miku" in out.sessions_note
     assert not miku.exists()
     assert store.list_sessions(owner="alice") == []
-    assert "No session" in quiet(ui.resume, a, None, "tier", request=ALICE)[1]
+    assert "No session" in quiet(ui.history.resume, a, None, "tier", request=ALICE).sessions_note
 
 
 def test_resume_takes_alices_session_back_only_for_alice(world):
     ui, engine, store, a = world
-    quiet(ui.new_chat, a, "tier", ALICE)
-    out = quiet(ui.resume, a, None, "tier", request=BOB)
-    assert "No session" in out[1] and not ui.registry.holds(a, "bob")
-    out = quiet(ui.resume, a, None, "tier", request=ALICE)
-    assert out[0] == a and "Resumed" in out[1]
-    assert len(ui.registry.entry(a, "alice").session.memory) == 2
+    quiet(ui.chat.new_chat, a, "tier", ALICE)
+    out = quiet(ui.history.resume, a, None, "tier", request=BOB)
+    assert "No session" in out.sessions_note and not ui.page.registry.holds(a, "bob")
+    out = quiet(ui.history.resume, a, None, "tier", request=ALICE)
+    assert out.state == a and "Resumed" in out.sessions_note
+    assert len(ui.page.registry.entry(a, "alice").session.memory) == 2
 
 
 def test_an_invalid_message_makes_no_session(tmp_path):
@@ -183,34 +185,34 @@ def test_an_invalid_message_makes_no_session(tmp_path):
     engine.stream_turn = lambda *a, **k: calls.append(1) or real(*a, **k)
     for bad in ("", "   ", "\x00\x00", "x" * 9000):
         for _ in range(25):
-            out = quiet(ui.send, bad, None, 4)
-            assert out[-1][STATE] is None and out[-1][ALERT].startswith("⚠️")
-    assert len(ui.registry) == 0 and calls == []
+            out = quiet(ui.chat.send, bad, None, 4)
+            assert out[-1].state is None and out[-1].alert.startswith("⚠️")
+    assert len(ui.page.registry) == 0 and calls == []
     store.close()
 
 
 def test_live_session_caps_per_client_user_and_overall(tmp_path):
     ui, engine, store = make_ui(tmp_path, max_sessions_per_client=3, max_sessions=5)
     one = req("alice", "10.0.0.1")
-    sids = [ui.registry.create("alice", "10.0.0.1") for _ in range(3)]
+    sids = [ui.page.registry.create("alice", "10.0.0.1") for _ in range(3)]
     # a fourth session from the same client: the oldest empty session is reclaimed
-    fourth = ui.registry.create("alice", "10.0.0.1")
-    assert fourth and sids[0] not in ui.registry and len(ui.registry.live_ids("alice")) == 3
-    for sid in ui.registry.live_ids("alice"):  # all three in use now
-        quiet(ui.send, "hello", sid, 2, False, 0.7, "tier", one)
-    out = quiet(ui.send, "one more", None, 2, False, 0.7, "tier", one)
-    assert "Too many open chats" in out[-1][ALERT] and "ISAGI_MAX_SESSIONS_PER_CLIENT" in out[-1][ALERT]
+    fourth = ui.page.registry.create("alice", "10.0.0.1")
+    assert fourth and sids[0] not in ui.page.registry and len(ui.page.registry.live_ids("alice")) == 3
+    for sid in ui.page.registry.live_ids("alice"):  # all three in use now
+        quiet(ui.chat.send, "hello", sid, 2, False, 0.7, "tier", one)
+    out = quiet(ui.chat.send, "one more", None, 2, False, 0.7, "tier", one)
+    assert "Too many open chats" in out[-1].alert and "ISAGI_MAX_SESSIONS_PER_CLIENT" in out[-1].alert
     # the same user from another address: the per-user cap holds too
-    out = quiet(ui.send, "one more", None, 2, False, 0.7, "tier", req("alice", "10.9.9.9"))
-    assert "user alice" in out[-1][ALERT]
+    out = quiet(ui.chat.send, "one more", None, 2, False, 0.7, "tier", req("alice", "10.9.9.9"))
+    assert "user alice" in out[-1].alert
     # bob is not affected by alice's cap, but the overall cap (5) binds
-    b1 = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)[-1][STATE]
-    b2 = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)[-1][STATE]
-    assert b1 and b2 and len(ui.registry) == 5
-    out = quiet(ui.send, "hi", None, 2, False, 0.7, "tier", BOB)
-    assert "ISAGI_MAX_SESSIONS" in out[-1][ALERT] and len(ui.registry) == 5
-    page = quiet(ui.on_load, None, "tier", req("bob", "10.0.0.7"))  # a page load takes no slot
-    assert page[0] is None and "live session(s)" in page[1] and len(ui.registry) == 5
+    b1 = quiet(ui.chat.send, "hi", None, 2, False, 0.7, "tier", BOB)[-1].state
+    b2 = quiet(ui.chat.send, "hi", None, 2, False, 0.7, "tier", BOB)[-1].state
+    assert b1 and b2 and len(ui.page.registry) == 5
+    out = quiet(ui.chat.send, "hi", None, 2, False, 0.7, "tier", BOB)
+    assert "ISAGI_MAX_SESSIONS" in out[-1].alert and len(ui.page.registry) == 5
+    page = quiet(ui.chat.on_load, None, "tier", req("bob", "10.0.0.7"))  # a page load takes no slot
+    assert page.state is None and "live session(s)" in page.status and len(ui.page.registry) == 5
     store.close()
 
 
@@ -219,62 +221,62 @@ def test_a_session_made_for_a_turn_about_to_run_is_not_reclaimed_as_an_empty_cha
     lock: another request at the cap took it as an empty chat to reclaim, and the turn found
     its session gone (a 404 under `isagi bench api --sessions 8`)."""
     ui, engine, store = make_ui(tmp_path, max_sessions_per_client=2, max_sessions=5)
-    claimed = ui.registry.create("alice", "10.0.0.1", claimed=True)
-    ui.registry.create("alice", "10.0.0.1")
-    ui.registry.create("alice", "10.0.0.1")  # at the cap: the unclaimed empty one goes
-    assert claimed in ui.registry
-    in_use = ui.registry.live_ids("alice")[-1]
-    with ui.registry.using(in_use, owner="alice"), pytest.raises(SessionLimit, match="Too many open chats"):
-        ui.registry.create("alice", "10.0.0.1")  # only a claimed one and one in use left
-    with ui.registry.using(claimed, owner="alice"):  # its turn took it: an ordinary chat again
+    claimed = ui.page.registry.create("alice", "10.0.0.1", claimed=True)
+    ui.page.registry.create("alice", "10.0.0.1")
+    ui.page.registry.create("alice", "10.0.0.1")  # at the cap: the unclaimed empty one goes
+    assert claimed in ui.page.registry
+    in_use = ui.page.registry.live_ids("alice")[-1]
+    with ui.page.registry.using(in_use, owner="alice"), pytest.raises(SessionLimit, match="Too many open chats"):
+        ui.page.registry.create("alice", "10.0.0.1")  # only a claimed one and one in use left
+    with ui.page.registry.using(claimed, owner="alice"):  # its turn took it: an ordinary chat again
         pass
     for _ in range(2):  # the two empty, idle ones are reclaimed, the older first
-        ui.registry.create("alice", "10.0.0.1")
-    assert claimed not in ui.registry  # empty and idle after its turn: reclaimable as any other
+        ui.page.registry.create("alice", "10.0.0.1")
+    assert claimed not in ui.page.registry  # empty and idle after its turn: reclaimable as any other
     store.close()
 
 
 def test_download_directories_are_removed(world):
     ui, engine, store, a = world
-    path, _ = quiet(ui.export, a, None, "json", request=ALICE)
+    path = quiet(ui.history.export, a, None, "json", request=ALICE).download
     d = Path(path).parent
     assert d.name.startswith("dl-") and d.is_dir()
-    assert ui.sweep_downloads(3600) == 0 and d.is_dir()  # a fresh one stays (Gradio copies it)
+    assert ui.page.sweep_downloads(3600) == 0 and d.is_dir()  # a fresh one stays (Gradio copies it)
     old = time.time() - 120
     os.utime(d, (old, old))
-    path2, _ = quiet(ui.save_miku, a, ALICE)  # the next download sweeps the old one
+    path2 = quiet(ui.files.save_miku, a, ALICE).download  # the next download sweeps the old one
     assert not d.exists() and Path(path2).is_file()
     root = Path(path2).parent.parent
-    ui.cleanup()
+    ui.page.cleanup()
     assert not root.exists()
 
 
 def test_uploads_are_removed_once_read_and_errors_name_the_users_file(world, tmp_path):
     ui, engine, store, a = world
-    good_path, _ = quiet(ui.save_miku, a, ALICE)
+    good_path = quiet(ui.files.save_miku, a, ALICE).download
     good = Path(good_path).read_bytes()
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0xFF
     src = tmp_path / "my notes.miku"
     src.write_bytes(bytes(bad))
     up = upload(ui, src, "alice")
-    out = quiet(ui.load_miku, up, a, "tier", ALICE)
-    assert "Could not load my notes.miku" in out[1], out[1]
-    for server_path in (str(ui.uploads.root), Path(up).parent.name, str(tmp_path), "/tmp"):
-        assert server_path not in out[1]
+    out = quiet(ui.files.load_miku, up, a, "tier", ALICE)
+    assert "Could not load my notes.miku" in out.files_note, out.files_note
+    for server_path in (str(ui.page.uploads.root), Path(up).parent.name, str(tmp_path), "/tmp"):
+        assert server_path not in out.files_note
     assert not Path(up).exists() and not Path(up).parent.exists()  # the upload is gone once read
-    assert ui.uploads.waiting() == []
+    assert ui.page.uploads.waiting() == []
     src.write_bytes(good)
     up = upload(ui, src, "bob")
-    out = quiet(ui.load_miku, up, None, "tier", BOB)
-    assert "Loaded `my notes.miku`" in out[1] and not Path(up).exists()
-    loaded = ui.registry.entry(out[0], "bob")
-    assert loaded.owner == "bob" and out[0] != a  # bob's own fork, with a fresh id
+    out = quiet(ui.files.load_miku, up, None, "tier", BOB)
+    assert "Loaded `my notes.miku`" in out.files_note and not Path(up).exists()
+    loaded = ui.page.registry.entry(out.state, "bob")
+    assert loaded.owner == "bob" and out.state != a  # bob's own fork, with a fresh id
     # a file outside the upload cache (here a test's own) is neither opened nor removed
     outside = tmp_path / "keep.miku"
     outside.write_bytes(good)
-    out = quiet(ui.load_miku, str(outside), None, "tier", BOB)
-    assert NOT_YOUR_UPLOAD in out[1] and outside.exists()
+    out = quiet(ui.files.load_miku, str(outside), None, "tier", BOB)
+    assert NOT_YOUR_UPLOAD in out.files_note and outside.exists()
 
 
 def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(tmp_path):
@@ -331,9 +333,9 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
 
 def test_an_evicted_session_resumes_only_for_its_owner(tmp_path):
     ui, engine, store = make_ui(tmp_path)
-    reg = ui.registry
-    a = ui.registry.create("alice", "10.0.0.1")
-    quiet(ui.send, f"{SECRET} evicted", a, 4, False, 0.7, "tier", ALICE)
+    reg = ui.page.registry
+    a = ui.page.registry.create("alice", "10.0.0.1")
+    quiet(ui.chat.send, f"{SECRET} evicted", a, 4, False, 0.7, "tier", ALICE)
     assert reg.evict_idle(now=time.monotonic() + 10_000) == [a]
     assert a not in reg and reg.holds(a, "alice") and not reg.holds(a, "bob")
     with pytest.raises(KeyError):

@@ -75,4 +75,4 @@ def test_a_failed_load_shows_no_server_path_on_the_page_or_health(tmp_path):
         app.state.isagi_holder.wait(30)
         body = client.get("/health").json()
         assert body == {"status": "failed", "error": "Cannot read a server file: permission denied"}
-        assert str(tmp_path) not in app.state.isagi_ui.status_line()
+        assert str(tmp_path) not in app.state.isagi_ui.page.status_line()

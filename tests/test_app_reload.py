@@ -24,8 +24,6 @@ from tests.test_app_owners import ALICE, BOB, SECRET, make_ui, quiet, req
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
-STATE, CHAT = 0, 1
-LOAD_SID, LOAD_STATUS, LOAD_CHAT = 0, 1, 2
 # self-contained questions (a follow-up such as "secret one" is only answered from
 # memory in its own context: see isagi.manifold.sameness.depends_on_context)
 Q1, Q2 = f"What do volcanoes have to do with {SECRET}?", f"How do glaciers move past {SECRET}?"
@@ -33,7 +31,7 @@ Q1, Q2 = f"What do volcanoes have to do with {SECRET}?", f"How do glaciers move 
 
 def _talk(ui: WebUI, who, *texts: str, sid: str | None = None) -> str:
     for t in texts:
-        sid = quiet(ui.send, t, sid, 4, False, 0.7, "tier", who)[-1][STATE]
+        sid = quiet(ui.chat.send, t, sid, 4, False, 0.7, "tier", who)[-1].state
     assert sid
     return sid
 
@@ -53,44 +51,44 @@ def alice_world(tmp_path):
 
 def test_a_reload_shows_the_same_live_session(alice_world):
     ui, engine, store, a = alice_world
-    entry = ui.registry.entry(a, "alice")
-    n_live = len(ui.registry)
-    page = quiet(ui.on_load, a, "tier", ALICE)
-    assert page[LOAD_SID] == a
-    assert _user_texts(page[LOAD_CHAT]) == [Q1, Q2]
-    assert ui.registry.entry(a, "alice") is entry  # the same live object, not a copy
-    assert len(ui.registry) == n_live
+    entry = ui.page.registry.entry(a, "alice")
+    n_live = len(ui.page.registry)
+    page = quiet(ui.chat.on_load, a, "tier", ALICE)
+    assert page.state == a
+    assert _user_texts(page.chat) == [Q1, Q2]
+    assert ui.page.registry.entry(a, "alice") is entry  # the same live object, not a copy
+    assert len(ui.page.registry) == n_live
     # and the conversation goes on in it: the repeated question is answered from its memory
-    out = quiet(ui.send, Q1, page[LOAD_SID], 4, False, 0.7, "tier", ALICE)[-1]
-    assert out[STATE] == a and "isagi-tier-retrieve" in out[CHAT][-1]["content"]
+    out = quiet(ui.chat.send, Q1, page.state, 4, False, 0.7, "tier", ALICE)[-1]
+    assert out.state == a and "isagi-tier-retrieve" in out.chat[-1]["content"]
 
 
 def test_a_reload_after_eviction_resumes_from_the_file_under_the_same_id(alice_world):
     ui, engine, store, a = alice_world
-    cols = ui.registry.entry(a, "alice").session.memory.to_columns()
-    assert ui.registry.evict_idle(now=time.monotonic() + 10_000) == [a]
-    assert a not in ui.registry
-    page = quiet(ui.on_load, a, "tier", ALICE)
-    assert page[LOAD_SID] == a and len(_user_texts(page[LOAD_CHAT])) == 2
-    back = ui.registry.entry(a, "alice").session
+    cols = ui.page.registry.entry(a, "alice").session.memory.to_columns()
+    assert ui.page.registry.evict_idle(now=time.monotonic() + 10_000) == [a]
+    assert a not in ui.page.registry
+    page = quiet(ui.chat.on_load, a, "tier", ALICE)
+    assert page.state == a and len(_user_texts(page.chat)) == 2
+    back = ui.page.registry.entry(a, "alice").session
     np.testing.assert_array_equal(back.memory.to_columns()["query_x"], cols["query_x"])
 
 
 def test_a_reload_after_a_server_restart_reopens_the_autosave(alice_world, tmp_path):
     ui, engine, store, a = alice_world
-    before = ui.registry.entry(a, "alice").session
+    before = ui.page.registry.entry(a, "alice").session
     growth, cols = before.metric.growth, before.memory.to_columns()
-    ui.registry.save_all()
+    ui.page.registry.save_all()
     # a new server process: a new registry (nothing live, nothing parked), the same store and files
     holder = EngineHolder(engine)
-    ui2 = WebUI(holder, SessionRegistry(lambda: holder.engine, idle_s=600), ui.settings)
-    page = quiet(ui2.on_load, a, "tier", ALICE)
-    assert page[LOAD_SID] == a, "the same id, not a fork"
-    assert _user_texts(page[LOAD_CHAT]) == [Q1, Q2]
-    s = ui2.registry.entry(a, "alice").session
+    ui2 = WebUI(holder, SessionRegistry(lambda: holder.engine, idle_s=600), ui.page.settings)
+    page = quiet(ui2.chat.on_load, a, "tier", ALICE)
+    assert page.state == a, "the same id, not a fork"
+    assert _user_texts(page.chat) == [Q1, Q2]
+    s = ui2.page.registry.entry(a, "alice").session
     assert s.owner == "alice" and s.metric.growth == pytest.approx(growth)
     np.testing.assert_array_equal(s.memory.to_columns()["query_x"], cols["query_x"])
-    assert ui2.registry.live_ids() == [a]
+    assert ui2.page.registry.live_ids() == [a]
     # it autosaves to its own file again, and the history keeps counting its turns
     _talk(ui2, ALICE, "three", sid=a)
     assert store.get_session(a, owner="alice").turns == 3
@@ -99,64 +97,64 @@ def test_a_reload_after_a_server_restart_reopens_the_autosave(alice_world, tmp_p
 def test_after_new_chat_a_stale_stored_id_reopens_that_session(alice_world):
     """New chat saves and forgets the old session; a page still holding its id reopens it."""
     ui, engine, store, a = alice_world
-    new = quiet(ui.new_chat, a, "tier", ALICE)[0]
-    assert new != a and a not in ui.registry
-    page = quiet(ui.on_load, a, "tier", ALICE)
-    assert page[LOAD_SID] == a and len(_user_texts(page[LOAD_CHAT])) == 2
+    new = quiet(ui.chat.new_chat, a, "tier", ALICE).state
+    assert new != a and a not in ui.page.registry
+    page = quiet(ui.chat.on_load, a, "tier", ALICE)
+    assert page.state == a and len(_user_texts(page.chat)) == 2
 
 
 @pytest.mark.parametrize("stored", [None, "", "not an id", 42, {"sid": "x"}, "../../etc/passwd"])
 def test_no_or_junk_stored_id_opens_nothing(tmp_path, stored):
     ui, engine, store = make_ui(tmp_path, auth=None)
-    page = quiet(ui.on_load, stored, "tier", req(None))
-    assert page[LOAD_SID] is None and page[LOAD_CHAT] == [] and len(ui.registry) == 0
-    assert "live session(s)" in page[LOAD_STATUS]
+    page = quiet(ui.chat.on_load, stored, "tier", req(None))
+    assert page.state is None and page.chat == [] and len(ui.page.registry) == 0
+    assert "live session(s)" in page.status
     store.close()
 
 
 def test_an_unknown_id_opens_nothing(alice_world):
     ui, engine, store, a = alice_world
-    n = len(ui.registry)
-    page = quiet(ui.on_load, new_session_id(), "tier", ALICE)
-    assert page[LOAD_SID] is None and page[LOAD_CHAT] == [] and len(ui.registry) == n
+    n = len(ui.page.registry)
+    page = quiet(ui.chat.on_load, new_session_id(), "tier", ALICE)
+    assert page.state is None and page.chat == [] and len(ui.page.registry) == n
 
 
 @pytest.mark.parametrize("where", ["live", "parked", "file only"])
 def test_another_owners_stored_id_opens_nothing_of_theirs(alice_world, where):
     ui, engine, store, a = alice_world
     if where == "parked":
-        ui.registry.evict_idle(now=time.monotonic() + 10_000)
+        ui.page.registry.evict_idle(now=time.monotonic() + 10_000)
     elif where == "file only":
-        ui.registry.release(a, owner="alice")
-    page = quiet(ui.on_load, a, "tier", BOB)
-    assert page[LOAD_SID] is None and SECRET not in repr(page)
-    assert not ui.registry.holds(a, "bob") and ui.registry.live_ids("bob") == []
-    assert (a in ui.registry) == (where == "live")  # nothing of alice's was loaded for bob
+        ui.page.registry.release(a, owner="alice")
+    page = quiet(ui.chat.on_load, a, "tier", BOB)
+    assert page.state is None and SECRET not in repr(page)
+    assert not ui.page.registry.holds(a, "bob") and ui.page.registry.live_ids("bob") == []
+    assert (a in ui.page.registry) == (where == "live")  # nothing of alice's was loaded for bob
     # alice's own reload still gets it
-    assert quiet(ui.on_load, a, "tier", ALICE)[LOAD_SID] == a
+    assert quiet(ui.chat.on_load, a, "tier", ALICE).state == a
 
 
 def test_resume_of_ones_own_live_session_switches_to_it(alice_world):
     ui, engine, store, a = alice_world
     other_tab = _talk(ui, ALICE, "another tab")  # alice's second tab, with a session of its own
-    live_before = set(ui.registry.live_ids("alice"))
-    entry = ui.registry.entry(a, "alice")
-    out = quiet(ui.resume, a, other_tab, "tier", request=ALICE)
-    assert out[0] == a and "Resumed" in out[1] and "copy" not in out[1]
-    assert _user_texts(out[2]) == [Q1, Q2]
-    assert ui.registry.entry(a, "alice") is entry  # the live one, not a copy
-    assert set(ui.registry.live_ids("alice")) == live_before - {other_tab}  # no new session
+    live_before = set(ui.page.registry.live_ids("alice"))
+    entry = ui.page.registry.entry(a, "alice")
+    out = quiet(ui.history.resume, a, other_tab, "tier", request=ALICE)
+    assert out.state == a and "Resumed" in out.sessions_note and "copy" not in out.sessions_note
+    assert _user_texts(out.chat) == [Q1, Q2]
+    assert ui.page.registry.entry(a, "alice") is entry  # the live one, not a copy
+    assert set(ui.page.registry.live_ids("alice")) == live_before - {other_tab}  # no new session
     assert [s.id for s in store.list_sessions(owner="alice")].count(a) == 1
     # bob cannot switch to it
-    out = quiet(ui.resume, a, None, "tier", request=BOB)
-    assert "No session" in out[1] and SECRET not in repr(out) and not ui.registry.holds(a, "bob")
+    out = quiet(ui.history.resume, a, None, "tier", request=BOB)
+    assert "No session" in out.sessions_note and SECRET not in repr(out) and not ui.page.registry.holds(a, "bob")
 
 
 def test_resume_of_ones_own_parked_session_keeps_its_id(alice_world):
     ui, engine, store, a = alice_world
-    ui.registry.evict_idle(now=time.monotonic() + 10_000)
-    out = quiet(ui.resume, a, None, "tier", request=ALICE)
-    assert out[0] == a and len(_user_texts(out[2])) == 2 and ui.registry.live_ids("alice") == [a]
+    ui.page.registry.evict_idle(now=time.monotonic() + 10_000)
+    out = quiet(ui.history.resume, a, None, "tier", request=ALICE)
+    assert out.state == a and len(_user_texts(out.chat)) == 2 and ui.page.registry.live_ids("alice") == [a]
 
 
 def test_reopen_keeps_a_session_already_live_and_refuses_another_owners(tmp_path):
@@ -175,15 +173,15 @@ def test_a_rejected_upload_does_not_still_say_loaded(tmp_path):
     ui, engine, store = make_ui(tmp_path, auth=None)
     me = req(None)
     sid = _talk(ui, me, "alpha")
-    path, _ = quiet(ui.save_miku, sid, me)
-    good = quiet(ui.load_miku, upload(ui, path), sid, "tier", me)
-    assert good[1].startswith("Loaded")
+    path = quiet(ui.files.save_miku, sid, me).download
+    good = quiet(ui.files.load_miku, upload(ui, path), sid, "tier", me)
+    assert good.files_note.startswith("Loaded")
     bad = tmp_path / "broken.miku"
     bad.write_bytes(b"not a miku file at all")
-    out = quiet(ui.load_miku, upload(ui, bad), good[0], "tier", me)
-    note = out[1]
+    out = quiet(ui.files.load_miku, upload(ui, bad), good.state, "tier", me)
+    note = out.files_note
     assert "Could not load broken.miku" in note and "Loaded" not in note
-    assert out[0] == good[0]  # the open session is unchanged
+    assert out.state == good.state  # the open session is unchanged
     store.close()
 
 
@@ -215,11 +213,11 @@ def test_two_tabs_of_one_browser_share_the_session_and_new_chat_in_one_loses_not
     New chat (or an upload, or Resume) in one tab parks the old session, so the other
     tab, still on it, goes on in it (same id, all its messages) instead of a new one."""
     ui, engine, store, a = alice_world
-    tab2 = quiet(ui.on_load, a, "tier", ALICE)[LOAD_SID]
+    tab2 = quiet(ui.chat.on_load, a, "tier", ALICE).state
     assert tab2 == a
-    b = quiet(ui.new_chat, a, "tier", ALICE)[0]
-    assert b != a and ui.registry.holds(a, "alice")
-    out = quiet(ui.send, "tab one goes on", a, 4, False, 0.7, "tier", ALICE)[-1]  # tab 1, still on a
-    assert out[STATE] == a
-    assert _user_texts(out[CHAT]) == [Q1, Q2, "tab one goes on"]
+    b = quiet(ui.chat.new_chat, a, "tier", ALICE).state
+    assert b != a and ui.page.registry.holds(a, "alice")
+    out = quiet(ui.chat.send, "tab one goes on", a, 4, False, 0.7, "tier", ALICE)[-1]  # tab 1, still on a
+    assert out.state == a
+    assert _user_texts(out.chat) == [Q1, Q2, "tab one goes on"]
     assert store.get_session(a, owner="alice").turns == 3

@@ -15,13 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import app.ui
+import app.handlers.chat
+import app.handlers.page
 import app.views
 from app import plots
 from app.loader import EngineHolder
 from app.render_safe import render_text
 from app.sessions import SessionRegistry
 from app.ui import WebUI
+from app.updates import KEEP
 from app.views import chat_messages, info_html
 from isagi.pipeline.engine import Engine
 from isagi.session.files import load_session
@@ -29,8 +31,6 @@ from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
 # send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh, status)
-STATE, CHAT, TEXTBOX, ALERT, TURN, SUMMARY, MAP = range(7)
-STATUS = 9
 
 
 def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, Engine]:
@@ -42,9 +42,9 @@ def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, Engine]:
 
 def counts(ui: WebUI, sid: str) -> tuple[int, int, int]:
     """(turns in the live session, exchanges in the history store, turns in the autosaved file)."""
-    session = ui.registry.entry(sid).session
-    stored = ui.engine.store.get_session(sid, owner="local").turns
-    in_file = len(load_session(ui.engine.frame, session.miku_path).turns)
+    session = ui.page.registry.entry(sid).session
+    stored = ui.page.engine.store.get_session(sid, owner="local").turns
+    in_file = len(load_session(ui.page.engine.frame, session.miku_path).turns)
     return len(session.turns), stored, in_file
 
 
@@ -66,62 +66,62 @@ def ui(tmp_path):
 
 
 def test_reply_streams_and_gets_a_badge(ui, monkeypatch):
-    monkeypatch.setattr(app.ui, "STREAM_INTERVAL_S", 0.0)  # every token is a display update
-    sid = ui.registry.create()
-    outs = run(ui.send("tell me something", sid, 8))
-    chats = [o[CHAT] for o in outs if isinstance(o[CHAT], list)]
+    monkeypatch.setattr(app.handlers.chat, "STREAM_INTERVAL_S", 0.0)  # every token is a display update
+    sid = ui.page.registry.create()
+    outs = run(ui.chat.send("tell me something", sid, 8))
+    chats = [o.chat for o in outs if isinstance(o.chat, list)]
     replies = [c[-2]["content"] for c in chats if len(c) >= 3 and c[-2]["role"] == "assistant"]
     assert len(replies) >= 2, "the reply must arrive in several updates"
     final = outs[-1]
-    assert badges(final[CHAT]) == ["explore"]
-    assert final[TEXTBOX] is not None
-    assert "Trajectories: **1**" in final[SUMMARY]
-    assert "EXPLORE" in final[TURN]
+    assert badges(final.chat) == ["explore"]
+    assert outs[0].textbox == "" and KEEP is final.textbox, "Send empties the box once, as the message shows"
+    assert "Trajectories: **1**" in final.summary
+    assert "EXPLORE" in final.turn
     # the stored text stays raw; every streamed update is that text's growing prefix through the
     # same rendering as the finished reply (render_text); the info line is display only
-    s = ui.registry.entry(sid).session
+    s = ui.page.registry.entry(sid).session
     text = s.turns[-1].reply_text
     lengths = [next(k for k in range(len(text) + 1) if render_text(text[:k]) == r) for r in replies]
-    assert lengths == sorted(lengths) and replies[-1] == render_text(text) == final[CHAT][-2]["content"]
+    assert lengths == sorted(lengths) and replies[-1] == render_text(text) == final.chat[-2]["content"]
     assert s.turns[-1].new_tokens == 8
     assert s.turns[-1].tier == "EXPLORE" and s.turns[-1].verdict == "ok"
     assert counts(ui, sid) == (1, 1, 1)
 
 
 def test_same_question_retrieves_but_never_across_browsers(ui):
-    a = ui.registry.create()
-    b = ui.registry.create()
+    a = ui.page.registry.create()
+    b = ui.page.registry.create()
     assert a != b
-    first = run(ui.send("what is the capital of France?", a, 8))[-1]
-    again = run(ui.send("what is the capital of France?", a, 8))[-1]
-    assert badges(again[CHAT])[-1] == "retrieve"
-    s = ui.registry.entry(a).session
+    first = run(ui.chat.send("what is the capital of France?", a, 8))[-1]
+    again = run(ui.chat.send("what is the capital of France?", a, 8))[-1]
+    assert badges(again.chat)[-1] == "retrieve"
+    s = ui.page.registry.entry(a).session
     assert s.turns[1].reply_text == s.turns[0].reply_text and s.turns[1].new_tokens == 0
-    assert "RETRIEVE" in again[TURN] and "EXPLORE" in first[TURN]
-    other = run(ui.send("what is the capital of France?", b, 8))[-1]
-    assert badges(other[CHAT]) == ["explore"], "browser b must not see a's memory"
-    assert len(ui.registry.entry(b).session.memory) == 1
+    assert "RETRIEVE" in again.turn and "EXPLORE" in first.turn
+    other = run(ui.chat.send("what is the capital of France?", b, 8))[-1]
+    assert badges(other.chat) == ["explore"], "browser b must not see a's memory"
+    assert len(ui.page.registry.entry(b).session.memory) == 1
 
 
 @pytest.mark.parametrize("message, needle", [("   ", "empty"), ("x" * 9000, "8,000")])
 def test_bad_input_is_explained_and_runs_nothing(tmp_path, message, needle):
     ui, engine = make_ui(tmp_path)
-    sid = ui.registry.create()
-    outs = run(ui.send(message, sid, 8))
-    assert len(outs) == 1 and needle in outs[0][ALERT]
-    assert ui.registry.entry(sid).session.turns == []
-    assert engine.store.list_sessions(owner="local") == [] and not ui.registry.entry(sid).session.miku_path.exists()
+    sid = ui.page.registry.create()
+    outs = run(ui.chat.send(message, sid, 8))
+    assert len(outs) == 1 and needle in outs[0].alert
+    assert ui.page.registry.entry(sid).session.turns == []
+    assert engine.store.list_sessions(owner="local") == [] and not ui.page.registry.entry(sid).session.miku_path.exists()
 
 
 def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
     """Stop's cancel closes the handler: the engine must end, release its lock and record the turn."""
     ui, engine = make_ui(tmp_path)
-    sid = ui.registry.create()
-    gen = ui.send("long answer please", sid, 500)
+    sid = ui.page.registry.create()
+    gen = ui.chat.send("long answer please", sid, 500)
     for _ in range(3):
         next(gen)
     gen.close()
-    entry = ui.registry.entry(sid)
+    entry = ui.page.registry.entry(sid)
     assert not entry.lock.locked() and not engine.generation_lock.locked()
     last = entry.session.turns[-1]
     assert last.verdict == "cancelled" and last.new_tokens < 500
@@ -131,71 +131,72 @@ def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
 
 def test_stop_button_ends_generation_and_shows_it(tmp_path):
     ui, engine = make_ui(tmp_path)
-    sid = ui.registry.create()
+    sid = ui.page.registry.create()
     outs: list = []
-    t = threading.Thread(target=lambda: outs.extend(run(ui.send("go on and on", sid, 100000))))
+    t = threading.Thread(target=lambda: outs.extend(run(ui.chat.send("go on and on", sid, 100000))))
     t.start()
-    entry = ui.registry.entry(sid)
+    entry = ui.page.registry.entry(sid)
     while not engine.generation_lock.locked():
         pass
-    stopped = ui.stop(sid)
+    stopped = ui.chat.stop(sid)
     t.join(30)
     assert not t.is_alive()
     assert entry.session.turns[-1].verdict == "cancelled"
     assert entry.session.turns[-1].new_tokens < 100000
-    assert "cancelled" in badges(stopped[0])
-    assert "stopped" in outs[-1][ALERT].lower()
+    assert "cancelled" in badges(stopped.chat)
+    assert "stopped" in outs[-1].alert.lower()
     # the engine is free again: the next turn runs, and the stopped reply is not in its prompt
     stopped_text = entry.session.turns[-1].reply_text
     prompts = []
-    real = Engine._prompt_messages
-    engine._prompt_messages = lambda text, related, history: prompts.append(history) or real(engine, text, related, history)
-    assert badges(run(ui.send("What is 3 times 4?", sid, 4))[-1][CHAT])[-1] == "explore"
+    real = engine.prompts.messages
+    engine.prompts.messages = lambda text, related, history: prompts.append(history) or real(text, related, history)
+    assert badges(run(ui.chat.send("What is 3 times 4?", sid, 4))[-1].chat)[-1] == "explore"
     assert prompts and all(h == [] for h in prompts), "the cancelled turn never enters a prompt"
     assert stopped_text and entry.session.turns[-1].verdict == "ok"
 
 
 def test_regenerate_replaces_the_last_turn_everywhere(ui):
-    sid = ui.registry.create()
-    run(ui.send("What is the boiling point of water?", sid, 4))
-    run(ui.send("Name three primary colours.", sid, 6))
-    s = ui.registry.entry(sid).session
+    sid = ui.page.registry.create()
+    run(ui.chat.send("What is the boiling point of water?", sid, 4))
+    run(ui.chat.send("Name three primary colours.", sid, 6))
+    s = ui.page.registry.entry(sid).session
     growth_before = s.metric.growth
     replaced = s.turns[-1]
-    out = run(ui.regenerate(sid, 6))[-1]
-    s = ui.registry.entry(sid).session
+    out = run(ui.chat.regenerate(sid, 6))[-1]
+    s = ui.page.registry.entry(sid).session
     assert [t.user_text for t in s.turns] == ["What is the boiling point of water?", "Name three primary colours."]
     assert s.turns[-1] is not replaced and s.turns[-1].verdict == "ok"
     assert len(s.memory) == 2, "the undone turn's trajectory must not stay twice"
     assert s.metric.growth == pytest.approx(growth_before)
-    assert badges(out[CHAT])[-1] != "retrieve"
+    assert badges(out.chat)[-1] != "retrieve"
     # history turns == chat turns == file turns, and the store holds the new reply, not the old one
     assert counts(ui, sid) == (2, 2, 2)
-    rows = ui.engine.store.get_turns(sid, owner="local")
+    rows = ui.page.engine.store.get_turns(sid, owner="local")
     assert [r.seq for r in rows] == [0, 1, 2, 3]
     assert rows[-1].text == s.turns[-1].reply_text and rows[-2].text == "Name three primary colours."
-    table, _ = ui.list_sessions("")
+    table = ui.history.list_sessions("").table
     assert [(r[0], r[2]) for r in table] == [(sid, 2)], "the Sessions tab counts the chat's turns"
     # and again: still two
-    run(ui.regenerate(sid, 6))
+    run(ui.chat.regenerate(sid, 6))
     assert counts(ui, sid) == (2, 2, 2)
 
 
 def test_regenerate_without_a_turn_warns(ui):
-    sid = ui.registry.create()
-    out = run(ui.regenerate(sid, 4))
-    assert len(out) == 1 and "Nothing to regenerate" in out[0][ALERT]
+    sid = ui.page.registry.create()
+    out = run(ui.chat.regenerate(sid, 4))
+    assert len(out) == 1 and "Nothing to regenerate" in out[0].alert
 
 
 def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
-    sid = ui.registry.create()
+    sid = ui.page.registry.create()
     for q in ("How do plants make food?", "What is the boiling point of water?", "Name three primary colours."):
-        run(ui.send(q, sid, 4))
-    path, note = ui.save_miku(sid)
+        run(ui.chat.send(q, sid, 4))
+    saved = ui.files.save_miku(sid)
+    path, note = saved.download, saved.files_note
     assert Path(path).exists() and "3 trajectories and 3 turns" in note
-    one = ui.registry.create()
-    run(ui.send("How do plants make food?", one, 4))
-    assert "Saved 1 trajectory and 1 turn to" in ui.save_miku(one)[1]
+    one = ui.page.registry.create()
+    run(ui.chat.send("How do plants make food?", one, 4))
+    assert "Saved 1 trajectory and 1 turn to" in ui.files.save_miku(one).files_note
     # a corrupted upload: an error, the open session untouched
     bad = tmp_path / "bad.miku"
     data = bytearray(Path(path).read_bytes())
@@ -203,37 +204,37 @@ def test_save_load_round_trip_and_corrupted_upload(ui, tmp_path):
     bad.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = ui.load_miku(upload(ui, bad), sid)
-    assert out[0] == sid and "Could not load bad.miku" in out[1]
-    assert len(ui.registry.entry(sid).session.memory) == 3
+        out = ui.files.load_miku(upload(ui, bad), sid)
+    assert out.state == sid and "Could not load bad.miku" in out.files_note
+    assert len(ui.page.registry.entry(sid).session.memory) == 3
     # a fresh browser loads the good file: same trajectories, its own id
-    other = ui.registry.create()
+    other = ui.page.registry.create()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = ui.load_miku(path, other)
-    assert out[0] == other and "not one you uploaded" in out[1], "a download is not an upload"
+        out = ui.files.load_miku(path, other)
+    assert out.state == other and "not one you uploaded" in out.files_note, "a download is not an upload"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = ui.load_miku(upload(ui, path), other)
-    new = out[0]
+        out = ui.files.load_miku(upload(ui, path), other)
+    new = out.state
     assert new not in (sid, other)
-    loaded = ui.registry.entry(new).session
-    orig = ui.registry.entry(sid).session
+    loaded = ui.page.registry.entry(new).session
+    orig = ui.page.registry.entry(sid).session
     assert loaded is not orig
     np.testing.assert_array_equal(loaded.memory.to_columns()["query_x"], orig.memory.to_columns()["query_x"])
-    assert "Trajectories: **3**" in out[4]
-    assert f"prompt {orig.turns[-1].prompt_tokens}, reply {orig.turns[-1].new_tokens}" in out[3], "the Turn panel after a load"
+    assert "Trajectories: **3**" in out.summary
+    assert f"prompt {orig.turns[-1].prompt_tokens}, reply {orig.turns[-1].new_tokens}" in out.turn, "the Turn panel after a load"
     assert loaded.turns == orig.turns, "every field of every turn survives the upload"
-    assert badges(run(ui.send("What is the boiling point of water?", new, 4))[-1][CHAT])[-1] == "retrieve"
+    assert badges(run(ui.chat.send("What is the boiling point of water?", new, 4))[-1].chat)[-1] == "retrieve"
 
 
 def test_new_chat_starts_empty_and_saves_the_old(ui):
-    sid = ui.registry.create()
-    run(ui.send("remember me", sid, 4))
-    path = ui.registry.entry(sid).session.miku_path
-    new = ui.new_chat(sid)[0]
+    sid = ui.page.registry.create()
+    run(ui.chat.send("remember me", sid, 4))
+    path = ui.page.registry.entry(sid).session.miku_path
+    new = ui.chat.new_chat(sid).state
     assert new != sid and path.exists()
-    assert ui.registry.entry(new).session.turns == []
+    assert ui.page.registry.entry(new).session.turns == []
 
 
 def test_loading_engine_is_reported_not_crashed(tmp_path):
@@ -243,16 +244,16 @@ def test_loading_engine_is_reported_not_crashed(tmp_path):
     reg = SessionRegistry(lambda: holder.engine)
     ui = WebUI(holder, reg, settings)
     holder.start()
-    out = run(ui.send("hello", None, 4))
-    assert "Loading the model" in out[0][ALERT]
-    assert "converting" in ui.status_line()
+    out = run(ui.chat.send("hello", None, 4))
+    assert "Loading the model" in out[0].alert
+    assert "converting" in ui.page.status_line()
     gate.set()
     assert holder.wait(30)
-    assert ui.on_load(None)[0] is None  # a page load makes no session: the first message does
-    assert "0 live session(s)" in ui.status_line()
-    out = run(ui.send("hello", None, 4))[-1]
-    assert out[STATE] in ui.registry and badges(out[CHAT]) == ["explore"]
-    assert "1 live session(s)" in out[STATUS]  # the banner counts the session the message made
+    assert ui.chat.on_load(None).state is None  # a page load makes no session: the first message does
+    assert "0 live session(s)" in ui.page.status_line()
+    out = run(ui.chat.send("hello", None, 4))[-1]
+    assert out.state in ui.page.registry and badges(out.chat) == ["explore"]
+    assert "1 live session(s)" in out.status  # the banner counts the session the message made
 
 
 def test_info_line_and_chat_messages():
@@ -293,9 +294,9 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
     """An unexpected error mid-stream (a bug, not bad input) ends with a warning and the
     session as it was before the turn — never a reply stuck at "generating…"."""
     ui, engine = make_ui(tmp_path)
-    sid = ui.registry.create()
-    run(ui.send("What is the boiling point of water?", sid, 8))
-    session = ui.registry.entry(sid).session
+    sid = ui.page.registry.create()
+    run(ui.chat.send("What is the boiling point of water?", sid, 8))
+    session = ui.page.registry.entry(sid).session
     before = (len(session.turns), len(session.memory), session.metric.growth)
     real = engine.stream_turn
 
@@ -309,22 +310,22 @@ def test_a_turn_that_crashes_is_reported_and_the_session_kept(tmp_path):
             events.close()  # as a real failure would: the engine's lock is released
 
     engine.stream_turn = crashing
-    outs = run(ui.send("How do plants make food?", sid, 8))
+    outs = run(ui.chat.send("How do plants make food?", sid, 8))
     final = outs[-1]
-    assert "This turn failed" in final[ALERT] and "simulated failure" in final[ALERT]
-    assert not any("generating" in m["content"] for m in final[CHAT])
+    assert "This turn failed" in final.alert and "simulated failure" in final.alert
+    assert not any("generating" in m["content"] for m in final.chat)
     assert (len(session.turns), len(session.memory), session.metric.growth) == before
     engine.stream_turn = real
-    after = run(ui.send("Name three primary colours.", sid, 8))[-1]
-    assert badges(after[CHAT])[-1] in ("augment", "expand", "explore"), "the session keeps working after the failure"
+    after = run(ui.chat.send("Name three primary colours.", sid, 8))[-1]
+    assert badges(after.chat)[-1] in ("augment", "expand", "explore"), "the session keeps working after the failure"
 
 
 def test_a_regenerate_that_crashes_keeps_the_turn_it_was_to_replace(tmp_path):
     ui, engine = make_ui(tmp_path)
-    sid = ui.registry.create()
-    run(ui.send("What is the boiling point of water?", sid, 4))
-    run(ui.send("How do plants make food?", sid, 4))
-    session = ui.registry.entry(sid).session
+    sid = ui.page.registry.create()
+    run(ui.chat.send("What is the boiling point of water?", sid, 4))
+    run(ui.chat.send("How do plants make food?", sid, 4))
+    session = ui.page.registry.entry(sid).session
     before = (list(session.turns), len(session.memory), session.metric.growth)
     real = engine.stream_turn
 
@@ -337,12 +338,12 @@ def test_a_regenerate_that_crashes_keeps_the_turn_it_was_to_replace(tmp_path):
             events.close()
 
     engine.stream_turn = crashing
-    final = run(ui.regenerate(sid, 4))[-1]
-    assert "This turn failed" in final[ALERT]
+    final = run(ui.chat.regenerate(sid, 4))[-1]
+    assert "This turn failed" in final.alert
     assert (session.turns, len(session.memory), session.metric.growth) == before
     assert counts(ui, sid) == (2, 2, 2)
     engine.stream_turn = real
-    run(ui.regenerate(sid, 4))  # the undo is still there: Regenerate works afterwards
+    run(ui.chat.regenerate(sid, 4))  # the undo is still there: Regenerate works afterwards
     assert counts(ui, sid) == (2, 2, 2) and session.turns[-1] is not before[0][-1]
 
 
@@ -350,21 +351,21 @@ def test_a_long_sessions_page_updates_stay_bounded(ui, monkeypatch):
     """Every update of a turn in a session longer than the windows renders the chat's newest
     CHAT_WINDOW_TURNS turns (and a line counting the others) and plots the newest
     PLOT_WINDOW_TURNS turns under their own numbers, not the whole session."""
-    monkeypatch.setattr(app.ui, "PLOT_WINDOW_TURNS", 20)
+    monkeypatch.setattr(app.handlers.page, "PLOT_WINDOW_TURNS", 20)
     window = app.views.CHAT_WINDOW_TURNS
-    sid = ui.registry.create()
-    run(ui.send("What is the boiling point of water?", sid, 4))
-    session = ui.registry.entry(sid).session
+    sid = ui.page.registry.create()
+    run(ui.chat.send("What is the boiling point of water?", sid, 4))
+    session = ui.page.registry.entry(sid).session
     session.turns[:] = session.turns * (window + 50)
-    out = run(ui.send("Name three primary colours.", sid, 4))
-    chats = [o[CHAT] for o in out if isinstance(o[CHAT], list)]
+    out = run(ui.chat.send("Name three primary colours.", sid, 4))
+    chats = [o.chat for o in out if isinstance(o.chat, list)]
     assert len(chats) >= 2
     # each turn is a user message, a reply and its info line; the note and the pending turn besides
     assert all(len(c) <= 3 * window + 1 + 3 for c in chats)
-    final = out[-1][CHAT]
+    final = out[-1].chat
     assert final[0]["role"] == "assistant" and "51 earlier exchanges" in final[0]["content"]
     assert "Name three primary colours." in final[-3]["content"]
-    growth = out[-1][7]
+    growth = out[-1].growth
     xs = [x for trace in growth.data for x in trace.x]
     total = len(session.turns)
     assert total == window + 51 and min(xs) == total - 20 + 1 and max(xs) == total

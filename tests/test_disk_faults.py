@@ -35,7 +35,6 @@ from storage.miku import read_miku
 from tests.tiny_engine import tiny_engine, tiny_settings
 
 ROOT = Path(__file__).resolve().parents[1]
-ALERT = 3  # send() yields (state, chat, textbox, alert, ...)
 
 
 @contextlib.contextmanager
@@ -104,7 +103,7 @@ def file_texts(path: Path) -> list[str]:
 
 
 def history_texts(ui: WebUI, sid: str) -> list[str]:
-    return [r.text for r in ui.engine.store.get_turns(sid, owner="local") if r.role == "user"]
+    return [r.text for r in ui.page.engine.store.get_turns(sid, owner="local") if r.role == "user"]
 
 
 def assert_public_line(alert: str, *server_strings: str) -> None:
@@ -122,27 +121,28 @@ def test_a_full_disk_loses_nothing_and_tells_the_browser_plainly(tmp_path):
     with tmpfs(tmp_path / "home") as home:
         ui = make_ui(home)
         disk = Filler(home)
-        sid = ui.registry.create()
-        run(ui.send("first question", sid, 4))
+        sid = ui.page.registry.create()
+        run(ui.chat.send("first question", sid, 4))
         disk.fill()
-        updates = run(ui.send("second question", sid, 4))
-        alert = updates[-1][ALERT]
-        assert_public_line(alert, str(home), ui.settings.resolved_database_url)
+        updates = run(ui.chat.send("second question", sid, 4))
+        alert = updates[-1].alert
+        assert_public_line(alert, str(home), ui.page.settings.resolved_database_url)
         assert "next message" in alert
-        session = ui.registry.entry(sid).session
+        session = ui.page.registry.entry(sid).session
         assert [t.user_text for t in session.turns] == ["first question", "second question"]  # shown and kept
         assert file_texts(session.miku_path) == ["first question"] == history_texts(ui, sid)
         # New chat on the full disk: no unhandled error, the old chat stays in memory
-        new, note, *_ = quiet(ui.new_chat, sid)
-        assert new and new != sid and sid in ui.registry
+        fresh = quiet(ui.chat.new_chat, sid)
+        new, note = fresh.state, fresh.alert
+        assert new and new != sid and sid in ui.page.registry
         assert_public_line(note, str(home))
         # the user can still take the whole chat away: downloads are made outside the data directory
-        _, saved = quiet(ui.save_miku, sid)
+        saved = quiet(ui.files.save_miku, sid).files_note
         assert saved.startswith("Saved 2 trajectories and 2 turns"), saved
         disk.free()
-        assert ui.registry.save_all() == 1  # e.g. at shutdown: the file, then its history
+        assert ui.page.registry.save_all() == 1  # e.g. at shutdown: the file, then its history
         assert file_texts(session.miku_path) == ["first question", "second question"] == history_texts(ui, sid)
-        ui.engine.store.close()
+        ui.page.engine.store.close()
 
 
 def test_turns_made_while_the_database_was_full_reach_the_history(tmp_path):
@@ -153,28 +153,28 @@ def test_turns_made_while_the_database_was_full_reach_the_history(tmp_path):
         url = f"sqlite:///{db / 'history.sqlite3'}"
         ui = make_ui(tmp_path / "home", database_url=url)
         disk = Filler(db)
-        sid = ui.registry.create()
-        run(ui.send("one", sid, 4))
+        sid = ui.page.registry.create()
+        run(ui.chat.send("one", sid, 4))
         disk.fill()
-        alert = run(ui.send("two", sid, 4))[-1][ALERT]
+        alert = run(ui.chat.send("two", sid, 4))[-1].alert
         assert_public_line(alert, url, str(db))
         assert "history could not record" in alert
-        path = ui.registry.entry(sid).session.miku_path
+        path = ui.page.registry.entry(sid).session.miku_path
         assert file_texts(path) == ["one", "two"] and history_texts(ui, sid) == ["one"]
         disk.free()
-        assert run(ui.send("three", sid, 4))[-1][ALERT] == ""  # all recorded: nothing to say
+        assert run(ui.chat.send("three", sid, 4))[-1].alert == ""  # all recorded: nothing to say
         assert history_texts(ui, sid) == ["one", "two", "three"] == file_texts(path)
         disk.fill()
-        run(ui.send("four", sid, 4))
+        run(ui.chat.send("four", sid, 4))
         assert history_texts(ui, sid) == ["one", "two", "three"]
-        ui.engine.store.close()  # the server dies here, with "four" only in the file
+        ui.page.engine.store.close()  # the server dies here, with "four" only in the file
         disk.free()
-        data = open_data_dir(ui.settings)  # the next start
+        data = open_data_dir(ui.page.settings)  # the next start
         data.close()
         assert data.repair.added == {sid: 1}
         ui2 = make_ui(tmp_path / "home", database_url=url)
         assert history_texts(ui2, sid) == ["one", "two", "three", "four"] == file_texts(path)
-        ui2.engine.store.close()
+        ui2.page.engine.store.close()
 
 
 def _free_port() -> int:

@@ -295,7 +295,7 @@ def test_the_web_panel_and_the_cli_give_the_same_teh_for_the_same_seed(tmp_path,
 
     monkeypatch.setattr(explore_mod, "explore", recorded)
     monkeypatch.setattr(cli, "_engine", lambda settings, with_store=True: engine)
-    table, _figure, _mcb = ui.explore("the ocean", 2, 40)  # 40 new tokens: the CLI's default
+    table = ui.explorer.run("the ocean", 2, 40).ex_steps  # 40 new tokens: the CLI's default
     out = CliRunner().invoke(cli.app, ["explore", "the ocean", "--steps", "2", "--json", "--home", str(tmp_path / "c")])
     assert out.exit_code == 0, out.output
     cli_steps = json.loads(out.stdout)["steps"]

@@ -35,7 +35,6 @@ from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
 # send()/regenerate() yield (state, chat, textbox, alert, turn, summary, map, growth, teh, status, seen)
-STATE, CHAT, TEXTBOX, ALERT = range(4)
 QUESTION = "What is the boiling point of water?"
 
 
@@ -59,12 +58,12 @@ def make_ui(tmp_path: Path) -> WebUI:
 
 def history(ui: WebUI, sid: str) -> list[tuple[str, str]]:
     """(question, reply) of every exchange the history store holds for ``sid``."""
-    rows = ui.engine.store.get_turns(sid, owner="local")
+    rows = ui.page.engine.store.get_turns(sid, owner="local")
     return [(q.text, a.text) for q, a in zip(rows[::2], rows[1::2], strict=True)]
 
 
 def in_file(ui: WebUI, path: Path) -> list[tuple[str, str]]:
-    return [(t.user_text, t.reply_text) for t in load_session(ui.engine.frame, path).turns]
+    return [(t.user_text, t.reply_text) for t in load_session(ui.page.engine.frame, path).turns]
 
 
 def page(hash_: str) -> SimpleNamespace:
@@ -77,21 +76,21 @@ def page(hash_: str) -> SimpleNamespace:
 
 def test_regenerate_of_an_answer_from_memory_generates_and_replaces_the_stored_one(tmp_path):
     ui = make_ui(tmp_path)
-    sid = ui.registry.create()
-    run(ui.send(QUESTION, sid, 8))
-    run(ui.send(QUESTION, sid, 8))
-    session = ui.registry.entry(sid).session
+    sid = ui.page.registry.create()
+    run(ui.chat.send(QUESTION, sid, 8))
+    run(ui.chat.send(QUESTION, sid, 8))
+    session = ui.page.registry.entry(sid).session
     stored = session.turns[0].reply_text
     assert [t.tier for t in session.turns] == ["EXPLORE", "RETRIEVE"] and session.turns[1].reply_text == stored
     n_memory = len(session.memory)
-    run(ui.regenerate(sid, 8))
+    run(ui.chat.regenerate(sid, 8))
     again = session.turns[-1]
     assert again.generated and again.tier != "RETRIEVE", "Regenerate answered from memory again"
     assert again.reply_text != stored and len(session.turns) == 2
     assert len(session.memory) == n_memory, "the new reply replaces the stored one, it is not stored beside it"
     assert session.memory.to_columns()["reply_text"] == [again.reply_text]
     # the next time the question comes, memory answers with the regenerated reply
-    run(ui.send(QUESTION, sid, 8))
+    run(ui.chat.send(QUESTION, sid, 8))
     assert session.turns[-1].tier == "RETRIEVE" and session.turns[-1].reply_text == again.reply_text
     assert history(ui, sid) == in_file(ui, session.miku_path) == [(t.user_text, t.reply_text) for t in session.turns]
 
@@ -174,27 +173,27 @@ def test_a_failed_autosave_keeps_the_turn_and_says_the_file_was_not_written(tmp_
     import storage.miku
 
     ui = make_ui(tmp_path)
-    sid = ui.registry.create()
-    run(ui.send(QUESTION, sid, 6))
-    session = ui.registry.entry(sid).session
+    sid = ui.page.registry.create()
+    run(ui.chat.send(QUESTION, sid, 6))
+    session = ui.page.registry.entry(sid).session
     real = storage.miku.write_miku
 
     def broken(*args, **kwargs):
         raise failure
 
     monkeypatch.setattr(storage.miku, "write_miku", broken)
-    final = run(ui.send("Name three primary colours.", sid, 6))[-1]
-    alert = final[ALERT]
+    final = run(ui.chat.send("Name three primary colours.", sid, 6))[-1]
+    alert = final.alert
     assert "file was not written" in alert and "next message" in alert, alert
     assert "This turn failed" not in alert and str(tmp_path) not in alert
     assert [t.user_text for t in session.turns] == [QUESTION, "Name three primary colours."]  # kept, shown
-    assert "Name three primary colours." in str(final[CHAT])
+    assert "Name three primary colours." in str(final.chat)
     assert [q for q, _ in in_file(ui, session.miku_path)] == [QUESTION]
     assert [q for q, _ in history(ui, sid)] == [QUESTION]  # the history never gets ahead of the file
-    assert ui.registry.retry_history() == 1  # it waits for the file, not lost
+    assert ui.page.registry.retry_history() == 1  # it waits for the file, not lost
     monkeypatch.setattr(storage.miku, "write_miku", real)
-    final = run(ui.send("How do plants make food?", sid, 6))[-1]  # the next autosave writes it all
-    assert "not written" not in final[ALERT]
+    final = run(ui.chat.send("How do plants make food?", sid, 6))[-1]  # the next autosave writes it all
+    assert "not written" not in final.alert
     expected = [(t.user_text, t.reply_text) for t in session.turns]
     assert len(expected) == 3 and in_file(ui, session.miku_path) == expected == history(ui, sid)
 
@@ -206,53 +205,56 @@ def test_a_loaded_miku_is_recorded_listed_and_shown(tmp_path):
     import gradio as gr
 
     ui = make_ui(tmp_path)
-    sid = ui.registry.create()
+    sid = ui.page.registry.create()
     for q in (QUESTION, "Name three primary colours."):
-        run(ui.send(q, sid, 6))
-    path, _ = quiet(ui.save_miku, sid)
-    other = ui.registry.create()
-    out = quiet(ui.load_miku, upload(ui, path), other, "tier")
-    new, note, table, tabs, alert = out[0], out[1], out[-3], out[-2], out[-1]
+        run(ui.chat.send(q, sid, 6))
+    path = quiet(ui.files.save_miku, sid).download
+    other = ui.page.registry.create()
+    out = quiet(ui.files.load_miku, upload(ui, path), other, "tier")
+    new, note, table, tabs, alert = out.state, out.files_note, out.table, out.tabs, out.alert
     assert new not in (sid, other) and note.startswith("Loaded")
     assert [q for q, _ in history(ui, new)] == [QUESTION, "Name three primary colours."]  # before any new turn
     assert new in [row[0] for row in table] and [r[2] for r in table if r[0] == new] == [2]
     assert isinstance(tabs, gr.Tabs) and alert == ""
-    run(ui.send("How do plants make food?", new, 6))
+    run(ui.chat.send("How do plants make food?", new, 6))
     assert len(history(ui, new)) == 3  # recorded once each
 
 
 def test_resume_empties_the_previous_chats_alert(tmp_path):
     ui = make_ui(tmp_path)
-    a = ui.registry.create()
-    run(ui.send(QUESTION, a, 6))
-    b = quiet(ui.new_chat, a)[0]
-    out = quiet(ui.resume, a, b, "tier")
-    assert out[0] == a and out[-1] == ""
+    a = ui.page.registry.create()
+    run(ui.chat.send(QUESTION, a, 6))
+    b = quiet(ui.chat.new_chat, a).state
+    out = quiet(ui.history.resume, a, b, "tier")
+    assert out.state == a and out.alert == ""
 
 
 def test_delete_asks_first_and_works_once_the_page_is_closed(tmp_path):
     ui = make_ui(tmp_path)
     one, two = page("page-one"), page("page-two")
-    sid = run(ui.send(QUESTION, None, 6, request=one))[-1][STATE]
-    quiet(ui.page_shows, sid, request=one)
-    assert "open in a browser" in quiet(ui.ask_delete, sid, None, request=two)[1]
-    quiet(ui.page_closed, request=one)  # the tab is closed: its session is saved and parked
-    assert sid not in ui.registry.live_ids("local")
-    assert [r[4] for r in quiet(ui.list_sessions, "", request=two)[0] if r[0] == sid] == ["saved"]
-    pending, question, yes, _ = quiet(ui.ask_delete, sid, None, request=two)
+    sid = run(ui.chat.send(QUESTION, None, 6, request=one))[-1].state
+    quiet(ui.chat.page_shows, sid, request=one)
+    assert "open in a browser" in quiet(ui.history.ask_delete, sid, None, request=two).sessions_note
+    quiet(ui.chat.page_closed, request=one)  # the tab is closed: its session is saved and parked
+    assert sid not in ui.page.registry.live_ids("local")
+    assert [r[4] for r in quiet(ui.history.list_sessions, "", request=two).table if r[0] == sid] == ["saved"]
+    asked = quiet(ui.history.ask_delete, sid, None, request=two)
+    pending, question, yes = asked.pending, asked.sessions_note, asked.confirm
     assert pending == sid and "cannot be undone" in question and yes.visible
     assert history(ui, sid), "asking deletes nothing"
-    table, done, *_ = quiet(ui.confirm_delete, pending, None, request=two)
+    confirmed = quiet(ui.history.confirm_delete, pending, None, request=two)
+    table, done = confirmed.table, confirmed.sessions_note
+    assert confirmed.pending is None and not confirmed.confirm.visible and not confirmed.cancel.visible
     assert done.startswith(f"Deleted session {sid}") and sid not in [r[0] for r in table]
 
 
 def test_a_page_redraws_its_session_when_another_tab_changed_it(tmp_path):
     ui = make_ui(tmp_path)
-    sid = run(ui.send(QUESTION, None, 6))[-1][STATE]
-    session = ui.registry.entry(sid).session
-    seen_here = ui.seen(sid, session)
-    unchanged = quiet(ui.sync, sid, seen_here)
-    assert not any(isinstance(x, str) for x in unchanged)  # every output skipped: nothing to redraw
-    run(ui.send("Name three primary colours.", sid, 6))  # from another tab of the same browser
-    redrawn = quiet(ui.sync, sid, seen_here)
-    assert redrawn[0] == ui.seen(sid, session) and "Name three primary colours." in str(redrawn[1])
+    sid = run(ui.chat.send(QUESTION, None, 6))[-1].state
+    session = ui.page.registry.entry(sid).session
+    seen_here = ui.page.seen(sid, session)
+    unchanged = quiet(ui.chat.sync, sid, seen_here)
+    assert unchanged.changed() == {}  # nothing to redraw
+    run(ui.chat.send("Name three primary colours.", sid, 6))  # from another tab of the same browser
+    redrawn = quiet(ui.chat.sync, sid, seen_here)
+    assert redrawn.seen == ui.page.seen(sid, session) and "Name three primary colours." in str(redrawn.chat)

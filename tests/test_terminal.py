@@ -103,7 +103,7 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(tmp_path: Path) -> None:
     assert stopped.verdict == "cancelled" and 3 <= stopped.new_tokens < 200 and stopped.reply_text
     assert answered.verdict == "ok" and answered.user_text == QUESTION
     # the stopped story is not in the next prompt: the question was asked as if first
-    alone = engine.prompt_tokens([{"role": "system", "content": engine.settings.system_prompt},
+    alone = engine.prompts.prompt_tokens([{"role": "system", "content": engine.settings.system_prompt},
                                   {"role": "user", "content": QUESTION}])
     assert answered.prompt_tokens == alone
     assert [r.verdict for r in engine.store.get_turns(session.id, owner="local")] == ["cancelled"] * 2 + ["ok"] * 2

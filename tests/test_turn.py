@@ -85,7 +85,7 @@ def test_one_turn_is_the_same_record_in_the_session_the_store_and_the_file(tmp_p
     assert turn.reply_text == "".join(e.text for e in events if e.kind == "token")
     assert (turn.tier, turn.verdict, turn.generated, turn.new_tokens) == ("EXPLORE", "ok", True, 12)
     assert turn.zone in engine.profile.zones.names and 0 <= turn.teh_prompt <= 100
-    assert turn.prompt_tokens == engine.prompt_tokens([{"role": "system", "content": engine.settings.system_prompt},
+    assert turn.prompt_tokens == engine.prompts.prompt_tokens([{"role": "system", "content": engine.settings.system_prompt},
                                                       {"role": "user", "content": WATER}])
     assert turn.metric_growth == s.metric.growth > 0 and turn.cluster == 0 and len(s.memory) == 1
     assert turn.asked_at <= turn.answered_at and turn.latency_s > 0
@@ -127,14 +127,14 @@ def test_a_withheld_reply_is_replaced_learns_nothing_and_stays_out_of_prompts(tm
     assert turn.teh_reply is not None and turn.teh_reply > engine.profile.safety.reply_threshold
     assert turn.category in engine.profile.safety.categories and turn.generated
     assert len(s.memory) == 0 and s.metric.growth == 0.0
-    assert s.chat_history() == [] and engine.fitting_history(s, PLANTS) == []
+    assert s.chat_history() == [] and engine.prompts.fitting_history(s, PLANTS) == []
 
 
 def test_the_message_is_validated_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = tiny_engine(tmp_path, with_store=False)
     calls: list[str] = []
-    real = engine.validate
-    monkeypatch.setattr(engine, "validate", lambda m: calls.append(m) or real(m))
+    real = engine.prompts.validate
+    monkeypatch.setattr(engine.prompts, "validate", lambda m: calls.append(m) or real(m))
     s = engine.new_session(autosave=False)
     message = engine.check("  " + WATER + "\x00 ")
     assert message == Message(WATER) and calls == ["  " + WATER + "\x00 "]

@@ -17,7 +17,8 @@ import torch
 from isagi.config import load_settings
 from isagi.engines.hf.model import LoadedModel
 from isagi.errors import ConfigError, InputError
-from isagi.pipeline.engine import Engine, Session, clean_message
+from isagi.pipeline.engine import Engine, Session
+from isagi.pipeline.prompts import clean_message
 from isagi.session.turn import Turn, turns_from_messages, turns_to_messages
 
 CONTEXT = 512
@@ -76,26 +77,26 @@ def test_control_characters_are_removed_but_newlines_and_tabs_kept() -> None:
 
 def test_the_token_limit_counts_tokens_not_characters(tmp_path: Any) -> None:
     engine = _engine(tmp_path, max_message_tokens=100)
-    assert engine.validate("x" * 100) == "x" * 100
+    assert engine.prompts.validate("x" * 100) == "x" * 100
     emoji = "😀" * 30  # 30 characters, 120 byte tokens
     with pytest.raises(InputError) as info:
-        engine.validate(emoji)
+        engine.prompts.validate(emoji)
     assert "120 tokens" in str(info.value) and "limit is 100 tokens" in str(info.value)
 
 
 def test_the_character_limit_still_applies_first(tmp_path: Any) -> None:
     engine = _engine(tmp_path, max_message_chars=10)
     with pytest.raises(InputError, match="11 characters; the limit is 10"):
-        engine.validate("x" * 11)
+        engine.prompts.validate("x" * 11)
 
 
 def test_a_message_alone_over_the_prompt_budget_is_refused(tmp_path: Any) -> None:
     engine = _engine(tmp_path, max_new_tokens=256, max_message_tokens=1024)
-    assert engine.prompt_budget == CONTEXT - 256  # the context caps the 2,048 default
-    fits = "y" * (engine.prompt_budget - engine.prompt_tokens(engine._prompt_messages("", None, [])))
-    assert engine.validate(fits) == fits
+    assert engine.prompts.budget == CONTEXT - 256  # the context caps the 2,048 default
+    fits = "y" * (engine.prompts.budget - engine.prompts.prompt_tokens(engine.prompts.messages("", None, [])))
+    assert engine.prompts.validate(fits) == fits
     with pytest.raises(InputError, match=f"prompt budget is {CONTEXT - 256}"):
-        engine.validate(fits + "y")
+        engine.prompts.validate(fits + "y")
 
 
 def test_settings_for_the_budgets(tmp_path: Any) -> None:
@@ -105,7 +106,7 @@ def test_settings_for_the_budgets(tmp_path: Any) -> None:
         load_settings({"ISAGI_MAX_MESSAGE_TOKENS": "300", "ISAGI_PROMPT_TOKENS": "200"})
     with pytest.raises(ConfigError, match="whole number"):
         load_settings({"ISAGI_MAX_MESSAGE_TOKENS": "many"})
-    assert _engine(tmp_path, prompt_token_budget=100, max_message_tokens=50).prompt_budget == 100
+    assert _engine(tmp_path, prompt_token_budget=100, max_message_tokens=50).prompts.budget == 100
 
 
 # -- the budgeted prompt ------------------------------------------------------------
@@ -114,8 +115,8 @@ def test_settings_for_the_budgets(tmp_path: Any) -> None:
 def test_history_beyond_the_budget_is_dropped_oldest_first_whole_exchanges(tmp_path: Any) -> None:
     engine = _engine(tmp_path, prompt_token_budget=200, max_message_tokens=50, max_new_tokens=16)
     s = _session([(f"question {i}", f"answer number {i} " + "z" * 7 * i, "ok") for i in range(10)])
-    prompt = engine._prompt(s, "new question", None)
-    assert engine.prompt_tokens(prompt) <= 200
+    prompt = engine.prompts.build(s, "new question", None)
+    assert engine.prompts.prompt_tokens(prompt) <= 200
     history = prompt[1:-1]
     full = s.chat_history()
     assert len(history) % 2 == 0 and 0 < len(history) < len(full)
@@ -128,10 +129,10 @@ def test_history_beyond_the_budget_is_dropped_oldest_first_whole_exchanges(tmp_p
 def test_an_exchange_is_counted_as_the_whole_prompt_counts_it(tmp_path: Any, user: str, reply: str) -> None:
     engine = _engine(tmp_path)
     asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]
-    alone = engine.prompt_tokens(asked)
-    cost = engine.prompt_tokens([*asked, {"role": "assistant", "content": reply}, asked[1]]) - alone
-    assert engine._exchange_tokens(_session([]), user, reply) == (cost, alone)
-    assert engine._asking_tokens(user) == alone
+    alone = engine.prompts.prompt_tokens(asked)
+    cost = engine.prompts.prompt_tokens([*asked, {"role": "assistant", "content": reply}, asked[1]]) - alone
+    assert engine.prompts._exchange_tokens(_session([]), user, reply) == (cost, alone)
+    assert engine.prompts._asking_tokens(user) == alone
 
 
 def _grow(engine: Engine, s: Session, turns: int) -> list[list[dict[str, str]]]:
@@ -139,7 +140,7 @@ def _grow(engine: Engine, s: Session, turns: int) -> list[list[dict[str, str]]]:
     prompts = []
     for i in range(turns):
         question = f"{i} + {i}?"
-        prompts.append(engine._prompt(s, question, None))
+        prompts.append(engine.prompts.build(s, question, None))
         s.turns.append(Turn(user_text=question, reply_text=f"{2 * i}.", verdict="ok"))
     return prompts
 
@@ -151,14 +152,14 @@ def test_between_drops_each_prompt_extends_the_last_one_and_drops_come_in_blocks
     prompts = _grow(engine, s, 80)
     drops = 0
     for i, (before, after) in enumerate(zip(prompts, prompts[1:], strict=False)):
-        assert engine.prompt_tokens(after) <= 400
+        assert engine.prompts.prompt_tokens(after) <= 400
         asked, answered = before[-1], {"role": "assistant", "content": s.turns[i].reply_text}
         if after[: len(before) + 1] == [*before, answered]:
             continue  # the previous prompt, its reply, then the new message: only those are new
         drops += 1
         assert after[0] == before[0] and after[-3] == asked, "a drop keeps the system prompt and the newest"
-        kept = engine.prompt_tokens(after) - engine.prompt_tokens([after[0], after[-1]])
-        assert kept <= 0.5 * (400 - engine.prompt_tokens([after[0], after[-1]])), "a drop frees half the room"
+        kept = engine.prompts.prompt_tokens(after) - engine.prompts.prompt_tokens([after[0], after[-1]])
+        assert kept <= 0.5 * (400 - engine.prompts.prompt_tokens([after[0], after[-1]])), "a drop frees half the room"
     assert 2 <= drops <= 80 // 6, "the window moves in blocks, not one exchange per turn"
 
 
@@ -166,39 +167,39 @@ def test_the_window_is_the_same_after_save_and_load_and_for_a_regenerated_turn(t
     engine = _engine(tmp_path, prompt_token_budget=400, max_message_tokens=60, max_new_tokens=16)
     s = _session([])
     prompts = _grow(engine, s, 45)
-    live = engine._prompt(s, "And the next one?", None)
+    live = engine.prompts.build(s, "And the next one?", None)
     loaded = Session(id="s", basis=None, metric=None, memory=None,  # type: ignore[arg-type]
                      turns=turns_from_messages(turns_to_messages(s.turns)))
-    assert engine._prompt(loaded, "And the next one?", None) == live, "a loaded session: the same window"
+    assert engine.prompts.build(loaded, "And the next one?", None) == live, "a loaded session: the same window"
     # Regenerate undoes the last turn and asks it again: the window it had when first asked
     last = s.turns.pop()
-    assert engine._prompt(s, last.user_text, None) == prompts[-1]
+    assert engine.prompts.build(s, last.user_text, None) == prompts[-1]
     s.turns.append(last)
     # refused and stopped turns between exchanges change nothing
     s.turns.insert(10, Turn(user_text="stopped story", reply_text="Once upon", verdict="cancelled"))
-    assert engine._prompt(s, "And the next one?", None) == live
+    assert engine.prompts.build(s, "And the next one?", None) == live
 
 
 def test_the_newest_exchange_is_kept_when_it_fits_and_skipped_when_it_cannot(tmp_path: Any) -> None:
     engine = _engine(tmp_path, prompt_token_budget=140, max_message_tokens=50, max_new_tokens=16)
     s = _session([("old", "short", "ok"), ("newest", "n" * 40, "ok")])
-    assert engine._prompt(s, "hi", None)[1:-1] == s.chat_history(), "both fit"
+    assert engine.prompts.build(s, "hi", None)[1:-1] == s.chat_history(), "both fit"
     huge = _session([("old", "short", "ok"), ("newest", "n" * 400, "ok")])
-    assert engine._prompt(huge, "hi", None)[1:-1] == [], "older turns never jump the queue over a newer one"
+    assert engine.prompts.build(huge, "hi", None)[1:-1] == [], "older turns never jump the queue over a newer one"
 
 
 def test_the_related_exchange_fits_the_budget_too(tmp_path: Any) -> None:
     engine = _engine(tmp_path, prompt_token_budget=200, max_message_tokens=50, max_new_tokens=16)
     s = _session([(f"q{i}", "a" * 30, "ok") for i in range(6)])
     related = {"query_text": "earlier", "reply_text": "r" * 60}
-    with_related = engine._prompt(s, "now", related)
+    with_related = engine.prompts.build(s, "now", related)
     # after the history, just before the message (the prompt still starts as the last turn's did)
     assert with_related[-3:-1] == [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "r" * 60}]
-    assert engine.prompt_tokens(with_related) <= 200
-    assert len(with_related) < len(engine._prompt(s, "now", None)) + 2, "history gave way to the related exchange"
+    assert engine.prompts.prompt_tokens(with_related) <= 200
+    assert len(with_related) < len(engine.prompts.build(s, "now", None)) + 2, "history gave way to the related exchange"
     too_big = {"query_text": "earlier", "reply_text": "r" * 400}
-    prompt = engine._prompt(s, "now", too_big)
-    assert engine.prompt_tokens(prompt) <= 200 and all(m["content"] != "r" * 400 for m in prompt)
+    prompt = engine.prompts.build(s, "now", too_big)
+    assert engine.prompts.prompt_tokens(prompt) <= 200 and all(m["content"] != "r" * 400 for m in prompt)
 
 
 # -- Stop pollution ------------------------------------------------------------------
@@ -221,7 +222,7 @@ def test_cancelled_withheld_and_refused_turns_never_enter_a_prompt(tmp_path: Any
         {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris"},
     ]
     assert s.chat_history() == expected
-    prompt = engine._prompt(s, "What is 3 times 4?", None)
+    prompt = engine.prompts.build(s, "What is 3 times 4?", None)
     assert prompt[1:-1] == expected
     text = " ".join(m["content"] for m in prompt)
     for leaked in ("dragon", "long story", "withheld", "harmful", "Worse", "Unanswered"):
@@ -231,7 +232,7 @@ def test_cancelled_withheld_and_refused_turns_never_enter_a_prompt(tmp_path: Any
 def test_a_session_of_only_a_stopped_turn_gives_an_empty_history(tmp_path: Any) -> None:
     s = _session([("Tell me a story", "Once upon", "cancelled")])
     assert s.chat_history() == [] and list(s.recent_exchanges()) == []
-    assert _engine(tmp_path)._prompt(s, "What is 3 times 4?", None)[1:-1] == []
+    assert _engine(tmp_path).prompts.build(s, "What is 3 times 4?", None)[1:-1] == []
 
 
 # -- the terminal ---------------------------------------------------------------------
@@ -256,11 +257,11 @@ def test_a_related_exchange_already_in_the_history_is_not_repeated(tmp_path: Any
     engine = _engine(tmp_path, prompt_token_budget=400, max_message_tokens=50, max_new_tokens=16)
     s = _session([("q0", "a0", "ok"), ("q1", "a1", "ok")])
     in_history = {"query_text": "q0", "reply_text": "a0"}
-    prompt = engine._prompt(s, "now", in_history)
-    assert prompt == engine._prompt(s, "now", None)
+    prompt = engine.prompts.build(s, "now", in_history)
+    assert prompt == engine.prompts.build(s, "now", None)
     assert [m["content"] for m in prompt].count("q0") == 1
     elsewhere = {"query_text": "q0", "reply_text": "another reply"}  # same question, other answer
-    assert engine._prompt(s, "now", elsewhere)[-3:-1] == [
+    assert engine.prompts.build(s, "now", elsewhere)[-3:-1] == [
         {"role": "user", "content": "q0"}, {"role": "assistant", "content": "another reply"}]
 
 

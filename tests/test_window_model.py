@@ -33,9 +33,9 @@ def _long_session_turns(llama_engine, context_shift: bool) -> list[dict]:
     lm.prefixes.clear()  # as after loading the session: nothing saved yet
     turns = []
     for question in NEW_QUESTIONS[:12]:
-        start, _ = engine.history_window(s, question)
-        prompt = engine._prompt(s, question, None)
-        lookup = engine._prompt(s, question, None, with_history=False)
+        start, _ = engine.prompts.history_window(s, question)
+        prompt = engine.prompts.build(s, question, None)
+        lookup = engine.prompts.build(s, question, None, with_history=False)
         before, shifts = lm.evaluated_tokens, lm.context_shifts
         t = engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=REPLY_TOKENS))
         assert t.generated and t.verdict == "ok"

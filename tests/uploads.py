@@ -13,9 +13,9 @@ from typing import Any
 def upload(ui: Any, path: str | Path, owner: str = "local", name: str | None = None) -> str:
     """Put a copy of ``path`` into ``ui``'s upload cache as ``owner``'s upload; returns the
     path the upload route would have answered."""
-    folder = ui.uploads.root / secrets.token_hex(8)
+    folder = ui.page.uploads.root / secrets.token_hex(8)
     folder.mkdir()
     dest = folder / (name or Path(path).name)
     shutil.copyfile(path, dest)
-    assert ui.uploads.record(owner, owner, [str(dest)]) == [str(dest)]
+    assert ui.page.uploads.record(owner, owner, [str(dest)]) == [str(dest)]
     return str(dest)

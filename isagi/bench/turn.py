@@ -241,7 +241,7 @@ def run_history(
         shifts = dict.fromkeys(histories, 0)
         for question in NEW_QUESTIONS[: turns + 1]:
             for n, session in sessions.items():
-                starts[n].append(engine.history_window(session, question)[0])
+                starts[n].append(engine.prompts.history_window(session, question)[0])
                 counted, shifted = getattr(lm, "evaluated_tokens", None), getattr(lm, "context_shifts", 0)
                 started = time.perf_counter()
                 turn = engine.turn(session, question, options=options)
@@ -262,7 +262,7 @@ def run_history(
         "device": str(lm.device),
         "new_tokens": new_tokens,
         "turns": turns,
-        "prompt_budget": engine.prompt_budget,
+        "prompt_budget": engine.prompts.budget,
         "keep_share": KEEP_SHARE,
         "context_shift": settings.context_shift,
         **{f"history_{n}": figures[n] for n in histories},

@@ -72,7 +72,7 @@ class Session:
         default_factory=OrderedDict, repr=False, compare=False
     )
     # Token counts of exchanges in the prompt, keyed by (system prompt, message, reply), for the
-    # history window (isagi.pipeline.engine.Engine.history_window): each exchange is counted once, not at
+    # history window (isagi.pipeline.prompts.Prompts.history_window): each exchange is counted once, not at
     # every turn. Derived data: never saved.
     token_counts: dict[tuple[str, str, str], tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
     # The state before the last turn (set by the engine when a turn is recorded): what Regenerate

@@ -39,7 +39,7 @@ _TEXTS = frozenset({"tier", "nearest_query", "zone", "verdict", "category"})
 
 @dataclass(frozen=True)
 class Message:
-    """A message as the turn uses it: validated and cleaned by ``Engine.validate``."""
+    """A message as the turn uses it: validated and cleaned by ``Prompts.validate`` (isagi.pipeline.prompts)."""
 
     text: str
 

@@ -122,15 +122,15 @@ def _slow_down_page_load(seconds: float) -> None:
     """Make every page load take ``seconds`` longer, as a loaded 2-core server does."""
     import time
 
-    from app.ui import WebUI
+    from app.handlers.chat import ChatHandlers
 
-    on_load = WebUI.on_load
+    on_load = ChatHandlers.on_load
 
     def slow_on_load(self, *args, **kwargs):
         time.sleep(seconds)
         return on_load(self, *args, **kwargs)
 
-    WebUI.on_load = slow_on_load
+    ChatHandlers.on_load = slow_on_load
 
 
 if __name__ == "__main__":

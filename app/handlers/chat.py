@@ -1,0 +1,387 @@
+"""The chat tab's handlers: page load, Send and Enter, Regenerate, Stop, the sync of two tabs,
+New chat, the map's colouring.
+
+Handlers get the browser's session *id* from ``gr.State`` and look the Session up in the
+:class:`~app.sessions.SessionRegistry`; the Session itself never enters Gradio's state. The
+server-side Session is the single source of truth: the chat is re-rendered from the
+session's turns and never read back from the browser. The id is also kept in the browser's
+storage (``gr.BrowserState``), so a page reload reopens the same session
+(:meth:`ChatHandlers.on_load`); a load makes no session, the first message does.
+
+Model work (a turn, Regenerate, an exploration) runs in one Gradio concurrency group
+(``concurrency_id="model"``, :func:`app.layout.build_blocks`), so a waiting browser sees its
+queue position; the engine's ``generation_lock`` serialises the model itself. Stop sets the
+session's stop event (the turn loop ends after the current token and the turn is recorded
+as ``cancelled``) and cancels the Gradio event.
+
+Every text from outside shown in the chat (messages, replies while they stream and once
+finished, stored replies) is rendered by :func:`app.render_safe.render_text` to HTML on the
+server; the Chatbot inserts it as it is (no markdown in the browser).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from app import plots, turns
+from app.handlers.page import NOT_LOGGED_IN, Page
+from app.loader import EngineLoading
+from app.render_safe import render_text
+from app.sessions import Entry, SessionBusy, SessionLimit
+from app.updates import KEEP, PageUpdate
+from app.views import (
+    chat_window,
+    manifold_summary,
+    pending_html,
+    reply_fields,
+    turn_markdown,
+    verdict_alert,
+)
+from isagi.ids import is_session_id
+from storage.owners import LOCAL_OWNER
+
+log = logging.getLogger(__name__)
+
+STREAM_INTERVAL_S = 0.1  # at most 10 display updates per second while streaming (a browser keeps up)
+STOP_WAIT_S = 10.0
+SYNC_S = 2.0  # how often a page checks whether another tab changed its session
+
+
+class ChatHandlers:
+    """The chat tab's events (:data:`app.updates.TURN` and the others they name)."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+
+    # -- page load and loading banner --------------------------------------
+    def on_load(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """Page load (outputs :data:`~app.updates.LOAD`): ``sid`` is the id the browser kept (its
+        storage), or None.
+
+        A reload shows the same session (same id, conversation and memory): live,
+        parked, or reopened from its autosaved ``.miku`` when the history says it
+        is the caller's. An unknown id, another owner's, or none opens nothing: the
+        first message makes a session (a load never makes an empty one).
+        """
+        p = self.page
+        owner, client = p.who(request)
+        if owner is None:
+            return p.view(None, colour_by, None).but(state=None, status=NOT_LOGGED_IN)
+        if p.holder.ready:
+            try:
+                sid = self._reattach(sid, owner, client)
+            except SessionLimit as exc:
+                return p.view(None, colour_by, owner).but(state=None, status=f"**{exc}**")
+        return p.view(sid, colour_by, owner).but(state=sid, status=p.status_line(owner))
+
+    def _reattach(self, sid: Any, owner: str, client: str | None) -> str | None:
+        """``owner``'s session ``sid`` made live under its own id, or None (unknown,
+        another owner's, or no saved state: nothing of it is read)."""
+        from isagi.errors import IsagiError
+        from isagi.session.files import load_session
+
+        p = self.page
+        if not is_session_id(sid):
+            return None
+        try:
+            p.registry.entry(sid, owner)  # live, or parked (evicted): resumed from its file
+            return sid
+        except KeyError:
+            pass
+        summary = p.own_summary(sid, owner)  # another owner's id: None, as an unknown one
+        path = p.autosave_of(summary) if summary is not None else None
+        if path is None:
+            return None
+        try:
+            session = load_session(p.engine.frame, path, session_id=sid)
+        except (IsagiError, EngineLoading) as exc:
+            log.warning("could not reopen session %s on page load: %s", sid, exc)
+            return None
+        try:
+            return p.registry.reopen(session, owner=owner, client=client)
+        except KeyError:
+            return None
+
+    def on_tick(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """While loading (outputs :data:`~app.updates.TICK`): refresh the banner; once ready: reopen
+        the browser's session (if any), stop the timer."""
+        import gradio as gr
+
+        p = self.page
+        if not (p.holder.ready or p.holder.failed):
+            return PageUpdate(state=sid, status=p.status_line(), timer=gr.Timer(active=True))
+        return self.on_load(sid, colour_by, request).but(timer=gr.Timer(active=False))
+
+    # -- a turn ----------------------------------------------------------------
+    def _options(self, max_tokens: float | None, sample: bool, temperature: float | None, *, seed: int | None = None) -> Any:
+        from isagi.engines.base import GenerationOptions
+
+        n = int(max_tokens or self.page.settings.max_new_tokens)
+        return GenerationOptions(
+            max_new_tokens=max(1, n), do_sample=bool(sample),
+            temperature=float(temperature or 0.7), seed=seed,
+        )
+
+    def send(
+        self, message: str, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
+    ) -> Iterator[PageUpdate]:
+        """Run a turn, streaming updates of :data:`~app.updates.TURN`.
+
+        The message is checked before any session is made: an invalid message
+        never creates one. ``sid`` of another owner is an unknown id: a new
+        session of the caller's is made for the message.
+        """
+        from isagi.errors import IsagiError
+
+        p = self.page
+        owner, client = p.who(request)
+        if owner is None:
+            yield PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
+            return
+        try:
+            engine = p.engine
+            checked = engine.check(message)  # validated once, here: the turn takes it as it is
+            sid, entry = p.registry.ensure(sid, owner, client)
+        except (EngineLoading, IsagiError) as exc:
+            yield PageUpdate(state=sid, alert=p.warn(str(exc)))
+            return
+        options = self._options(max_tokens, sample, temperature)
+        yield from self._turn(sid, checked, options, colour_by, owner=owner, clear_box=True)
+
+    def regenerate(
+        self, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
+    ) -> Iterator[PageUpdate]:
+        """Run the last question again, sampling; the new turn replaces the last one everywhere.
+
+        The engine does it (:meth:`isagi.pipeline.engine.Engine.regenerate`): it undoes the last turn in
+        the session (metric, memory, turns), runs the question again (an answer from memory is
+        generated anew) and the new turn takes the old one's place in the history store and the
+        autosaved file too; if it fails, the old turn stays.
+        """
+        p = self.page
+        owner, _ = p.who(request)
+        try:
+            if owner is None:
+                raise KeyError(sid)
+            entry = p.registry.entry(sid, owner)
+        except (KeyError, EngineLoading) as exc:
+            msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
+            yield PageUpdate(state=sid, alert=p.warn(msg))
+            return
+        if not entry.session.can_regenerate:
+            yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
+            return
+        options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
+        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
+
+    def _turn(
+        self, sid: str, message: Any, options: Any, colour_by: str, *,
+        regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
+    ) -> Iterator[PageUpdate]:
+        """One turn of session ``sid`` as page updates: take the session, stream, show the result.
+
+        ``regenerate``: the engine's Regenerate of the last question (``message`` is not used);
+        the new turn replaces the last one, or, if it fails, the old one stays. ``clear_box``
+        empties the message box once the message is shown.
+        """
+        p = self.page
+        with contextlib.ExitStack() as held:
+            try:
+                entry = held.enter_context(p.registry.using(sid, timeout=STOP_WAIT_S, owner=owner))
+            except SessionBusy as exc:
+                yield PageUpdate(state=sid, alert=p.warn(str(exc)))
+                return
+            except KeyError:  # dropped meanwhile (e.g. reclaimed while empty): the next message makes one
+                yield PageUpdate(state=None, alert=p.warn("This chat was closed; send your message again."))
+                return
+            session = entry.session
+            turns.begin(entry)
+            failure = yield from self._stream(sid, entry, message, options, regenerate=regenerate,
+                                              clear_box=clear_box)
+            if failure is not None:  # the engine has put the session back as it was
+                yield PageUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
+                                 seen=p.seen(sid, session))
+                return
+            alert = verdict_alert(reply_fields(session.last_turn))
+            if entry.notice:  # kept in memory or in the file, not everywhere yet: say so plainly
+                alert = "\n\n".join(a for a in (alert, p.warn(entry.notice)) if a)
+            yield p.view_of(session, colour_by).but(state=sid, alert=alert, status=p.status_line(owner),
+                                                    seen=p.seen(sid, session))
+
+    def _stream(
+        self, sid: str, entry: Entry, message: Any, options: Any, *, regenerate: bool, clear_box: bool,
+    ) -> Iterator[PageUpdate]:
+        """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
+
+        A turn closed early (Stop's cancel, a lost client) is ended at once and
+        recorded as cancelled instead of holding the model. A bug (not bad input)
+        is logged; the engine has put the session back as it was before this turn.
+        """
+        from isagi.errors import IsagiError
+
+        p = self.page
+        session = entry.session
+        if regenerate:  # the chat without the turn being replaced, then its question again
+            history = chat_window(session, drop_last=True)
+            text = session.turns[-1].user_text if session.turns else ""
+        else:
+            history = chat_window(session)
+            text = getattr(message, "text", message)
+        user = {"role": "user", "content": render_text(text)}
+        reply, info = "", pending_html(None, None)
+        yield PageUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
+                         textbox="" if clear_box else KEEP)
+        events: Any = None
+        finished = False
+        last = 0.0
+        try:
+            events = turns.open_events(p.engine, entry, message, options, regenerate=regenerate)
+            for ev in events:
+                if ev.kind == "decision":
+                    info = pending_html(ev.tier, ev.distance)
+                elif ev.kind == "token":
+                    reply += ev.text
+                    now = time.monotonic()
+                    if now - last < STREAM_INTERVAL_S:
+                        continue
+                    last = now
+                elif ev.kind == "done":
+                    finished = True
+                    entry.notice = ev.notice
+                    continue
+                partial = render_text(reply)  # the same rendering as the finished reply
+                shown = [*history, user, *([{"role": "assistant", "content": partial}] if partial else []),
+                         {"role": "assistant", "content": info}]
+                yield PageUpdate(state=sid, chat=shown)
+        except IsagiError as exc:
+            finished = True
+            return _BadInput(p.warn(str(exc)))
+        except Exception as exc:
+            log.exception("turn failed in session %s", sid)
+            finished = True
+            if events is not None:
+                with contextlib.suppress(Exception):
+                    events.close()  # a failure here, not in the engine: the engine rolls the turn back
+            return _Failure(p.warn(
+                f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it was before it; "
+                "try again, and report the error if it repeats."))
+        finally:
+            if not finished and events is not None:
+                turns.abandon(entry, events, keep=True)  # recorded as cancelled, as Stop does
+            if entry.stop_requested_at is not None:
+                entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
+        return None
+
+    def stop(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """Ask the running turn to stop, wait until it has, and show the final state
+        (outputs :data:`~app.updates.STOP`)."""
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None:
+            return PageUpdate()
+        p.registry.request_stop(sid, owner)
+        if not p.registry.wait_until_free(sid, STOP_WAIT_S, owner):
+            return PageUpdate(alert="The model is still finishing a step; it will stop shortly.")
+        try:
+            entry = p.registry.entry(sid, owner)
+        except (KeyError, EngineLoading):
+            return PageUpdate()
+        session = entry.session
+        last_bot = reply_fields(session.last_turn)
+        # A stopped turn stores no trajectory and does not move the metric: the plots stay.
+        took = getattr(entry, "stop_latency_s", None)
+        if last_bot is not None and last_bot.get("verdict") == "cancelled" and took is not None:
+            note = f"Stopped: the turn ended {took:.2f} s after Stop reached the server; the partial reply is kept."
+        else:
+            note = "Nothing was generating."
+        return PageUpdate(chat=chat_window(session), alert=note, turn=turn_markdown(last_bot, p.safety()),
+                          summary=manifold_summary(session))
+
+    # -- what the page shows ------------------------------------------------------
+    def sync(self, sid: str | None, seen: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """The page's periodic check (every :data:`SYNC_S`; outputs :data:`~app.updates.SYNC`):
+        when its session changed since the page last drew it (a turn sent from another tab of
+        the same browser), draw it again; otherwise, and while a turn runs, change nothing."""
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None or not is_session_id(sid) or not p.holder.ready:
+            return PageUpdate()
+        entry = p.registry.live_entry(sid, owner)
+        if entry is None or entry.lock.locked():  # not live here (nothing changed), or a turn runs
+            return PageUpdate()
+        session = entry.session
+        now = p.seen(sid, session)
+        if now == seen:
+            return PageUpdate()
+        return p.view_of(session, colour_by).but(seen=now)
+
+    def page_shows(self, sid: str | None, request: Any = None) -> PageUpdate:
+        """The page's session id changed (load, a first message, New chat, Resume, a load): the
+        registry learns which page shows it; the id goes to the browser's storage (``stored``)."""
+        p = self.page
+        owner, _ = p.who(request)
+        mine = is_session_id(sid) and owner is not None and p.registry.holds(sid, owner)
+        p.registry.attach(_page_of(request), sid if mine else None)
+        return PageUpdate(stored=sid) if is_session_id(sid) else PageUpdate()
+
+    def page_closed(self, request: Any = None) -> None:
+        """The page was closed or reloaded (Gradio's unload): its session, shown by no other
+        page, is saved and parked (no longer live: it can be deleted; a reload resumes it)."""
+        owner, _ = self.page.who(request)
+        if owner is not None:
+            self.page.registry.detach(_page_of(request), owner)
+
+    def new_chat(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """A new, empty session for the page (outputs :data:`~app.updates.NEW_CHAT`); the one it
+        leaves is saved and parked."""
+        p = self.page
+        owner, client = p.who(request)
+        if owner is None:
+            return p.view(None, colour_by, None).but(state=None, alert=p.warn(NOT_LOGGED_IN))
+        try:
+            p.engine  # noqa: B018 - raises while loading
+        except EngineLoading as exc:
+            return p.view(sid, colour_by, owner).but(state=sid, alert=p.warn(str(exc)))
+        note = p.release_for(sid, owner)
+        try:
+            new = p.registry.create(owner, client)
+        except SessionLimit as exc:
+            return p.view(None, colour_by, owner).but(state=None, alert=p.warn(str(exc)))
+        return p.view(new, colour_by, owner).but(state=new, alert=note)
+
+    def recolour(self, sid: str | None, colour_by: str, request: Any = None) -> PageUpdate:
+        """The trajectory map coloured by ``colour_by`` (outputs :data:`~app.updates.RECOLOUR`)."""
+        p = self.page
+        owner, _ = p.who(request)
+        try:
+            if owner is None:
+                raise KeyError(sid)
+            session = p.registry.entry(sid, owner).session
+        except (KeyError, EngineLoading):
+            return PageUpdate(map=plots.map_figure({}))
+        return PageUpdate(map=p.map_of(session, colour_by))
+
+
+def _page_of(request: Any) -> str:
+    """The browser page a request comes from: its Gradio session hash ('' when unknown)."""
+    page = getattr(request, "session_hash", None)
+    return page if isinstance(page, str) else ""
+
+
+@dataclass
+class _Failure:
+    """A turn that failed on a bug: the session was put back; ``alert`` says so."""
+
+    alert: str
+
+
+class _BadInput(_Failure):
+    """A turn refused as bad input (an IsagiError): the session is as it was."""

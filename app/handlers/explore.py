@@ -1,0 +1,56 @@
+"""The concept explorer's handler: a Safe OGD chain from a seed, with the TEH of every step
+and the MIKU creativity index, through the same entry point as ``isagi explore``
+(:func:`isagi.explore.chains.explore_on`, with the calibrated system prompt)."""
+
+from __future__ import annotations
+
+from app import plots
+from app.handlers.page import Page
+from app.loader import EngineLoading
+from app.render_safe import md_cell
+from app.updates import PageUpdate
+from app.views import fmt, short
+
+
+class ExploreHandlers:
+    """The explorer tab's one event (outputs :data:`~app.updates.EXPLORE`)."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+
+    def run(self, seed: str, steps: float, max_tokens: float) -> PageUpdate:
+        """Safe OGD exploration from a seed: steps with TEH, and the MIKU creativity index."""
+        try:
+            from isagi.explore.chains import explore_on
+        except ImportError as exc:
+            return PageUpdate(ex_steps=self.page.warn(f"Exploration is not available in this build ({exc})."),
+                              mcb="")
+        from isagi.errors import IsagiError
+
+        try:
+            result = explore_on(self.page.engine, seed or "", steps=int(steps), max_new_tokens=int(max_tokens))
+        except (IsagiError, EngineLoading, ValueError) as exc:
+            return PageUpdate(ex_steps=self.page.warn(str(exc)), mcb="")
+        data = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+        steps_out = data.get("steps", [])
+        lines = ["| step | α | TEH mean / max | coherence | text |", "|---|---|---|---|---|"]
+        for i, st in enumerate(steps_out, 1):
+            txt = md_cell(short(st.get("text", ""), 160))
+            flag = " ⚠" if st.get("over_threshold") else ""
+            lines.append(
+                f"| {st.get('index', i)} | {fmt(st.get('alpha'), 2)} | {fmt(st.get('teh'), 2, '%')} / "
+                f"{fmt(st.get('teh_max'), 2, '%')}{flag} | {fmt(st.get('coherence'), 2)} | {txt} |"
+            )
+        rows = [{"step": st.get("index", i), "teh": st.get("teh"), "alpha": st.get("alpha")}
+                for i, st in enumerate(steps_out, 1)]
+        fig = plots.explore_figure(rows, data.get("reply_threshold"))
+        mcb = data.get("mcb") or {}
+        dims = ", ".join(
+            f"{k.replace('_', ' ')} {fmt(v, 1)}" for k, v in mcb.items() if k not in ("index", "tier")
+        )
+        mode = "Safe OGD (steps projected off the forbidden subspace)" if data.get("safe", True) else "regular OGD"
+        mcb_md = (
+            f"### MIKU creativity index: **{fmt(mcb.get('index'), 1)}** (tier {md_cell(mcb.get('tier', '–'))})\n\n"
+            f"{dims}\n\n{mode}; baseline (unsteered): “{md_cell(short(data.get('baseline'), 200))}”"
+        )
+        return PageUpdate(ex_steps="\n".join(lines), ex_plot=fig, mcb=mcb_md)

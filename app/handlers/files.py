@@ -1,0 +1,131 @@
+"""The open session's living state as a file: Save ``.miku`` and Load ``.miku``.
+
+An uploaded file is opened only when it is one of the caller's own uploads
+(:class:`app.uploads.UploadLedger`; anything else, whatever the path, gets one neutral
+answer) and is removed once read. A loaded file becomes a new session of the caller's (a
+fork with a fresh id), written at once: its own file and every turn into the history store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from app.handlers.page import NOT_LOGGED_IN, Page
+from app.loader import EngineLoading
+from app.render_safe import md_cell
+from app.sessions import SessionBusy, SessionLimit
+from app.updates import PageUpdate
+from app.uploads import NOT_YOUR_UPLOAD
+from app.views import counted, slug
+
+log = logging.getLogger(__name__)
+
+
+class FileHandlers:
+    """Save (outputs :data:`~app.updates.FILE`) and Load (outputs :data:`~app.updates.UPLOAD`)."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+
+    def save_miku(self, sid: str | None, request: Any = None) -> PageUpdate:
+        """Write the open session's living state to a ``.miku`` for download."""
+        from isagi.errors import IsagiError
+        from isagi.session.files import save_session
+
+        p = self.page
+        owner, _ = p.who(request)
+        try:
+            if owner is None:
+                raise KeyError(sid)
+            with p.registry.using(sid, owner=owner) as entry:
+                s = entry.session
+                path = p.download_dir() / f"isagi-{slug(s.title, 'session')}-{s.id}.miku"
+                save_session(p.engine.frame, s, path)
+        except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
+            msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
+            return PageUpdate(files_note=p.warn(msg))
+        return PageUpdate(download=str(path),
+                          files_note=(f"Saved {counted(len(s.memory), 'trajectory', 'trajectories')} and "
+                                      f"{counted(len(s.turns), 'turn')} to `{path.name}`."))
+
+    def load_miku(self, file: Any, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """Open an uploaded ``.miku`` (a fork with a fresh id, the caller's).
+
+        Only a file the caller uploaded (:meth:`UploadLedger.claim`) is opened;
+        any other path, whatever it names and whether or not it exists, gets
+        the one answer :data:`~app.uploads.NOT_YOUR_UPLOAD`. Errors leave the
+        open session as it is and name the user's own file, never a server
+        path. The upload is removed once read, loaded or not.
+
+        A loaded session is written at once (its own file, and every turn into the history
+        store), and the page does what Resume does: the sessions table lists it, the chat tab
+        shows it, the previous chat's alert goes.
+        """
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+        from isagi.session.files import load_session
+
+        p = self.page
+        owner, client = p.who(request)
+
+        def refused(why: str) -> PageUpdate:
+            return PageUpdate(state=sid, files_note=p.warn(why))
+
+        if owner is None:
+            return refused(NOT_LOGGED_IN)
+        path = file.get("path") if isinstance(file, dict) else getattr(file, "name", file)
+        claim = p.uploads.claim(owner, path)
+        if claim is None:
+            return refused(NOT_YOUR_UPLOAD)
+        name = claim.name
+        with claim:
+            try:
+                session = load_session(p.engine.frame, claim.path)
+            except (IsagiError, EngineLoading) as exc:
+                reason = _hide_path(str(exc), claim.path).rstrip()
+                reason += "" if reason.endswith((".", "!", "?")) else "."
+                return refused(f"Could not load {name}: {reason} Your open session is unchanged.")
+            except Exception as exc:  # a reader bug must not take the page down
+                log.exception("loading an upload failed")
+                return refused(f"Could not load {name} ({type(exc).__name__}: "
+                               f"{_hide_path(str(exc), claim.path)}). Your open session is unchanged.")
+        note = p.release_for(sid, owner)
+        try:
+            new = p.registry.adopt(session, fresh_id=True, owner=owner, client=client)
+        except SessionLimit as exc:
+            return refused(str(exc))
+        kept = self._keep_loaded(new, owner)
+        # No pop-up notice: the note says it, and a later refused file replaces the note, so the
+        # page never says "Loaded" beside that error.
+        loaded = f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns."
+        rows, _ = p.session_rows(owner)
+        return p.view(new, colour_by, owner).but(
+            state=new, files_note=loaded + "".join(f"\n\n{n}" for n in (note, kept) if n),
+            table=rows, tabs=gr.Tabs(selected="chat"), alert=kept)
+
+    def _keep_loaded(self, sid: str, owner: str) -> str:
+        """Write the just-loaded session ``sid`` (its file, then all its turns into the history) with
+        the engine's keeper; '' or a warning when part of it has to wait (e.g. a full disk)."""
+        p = self.page
+        try:
+            with p.registry.using(sid, owner=owner) as entry:
+                notice = p.engine.keep_loaded(entry.session)
+        except (KeyError, SessionBusy, EngineLoading):
+            return ""
+        return p.warn(notice) if notice else ""
+
+
+def _hide_path(message: str, path: str | os.PathLike[str]) -> str:
+    """``message`` with the server's path of an uploaded file (and its folder) replaced
+    by the file's own name: errors never show server paths."""
+    p = Path(path)
+    for full in sorted({str(p), str(p.resolve()), str(p.absolute())}, key=len, reverse=True):
+        message = message.replace(full, p.name)
+    for folder in sorted({str(p.parent), str(p.parent.resolve())}, key=len, reverse=True):
+        if len(folder) > 1:
+            message = message.replace(folder + os.sep, "").replace(folder, "")
+    return message

@@ -1,0 +1,199 @@
+"""The sessions table's handlers: search and list, pick a row, Resume, Export, Delete.
+
+Only the caller's own sessions are listed, resumed, exported or deleted; another owner's
+id is answered as an unknown one. Resume switches to the caller's own live (or parked)
+session under its id, or reopens one from its autosaved ``.miku``; Delete asks first
+(:meth:`HistoryHandlers.ask_delete`) and removes the history rows and the saved state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.handlers.page import NOT_LOGGED_IN, Page
+from app.loader import EngineLoading
+from app.render_safe import md_cell
+from app.sessions import SessionLimit
+from app.updates import PageUpdate
+from app.views import short
+from isagi.ids import is_session_id
+from isagi.session.folder import SessionFiles
+
+
+class HistoryHandlers:
+    """The sessions tab's table events (outputs :data:`~app.updates.LIST`, ``RESUME``, ``FILE``,
+    ``ASK_DELETE``, ``CONFIRM_DELETE``)."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+
+    def list_sessions(self, query: str = "", request: Any = None) -> PageUpdate:
+        """The table (id, title, turns, updated, state) of the caller's sessions, optionally searched."""
+        rows, note = self.page.session_rows(self.page.who(request)[0], query)
+        return PageUpdate(table=rows, sessions_note=note)
+
+    @staticmethod
+    def select_row(evt: Any, rows: Any) -> PageUpdate:
+        """The session id of the clicked row (outputs :data:`~app.updates.SELECT`)."""
+        try:
+            r = evt.index[0] if isinstance(evt.index, list | tuple) else evt.index
+            data = rows.values.tolist() if hasattr(rows, "values") else rows
+            return PageUpdate(chosen=str(data[r][0]))
+        except Exception:
+            return PageUpdate(chosen="")
+
+    def resume(self, chosen: str, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
+        """Open one of the caller's past sessions: their own live (or parked) one is switched
+        to under its id, never forked; another from its saved living state (its autosaved ``.miku``).
+
+        When the chat tab is shown (the session resumed), its alert line is emptied: the
+        previous chat's alert is not the resumed one's."""
+        out = self._resume(chosen, sid, colour_by, request)
+        return out.but(alert="") if "tabs" in out.changed() else out
+
+    def _resume(self, chosen: str, sid: str | None, colour_by: str, request: Any) -> PageUpdate:
+        import gradio as gr
+
+        from isagi.errors import IsagiError
+        from isagi.session.files import load_session
+
+        p = self.page
+        owner, client = p.who(request)
+        chosen = (chosen or "").strip()
+
+        def refused(why: str) -> PageUpdate:
+            return PageUpdate(state=sid, sessions_note=p.warn(why))
+
+        def switched(new: str, note: str) -> PageUpdate:
+            return p.view(new, colour_by, owner).but(state=new, sessions_note=note, tabs=gr.Tabs(selected="chat"))
+
+        if not chosen:
+            return refused("Pick a session in the table first.")
+        if owner is not None and chosen == sid and p.registry.holds(sid, owner):
+            return switched(sid, "That session is already open.")
+        if owner is not None and is_session_id(chosen) and p.registry.holds(chosen, owner):
+            # The caller's own live (or parked) session, e.g. open in another tab: switch to it.
+            try:
+                session = p.registry.entry(chosen, owner).session
+            except (KeyError, EngineLoading, IsagiError) as exc:
+                return refused(f"Could not resume {chosen}: {exc}")
+            left = p.release_for(sid, owner)
+            note = (f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({len(session.turns)} turns, "
+                    f"{len(session.memory)} trajectories).") + (f"\n\n{left}" if left else "")
+            return switched(chosen, note)
+        summary = p.own_summary(chosen, owner)
+        if summary is None:
+            return refused(f"No session {short(chosen, 64)} in your history.")
+        path = p.autosave_of(summary)
+        if path is None:
+            return refused(f"Session {chosen} has no saved living state; export its history instead.")
+        try:
+            session = load_session(p.engine.frame, path, session_id=chosen)
+        except (IsagiError, EngineLoading) as exc:
+            return refused(f"Could not resume {chosen}: {exc}")
+        left = p.release_for(sid, owner)
+        try:
+            new = p.registry.adopt(session, owner=owner, client=client)
+        except SessionLimit as exc:
+            return refused(str(exc))
+        note = f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
+        if new != chosen:
+            note += f" It is open in another browser, so this is a copy with id {new}."
+        if left:
+            note += f"\n\n{left}"
+        return switched(new, note)
+
+    def export(self, chosen: str, sid: str | None, fmt: str, request: Any = None) -> PageUpdate:
+        """The chosen (or the open) session's history as Markdown or JSON, for download:
+        only the caller's own sessions (another's id is "not found")."""
+        p = self.page
+        owner, _ = p.who(request)
+        target = (chosen or "").strip() or (sid or "")
+        shown = short(target, 64) or "(none)"
+        try:
+            store = p.engine.store
+            if store is None:
+                return PageUpdate(files_note=p.warn("No history store is configured."))
+            if owner is None:
+                return PageUpdate(files_note=p.warn(NOT_LOGGED_IN))
+            if p.own_summary(target, owner) is None:  # unknown and another's alike
+                return PageUpdate(files_note=p.warn(f"Could not export session {shown}: no such session in your history."))
+            text = store.export(target, "markdown" if fmt == "markdown" else "json", owner=owner)
+        except Exception as exc:
+            return PageUpdate(files_note=p.warn(f"Could not export session {shown}: {exc}"))
+        ext = "md" if fmt == "markdown" else "json"
+        name = f"isagi-{target}.{ext}" if is_session_id(target) else f"isagi-session.{ext}"
+        path = p.download_dir() / name
+        path.write_text(text, encoding="utf-8")
+        return PageUpdate(download=str(path), files_note=f"Exported session {md_cell(shown)} as {ext.upper()}.")
+
+    # -- delete, in two steps -------------------------------------------------------
+    def _deletable(self, chosen: str, sid: str | None, owner: str | None) -> tuple[Any, str | None]:
+        """(the caller's history summary of ``chosen``, None) when it may be deleted, else (None, why)."""
+        if not chosen:
+            return None, "Pick a session in the table first."
+        summary = self.page.own_summary(chosen, owner)
+        if summary is None or owner is None:
+            return None, f"No session {short(chosen, 64)} in your history."
+        if chosen == sid:
+            return None, "That is the chat open on this page: start a New chat first, then delete it."
+        if chosen in self.page.registry.live_ids(owner):
+            return None, "That session is open in a browser; close it there first."
+        return summary, None
+
+    def ask_delete(self, chosen: str, sid: str | None, request: Any = None) -> PageUpdate:
+        """Delete, step one: name what would be deleted and show "Yes, delete" and "Cancel".
+        ``pending`` is the id waiting for confirmation (None: nothing)."""
+        import gradio as gr
+
+        owner, _ = self.page.who(request)
+        chosen = (chosen or "").strip()
+        summary, why = self._deletable(chosen, sid, owner)
+        if summary is None:
+            return PageUpdate(pending=None, sessions_note=self.page.warn(why or ""),
+                              confirm=gr.Button(visible=False), cancel=gr.Button(visible=False))
+        title = md_cell(short(summary.title or "(untitled)", 80))
+        return PageUpdate(
+            pending=chosen,
+            sessions_note=(f"**Delete session {chosen}** (“{title}”, {summary.turns} turns) from your history, "
+                           "with its saved state? This cannot be undone: click **Yes, delete** to confirm."),
+            confirm=gr.Button(visible=True), cancel=gr.Button(visible=True))
+
+    def confirm_delete(self, pending: str | None, sid: str | None, request: Any = None) -> PageUpdate:
+        """Delete, step two ("Yes, delete"): delete the session named in step one; the two
+        buttons hide again and nothing waits any more."""
+        import gradio as gr
+
+        done = PageUpdate(pending=None, confirm=gr.Button(visible=False), cancel=gr.Button(visible=False))
+        if not pending:
+            return done.but(sessions_note="Nothing to delete: pick a session and click Delete first.")
+        return self.delete(pending, sid, request).but(**done.changed())
+
+    @staticmethod
+    def cancel_delete() -> PageUpdate:
+        import gradio as gr
+
+        return PageUpdate(pending=None, sessions_note="Nothing was deleted.",
+                          confirm=gr.Button(visible=False), cancel=gr.Button(visible=False))
+
+    def delete(self, chosen: str, sid: str | None, request: Any = None) -> PageUpdate:
+        """Delete one of the caller's sessions: its history and its autosaved ``.miku`` (the page
+        asks first: :meth:`ask_delete`). Not the page's own chat, nor one open in another page.
+        Sets the table and the note."""
+        p = self.page
+        owner, _ = p.who(request)
+        chosen = (chosen or "").strip()
+        summary, why = self._deletable(chosen, sid, owner)
+        if summary is None or owner is None:
+            return PageUpdate(sessions_note=p.warn(why or ""))
+        try:
+            ok = p.engine.store.delete_session(chosen, owner=owner)
+        except Exception as exc:
+            return PageUpdate(sessions_note=p.warn(f"Could not delete {chosen}: {exc}"))
+        if not ok:
+            return PageUpdate(sessions_note=p.warn(f"No session {chosen} in your history."))
+        p.registry.forget(chosen, owner)
+        removed = SessionFiles(p.settings.sessions_dir).remove(chosen, summary.miku_path)
+        rows, _ = p.session_rows(owner)
+        gone = f" and its saved state ({removed[0].name})" if removed else ""
+        return PageUpdate(table=rows, sessions_note=f"Deleted session {chosen} from the history{gone}.")

@@ -1,0 +1,277 @@
+"""What every area of the page shares: :class:`Page`.
+
+Owns the owner of a request (:meth:`Page.who`: the logged-in user under ISAGI_AUTH,
+``local`` without a login), what the page draws of a session (:meth:`Page.view`: the chat
+and the five manifold panels, bounded whatever the session's length), the banner, alert
+texts (one line, escaped, never a server path: :meth:`Page.warn`), the caller's own
+history rows, and the app's temporary directory (downloads live there for a minute; Gradio
+serves its own copy, which it deletes after ten minutes).
+
+The registry and the history store answer another owner's session id exactly as an
+unknown id ("not found"), whether the id comes from the page, the API or an event called
+by ``fn_index``: every area asks through here with the request's owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from app import plots
+from app.loader import EngineHolder, EngineLoading
+from app.render_safe import esc, md_cell
+from app.sessions import SessionRegistry
+from app.updates import PageUpdate
+from app.uploads import MIB, UploadLedger
+from app.views import (
+    chat_window,
+    highlight_row,
+    manifold_summary,
+    reply_fields,
+    short,
+    turn_markdown,
+)
+from isagi.session.folder import SessionFiles
+from isagi.session.turn import turns_to_messages
+from storage.owners import LOCAL_OWNER
+
+PLOT_WINDOW_TURNS = 1000
+DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
+NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
+
+
+class Page:
+    """One engine holder, one registry and the settings, as every handler area sees them."""
+
+    def __init__(self, holder: EngineHolder, registry: SessionRegistry, settings: Any,
+                 uploads: UploadLedger | None = None) -> None:
+        """``uploads``: the server's ledger of uploads (its upload route records them); without
+        one (tests of the handlers alone) the page keeps its own, under its temporary directory."""
+        self.holder = holder
+        self.registry = registry
+        self.settings = settings
+        self._tmp: Path | None = None  # made on first use, removed by cleanup()
+        self._uploads = uploads
+
+    # -- the engine and the request's owner ---------------------------------
+    @property
+    def engine(self) -> Any:
+        return self.holder.engine
+
+    def safety(self) -> Any:
+        """The loaded profile's safety layer, or None (still loading, or none)."""
+        try:
+            return self.engine.profile.safety
+        except Exception:
+            return None
+
+    def who(self, request: Any) -> tuple[str | None, str | None]:
+        """(owner, client address) of a request: the logged-in user under ISAGI_AUTH
+        (None when there is none), ``local`` without a login."""
+        client = getattr(getattr(request, "client", None), "host", None)
+        if not self.settings.auth:
+            return LOCAL_OWNER, client
+        user = getattr(request, "username", None)
+        return (user if isinstance(user, str) and user else None), client
+
+    # -- the temporary directory ----------------------------------------------
+    @property
+    def uploads(self) -> UploadLedger:
+        """The ledger of uploads this app opens files from."""
+        if self._uploads is None:
+            root = self._ensure_tmp() / "uploads"
+            root.mkdir(exist_ok=True)
+            self._uploads = UploadLedger(root, self.settings.upload_quota_mb * MIB)
+        return self._uploads
+
+    def download_dir(self) -> Path:
+        """A fresh ``dl-*`` directory; those older than DOWNLOAD_TTL_S are removed first."""
+        root = self._ensure_tmp()
+        self.sweep_downloads(DOWNLOAD_TTL_S)
+        return Path(tempfile.mkdtemp(prefix="dl-", dir=root))
+
+    def _ensure_tmp(self) -> Path:
+        if self._tmp is None or not self._tmp.is_dir():
+            self._tmp = Path(tempfile.mkdtemp(prefix="isagi-web-"))
+        return self._tmp
+
+    def sweep_downloads(self, older_than_s: float = DOWNLOAD_TTL_S) -> int:
+        """Remove this app's ``dl-*`` directories older than ``older_than_s``; returns how many."""
+        if self._tmp is None or not self._tmp.is_dir():
+            return 0
+        now, n = time.time(), 0
+        for d in self._tmp.glob("dl-*"):
+            with contextlib.suppress(OSError):
+                if now - d.stat().st_mtime >= older_than_s:
+                    shutil.rmtree(d)
+                    n += 1
+        return n
+
+    def cleanup(self) -> None:
+        """Remove this app's temporary directory (on shutdown)."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    # -- what the page draws ----------------------------------------------------
+    def view(self, sid: str | None, colour_by: str = "tier", owner: str | None = LOCAL_OWNER) -> PageUpdate:
+        """The chat and the five panels (:data:`app.updates.VIEW`) of ``owner``'s session, from its
+        live state; empty ones when there is none (unknown, another owner's, or still loading)."""
+        try:
+            if owner is None:
+                raise KeyError(sid)
+            entry = self.registry.entry(sid, owner)
+        except (KeyError, EngineLoading):
+            empty: list[dict[str, Any]] = []
+            return PageUpdate(chat=[], turn=turn_markdown(None), summary="Trajectories: **0**",
+                              map=plots.map_figure({}), growth=plots.growth_figure(empty),
+                              teh=plots.teh_figure(empty))
+        return self.view_of(entry.session, colour_by)
+
+    def view_of(self, session: Any, colour_by: str) -> PageUpdate:
+        """The page's view of ``session``: a bounded amount of work and data whatever its
+        length (the chat's newest turns, the plots' newest turns and trajectories)."""
+        first = max(0, len(session.turns) - PLOT_WINDOW_TURNS)
+        msgs = turns_to_messages(session.turns[first:])
+        safety = self.safety()
+        return PageUpdate(
+            chat=chat_window(session),
+            turn=turn_markdown(reply_fields(session.last_turn), safety),
+            summary=manifold_summary(session),
+            map=self.map_of(session, colour_by),
+            growth=plots.growth_figure(msgs, first_turn=first + 1),
+            teh=plots.teh_figure(msgs, getattr(safety, "threshold", None), first_turn=first + 1),
+        )
+
+    @staticmethod
+    def map_of(session: Any, colour_by: str) -> Any:
+        """The trajectory map of the newest :data:`PLOT_WINDOW_TURNS` stored trajectories."""
+        cols = session.memory.to_columns()
+        total = len(session.memory)
+        if total > PLOT_WINDOW_TURNS:
+            cols = {k: v[-PLOT_WINDOW_TURNS:] for k, v in cols.items()}
+        return plots.map_figure(cols, colour_by=colour_by, highlight=highlight_row(session, cols), total=total)
+
+    @staticmethod
+    def seen(sid: str | None, session: Any) -> str:
+        """What a page showing ``session`` (as ``sid``) has drawn: the session object and its version
+        (:attr:`isagi.session.state.Session.version`, which every recorded turn and rollback moves)."""
+        return f"{sid}:{id(session)}:{session.version}"
+
+    def status_line(self, owner: str | None = None) -> str:
+        """The banner; with a login, the live-session count is the user's own (not the server's)."""
+        h = self.holder
+        if h.ready:
+            e = self.engine
+            lm = e.lm
+            n = len(self.registry) if owner is None or not self.settings.auth else len(self.registry.live_ids(owner))
+            return (
+                f"Model **{lm.model_id}** ({lm.quant}, {lm.device}) · layer {e.layer} · "
+                f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
+            )
+        if h.failed:
+            return f"**The model could not be loaded:** {esc(self.public(self.hide_paths(str(h.error or ''))))}"
+        return (f"⏳ **{esc(self.hide_paths(h.describe()))}.** The first start converts the model and calibrates "
+                "it; this page works once it is done.")
+
+    # -- what the page says -------------------------------------------------------
+    def warn(self, msg: str) -> str:
+        """Show ``msg`` (plain text, possibly quoting outside text) as a pop-up and return it
+        for the alert line: one line, no server path or URL, escaped for both (the pop-up
+        renders HTML, the alert markdown)."""
+        import gradio as gr
+
+        text = esc(self.public(self.hide_paths(" ".join(str(msg).split()))))
+        gr.Warning(text)
+        return f"⚠️ {text}"
+
+    def hide_paths(self, text: str) -> str:
+        """``text`` with every path under the data directory, the upload cache or the
+        temporary directory shown as its last part (a file's own name), never in full."""
+        roots: set[str] = set()
+        for base in (self.settings.home, self.uploads.root, tempfile.gettempdir()):
+            with contextlib.suppress(OSError, RuntimeError, TypeError):
+                roots |= {str(base), str(Path(base).resolve())}
+        for root in sorted((r for r in roots if len(r) > 1), key=len, reverse=True):
+            text = re.sub(re.escape(root) + r"(?:[/\\][^\s'\"`:,;()<>]*)?",
+                          lambda m: Path(m.group(0)).name or "the data directory", text)
+        return text
+
+    def public(self, msg: str) -> str:
+        """``msg`` without the server's data directory or database URL."""
+        from app.public import public_text
+
+        s = self.settings
+        home = Path(s.home)
+        with contextlib.suppress(OSError, RuntimeError):
+            home = home.resolve()
+        return public_text(msg, (str(s.home), str(home), s.resolved_database_url))
+
+    # -- the caller's sessions ------------------------------------------------------
+    def release_for(self, sid: str | None, owner: str | None) -> str:
+        """Save and drop the session a browser leaves; a save that fails (a full disk) keeps it
+        live in memory and returns a warning saying so, else ''."""
+        from isagi.errors import IsagiError, storage_cause
+
+        try:
+            self.registry.release(sid, park=True, owner=owner)
+        except (IsagiError, OSError) as exc:
+            return self.warn(f"Your previous chat could not be saved ({storage_cause(exc)}). It is kept in "
+                             "memory and saved once that works again; nothing of it is lost.")
+        return ""
+
+    def store(self) -> Any:
+        """The history store, or None (still loading, or none configured)."""
+        return getattr(self.holder._engine, "store", None) if self.holder.ready else None
+
+    def own_summary(self, chosen: str, owner: str | None) -> Any:
+        """``owner``'s history summary of ``chosen``, or None (unknown and another's alike)."""
+        store = self.store()
+        if store is None or owner is None or not chosen or len(chosen) > 64:
+            return None
+        from isagi.errors import IsagiError
+
+        try:
+            return store.get_session(chosen, owner=owner)
+        except IsagiError:
+            return None
+
+    def autosave_of(self, summary: Any) -> Path | None:
+        """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
+        return SessionFiles(self.settings.sessions_dir).find(summary.id, summary.miku_path)
+
+    def session_rows(self, owner: str | None, query: str = "") -> tuple[list[list[Any]], str]:
+        """(rows, note): ``owner``'s sessions (id, title, turns, updated, state), the newest 100,
+        or those with a message containing ``query``."""
+        if owner is None:
+            return [], NOT_LOGGED_IN
+        store = self.store()
+        if store is None:
+            msg = "The history store is not available yet." if not self.holder.ready else "No history store is configured."
+            return [], msg
+        try:
+            if query and query.strip():
+                hits = store.search(query.strip(), limit=200, owner=owner)
+                found: list[str] = []
+                for h in hits:
+                    if h.session_id not in found:
+                        found.append(h.session_id)
+                summaries = [store.get_session(i, owner=owner) for i in found[:100]]
+                note = f"{len(summaries)} session(s) with messages containing “{md_cell(short(query.strip(), 80))}”."
+            else:
+                summaries = store.list_sessions(limit=100, owner=owner)
+                note = f"{len(summaries)} most recent session(s)."
+        except Exception as exc:
+            return [], self.warn(f"Could not read the history: {exc}")
+        live = set(self.registry.live_ids(owner))
+        rows = [
+            [s.id, s.title or "(untitled)", s.turns, s.updated_at.strftime("%Y-%m-%d %H:%M"),
+             "live" if s.id in live else ("saved" if s.miku_path else "history only")]
+            for s in summaries
+        ]
+        return rows, note
