@@ -50,7 +50,7 @@ def with_request(fn: Any, names: list[str], outputs: tuple[str, ...] | None, *fi
     n = len(names)
 
     def shown(update: Any) -> Any:
-        return update.out(outputs) if outputs is not None else update
+        return update.value(outputs) if outputs is not None else update
 
     if inspect.isgeneratorfunction(fn):
         def handler(*args: Any) -> Any:
@@ -238,8 +238,8 @@ def build_blocks(ui: WebUI) -> Any:
         list_fn = R(history_h.list_sessions, ["query"], u.LIST)
         refresh.click(list_fn, query, out(u.LIST), api_name="list_sessions", **light_q)
         query.submit(list_fn, query, out(u.LIST), api_name=False, **light_q)
-        def on_select(evt: Any, rows: Any) -> tuple[Any, ...]:
-            return history_h.select_row(evt, rows).out(u.SELECT)
+        def on_select(evt: Any, rows: Any) -> Any:
+            return history_h.select_row(evt, rows).value(u.SELECT)
 
         on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any}
         table.select(on_select, [table], out(u.SELECT), api_name=False, **light_q)
@@ -253,7 +253,7 @@ def build_blocks(ui: WebUI) -> Any:
                      out(u.ASK_DELETE), api_name=False, **light_q)
         confirm_delete.click(R(history_h.confirm_delete, ["pending", "sid"], u.CONFIRM_DELETE),
                              [pending_delete, state], out(u.CONFIRM_DELETE), api_name=False, **light_q)
-        cancel_delete.click(lambda: history_h.cancel_delete().out(u.ASK_DELETE), None, out(u.ASK_DELETE),
+        cancel_delete.click(lambda: history_h.cancel_delete().value(u.ASK_DELETE), None, out(u.ASK_DELETE),
                             api_name=False, queue=False)
         save.click(R(files_h.save_miku, ["sid"], u.FILE), state, out(u.FILE), api_name="save_miku", **light_q)
         # The box is emptied once the file is read (loaded or refused): it never shows an earlier
@@ -263,7 +263,7 @@ def build_blocks(ui: WebUI) -> Any:
                       ).then(lambda: None, None, upload, api_name=False, queue=False)
 
         def explore(seed: str, steps: float, tokens: float) -> tuple[Any, ...]:
-            return ui.explorer.run(seed, steps, tokens).out(u.EXPLORE)
+            return ui.explorer.run(seed, steps, tokens).value(u.EXPLORE)
 
         run_ex.click(explore, [seed, steps, ex_tokens], out(u.EXPLORE), api_name="explore", **model_q)
         # opening the tab shows the list as it is now (wired last: earlier events keep their fn_index)

@@ -5,7 +5,7 @@ changes; every field it leaves out stays as it is on the page. Each event is wir
 (:func:`app.layout.build_blocks`) with one of the output lists below, and
 :meth:`PageUpdate.out` turns an update into the tuple Gradio takes in that order, so
 no handler builds a positional tuple and none can set a component its event does not
-output (``out`` raises). Tests read an update by name (``update.chat``).
+output (``out`` raises); :meth:`PageUpdate.value` is what the wiring hands Gradio. Tests read an update by name (``update.chat``).
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ class PageUpdate:
         if extra:
             raise ValueError(f"this update sets {sorted(extra)}, which its event does not output ({names})")
         return tuple(gr.skip() if (v := getattr(self, n)) is KEEP else v for n in names)
+
+    def value(self, names: tuple[str, ...]) -> Any:
+        """What a handler hands Gradio: :meth:`out`, or its one item for an event with one output
+        (Gradio takes what such a handler returns as that output's value, a tuple included)."""
+        out = self.out(names)
+        return out[0] if len(names) == 1 else out
 
 
 # Each event's outputs, in the order the layout wires them.

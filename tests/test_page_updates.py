@@ -41,3 +41,11 @@ def test_every_output_list_names_components_of_the_page_once():
         assert set(outputs) <= names, list_name
         assert len(set(outputs)) == len(outputs), f"{list_name} names a component twice"
     assert set().union(*OUTPUT_LISTS.values()) == names, "every component of an update is some event's output"
+
+
+def test_an_event_with_one_output_gets_the_bare_value_not_a_one_item_tuple():
+    """Gradio takes whatever a one-output handler returns as that output's value: a 1-tuple
+    would be stored as the browser's session id (a reload then reopened nothing)."""
+    assert PageUpdate(stored="s1").value(u.STORED) == "s1"
+    assert PageUpdate(chosen="abc").value(u.SELECT) == "abc"
+    assert PageUpdate(table=[], sessions_note="n").value(u.LIST) == ([], "n")
