@@ -479,6 +479,19 @@ def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt
     _report(run(settings, new_tokens=new_tokens, repeats=repeats), as_json)
 
 
+@bench_app.command("batch")
+@friendly
+def bench_batch(model: ModelOpt = None, home: HomeOpt = None, new_tokens: int = 48, repeats: int = 3,
+                widths: Annotated[str, typer.Option("--widths", help="concurrent replies, e.g. 1,2,4,8,16")] = "1,2,4,8,16",
+                as_json: JsonOpt = False) -> None:
+    """Aggregate tokens/s with several replies at once: ISAGI's llama.cpp engine next to plain
+    llama-cpp-python decoding them in one multi-sequence batch (the anchor), in one run."""
+    from isagi.bench.batch import run
+
+    _report(run(_settings(model=model, home=home), new_tokens=new_tokens, repeats=repeats,
+                widths=tuple(_count_list(widths, "--widths"))), as_json)
+
+
 @bench_app.command("lookup")
 @friendly
 def bench_lookup(n: int = 100_000, k: int = 64, queries: int = 1000, as_json: JsonOpt = False) -> None:
