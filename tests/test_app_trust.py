@@ -243,7 +243,7 @@ def test_own_uploads_load_once_and_alice_still_loads_hers(world) -> None:
     data = [raw_alice.value_for(c, "") for c in dep["inputs"]]
     data[dep["inputs"].index(component_id(raw_alice, "isagi-upload"))] = file_data(world["waiting"])
     note = note_of(raw_alice.call(dep, data, "alicehash0001")["output"]["data"])
-    assert note.startswith("Loaded `alice-notes.miku`: 1 trajectories, 1 turns"), note
+    assert note.startswith("Loaded `alice-notes.miku`: 1 trajectory, 1 turn."), note
     assert not Path(world["waiting"]).exists()
 
 

@@ -241,6 +241,7 @@ def test_delete_asks_first_and_works_once_the_page_is_closed(tmp_path):
     asked = quiet(ui.history.ask_delete, sid, None, request=two)
     pending, question, yes = asked.pending, asked.sessions_note, asked.confirm
     assert pending == sid and "cannot be undone" in question and yes.visible
+    assert "”, 1 turn)" in question, "counted: one turn, not '1 turns'"
     assert history(ui, sid), "asking deletes nothing"
     confirmed = quiet(ui.history.confirm_delete, pending, None, request=two)
     table, done = confirmed.table, confirmed.sessions_note

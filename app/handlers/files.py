@@ -101,7 +101,8 @@ class FileHandlers:
         kept = self._keep_loaded(new, owner)
         # No pop-up notice: the note says it, and a later refused file replaces the note, so the
         # page never says "Loaded" beside that error.
-        loaded = f"Loaded `{md_cell(name)}`: {len(session.memory)} trajectories, {len(session.turns)} turns."
+        loaded = (f"Loaded `{md_cell(name)}`: {counted(len(session.memory), 'trajectory', 'trajectories')}, "
+                  f"{counted(len(session.turns), 'turn')}.")
         rows, _ = p.session_rows(owner)
         return p.view(new, colour_by, owner).but(
             state=new, files_note=loaded + "".join(f"\n\n{n}" for n in (note, kept) if n),

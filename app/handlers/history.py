@@ -15,7 +15,7 @@ from app.loader import EngineLoading
 from app.render_safe import md_cell
 from app.sessions import SessionLimit
 from app.updates import PageUpdate
-from app.views import short
+from app.views import counted, short
 from isagi.ids import is_session_id
 from isagi.session.folder import SessionFiles
 
@@ -78,8 +78,8 @@ class HistoryHandlers:
             except (KeyError, EngineLoading, IsagiError) as exc:
                 return refused(f"Could not resume {chosen}: {exc}")
             left = p.release_for(sid, owner)
-            note = (f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({len(session.turns)} turns, "
-                    f"{len(session.memory)} trajectories).") + (f"\n\n{left}" if left else "")
+            note = (f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({_size(session)}).") + (
+                f"\n\n{left}" if left else "")
             return switched(chosen, note)
         summary = p.own_summary(chosen, owner)
         if summary is None:
@@ -96,7 +96,7 @@ class HistoryHandlers:
             new = p.registry.adopt(session, owner=owner, client=client)
         except SessionLimit as exc:
             return refused(str(exc))
-        note = f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({len(session.turns)} turns, {len(session.memory)} trajectories)."
+        note = f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({_size(session)})."
         if new != chosen:
             note += f" It is open in another browser, so this is a copy with id {new}."
         if left:
@@ -155,7 +155,7 @@ class HistoryHandlers:
         title = md_cell(short(summary.title or "(untitled)", 80))
         return PageUpdate(
             pending=chosen,
-            sessions_note=(f"**Delete session {chosen}** (“{title}”, {summary.turns} turns) from your history, "
+            sessions_note=(f"**Delete session {chosen}** (“{title}”, {counted(summary.turns, 'turn')}) from your history, "
                            "with its saved state? This cannot be undone: click **Yes, delete** to confirm."),
             confirm=gr.Button(visible=True), cancel=gr.Button(visible=True))
 
@@ -197,3 +197,8 @@ class HistoryHandlers:
         rows, _ = p.session_rows(owner)
         gone = f" and its saved state ({removed[0].name})" if removed else ""
         return PageUpdate(table=rows, sessions_note=f"Deleted session {chosen} from the history{gone}.")
+
+
+def _size(session: Any) -> str:
+    """'3 turns, 1 trajectory': what a resumed session holds."""
+    return f"{counted(len(session.turns), 'turn')}, {counted(len(session.memory), 'trajectory', 'trajectories')}"
