@@ -21,8 +21,10 @@ def test_bench_batch_reports_both_sides_and_the_single_sequence_anchor_matches_i
     assert one["anchor_over_single"] == one["isagi_over_single"] == 1.0
     for w in (one, two):
         assert w["anchor_tokens_per_s"]["median"] > 0 and w["isagi_tokens_per_s"]["median"] > 0
-        assert w["vs_anchor"] == pytest.approx(w["isagi_tokens_per_s"]["median"] / w["anchor_tokens_per_s"]["median"],
-                                               rel=0.02)
+        # decoding alone is faster than decoding and prefilling
+        assert w["anchor_decode_tokens_per_s"]["median"] > w["anchor_tokens_per_s"]["median"]
+        assert w["vs_anchor"] == pytest.approx(
+            w["isagi_decode_tokens_per_s"]["median"] / w["anchor_decode_tokens_per_s"]["median"], rel=0.02)
 
 
 def test_bench_batch_refuses_widths_it_cannot_run(tmp_path):
