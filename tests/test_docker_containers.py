@@ -152,7 +152,7 @@ def test_data_survives_the_container(first, cpu_image: str) -> None:
         rows = sessions(gc)
         assert [(r[0], r[2], r[4]) for r in rows] == [(sid, 1, "saved")], rows
         out = gc.predict(sid, "tier", api_name="/resume")  # loads the session's .miku
-        assert "Resumed" in out[0] and "1 turns" in out[0], out[0]
+        assert "Resumed" in out[0] and "(1 turn, 1 trajectory)" in out[0], out[0]
         reply, turn = send(gc)
         assert "RETRIEVE" in turn, turn  # answered from the restored memory
         assert "Paris" in reply, reply
