@@ -48,10 +48,6 @@ class HistoryHandlers:
 
         When the chat tab is shown (the session resumed), its alert line is emptied: the
         previous chat's alert is not the resumed one's."""
-        out = self._resume(chosen, sid, colour_by, request)
-        return out.but(alert="") if "tabs" in out.changed() else out
-
-    def _resume(self, chosen: str, sid: str | None, colour_by: str, request: Any) -> PageUpdate:
         import gradio as gr
 
         from isagi.errors import IsagiError
@@ -65,7 +61,8 @@ class HistoryHandlers:
             return PageUpdate(state=sid, sessions_note=p.warn(why))
 
         def switched(new: str, note: str) -> PageUpdate:
-            return p.view(new, colour_by, owner).but(state=new, sessions_note=note, tabs=gr.Tabs(selected="chat"))
+            return p.view(new, colour_by, owner).but(state=new, sessions_note=note, tabs=gr.Tabs(selected="chat"),
+                                                     alert="")
 
         if not chosen:
             return refused("Pick a session in the table first.")

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from isagi.config import Settings
-from isagi.engines.base import GenerationOptions
 
 # One KV stream per sequence (``kv_unified`` off), as ISAGI's batching will use: a sequence's
 # cells then start at 0 in its own stream, as in a context of its own, and greedy replies
@@ -138,21 +137,17 @@ class MultiSequenceAnchor:
 def _isagi_replies(engine: Any, chats: list[list[dict[str, str]]], new_tokens: int, layers: tuple[int, int]) -> Timed:
     """Every chat's greedy reply through ISAGI's engine, asked for at once from a thread each, one
     model queue between them (as the web app's turns share the engine's generation lock)."""
+    from isagi.bench.generate import timed_reply
+
     queue = threading.Lock()
     out: list[list[int]] = [[] for _ in chats]
-    spent = [0.0, 0.0]  # prefill, decode: one reply at a time, so their sums are the wall time
+    spent = [0.0, 0.0]  # to the first token, after it: one reply at a time, so their sums are the wall time
 
     def reply(i: int) -> None:
-        with queue, engine.generation(chats[i], layers[0], GenerationOptions(max_new_tokens=new_tokens),
-                                      also_capture=(layers[1],)) as gen:
-            start = time.perf_counter()
-            gen.prefill()
-            prefilled = time.perf_counter()
-            for _ in gen.stream():
-                pass
-            out[i] = list(gen.new_ids)
-            spent[0] += prefilled - start
-            spent[1] += time.perf_counter() - prefilled
+        with queue:
+            total, first, out[i] = timed_reply(engine, chats[i], new_tokens, layers)
+        spent[0] += first
+        spent[1] += total - first
 
     threads = [threading.Thread(target=reply, args=(i,)) for i in range(len(chats))]
     for t in threads:

@@ -36,7 +36,9 @@ PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map
 Timed = tuple[float, float, list[int]]  # (seconds, seconds to the first token, new ids)
 
 
-def _engine_run(engine: Any, messages: list[dict[str, str]], n: int, layers: tuple[int, int], **kw: Any) -> Timed:
+def timed_reply(engine: Any, messages: list[dict[str, str]], n: int, layers: tuple[int, int], **kw: Any) -> Timed:
+    """One greedy reply through ISAGI's engine as a turn decodes it (layer L and the safety layer
+    captured): (seconds, seconds to the first token, new ids)."""
     start = time.perf_counter()
     first = None
     with engine.generation(messages, layers[0], GenerationOptions(max_new_tokens=n), also_capture=(layers[1],), **kw) as gen:
@@ -107,9 +109,9 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[s
     stops = llama.stop_token_ids
     variants: dict[str, Callable[[], Timed]] = {
         "plain_llamacpp": lambda: plain.generate(prompt_ids, new_tokens, stop_ids=stops),
-        "llamacpp": lambda: _engine_run(llama, messages, new_tokens, layers),
-        "llamacpp_no_capture": lambda: _engine_run(llama, messages, new_tokens, layers, capture_reply=False),
-        "transformers": lambda: _engine_run(hf, messages, new_tokens, layers),
+        "llamacpp": lambda: timed_reply(llama, messages, new_tokens, layers),
+        "llamacpp_no_capture": lambda: timed_reply(llama, messages, new_tokens, layers, capture_reply=False),
+        "transformers": lambda: timed_reply(hf, messages, new_tokens, layers),
         "transformers_generate": lambda: _hf_generate(hf, messages, new_tokens),
     }
     for fn in variants.values():  # warm-up
