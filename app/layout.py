@@ -99,7 +99,11 @@ def build_blocks(ui: WebUI) -> Any:
         pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
         status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
-        timer = gr.Timer(2.0, active=not ui.page.holder.ready)
+        # The loading banner's timer starts stopped: a page's load starts it while the model
+        # still loads. Started in the page's config, a page opened long after the model was ready
+        # would still tick once, and that late tick (queued behind other events) reopened the
+        # session the page had shown two seconds before, over a New chat or an upload.
+        timer = gr.Timer(2.0, active=False)
         sync_timer = gr.Timer(SYNC_S)
         with gr.Tabs(selected="chat") as tabs:
             with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):

@@ -247,9 +247,17 @@ def test_loading_engine_is_reported_not_crashed(tmp_path):
     out = run(ui.chat.send("hello", None, 4))
     assert "Loading the model" in out[0].alert
     assert "converting" in ui.page.status_line()
+    # A page opened while the model loads starts the banner's timer; its ticks keep it going.
+    assert ui.chat.on_load(None).timer.active is True
+    assert ui.chat.on_tick(None).timer.active is True
     gate.set()
     assert holder.wait(30)
-    assert ui.chat.on_load(None).state is None  # a page load makes no session: the first message does
+    assert ui.chat.on_tick(None).timer.active is False  # the tick that finds the model ready stops it
+    loaded = ui.chat.on_load(None)
+    assert loaded.state is None  # a page load makes no session: the first message does
+    # A page opened once the model is ready never ticks: a late tick would reopen the session
+    # the page showed when it fired, over a New chat or an upload made since.
+    assert loaded.timer.active is False
     assert "0 live session(s)" in ui.page.status_line()
     out = run(ui.chat.send("hello", None, 4))[-1]
     assert out.state in ui.page.registry and badges(out.chat) == ["explore"]

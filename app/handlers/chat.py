@@ -62,7 +62,8 @@ class ChatHandlers:
     # -- page load and loading banner --------------------------------------
     def on_load(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
         """Page load (outputs :data:`~app.updates.LOAD`): ``sid`` is the id the browser kept (its
-        storage), or None.
+        storage), or None. While the model loads, the page's timer is started (:meth:`on_tick`
+        reopens the session once it is ready); otherwise it stays stopped.
 
         A reload shows the same session (same id, conversation and memory): live,
         parked, or reopened from its autosaved ``.miku`` when the history says it
@@ -73,12 +74,16 @@ class ChatHandlers:
         owner, client = p.who(request)
         if owner is None:
             return p.view(None, colour_by, None).but(state=None, status=NOT_LOGGED_IN)
+        import gradio as gr
+
         if p.holder.ready:
             try:
                 sid = self._reattach(sid, owner, client)
             except SessionLimit as exc:
                 return p.view(None, colour_by, owner).but(state=None, status=f"**{exc}**")
-        return p.view(sid, colour_by, owner).but(state=sid, status=p.status_line(owner))
+        loading = not (p.holder.ready or p.holder.failed)  # the banner's timer, only while loading
+        return p.view(sid, colour_by, owner).but(
+            state=sid, status=p.status_line(owner), timer=gr.Timer(active=loading))
 
     def _reattach(self, sid: Any, owner: str, client: str | None) -> str | None:
         """``owner``'s session ``sid`` made live under its own id, or None (unknown,
