@@ -114,6 +114,7 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         n_ctx: int = 4096,
         backend_reason: str = "",
+        slots: int = 1,
     ) -> None:
         import llama_cpp
 
@@ -146,7 +147,12 @@ class LlamaCppEngine:
         self._cb = ll.ggml_backend_sched_eval_callback(self._capture.pointer)  # kept alive with the engine
         cparams = ll.llama_context_default_params()
         self._n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
-        cparams.n_ctx = self._n_ctx
+        self.slots = max(1, int(slots))
+        # several sequences: one KV stream each (kv_unified off), so each decodes as in a context
+        # of its own (isagi.engines.llamacpp_steps); n_ctx is then the sum of the slots' contexts
+        cparams.n_ctx = self._n_ctx * self.slots
+        cparams.n_seq_max = self.slots
+        cparams.kv_unified = self.slots == 1
         cparams.n_batch = cparams.n_ubatch = 512
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.cb_eval = self._cb
@@ -157,6 +163,9 @@ class LlamaCppEngine:
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {self._n_ctx} tokens for {path}.")
         self._mem = ll.llama_get_memory(self._ctx)
+        from isagi.engines.llamacpp_steps import StepRunner
+
+        self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots)
         self._template = self._load_template()
         self._stop_ids: set[int] | None = None
         self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
@@ -209,6 +218,8 @@ class LlamaCppEngine:
         return int(self._ll.llama_model_size(self._model)) + int(self._ll.llama_state_get_size(self._ctx))
 
     def close(self) -> None:
+        if getattr(self, "steps", None) is not None:
+            self.steps.free()
         if getattr(self, "_ctx", None):
             self._ll.llama_free(self._ctx)
             self._ctx = None

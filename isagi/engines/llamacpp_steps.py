@@ -1,0 +1,202 @@
+"""One ``llama_decode`` for every sequence with a token to decode: the step runner of a
+llama.cpp context with several sequence slots (work in progress for batched decoding).
+
+Owns :class:`StepRunner`. Each decoding thread hands it a :class:`Step` (its sequence's
+tokens at their positions, whether it wants logits and which layers' states) and waits;
+the thread that finds no step running becomes the runner for as long as work is
+pending: it puts every waiting single-token step into one batch (ascending sequence
+order), runs ``llama_decode`` once, copies each step's logits and captured rows out, and
+wakes their threads. A prompt (more than one token) runs as a step of its own: with one
+KV stream per sequence, llama.cpp cuts a batch into ubatches holding the same number of
+tokens of each sequence (``split_equal``), so mixing a prompt chunk with other
+sequences' single tokens would become many small ubatches, and the eval callback runs
+once per ubatch.
+
+The context must be made with ``n_seq_max`` = the slot count and ``kv_unified`` off: each
+sequence then has its own KV stream starting at cell 0, and a sequence's greedy reply is
+the same token for token as in a context of its own (``isagi bench batch``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Step:
+    """Tokens of one sequence to evaluate, and what the caller wants back."""
+
+    seq: int
+    tokens: list[int]
+    start: int  # the position of tokens[0] in the sequence
+    logits: str = "last"  # "last", "all" or "none"
+    capture: dict[bytes, int] | None = None  # node name -> layer, as LayerCapture takes it
+    truncate: bool = False  # states only: the graph may stop after the captured layers
+    # filled in by the runner
+    out_logits: np.ndarray | None = None  # (n, vocab): the logits asked for, in token order
+    out_states: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n, d)
+    error: BaseException | None = None
+    done: bool = False
+
+
+class StepRunner:
+    """Runs the steps of every sequence of one context, batching single-token steps."""
+
+    def __init__(self, ll: Any, ctx: Any, capture: Any, n_vocab: int, *, n_seq_max: int, n_batch: int = 512) -> None:
+        self._ll, self._ctx, self._capture, self._n_vocab = ll, ctx, capture, n_vocab
+        self._n_batch = n_batch
+        self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
+        self._pending: deque[Step] = deque()
+        self._cv = threading.Condition()
+        self._running = False
+        self._active: set[int] = set()  # sequences decoding a reply (open .. close)
+        self.gather_s = 0.005  # how long a step waits for the other decoding sequences' tokens
+        self.decodes = 0  # llama_decode calls (tests: a step of N replies is one call)
+        self.evaluated_tokens = 0
+
+    def free(self) -> None:
+        if self._batch is not None:
+            self._ll.llama_batch_free(self._batch)
+            self._batch = None
+
+    def open(self, seq: int) -> None:
+        """Sequence ``seq`` is decoding: a step waits (a moment) for its next token."""
+        with self._cv:
+            self._active.add(seq)
+
+    def close(self, seq: int) -> None:
+        """Sequence ``seq`` has ended: nobody waits for it."""
+        with self._cv:
+            self._active.discard(seq)
+            self._cv.notify_all()
+
+    def _gather(self) -> None:
+        """Wait up to :attr:`gather_s` for every decoding sequence's next token (held: the lock)."""
+        deadline = time.monotonic() + self.gather_s
+        while True:
+            waiting = {s.seq for s in self._pending if len(s.tokens) == 1}
+            if not waiting or self._active <= waiting:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(left)
+
+    def run(self, step: Step) -> Step:
+        """Evaluate ``step`` (in a batch with others' single tokens when it is one token) and
+        return it with its logits and states; raises what its ``llama_decode`` raised."""
+        with self._cv:
+            self._pending.append(step)
+            self._cv.notify_all()  # a runner gathering tokens takes this one too
+            while not step.done:
+                if self._running:
+                    self._cv.wait()
+                    continue
+                self._running = True
+                try:
+                    while not step.done and self._pending:
+                        self._gather()
+                        group = self._take()
+                        self._cv.release()
+                        try:
+                            self._evaluate(group)
+                        finally:
+                            self._cv.acquire()
+                        self._cv.notify_all()
+                finally:
+                    self._running = False
+                    self._cv.notify_all()
+        if step.error is not None:
+            raise step.error
+        return step
+
+    def _take(self) -> list[Step]:
+        """The next group to evaluate: every pending single-token step (ascending sequence, at most
+        one per sequence), or else the oldest prompt step alone."""
+        singles: dict[int, Step] = {}
+        for s in self._pending:
+            if len(s.tokens) == 1 and s.seq not in singles:
+                singles[s.seq] = s
+        if singles:
+            group = [singles[k] for k in sorted(singles)]
+            for s in group:
+                self._pending.remove(s)
+            return group
+        return [self._pending.popleft()]
+
+    def _evaluate(self, group: list[Step]) -> None:
+        try:
+            if len(group) == 1 and len(group[0].tokens) > 1:
+                self._prompt(group[0])
+            else:
+                self._singles(group)
+        except BaseException as exc:  # every waiter learns it
+            for s in group:
+                s.error = exc
+        finally:
+            for s in group:
+                s.done = True
+
+    def _fill(self, items: list[tuple[int, int, int, bool]]) -> None:
+        b = self._batch
+        for i, (token, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+
+    def _decode(self, n: int, capture: dict[bytes, int] | None, truncate: bool) -> dict[int, np.ndarray]:
+        cap = self._capture
+        if capture:
+            cap.start(capture, n, truncate=truncate)
+        try:
+            status = int(self._ll.llama_decode(self._ctx, self._batch))
+        finally:
+            cap.stop()
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+        if capture and not cap.complete():  # pragma: no cover - a graph without these nodes
+            raise RuntimeError(f"llama.cpp's graph gave no whole {sorted(capture)} outputs")
+        self.decodes += 1
+        self.evaluated_tokens += n
+        return {layer: rows[:n].copy() for layer, rows in cap.rows().items()} if capture else {}
+
+    def _logits(self, i: int) -> np.ndarray:
+        ptr = self._ll.llama_get_logits_ith(self._ctx, i)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,)).copy()
+
+    def _singles(self, group: list[Step]) -> None:
+        """One token of each sequence in one ``llama_decode``; rows in ascending sequence order."""
+        capture: dict[bytes, int] = {}
+        for s in group:
+            capture.update(s.capture or {})
+        self._fill([(s.tokens[0], s.start, s.seq, s.logits != "none") for s in group])
+        rows = self._decode(len(group), capture or None, truncate=False)
+        for i, s in enumerate(group):
+            if s.logits != "none":
+                s.out_logits = self._logits(i)[None, :]
+            s.out_states = {layer: rows[layer][i : i + 1] for layer in (s.capture or {}).values()}
+
+    def _prompt(self, s: Step) -> None:
+        """A prompt of one sequence, in chunks of the batch size."""
+        parts: dict[int, list[np.ndarray]] = {layer: [] for layer in (s.capture or {}).values()}
+        logits: list[np.ndarray] = []
+        n = len(s.tokens)
+        for off in range(0, n, self._n_batch):
+            chunk = s.tokens[off : off + self._n_batch]
+            last_chunk = off + len(chunk) == n
+            want = [s.logits == "all" or (s.logits == "last" and last_chunk and j == len(chunk) - 1)
+                    for j in range(len(chunk))]
+            self._fill([(t, s.start + off + j, s.seq, w) for j, (t, w) in enumerate(zip(chunk, want, strict=True))])
+            rows = self._decode(len(chunk), s.capture, s.truncate)
+            for layer, got in rows.items():
+                parts[layer].append(got)
+            logits += [self._logits(j) for j, w in enumerate(want) if w]
+        s.out_states = {layer: np.concatenate(p) for layer, p in parts.items() if p}
+        s.out_logits = np.stack(logits) if logits else None

@@ -1,0 +1,85 @@
+"""The step runner on the real default model: several replies decoded together, one token of
+each per ``llama_decode``, come out as each does alone, token for token and state for state."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from isagi.engines.base import GenerationOptions
+from isagi.engines.llamacpp_steps import Step
+
+pytestmark = pytest.mark.model
+
+TOPICS = ("a lighthouse keeper's night", "how bread rises", "the water cycle", "a city at dawn")
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engines(settings_default):
+    from isagi.engines import load_engine
+    from isagi.engines.llamacpp import LlamaCppEngine
+
+    alone = load_engine(settings_default)
+    batched = LlamaCppEngine(alone.source, model_id=alone.model_id, fingerprint=alone.fingerprint,
+                             n_threads=alone.n_threads, slots=4)
+    yield alone, batched
+    batched.close()
+
+
+def _chat(system: str, topic: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"Write a few sentences about {topic}."}]
+
+
+def _greedy_through_steps(engine, seq: int, ids: list[int], layer: int) -> tuple[list[int], np.ndarray]:
+    """A greedy reply of ``ids`` in sequence ``seq``: the prompt as one step, then a token per step."""
+    runner, names = engine.steps, engine._names([layer])
+    first = runner.run(Step(seq, ids, 0, logits="last"))
+    token = int(np.argmax(first.out_logits[-1]))
+    runner.open(seq)
+    out, states = [], []
+    try:
+        while token not in engine.stop_token_ids and len(out) < NEW:
+            out.append(token)
+            if len(out) == NEW:
+                break
+            got = runner.run(Step(seq, [token], len(ids) + len(out) - 1, capture=names))
+            states.append(got.out_states[layer])
+            token = int(np.argmax(got.out_logits[-1]))
+    finally:
+        runner.close(seq)
+    return out, np.concatenate(states) if states else np.zeros((0, engine.hidden_size), np.float32)
+
+
+def test_replies_decoded_together_equal_each_decoded_alone(engines, settings_default):
+    alone, batched = engines
+    layer = alone.default_layer
+    chats = [_chat(settings_default.system_prompt, t) for t in TOPICS]
+    expected = []
+    for chat in chats:
+        with alone.generation(chat, layer, GenerationOptions(max_new_tokens=NEW)) as gen:
+            for _ in gen.stream():
+                pass
+            expected.append((list(gen.new_ids), gen.reply_hidden(layer)))
+    batched._ll.llama_memory_clear(batched._mem, False)
+    got: list = [None] * len(chats)
+
+    def reply(i: int) -> None:
+        got[i] = _greedy_through_steps(batched, i, batched.chat_tokens(chats[i]), layer)
+
+    threads = [threading.Thread(target=reply, args=(i,)) for i in range(len(chats))]
+    before = batched.steps.decodes
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steps = batched.steps.decodes - before
+    for (ids, states), (want_ids, want_states) in zip(got, expected, strict=True):
+        assert ids == want_ids, "a batched greedy reply is the one decoded alone"
+        assert states.shape == want_states.shape
+        cos = (states * want_states).sum(1) / (np.linalg.norm(states, axis=1) * np.linalg.norm(want_states, axis=1))
+        assert cos.min() >= 0.999, cos.min()
+    single_steps = sum(len(ids) for ids, _ in got)
+    assert steps < 0.6 * single_steps, (steps, single_steps)  # most tokens shared a llama_decode
