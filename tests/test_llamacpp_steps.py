@@ -83,3 +83,61 @@ def test_replies_decoded_together_equal_each_decoded_alone(engines, settings_def
         assert cos.min() >= 0.999, cos.min()
     single_steps = sum(len(ids) for ids, _ in got)
     assert steps < 0.6 * single_steps, (steps, single_steps)  # most tokens shared a llama_decode
+
+
+def _decode_alone_and_together(alone, batched, chats, layer, *, stop_after: dict[int, int] | None = None):
+    """Each chat's greedy reply through ``alone`` one at a time, and through ``batched`` from a
+    thread each (its decodings in slots of their own); ``stop_after``: Stop a reply after n tokens."""
+    stop_after = stop_after or {}
+
+    def one(engine, chat, i):
+        with engine.generation(chat, layer, GenerationOptions(max_new_tokens=NEW),
+                               also_capture=(alone.default_safety_layer,)) as gen:
+            gen.prefill()
+            for ev in gen.stream():
+                if len(gen.new_ids) == stop_after.get(i, -1):
+                    gen.stop()
+                del ev
+            return list(gen.new_ids), gen.reply_hidden(layer), gen.reply_hidden(alone.default_safety_layer)
+
+    expected = [one(alone, c, i) for i, c in enumerate(chats)]
+    got: list = [None] * len(chats)
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, one(batched, chats[i], i)))
+               for i in range(len(chats))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return expected, got
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape:
+        return False
+    if not len(a):
+        return True
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return bool(cos.min() >= 0.999)
+
+
+def test_the_engines_decodings_in_slots_equal_those_alone_and_a_stop_leaves_the_others(engines, settings_default):
+    alone, batched = engines
+    chats = [_chat(settings_default.system_prompt, t) for t in TOPICS]
+    expected, got = _decode_alone_and_together(alone, batched, chats, alone.default_layer, stop_after={1: 5})
+    for i, ((ids, h, hs), (want_ids, want_h, want_hs)) in enumerate(zip(got, expected, strict=True)):
+        assert ids == want_ids, i
+        assert _same(h, want_h) and _same(hs, want_hs), i
+    assert len(got[1][0]) == 5, "Stop ended that reply after its fifth token; the others ran on"
+    assert not batched._slot_owner and len(batched._free) == batched.slots, "every slot is free again"
+
+
+def test_reply_nll_and_prompt_states_in_a_slot_equal_those_alone(engines, settings_default):
+    alone, batched = engines
+    chat = _chat(settings_default.system_prompt, TOPICS[0])
+    reply = alone.tokenize("The lighthouse stood alone.", special=False)
+    assert batched.reply_nll(chat, reply) == pytest.approx(alone.reply_nll(chat, reply), rel=1e-4)
+    layers = [alone.default_layer, alone.default_safety_layer]
+    a = next(alone.iter_prompt_states([chat], layers))
+    b = next(batched.iter_prompt_states([chat], layers))
+    for layer in layers:
+        assert _same(a[layer], b[layer]), layer

@@ -165,11 +165,14 @@ class LlamaCppEngine:
         self._mem = ll.llama_get_memory(self._ctx)
         from isagi.engines.llamacpp_steps import StepRunner
 
-        self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots)
+        self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
+        self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots, lock=self.lock)
+        self._free = list(range(self.slots))[::-1]  # free sequences (several slots only)
+        self._slot_owner: dict[int, object] = {}
+        self._slots_cv = threading.Condition()
         self._template = self._load_template()
         self._stop_ids: set[int] | None = None
         self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
-        self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
         self.evaluated_tokens = 0  # tokens run through the model (tests: no prompt token twice)
         self.prefixes = PrefixStore()  # KV caches of recent decodings, for prompts that extend them
         self.can_shift = bool(ll.llama_memory_can_shift(self._mem))  # the KV cache's positions can be moved
@@ -308,18 +311,62 @@ class LlamaCppEngine:
         self._ll.llama_memory_clear(self._mem, False)
         self.owner = owner
 
-    def _save_prefix(self, tokens: list[int]) -> None:
-        """Keep the KV cache of sequence 0, which holds exactly ``tokens``, in :attr:`prefixes`."""
+    # -- slots (several sequences: isagi.engines.llamacpp_steps) -------------------
+    def _take_slot(self, owner: object, *, all_of_them: bool = False) -> int:
+        """A free sequence for ``owner`` (waits until one is free), emptied; ``all_of_them``: every
+        sequence (a steered decoding: the control vector acts on the whole context)."""
+        with self._slots_cv:
+            if all_of_them:
+                self._slots_cv.wait_for(lambda: len(self._free) == self.slots)
+                taken = list(self._free)
+                self._free.clear()
+            else:
+                self._slots_cv.wait_for(lambda: bool(self._free))
+                taken = [self._free.pop()]
+        for seq in taken:
+            self._slot_owner[seq] = owner
+        seq = min(taken)
+        with self.lock:
+            self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        return seq
+
+    def _slot_eval(self, ids: list[int], *, capture: dict[bytes, int] | None, truncate: bool = False,
+                   logits: str = "none") -> Any:
+        """Evaluate ``ids`` from position 0 in a free sequence, then empty and free it (several slots)."""
+        from isagi.engines.llamacpp_steps import Step
+
+        owner = object()
+        seq = self._take_slot(owner)
+        try:
+            step = self.steps.run(Step(seq, ids, 0, logits=logits, capture=capture, truncate=truncate))
+            self.evaluated_tokens += len(ids)
+            return step
+        finally:
+            with self.lock:
+                self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._give_slot(owner)
+
+    def _give_slot(self, owner: object) -> None:
+        """Every sequence ``owner`` holds, free again."""
+        with self._slots_cv:
+            for seq, held in list(self._slot_owner.items()):
+                if held is owner:
+                    del self._slot_owner[seq]
+                    self._free.append(seq)
+            self._slots_cv.notify_all()
+
+    def _save_prefix(self, tokens: list[int], seq: int = 0) -> None:
+        """Keep the KV cache of sequence ``seq``, which holds exactly ``tokens``, in :attr:`prefixes`."""
         ll = self._ll
         with self.lock:  # the store too: one engine may be used from several threads
-            size = int(ll.llama_state_seq_get_size(self._ctx, 0))
+            size = int(ll.llama_state_seq_get_size(self._ctx, seq))
             buf = np.empty(size, dtype=np.uint8)  # kept as it is: no second copy into bytes
             got = int(ll.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                                  size, 0))
+                                                  size, seq))
             if got:
                 self.prefixes.put(tokens, buf[:got])
 
-    def _restore_prefix(self, ids: list[int], limit: int, *, shift: bool = False) -> int:
+    def _restore_prefix(self, ids: list[int], limit: int, *, shift: bool = False, seq: int = 0) -> int:
         """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
         sequence 0, cut to that prefix or ``limit`` tokens; returns how many leading tokens
         need no evaluation (never all of them: the last prompt token is evaluated for its logits).
@@ -339,24 +386,24 @@ class LlamaCppEngine:
                 return 0
             buf = np.frombuffer(data, dtype=np.uint8)  # llama.cpp copies from it, no copy here
             if not int(ll.llama_state_seq_set_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                                   len(buf), 0)):
-                ll.llama_memory_clear(self._mem, False)
+                                                   len(buf), seq)):
+                ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 return 0
-            if moved is not None and not self._cut(moved):
-                ll.llama_memory_clear(self._mem, False)
+            if moved is not None and not self._cut(moved, seq):
+                ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 return 0
             start = min(shared, len(ids) - 1)
-            ll.llama_memory_seq_rm(self._mem, 0, start, -1)
+            ll.llama_memory_seq_rm(self._mem, seq, start, -1)
         return start
 
-    def _cut(self, moved: Shift) -> bool:
-        """Cut the gap of ``moved`` out of sequence 0 and move the run after it down to follow
+    def _cut(self, moved: Shift, seq: int = 0) -> bool:
+        """Cut the gap of ``moved`` out of sequence ``seq`` and move the run after it down to follow
         the head (llama.cpp re-rotates the moved keys at the next decode); False if refused."""
         ll, mem = self._ll, self._mem
-        if not (ll.llama_memory_seq_rm(mem, 0, moved.cut + moved.run, -1)
-                and ll.llama_memory_seq_rm(mem, 0, moved.head, moved.cut)):
+        if not (ll.llama_memory_seq_rm(mem, seq, moved.cut + moved.run, -1)
+                and ll.llama_memory_seq_rm(mem, seq, moved.head, moved.cut)):
             return False
-        ll.llama_memory_seq_add(mem, 0, moved.cut, -1, moved.head - moved.cut)
+        ll.llama_memory_seq_add(mem, seq, moved.cut, -1, moved.head - moved.cut)
         self.context_shifts += 1
         return True
 
@@ -474,8 +521,11 @@ class LlamaCppEngine:
         names = self._names(layers)
         for chat in chats:
             ids = self.chat_tokens(chat)
-            self._clear(None)
-            states = self._decode(ids, 0, capture=names, truncate=True)
+            if self.slots > 1:
+                states = self._slot_eval(ids, capture=names, truncate=True).out_states
+            else:
+                self._clear(None)
+                states = self._decode(ids, 0, capture=names, truncate=True)
             yield states
             if progress is not None:  # one prompt at a time: progress moves with every prompt
                 progress(1)
@@ -496,11 +546,17 @@ class LlamaCppEngine:
             return math.inf
         prompt = self.chat_tokens(messages)
         ids = prompt + list(reply_ids)
-        self._clear(None)
-        self._decode(ids, 0, capture=None, all_logits=True)
+        if self.slots > 1:
+            rows = self._slot_eval(ids, capture=None, logits="all").out_logits
+            assert rows is not None
+            logit_of = rows.__getitem__
+        else:
+            self._clear(None)
+            self._decode(ids, 0, capture=None, all_logits=True)
+            logit_of = self._logits
         total = 0.0
         for j, tok in enumerate(reply_ids):
-            logits = self._logits(len(prompt) - 1 + j).astype(np.float64)
+            logits = logit_of(len(prompt) - 1 + j).astype(np.float64)
             top = logits.max()
             total += float(top + math.log(np.exp(logits - top).sum()) - logits[tok])
         return total / len(reply_ids)
@@ -573,12 +629,19 @@ class LlamaCppDecoding:
         self.context_shift = context_shift
         self._prompt_start = 0  # prompt positions before this came from a saved KV cache
         self._kv_len = 0  # tokens (prompt, then fed-back reply) in the KV cache
+        # several slots: this decoding's sequence, and the logits of its last evaluated token
+        self._multi = engine.slots > 1
+        self.seq: int | None = None
+        self._next_logits: np.ndarray | None = None
+        self._candidates: np.ndarray | None = None  # the sampler's token data (several slots)
 
     # -- lifetime -------------------------------------------------------------
     def __enter__(self) -> LlamaCppDecoding:
         self._entered = True
         try:
             if self.steer is not None:
+                if self._multi:  # the control vector acts on the whole context: every slot
+                    self.seq = self.engine._take_slot(self, all_of_them=True)
                 self._set_steer(self.steer)
         except BaseException:
             self.__exit__(None, None, None)
@@ -587,6 +650,9 @@ class LlamaCppDecoding:
 
     def __exit__(self, *exc: object) -> None:
         if not self._entered:
+            return
+        if self._multi:
+            self._exit_slot()
             return
         e = self.engine
         try:
@@ -601,6 +667,26 @@ class LlamaCppDecoding:
                     e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
                 e._clear(None)
         finally:
+            self._entered = False
+
+    def _exit_slot(self) -> None:
+        """:meth:`__exit__` with several slots: the sequence's cache saved as a prefix, emptied, freed."""
+        e = self.engine
+        try:
+            if self._steering:
+                e._ll.llama_set_adapter_cvec(e._ctx, None, 0, e.hidden_size, -1, -1)
+                self._steering = False
+            if self._sampler is not None:
+                e._ll.llama_sampler_free(self._sampler)
+                self._sampler = None
+            if self.seq is not None:
+                if self._kv_len and self.steer is None and not self.states_only:
+                    e._save_prefix((self.ids + self.new_ids)[: self._kv_len], seq=self.seq)
+                with e.lock:
+                    e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
+        finally:
+            e._give_slot(self)
+            self.seq = None
             self._entered = False
 
     def _set_steer(self, vector: np.ndarray) -> None:
@@ -638,6 +724,8 @@ class LlamaCppDecoding:
 
     def prefill(self) -> np.ndarray:
         assert self._entered, "use the decoding inside a with block"
+        if self._multi:
+            return self._prefill_slot()
         e = self.engine
         e._clear(self)
         start = e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift) if self.reuse_prefix else 0
@@ -645,6 +733,43 @@ class LlamaCppDecoding:
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
         return last_token(self._prompt[self.layer])
+
+    def _prefill_slot(self) -> np.ndarray:
+        """:meth:`prefill` in a sequence of its own (several slots), through the engine's step runner."""
+        from isagi.engines.llamacpp_steps import Step
+
+        e = self.engine
+        if self.seq is None:
+            self.seq = e._take_slot(self)
+        else:  # a steered decoding holds its slots from __enter__; a second prefill starts afresh
+            with e.lock:
+                e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
+        start = (e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift, seq=self.seq)
+                 if self.reuse_prefix else 0)
+        step = e.steps.run(Step(self.seq, self.ids[start:], start, logits="none" if self.states_only else "last",
+                                capture=e._names(self.layers), truncate=self.states_only))
+        e.evaluated_tokens += len(self.ids) - start
+        self._next_logits = None if step.out_logits is None else step.out_logits[-1]
+        self._prompt_start, self._kv_len = start, len(self.ids)
+        self._prompt = {layer: self._unsteer(layer, st) for layer, st in step.out_states.items()}
+        return last_token(self._prompt[self.layer])
+
+    def _sample(self, logits: np.ndarray) -> int:
+        """The sampler chain's token for ``logits`` (several slots: the context's own last logits
+        belong to whichever step ran last, so the chain is applied to this decoding's copy)."""
+        ll, n = self.engine._ll, self.engine.vocab_size
+        if self._candidates is None:
+            self._candidates = np.zeros(n, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+        cand = self._candidates
+        cand["id"] = np.arange(n, dtype=np.int32)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = ll.llama_token_data_array(data=cand.ctypes.data_as(ctypes.POINTER(ll.llama_token_data)),
+                                        size=n, selected=-1, sorted=False)
+        ll.llama_sampler_apply(self._sampler, ctypes.byref(arr))
+        token = int(arr.data[arr.selected].id)
+        ll.llama_sampler_accept(self._sampler, token)
+        return token
 
     def _evaluated_states(self, layer: int | None) -> np.ndarray:
         """States of the prompt positions this decoding evaluated (from ``_prompt_start``)."""
@@ -710,7 +835,8 @@ class LlamaCppDecoding:
         e = self.engine
         if self._prompt is None:
             self.prefill()
-        if e.owner is not self:
+        owner = e._slot_owner.get(self.seq) if self._multi and self.seq is not None else e.owner
+        if owner is not self:
             raise RuntimeError("another decoding used the model since this prefill; open a new one")
         if self.states_only:
             raise RuntimeError("this decoding was opened with states_only=True: open another to decode")
@@ -723,6 +849,9 @@ class LlamaCppDecoding:
         stop_ids = set() if opts.ignore_eos else e.stop_token_ids
         names = e._names(self.layers) if self.capture_reply else None
         pos = len(self.ids)
+        if self._multi:
+            yield from self._stream_slot(greedy, stop_ids, names, pos)
+            return
         while True:
             if self._stop.is_set():
                 self.finish_reason = "cancelled"
@@ -749,3 +878,42 @@ class LlamaCppDecoding:
             self._kv_len = pos
             for layer, s in states.items():
                 self._reply[layer].append(self._unsteer(layer, s))
+
+    def _stream_slot(self, greedy: bool, stop_ids: set[int], names: dict[bytes, int] | None,
+                     pos: int) -> Iterator[TokenEvent]:
+        """:meth:`stream` in a sequence of its own (several slots): each fed-back token is a step
+        of the engine's step runner, which decodes it in one batch with the other sequences'."""
+        from isagi.engines.llamacpp_steps import Step
+
+        e, opts = self.engine, self.options
+        assert self.seq is not None
+        e.steps.open(self.seq)
+        try:
+            while True:
+                if self._stop.is_set():
+                    self.finish_reason = "cancelled"
+                    return
+                if len(self.new_ids) >= opts.max_new_tokens:
+                    self.finish_reason = "length"
+                    return
+                assert self._next_logits is not None, "a prefill with logits comes first"
+                token = int(np.argmax(self._next_logits)) if greedy else self._sample(self._next_logits)
+                if token in stop_ids:
+                    self.finish_reason = "stop"
+                    return
+                self.new_ids.append(token)
+                yield TokenEvent(self._utf8.push(e._piece(token)), token)
+                if len(self.new_ids) >= opts.max_new_tokens or self._stop.is_set():
+                    continue  # no forward pass for a token that will not be continued
+                if pos >= e.context_length:
+                    self.finish_reason = "length"
+                    return
+                step = e.steps.run(Step(self.seq, [token], pos, capture=names))
+                e.evaluated_tokens += 1
+                self._next_logits = step.out_logits[-1]
+                pos += 1
+                self._kv_len = pos
+                for layer, s in step.out_states.items():
+                    self._reply[layer].append(self._unsteer(layer, s))
+        finally:
+            e.steps.close(self.seq)

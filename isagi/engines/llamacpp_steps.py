@@ -49,8 +49,11 @@ class Step:
 class StepRunner:
     """Runs the steps of every sequence of one context, batching single-token steps."""
 
-    def __init__(self, ll: Any, ctx: Any, capture: Any, n_vocab: int, *, n_seq_max: int, n_batch: int = 512) -> None:
+    def __init__(self, ll: Any, ctx: Any, capture: Any, n_vocab: int, *, n_seq_max: int, lock: Any,
+                 n_batch: int = 512) -> None:
+        """``lock``: the engine's, held around each ``llama_decode`` (and by its KV state reads and writes)."""
         self._ll, self._ctx, self._capture, self._n_vocab = ll, ctx, capture, n_vocab
+        self._lock = lock
         self._n_batch = n_batch
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
         self._pending: deque[Step] = deque()
@@ -153,12 +156,13 @@ class StepRunner:
 
     def _decode(self, n: int, capture: dict[bytes, int] | None, truncate: bool) -> dict[int, np.ndarray]:
         cap = self._capture
-        if capture:
-            cap.start(capture, n, truncate=truncate)
-        try:
-            status = int(self._ll.llama_decode(self._ctx, self._batch))
-        finally:
-            cap.stop()
+        with self._lock:
+            if capture:
+                cap.start(capture, n, truncate=truncate)
+            try:
+                status = int(self._ll.llama_decode(self._ctx, self._batch))
+            finally:
+                cap.stop()
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
         if capture and not cap.complete():  # pragma: no cover - a graph without these nodes
