@@ -81,7 +81,10 @@ def build_blocks(ui: WebUI) -> Any:
     s = ui.page.settings
     chat_h, history_h, files_h = ui.chat, ui.history, ui.files
     R = with_request  # noqa: N806 - a short local alias for the wiring below
-    model_q = {"concurrency_id": "model", "concurrency_limit": 2}
+    # Model work: one event per sequence slot of the model runs (ISAGI_PARALLEL), one more waits
+    # at the engine with its message checked; the rest wait in Gradio's queue, which shows
+    # each browser its position.
+    model_q = {"concurrency_id": "model", "concurrency_limit": s.parallel + 1}
     light_q = {"concurrency_limit": 8}
     with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
                    delete_cache=GRADIO_CACHE_DELETE) as demo:

@@ -48,6 +48,8 @@ HomeOpt = Annotated[Path | None, typer.Option("--home", help="data directory (IS
 LayerOpt = Annotated[int | None, typer.Option("--layer", help="hidden-state layer (ISAGI_LAYER)")]
 KOpt = Annotated[int | None, typer.Option("--k", help="UGT dimensions (ISAGI_K)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+ParallelOpt = Annotated[int | None, typer.Option(
+    "--parallel", help="llama.cpp: replies decoded at once, one sequence slot each (ISAGI_PARALLEL)")]
 # the servers' (isagi web, isagi serve)
 HostOpt = Annotated[str, typer.Option("--host", envvar="ISAGI_HOST", help="address to bind (loopback by default)")]
 PortOpt = Annotated[int, typer.Option("--port", envvar="ISAGI_PORT", help="port to listen on")]
@@ -127,11 +129,11 @@ def root(
 
 @app.command()
 @friendly
-def info(model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
-    """Model, quantisation, device and why, data directory, memory footprint."""
+def info(model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None, home: HomeOpt = None, parallel: ParallelOpt = None, as_json: JsonOpt = False) -> None:
+    """Model, quantisation, device and why, data directory, memory footprint, sequence slots."""
     from isagi.engines import load_engine
 
-    settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home)
+    settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, parallel=parallel)
     lm = load_engine(settings)
     facts = {
         "isagi": __version__,
@@ -151,6 +153,10 @@ def info(model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = N
         "data_directory": str(settings.home),
         "database": settings.resolved_database_url,
         "memory_footprint_mb": round(lm.footprint_bytes() / 2**20, 1),
+        # replies decoded at once (ISAGI_PARALLEL; 1 on the transformers backend) and what
+        # their KV caches take when full
+        "parallel": getattr(lm, "slots", 1),
+        "kv_cache_mb": round(lm.kv_cache_bytes() / 2**20, 1) if hasattr(lm, "kv_cache_bytes") else None,
     }
     if as_json:
         _print_json(facts)
@@ -168,6 +174,7 @@ def chat(
     home: HomeOpt = None,
     layer: LayerOpt = None,
     k: KOpt = None,
+    parallel: ParallelOpt = None,
     load: Annotated[Path | None, typer.Option("--load", help="resume a .miku session")] = None,
     save: Annotated[Path | None, typer.Option("--save", help="save the session to this .miku file")] = None,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
@@ -191,7 +198,7 @@ def chat(
     from isagi.session.files import load_session
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
-                         max_new_tokens=max_new_tokens, system_prompt=system)
+                         max_new_tokens=max_new_tokens, system_prompt=system, parallel=parallel)
     data = open_data_dir(settings)  # an unwritable data directory ends here; alone: the history is repaired
     for line in data.lines():
         err.print(f"[dim]{line}[/]", highlight=False)
@@ -223,13 +230,13 @@ def chat(
 def web(
     host: HostOpt = "127.0.0.1", port: PortOpt = 7860,
     model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None,
-    home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None,
+    home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None, parallel: ParallelOpt = None,
 ) -> None:
     """Open the browser app on http://HOST:PORT."""
     from app.server import serve
 
     serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
-                    trusted_proxies=trusted_proxies), host=host, port=port)
+                    trusted_proxies=trusted_proxies, parallel=parallel), host=host, port=port)
 
 
 @app.command()
@@ -237,13 +244,13 @@ def web(
 def serve(
     host: HostOpt = "127.0.0.1", port: PortOpt = 7860,
     model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = None, device: DeviceOpt = None,
-    home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None,
+    home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None, parallel: ParallelOpt = None,
 ) -> None:
     """Serve the OpenAI-compatible API alone (no page) on http://HOST:PORT/v1."""
     from app.server import serve as serve_app
 
     serve_app(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
-                        trusted_proxies=trusted_proxies), host=host, port=port, page=False)
+                        trusted_proxies=trusted_proxies, parallel=parallel), host=host, port=port, page=False)
 
 
 @app.command()

@@ -20,6 +20,8 @@ DEFAULT_SYSTEM_PROMPT = (
 QUANT_CHOICES = ("nf4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
+PARALLEL_DEFAULT = 1
+MAX_PARALLEL = 64
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class Settings:
     device: str = "auto"
     backend: str = "auto"  # auto | llamacpp | transformers (isagi.engines.choose_backend)
     threads: int | None = None  # llama.cpp threads; None: every core (os.cpu_count())
+    # llama.cpp: replies decoded at once, each in a sequence slot of one context (their
+    # single-token steps share one llama_decode; isagi.engines.llamacpp_steps). Each slot
+    # holds a whole context's KV cache (isagi info states what they cost). 1: one turn at a time.
+    parallel: int = PARALLEL_DEFAULT
     database_url: str | None = None
     layer: int | None = None  # None: the model's default (2/3 of its depth)
     safety_layer: int | None = None  # None: the model's default for safety (3/5 of its depth)
@@ -122,6 +128,8 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"backend {s.backend!r} is unknown; use one of {', '.join(BACKEND_CHOICES)} (ISAGI_BACKEND or --backend).")
     if s.threads is not None and s.threads < 1:
         raise ConfigError(f"threads={s.threads}: use at least 1 (ISAGI_THREADS).")
+    if not (1 <= s.parallel <= MAX_PARALLEL):
+        raise ConfigError(f"parallel={s.parallel}: use 1 to {MAX_PARALLEL} sequence slots (ISAGI_PARALLEL or --parallel).")
     if s.k < 2:
         raise ConfigError(f"k={s.k} is too small; the UGT basis needs at least 2 dimensions.")
     if s.layer is not None and s.layer < 1:
@@ -216,6 +224,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["backend"] = v.lower()
     if v := env.get("ISAGI_THREADS"):
         values["threads"] = _int("ISAGI_THREADS", v)
+    if v := env.get("ISAGI_PARALLEL"):
+        values["parallel"] = _int("ISAGI_PARALLEL", v)
     if v := env.get("ISAGI_DATABASE_URL"):
         values["database_url"] = v
     if v := env.get("ISAGI_LAYER"):

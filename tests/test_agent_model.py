@@ -121,7 +121,7 @@ def test_hooks_are_removed_when_the_consumer_raises(default_engine) -> None:
             if event.kind == "token":
                 raise RuntimeError("client went away")
     assert _left_behind(default_engine.lm) == before
-    assert not default_engine.generation_lock.locked()
+    assert not default_engine.model_turns.locked()
 
 
 def test_turns_are_recorded_and_autosaved(default_engine) -> None:

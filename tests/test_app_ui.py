@@ -122,7 +122,7 @@ def test_closing_the_stream_stops_the_model_and_records_the_turn(tmp_path):
         next(gen)
     gen.close()
     entry = ui.page.registry.entry(sid)
-    assert not entry.lock.locked() and not engine.generation_lock.locked()
+    assert not entry.lock.locked() and not engine.model_turns.locked()
     last = entry.session.turns[-1]
     assert last.verdict == "cancelled" and last.new_tokens < 500
     assert len(entry.session.memory) == 0, "a stopped reply is not learnt"
@@ -136,7 +136,7 @@ def test_stop_button_ends_generation_and_shows_it(tmp_path):
     t = threading.Thread(target=lambda: outs.extend(run(ui.chat.send("go on and on", sid, 100000))))
     t.start()
     entry = ui.page.registry.entry(sid)
-    while not engine.generation_lock.locked():
+    while not engine.model_turns.locked():
         pass
     stopped = ui.chat.stop(sid)
     t.join(30)

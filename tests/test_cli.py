@@ -104,3 +104,19 @@ def test_a_backend_that_cannot_load_the_model_is_one_line_error(tmp_path: Path) 
     assert "Traceback" not in out.stderr
     out = _isagi(["info", "--backend", "vllm"], tmp_path, timeout=300)
     assert out.returncode == 2 and "auto, llamacpp, transformers" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.model
+def test_info_states_the_slots_and_what_their_kv_caches_take(tmp_path: Path) -> None:
+    import json
+
+    sizes = {}
+    for n in (1, 4):
+        out = _isagi(["info", "--backend", "llamacpp", "--parallel", str(n), "--json"], tmp_path, timeout=300)
+        assert out.returncode == 0, out.stderr
+        facts = json.loads(out.stdout)
+        assert facts["parallel"] == n
+        sizes[n] = facts["kv_cache_mb"]
+    assert sizes[1] > 0 and sizes[4] == pytest.approx(4 * sizes[1], rel=0.01), "each slot holds a whole context"
+    out = _isagi(["info", "--parallel", "0"], tmp_path)
+    assert out.returncode == 2 and "ISAGI_PARALLEL" in out.stderr and "Traceback" not in out.stderr

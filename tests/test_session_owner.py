@@ -127,7 +127,7 @@ def test_a_turn_closed_before_it_is_recorded_leaves_the_session_as_it_was(tmp_pa
     events.close()  # e.g. a second Ctrl-C, or a page that crashed
     assert kinds == ["decision", "token"]
     assert len(session.turns) == 1 and list(session.memory.to_columns()["hits"]) == hits
-    assert not engine.generation_lock.locked()
+    assert not engine.model_turns.locked()
 
 
 def test_the_terminal_regenerates_the_last_reply(tmp_path):

@@ -120,7 +120,7 @@ def test_a_second_ctrl_c_during_a_reply_leaves(tmp_path: Path) -> None:
     n = chat_loop(engine, session, options, interactive=True, out=out, err=err,
                   read_line=lines(STORY, QUESTION))
     assert sent == [1, 1] and n == 0, "left at once: the next line is never read"
-    assert session.turns == [] and not engine.generation_lock.locked()
+    assert session.turns == [] and not engine.model_turns.locked()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

@@ -144,7 +144,7 @@ def test_the_message_is_validated_once(tmp_path: Path, monkeypatch: pytest.Monke
     assert len(calls) == 2
     with pytest.raises(InputError, match="empty"):
         engine.stream_turn(s, "   ")  # at the call, before any event or lock
-    assert len(s.turns) == 2 and not engine.generation_lock.locked()
+    assert len(s.turns) == 2 and not engine.model_turns.locked()
 
 
 def test_replacing_the_last_turn_in_the_store_keeps_the_counts(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ storage (``gr.BrowserState``), so a page reload reopens the same session
 
 Model work (a turn, Regenerate, an exploration) runs in one Gradio concurrency group
 (``concurrency_id="model"``, :func:`app.layout.build_blocks`), so a waiting browser sees its
-queue position; the engine's ``generation_lock`` serialises the model itself. Stop sets the
+queue position; the engine's ``model_turns`` admits as many turns into the model as it has
+sequence slots (``ISAGI_PARALLEL``). Stop sets the
 session's stop event (the turn loop ends after the current token and the turn is recorded
 as ``cancelled``) and cancels the Gradio event.
 

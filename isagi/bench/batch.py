@@ -10,14 +10,14 @@ replies to different prompts:
   every reply still going (llama.cpp's server's continuous batching, without the server);
 - ``isagi``: ISAGI's llama.cpp engine as a turn uses it (the prefill capturing layer L and
   the safety layer, every reply token captured at both), the replies asked for at once
-  from as many threads, one model queue between them as the web app has (the engine's
-  generation lock).
+  from as many threads, each in a sequence slot of its own (the engine opened with as many
+  slots as the widest width), their steps decoded together by its step runner.
 
 ``tokens_per_s`` is every reply's new tokens over the time from the first prefill to the
 last token; ``decode_tokens_per_s`` the same over the decoding alone (after the prefills).
 ``vs_anchor`` is ISAGI's decode figure over the anchor's at the same width, and
 ``over_single`` each side's decode figure over its own at the narrowest width (1 by default). ``same_replies`` counts the
-replies the anchor's batch decoded exactly as ISAGI's one-at-a-time path did (see
+replies the anchor's batch decoded exactly as ISAGI's slots did (see
 :data:`UNIFIED`). Widths alternate between the two sides, ``repeats`` times; medians are reported
 with their range.
 """
@@ -135,26 +135,36 @@ class MultiSequenceAnchor:
 
 
 def _isagi_replies(engine: Any, chats: list[list[dict[str, str]]], new_tokens: int, layers: tuple[int, int]) -> Timed:
-    """Every chat's greedy reply through ISAGI's engine, asked for at once from a thread each, one
-    model queue between them (as the web app's turns share the engine's generation lock)."""
+    """Every chat's greedy reply through ISAGI's engine, asked for at once from a thread each, as
+    the web app's turns ask: each in a sequence slot of the engine, their steps decoded together
+    by its step runner (one reply at a time when the engine has one slot).
+
+    The prefill seconds run to the moment every reply has its first token (the prefills are then
+    all done), the decode seconds from there to the last token, as the anchor counts them."""
     from isagi.bench.generate import timed_reply
 
-    queue = threading.Lock()
     out: list[list[int]] = [[] for _ in chats]
-    spent = [0.0, 0.0]  # to the first token, after it: one reply at a time, so their sums are the wall time
+    firsts: list[float] = [0.0] * len(chats)
+    errors: list[BaseException] = []
+    start = time.perf_counter()
 
     def reply(i: int) -> None:
-        with queue:
-            total, first, out[i] = timed_reply(engine, chats[i], new_tokens, layers)
-        spent[0] += first
-        spent[1] += total - first
+        try:
+            _total, first, out[i] = timed_reply(engine, chats[i], new_tokens, layers)
+            firsts[i] = time.perf_counter() - start - (_total - first)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
 
     threads = [threading.Thread(target=reply, args=(i,)) for i in range(len(chats))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return out, spent[0], spent[1]
+    if errors:
+        raise errors[0]
+    wall = time.perf_counter() - start
+    prefilled = max(firsts)
+    return out, prefilled, wall - prefilled
 
 
 def _stats(values: list[float]) -> dict[str, Any]:
@@ -169,7 +179,8 @@ def run(settings: Settings, *, new_tokens: int = 48, repeats: int = 3, widths: t
     widths = tuple(sorted(set(widths)))
     if not widths or widths[0] < 1 or widths[-1] > len(TOPICS):
         raise InputError(f"--widths: give numbers of concurrent replies from 1 to {len(TOPICS)}, e.g. 1,2,4,8,16.")
-    engine = load_engine(settings.with_overrides(backend="llamacpp"))
+    # ISAGI's engine with a sequence slot per reply of the widest width (ISAGI_PARALLEL's slots)
+    engine = load_engine(settings.with_overrides(backend="llamacpp", parallel=max(widths)))
     layers = (settings.layer or engine.default_layer, settings.safety_layer or engine.default_safety_layer)
     chats = prompts(settings.system_prompt, max(widths))
     prompt_ids = [engine.chat_tokens(c) for c in chats]
@@ -214,5 +225,6 @@ def run(settings: Settings, *, new_tokens: int = 48, repeats: int = 3, widths: t
             }
             for w in widths
         },
-        "note": "isagi: the turns' one model queue (one reply at a time); anchor: one multi-sequence batch per step",
+        "note": "isagi: a thread per reply, each in a sequence slot, steps batched by the engine's step runner; "
+                "anchor: one multi-sequence batch per step",
     }

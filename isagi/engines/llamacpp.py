@@ -170,6 +170,7 @@ class LlamaCppEngine:
         self._free = list(range(self.slots))[::-1]  # free sequences (several slots only)
         self._slot_owner: dict[int, object] = {}
         self._slots_cv = threading.Condition()
+        self._wanting_all = 0  # steered decodings waiting for every slot
         self._template = self._load_template()
         self._stop_ids: set[int] | None = None
         self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
@@ -219,6 +220,14 @@ class LlamaCppEngine:
 
     def footprint_bytes(self) -> int:
         return int(self._ll.llama_model_size(self._model)) + int(self._ll.llama_state_get_size(self._ctx))
+
+    def kv_cache_bytes(self) -> int:
+        """What the KV cache of every slot takes once full: per slot, a context of keys and values
+        (16-bit, llama.cpp's default) for each layer's key/value heads."""
+        ll, m = self._ll, self._model
+        head_dim = int(ll.llama_model_n_embd(m)) // int(ll.llama_model_n_head(m))
+        per_token = int(ll.llama_model_n_layer(m)) * 2 * int(ll.llama_model_n_head_kv(m)) * head_dim * 2
+        return self.slots * self._n_ctx * per_token
 
     def close(self) -> None:
         if getattr(self, "steps", None) is not None:
@@ -317,11 +326,17 @@ class LlamaCppEngine:
         sequence (a steered decoding: the control vector acts on the whole context)."""
         with self._slots_cv:
             if all_of_them:
-                self._slots_cv.wait_for(lambda: len(self._free) == self.slots)
+                # while it waits, no reply starts: the replies running end and it goes next
+                # (else a steady flow of chat turns would keep it waiting for ever)
+                self._wanting_all += 1
+                try:
+                    self._slots_cv.wait_for(lambda: len(self._free) == self.slots)
+                finally:
+                    self._wanting_all -= 1
                 taken = list(self._free)
                 self._free.clear()
             else:
-                self._slots_cv.wait_for(lambda: bool(self._free))
+                self._slots_cv.wait_for(lambda: bool(self._free) and not self._wanting_all)
                 taken = [self._free.pop()]
         for seq in taken:
             self._slot_owner[seq] = owner

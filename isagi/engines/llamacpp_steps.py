@@ -44,6 +44,10 @@ class Step:
     out_states: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n, d)
     error: BaseException | None = None
     done: bool = False
+    # a prompt's progress through its chunks (the runner's)
+    evaluated: int = 0
+    parts: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    logit_rows: list[np.ndarray] = field(default_factory=list)
 
 
 class StepRunner:
@@ -61,6 +65,12 @@ class StepRunner:
         self._running = False
         self._active: set[int] = set()  # sequences decoding a reply (open .. close)
         self.gather_s = 0.005  # how long a step waits for the other decoding sequences' tokens
+        # A prompt's tokens per llama_decode: replies decoding wait at most one chunk. The same
+        # chunks as the engine's one-sequence path (512): llama.cpp's CPU kernels round a
+        # batch's sums by its size, so other chunks would part a prompt's states (and, rarely, a
+        # greedy reply) from the ones the same prompt gets alone.
+        self.prompt_chunk = n_batch
+        self._last_singles = False  # what the last group was (singles and prompt chunks alternate)
         self.decodes = 0  # llama_decode calls (tests: a step of N replies is one call)
         self.evaluated_tokens = 0
 
@@ -122,30 +132,43 @@ class StepRunner:
 
     def _take(self) -> list[Step]:
         """The next group to evaluate: every pending single-token step (ascending sequence, at most
-        one per sequence), or else the oldest prompt step alone."""
+        one per sequence), or the oldest prompt's next chunk. Singles and a prompt's chunks take
+        turns: replies keep going while a long prompt is evaluated, and a new prompt is not held
+        back until every reply has ended."""
         singles: dict[int, Step] = {}
+        prompt: Step | None = None
         for s in self._pending:
-            if len(s.tokens) == 1 and s.seq not in singles:
-                singles[s.seq] = s
-        if singles:
-            group = [singles[k] for k in sorted(singles)]
-            for s in group:
-                self._pending.remove(s)
-            return group
-        return [self._pending.popleft()]
+            if len(s.tokens) == 1:
+                singles.setdefault(s.seq, s)
+            elif prompt is None:
+                prompt = s
+        if prompt is not None and (not singles or self._last_singles):
+            self._pending.remove(prompt)
+            self._last_singles = False
+            return [prompt]
+        group = [singles[k] for k in sorted(singles)]
+        for s in group:
+            self._pending.remove(s)
+        self._last_singles = True
+        return group
 
     def _evaluate(self, group: list[Step]) -> None:
+        """Evaluate ``group``; a prompt with chunks left goes back to the front of the queue."""
+        finished = True
         try:
             if len(group) == 1 and len(group[0].tokens) > 1:
-                self._prompt(group[0])
+                finished = self._prompt(group[0])
             else:
                 self._singles(group)
         except BaseException as exc:  # every waiter learns it
             for s in group:
                 s.error = exc
-        finally:
+        if finished or group[0].error is not None:
             for s in group:
                 s.done = True
+        else:
+            with self._cv:
+                self._pending.appendleft(group[0])
 
     def _fill(self, items: list[tuple[int, int, int, bool]]) -> None:
         b = self._batch
@@ -187,20 +210,24 @@ class StepRunner:
                 s.out_logits = self._logits(i)[None, :]
             s.out_states = {layer: rows[layer][i : i + 1] for layer in (s.capture or {}).values()}
 
-    def _prompt(self, s: Step) -> None:
-        """A prompt of one sequence, in chunks of the batch size."""
-        parts: dict[int, list[np.ndarray]] = {layer: [] for layer in (s.capture or {}).values()}
-        logits: list[np.ndarray] = []
+    def _prompt(self, s: Step) -> bool:
+        """The next chunk (:attr:`prompt_chunk` tokens at most) of a prompt of one sequence;
+        True once its last chunk is evaluated (its states and logits are then set)."""
         n = len(s.tokens)
-        for off in range(0, n, self._n_batch):
-            chunk = s.tokens[off : off + self._n_batch]
-            last_chunk = off + len(chunk) == n
-            want = [s.logits == "all" or (s.logits == "last" and last_chunk and j == len(chunk) - 1)
-                    for j in range(len(chunk))]
-            self._fill([(t, s.start + off + j, s.seq, w) for j, (t, w) in enumerate(zip(chunk, want, strict=True))])
-            rows = self._decode(len(chunk), s.capture, s.truncate)
-            for layer, got in rows.items():
-                parts[layer].append(got)
-            logits += [self._logits(j) for j, w in enumerate(want) if w]
-        s.out_states = {layer: np.concatenate(p) for layer, p in parts.items() if p}
-        s.out_logits = np.stack(logits) if logits else None
+        off = s.evaluated
+        chunk = s.tokens[off : off + self.prompt_chunk]
+        last_chunk = off + len(chunk) == n
+        want = [s.logits == "all" or (s.logits == "last" and last_chunk and j == len(chunk) - 1)
+                for j in range(len(chunk))]
+        self._fill([(t, s.start + off + j, s.seq, w) for j, (t, w) in enumerate(zip(chunk, want, strict=True))])
+        rows = self._decode(len(chunk), s.capture, s.truncate)
+        for layer, got in rows.items():
+            s.parts.setdefault(layer, []).append(got)
+        s.logit_rows += [self._logits(j) for j, w in enumerate(want) if w]
+        s.evaluated = off + len(chunk)
+        if not last_chunk:
+            return False
+        s.out_states = {layer: np.concatenate(p) for layer, p in s.parts.items() if p}
+        s.out_logits = np.stack(s.logit_rows) if s.logit_rows else None
+        s.parts, s.logit_rows = {}, []
+        return True

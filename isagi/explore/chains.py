@@ -321,13 +321,14 @@ def explore_on(
 ) -> ExplorationResult:
     """The one entry point of an exploration, for ``isagi explore`` and the web Explore panel
     alike: a chain (:func:`explore`) on the engine's model, read in the frame its safety profile
-    was calibrated in (the engine's system prompt, part of the profile's key), while holding the
-    engine's generation lock (one forward pass at a time on a shared model).
+    was calibrated in (the engine's system prompt, part of the profile's key), as one of the
+    engine's model turns (its steered steps take every sequence slot of the model: a control
+    vector acts on the whole llama.cpp context).
 
     ``engine``: an :class:`isagi.pipeline.engine.Engine` (its ``lm``, ``profile``, ``settings`` and
-    ``generation_lock``).
+    ``model_turns``).
     """
-    with engine.generation_lock:
+    with engine.model_turns:
         return explore(engine.lm, engine.profile.safety, seed, steps=steps, safe=safe,
                        max_new_tokens=max_new_tokens, system_prompt=engine.settings.system_prompt)
 

@@ -73,6 +73,7 @@ from isagi.manifold.memory import TrajectoryMemory
 from isagi.manifold.pooling import decoding_state
 from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis, project, route
+from isagi.pipeline.model_turns import ModelTurns
 from isagi.pipeline.prompts import Prompts
 from isagi.session.files import SessionFrame
 from isagi.session.folder import SessionFiles
@@ -140,7 +141,8 @@ class Engine:
         self.store = store
         self.keep = keep  # persists each recorded turn; None keeps turns in memory only
         self.thresholds = TierThresholds()
-        self.generation_lock = threading.Lock()
+        # turns in the model at once: one per sequence slot of the model engine
+        self.model_turns = ModelTurns(getattr(lm, "slots", 1))
         self.prompts = Prompts(settings, lm)  # validation, token counts, the history window
 
     @classmethod
@@ -298,7 +300,7 @@ class Engine:
         options = options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens)
         before = session.checkpoint()
         try:
-            with self.generation_lock:
+            with self.model_turns:
                 turn = yield from self._turn_locked(session, text, options, stop, fresh=fresh)
             turn.latency_s = time.perf_counter() - started
             turn.metric_growth = session.metric.growth
@@ -475,7 +477,7 @@ class Engine:
     def _coords(self, messages: list[dict[str, str]], basis: Basis) -> np.ndarray:
         from isagi.manifold.pooling import prompt_hidden_states
 
-        with self.generation_lock:
+        with self.model_turns:
             H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
         return project(basis, H[0])
 
