@@ -84,7 +84,7 @@ def build_blocks(ui: WebUI) -> Any:
     # Model work: one event per sequence slot of the model runs (ISAGI_PARALLEL), one more waits
     # at the engine with its message checked; the rest wait in Gradio's queue, which shows
     # each browser its position.
-    model_q = {"concurrency_id": "model", "concurrency_limit": s.parallel + 1}
+    model_q = {"concurrency_id": "model", "concurrency_limit": s.slots + 1}
     light_q = {"concurrency_limit": 8}
     with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
                    delete_cache=GRADIO_CACHE_DELETE) as demo:

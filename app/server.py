@@ -306,6 +306,7 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
 
     from isagi.datadir import open_data_dir
 
+    settings = settings.for_server()  # the sequence slots a server runs unless told otherwise
     check_port_free(host, port)
     console = Console(stderr=True)
     # A data directory that cannot be written ends the command here (DataDirError: one line,

@@ -133,7 +133,9 @@ def info(model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = N
     """Model, quantisation, device and why, data directory, memory footprint, sequence slots."""
     from isagi.engines import load_engine
 
-    settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, parallel=parallel)
+    # the engine as the servers open it (isagi web, serve): their sequence slots and KV memory
+    settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home,
+                         parallel=parallel).for_server()
     lm = load_engine(settings)
     facts = {
         "isagi": __version__,
@@ -153,8 +155,8 @@ def info(model: ModelOpt = None, backend: BackendOpt = None, quant: QuantOpt = N
         "data_directory": str(settings.home),
         "database": settings.resolved_database_url,
         "memory_footprint_mb": round(lm.footprint_bytes() / 2**20, 1),
-        # replies decoded at once (ISAGI_PARALLEL; 1 on the transformers backend) and what
-        # their KV caches take when full
+        # replies isagi web decodes at once (ISAGI_PARALLEL; 1 on the transformers backend) and
+        # what their KV caches take when full
         "parallel": getattr(lm, "slots", 1),
         "kv_cache_mb": round(lm.kv_cache_bytes() / 2**20, 1) if hasattr(lm, "kv_cache_bytes") else None,
     }

@@ -20,7 +20,10 @@ DEFAULT_SYSTEM_PROMPT = (
 QUANT_CHOICES = ("nf4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
-PARALLEL_DEFAULT = 1
+# The servers' sequence slots unless ISAGI_PARALLEL says otherwise: the most users were
+# answered soonest with 8 on the project's 2-core machine kind (docs/measurements.md, "Many
+# replies at once"). One user (the terminal, the benches, the evals) gains nothing from more.
+SERVER_PARALLEL = 8
 MAX_PARALLEL = 64
 
 
@@ -39,8 +42,9 @@ class Settings:
     threads: int | None = None  # llama.cpp threads; None: every core (os.cpu_count())
     # llama.cpp: replies decoded at once, each in a sequence slot of one context (their
     # single-token steps share one llama_decode; isagi.engines.llamacpp_steps). Each slot
-    # holds a whole context's KV cache (isagi info states what they cost). 1: one turn at a time.
-    parallel: int = PARALLEL_DEFAULT
+    # holds a whole context's KV cache (isagi info states what they cost). None: the command's
+    # default, SERVER_PARALLEL for the servers (isagi web, serve), 1 for everything else.
+    parallel: int | None = None
     database_url: str | None = None
     layer: int | None = None  # None: the model's default (2/3 of its depth)
     safety_layer: int | None = None  # None: the model's default for safety (3/5 of its depth)
@@ -94,6 +98,15 @@ class Settings:
             clean["trusted_proxies"] = parse_proxies(str(clean["trusted_proxies"]))
         return _validated(replace(self, **clean))
 
+    @property
+    def slots(self) -> int:
+        """The model's sequence slots: ``parallel``, or 1 when it is left to the command."""
+        return self.parallel or 1
+
+    def for_server(self) -> Settings:
+        """These settings as a server runs them: ``parallel`` left open becomes :data:`SERVER_PARALLEL`."""
+        return self if self.parallel is not None else replace(self, parallel=SERVER_PARALLEL)
+
     # Derived locations under the data directory.
     @property
     def models_dir(self) -> Path:
@@ -128,7 +141,7 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"backend {s.backend!r} is unknown; use one of {', '.join(BACKEND_CHOICES)} (ISAGI_BACKEND or --backend).")
     if s.threads is not None and s.threads < 1:
         raise ConfigError(f"threads={s.threads}: use at least 1 (ISAGI_THREADS).")
-    if not (1 <= s.parallel <= MAX_PARALLEL):
+    if s.parallel is not None and not (1 <= s.parallel <= MAX_PARALLEL):
         raise ConfigError(f"parallel={s.parallel}: use 1 to {MAX_PARALLEL} sequence slots (ISAGI_PARALLEL or --parallel).")
     if s.k < 2:
         raise ConfigError(f"k={s.k} is too small; the UGT basis needs at least 2 dimensions.")

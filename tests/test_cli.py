@@ -118,5 +118,9 @@ def test_info_states_the_slots_and_what_their_kv_caches_take(tmp_path: Path) -> 
         assert facts["parallel"] == n
         sizes[n] = facts["kv_cache_mb"]
     assert sizes[1] > 0 and sizes[4] == pytest.approx(4 * sizes[1], rel=0.01), "each slot holds a whole context"
+    from isagi.config import SERVER_PARALLEL
+
+    out = _isagi(["info", "--backend", "llamacpp", "--json"], tmp_path, timeout=300)
+    assert json.loads(out.stdout)["parallel"] == SERVER_PARALLEL, "without --parallel: what isagi web opens"
     out = _isagi(["info", "--parallel", "0"], tmp_path)
     assert out.returncode == 2 and "ISAGI_PARALLEL" in out.stderr and "Traceback" not in out.stderr

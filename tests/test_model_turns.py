@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from isagi.config import load_settings
+from isagi.config import SERVER_PARALLEL, load_settings
 from isagi.engines.llamacpp_steps import Step, StepRunner
 from isagi.errors import ConfigError
 from isagi.pipeline.model_turns import ModelTurns
@@ -61,6 +61,10 @@ def test_without_replies_prompts_run_one_after_another():
 def test_parallel_is_read_from_the_environment_and_checked():
     assert load_settings(environ={"ISAGI_PARALLEL": "4"}).parallel == 4
     assert load_settings(environ={}, parallel=8).parallel == 8
+    # left open: one slot for a single user, the servers' default for a server
+    assert load_settings(environ={}).slots == 1
+    assert load_settings(environ={}).for_server().slots == SERVER_PARALLEL
+    assert load_settings(environ={"ISAGI_PARALLEL": "2"}).for_server().slots == 2, "a setting is kept"
     for bad in ("0", "65"):
         with pytest.raises(ConfigError, match="ISAGI_PARALLEL"):
             load_settings(environ={"ISAGI_PARALLEL": bad})

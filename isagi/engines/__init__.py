@@ -108,4 +108,4 @@ def load_engine(settings: Settings) -> ModelEngine:
         model_id = path.stem
     n_ctx = settings.prompt_token_budget + settings.max_new_tokens + 64
     return LlamaCppEngine(path, model_id=model_id, fingerprint=gguf_fingerprint(path), n_threads=settings.threads,
-                          n_ctx=n_ctx, backend_reason=why, slots=settings.parallel)
+                          n_ctx=n_ctx, backend_reason=why, slots=settings.slots)
