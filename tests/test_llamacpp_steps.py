@@ -200,3 +200,39 @@ def test_turns_in_slots_equal_turns_alone_and_the_reply_guard_withholds_the_same
         assert not batched._slot_owner and len(batched._free) == batched.slots
     finally:
         alone.prefixes, batched.prefixes = saved
+
+
+def test_an_exploration_takes_every_slot_while_chat_replies_wait_and_ends_as_alone(engines, settings_default):
+    """A steered step (the control vector acts on the whole context) runs with every slot to
+    itself: a reply asked for meanwhile waits and comes out as it does alone, and the chain is
+    the one-slot engine's."""
+    from isagi.explore.chains import explore
+    from isagi.profile import load_or_build_profile
+
+    alone, batched = engines
+    safety = load_or_build_profile(alone, settings_default).safety
+    system = settings_default.system_prompt
+
+    def chain(lm):
+        result = explore(lm, safety, "a lighthouse", steps=1, max_new_tokens=12, system_prompt=system)
+        return [(s.text, s.alpha) for s in result.steps]
+
+    want_chain = chain(alone)
+    chat = _chat(system, TOPICS[1])
+    with alone.generation(chat, alone.default_layer, GenerationOptions(max_new_tokens=NEW)) as gen:
+        want_reply = "".join(ev.text for ev in gen.stream())
+    got: dict = {}
+    explorer = threading.Thread(target=lambda: got.__setitem__("chain", chain(batched)))
+    explorer.start()
+
+    def reply() -> None:
+        with batched.generation(chat, alone.default_layer, GenerationOptions(max_new_tokens=NEW)) as g:
+            got["reply"] = "".join(ev.text for ev in g.stream())
+
+    chatter = threading.Thread(target=reply)
+    chatter.start()
+    explorer.join(300)
+    chatter.join(300)
+    assert got["chain"] == want_chain
+    assert got["reply"] == want_reply, "a reply around a steered step is not steered"
+    assert not batched._slot_owner and len(batched._free) == batched.slots

@@ -664,11 +664,11 @@ class LlamaCppDecoding:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """The context's control vector and the sampler released; the cache this decoding
+        filled (its sequence) kept as a prefix for prompts that extend it, then emptied (with
+        several slots, the sequence is freed for another decoding)."""
         if not self._entered:
             return
-        if self._multi:
-            self._exit_slot()
-            return
         e = self.engine
         try:
             if self._steering:
@@ -677,31 +677,21 @@ class LlamaCppDecoding:
             if self._sampler is not None:
                 e._ll.llama_sampler_free(self._sampler)
                 self._sampler = None
-            if e.owner is self:
-                if self._kv_len and self.steer is None and not self.states_only:  # (steered: no prefix either)
-                    e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
-                e._clear(None)
-        finally:
-            self._entered = False
-
-    def _exit_slot(self) -> None:
-        """:meth:`__exit__` with several slots: the sequence's cache saved as a prefix, emptied, freed."""
-        e = self.engine
-        try:
-            if self._steering:
-                e._ll.llama_set_adapter_cvec(e._ctx, None, 0, e.hidden_size, -1, -1)
-                self._steering = False
-            if self._sampler is not None:
-                e._ll.llama_sampler_free(self._sampler)
-                self._sampler = None
-            if self.seq is not None:
-                if self._kv_len and self.steer is None and not self.states_only:
+            # (steered or states only: no prefix either)
+            keep = bool(self._kv_len) and self.steer is None and not self.states_only
+            if self._multi and self.seq is not None:
+                if keep:
                     e._save_prefix((self.ids + self.new_ids)[: self._kv_len], seq=self.seq)
                 with e.lock:
                     e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
+            elif not self._multi and e.owner is self:
+                if keep:
+                    e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
+                e._clear(None)
         finally:
-            e._give_slot(self)
-            self.seq = None
+            if self._multi:
+                e._give_slot(self)
+                self.seq = None
             self._entered = False
 
     def _set_steer(self, vector: np.ndarray) -> None:
@@ -865,44 +855,7 @@ class LlamaCppDecoding:
         names = e._names(self.layers) if self.capture_reply else None
         pos = len(self.ids)
         if self._multi:
-            yield from self._stream_slot(greedy, stop_ids, names, pos)
-            return
-        while True:
-            if self._stop.is_set():
-                self.finish_reason = "cancelled"
-                return
-            if len(self.new_ids) >= opts.max_new_tokens:
-                self.finish_reason = "length"
-                return
-            if greedy:
-                token = int(np.argmax(e._logits()))
-            else:
-                token = int(e._ll.llama_sampler_sample(self._sampler, e._ctx, -1))
-            if token in stop_ids:
-                self.finish_reason = "stop"
-                return
-            self.new_ids.append(token)
-            yield TokenEvent(self._utf8.push(e._piece(token)), token)
-            if len(self.new_ids) >= opts.max_new_tokens or self._stop.is_set():
-                continue  # no forward pass for a token that will not be continued
-            if pos >= e.context_length:
-                self.finish_reason = "length"
-                return
-            states = e._decode_token(token, names)
-            pos += 1
-            self._kv_len = pos
-            for layer, s in states.items():
-                self._reply[layer].append(self._unsteer(layer, s))
-
-    def _stream_slot(self, greedy: bool, stop_ids: set[int], names: dict[bytes, int] | None,
-                     pos: int) -> Iterator[TokenEvent]:
-        """:meth:`stream` in a sequence of its own (several slots): each fed-back token is a step
-        of the engine's step runner, which decodes it in one batch with the other sequences'."""
-        from isagi.engines.llamacpp_steps import Step
-
-        e, opts = self.engine, self.options
-        assert self.seq is not None
-        e.steps.open(self.seq)
+            e.steps.open(self.seq)  # the step runner waits (a moment) for this sequence's tokens
         try:
             while True:
                 if self._stop.is_set():
@@ -911,8 +864,7 @@ class LlamaCppDecoding:
                 if len(self.new_ids) >= opts.max_new_tokens:
                     self.finish_reason = "length"
                     return
-                assert self._next_logits is not None, "a prefill with logits comes first"
-                token = int(np.argmax(self._next_logits)) if greedy else self._sample(self._next_logits)
+                token = self._next_token(greedy)
                 if token in stop_ids:
                     self.finish_reason = "stop"
                     return
@@ -923,12 +875,35 @@ class LlamaCppDecoding:
                 if pos >= e.context_length:
                     self.finish_reason = "length"
                     return
-                step = e.steps.run(Step(self.seq, [token], pos, capture=names))
-                e.evaluated_tokens += 1
-                self._next_logits = step.out_logits[-1]
+                states = self._feed(token, pos, names)
                 pos += 1
                 self._kv_len = pos
-                for layer, s in step.out_states.items():
-                    self._reply[layer].append(self._unsteer(layer, s))
+                for layer, st in states.items():
+                    self._reply[layer].append(self._unsteer(layer, st))
         finally:
-            e.steps.close(self.seq)
+            if self._multi:
+                e.steps.close(self.seq)
+
+    def _next_token(self, greedy: bool) -> int:
+        """The next reply token: the argmax of the last logits, or the sampler chain's choice."""
+        e = self.engine
+        if self._multi:  # this sequence's own logits row (the context's belong to the last step)
+            assert self._next_logits is not None, "a prefill with logits comes first"
+            return int(np.argmax(self._next_logits)) if greedy else self._sample(self._next_logits)
+        if greedy:
+            return int(np.argmax(e._logits()))
+        return int(e._ll.llama_sampler_sample(self._sampler, e._ctx, -1))
+
+    def _feed(self, token: int, pos: int, names: dict[bytes, int] | None) -> dict[int, np.ndarray]:
+        """Evaluate ``token`` at ``pos``; the states captured (several slots: one step of the
+        engine's step runner, decoded in one batch with the other sequences' tokens)."""
+        from isagi.engines.llamacpp_steps import Step
+
+        e = self.engine
+        if not self._multi:
+            return e._decode_token(token, names)
+        step = e.steps.run(Step(self.seq, [token], pos, capture=names))
+        e.evaluated_tokens += 1
+        assert step.out_logits is not None
+        self._next_logits = step.out_logits[-1]
+        return step.out_states

@@ -1,16 +1,17 @@
 """One ``llama_decode`` for every sequence with a token to decode: the step runner of a
-llama.cpp context with several sequence slots (work in progress for batched decoding).
+llama.cpp context with several sequence slots (``ISAGI_PARALLEL``).
 
 Owns :class:`StepRunner`. Each decoding thread hands it a :class:`Step` (its sequence's
 tokens at their positions, whether it wants logits and which layers' states) and waits;
-the thread that finds no step running becomes the runner for as long as work is
-pending: it puts every waiting single-token step into one batch (ascending sequence
-order), runs ``llama_decode`` once, copies each step's logits and captured rows out, and
-wakes their threads. A prompt (more than one token) runs as a step of its own: with one
-KV stream per sequence, llama.cpp cuts a batch into ubatches holding the same number of
-tokens of each sequence (``split_equal``), so mixing a prompt chunk with other
-sequences' single tokens would become many small ubatches, and the eval callback runs
-once per ubatch.
+the thread that finds no step running becomes the runner until its own step is done:
+it puts every waiting single-token step into one batch (ascending sequence order), runs
+``llama_decode`` once, copies each step's logits and captured rows out, and wakes their
+threads. A prompt (more than one token) runs in chunks of its own, taking turns with the
+replies' tokens (a reply waits at most one chunk, a prompt is not held back until every
+reply has ended). A chunk never shares a batch with other sequences' tokens: with one KV
+stream per sequence, llama.cpp cuts a batch into ubatches holding the same number of
+tokens of each sequence (``split_equal``), so the mix would become many small ubatches,
+and the eval callback runs once per ubatch.
 
 The context must be made with ``n_seq_max`` = the slot count and ``kv_unified`` off: each
 sequence then has its own KV stream starting at cell 0, and a sequence's greedy reply is
