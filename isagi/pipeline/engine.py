@@ -316,9 +316,9 @@ class Engine:
         self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None,
         *, fresh: bool = False,
     ) -> Iterator[TurnEvent]:
-        """Prepare, guard, decide, generate and learn, under the generation lock; returns the Turn."""
+        """Prepare, guard, decide, generate and learn, as one of the model turns (``model_turns``); returns the Turn."""
         safety = self.profile.safety
-        # At most one Generation (and so one capture hook) is open at a time.
+        # At most one Generation of this turn is open at a time (so it holds at most one slot).
         # The safety layer's states come from the same forward passes (one more hook).
         with _OpenGeneration(self.lm, self.layer, options, also_capture=(safety.layer,)) as slot:
             p = self._prepare(session, text, slot)
