@@ -53,6 +53,17 @@ def _greedy_through_steps(engine, seq: int, ids: list[int], layer: int) -> tuple
     return out, np.concatenate(states) if states else np.zeros((0, engine.hidden_size), np.float32)
 
 
+def _all_at_once(engine, fn, n: int) -> int:
+    """``fn(i)`` for every ``i < n``, a thread each, all at once; the ``llama_decode`` calls they took."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    before = engine.steps.decodes
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return engine.steps.decodes - before
+
+
 def test_replies_decoded_together_equal_each_decoded_alone(engines, settings_default):
     alone, batched = engines
     layer = alone.default_layer
@@ -69,13 +80,7 @@ def test_replies_decoded_together_equal_each_decoded_alone(engines, settings_def
     def reply(i: int) -> None:
         got[i] = _greedy_through_steps(batched, i, batched.chat_tokens(chats[i]), layer)
 
-    threads = [threading.Thread(target=reply, args=(i,)) for i in range(len(chats))]
-    before = batched.steps.decodes
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    steps = batched.steps.decodes - before
+    steps = _all_at_once(batched, reply, len(chats))
     for (ids, states), (want_ids, want_states) in zip(got, expected, strict=True):
         assert ids == want_ids, "a batched greedy reply is the one decoded alone"
         assert states.shape == want_states.shape
@@ -183,12 +188,7 @@ def test_turns_in_slots_equal_turns_alone_and_the_reply_guard_withholds_the_same
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
-        before = batched.steps.decodes
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        decodes = _all_at_once(batched, run, len(texts))
         assert not errors, errors
         assert sum(t.verdict == "withheld" for t in expected) >= 2, "the reply guard acts on these prompts"
         for want, turn in zip(expected, got, strict=True):
@@ -196,7 +196,7 @@ def test_turns_in_slots_equal_turns_alone_and_the_reply_guard_withholds_the_same
             assert turn.teh_prompt == pytest.approx(want.teh_prompt, abs=1e-3)
             assert turn.teh_reply == pytest.approx(want.teh_reply, abs=1e-3)
         tokens = sum(t.new_tokens for t in got)
-        assert batched.steps.decodes - before < tokens, "replies shared llama_decode calls"
+        assert decodes < tokens, "replies shared llama_decode calls"
         assert not batched._slot_owner and len(batched._free) == batched.slots
     finally:
         alone.prefixes, batched.prefixes = saved
