@@ -176,7 +176,6 @@ def chat(
     home: HomeOpt = None,
     layer: LayerOpt = None,
     k: KOpt = None,
-    parallel: ParallelOpt = None,
     load: Annotated[Path | None, typer.Option("--load", help="resume a .miku session")] = None,
     save: Annotated[Path | None, typer.Option("--save", help="save the session to this .miku file")] = None,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
@@ -200,7 +199,7 @@ def chat(
     from isagi.session.files import load_session
 
     settings = _settings(model=model, backend=backend, quant=quant, device=device, home=home, layer=layer, k=k,
-                         max_new_tokens=max_new_tokens, system_prompt=system, parallel=parallel)
+                         max_new_tokens=max_new_tokens, system_prompt=system)
     data = open_data_dir(settings)  # an unwritable data directory ends here; alone: the history is repaired
     for line in data.lines():
         err.print(f"[dim]{line}[/]", highlight=False)

@@ -22,7 +22,7 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
 # The servers' sequence slots unless ISAGI_PARALLEL says otherwise: the most users were
 # answered soonest with 8 on the project's 2-core machine kind (docs/measurements.md, "Many
-# replies at once"). One user (the terminal, the benches, the evals) gains nothing from more.
+# users at once: sequence slots"). One user (the terminal, the benches, the evals) gains nothing from more.
 SERVER_PARALLEL = 8
 MAX_PARALLEL = 64
 

@@ -71,12 +71,12 @@ class ChatHandlers:
         is the caller's. An unknown id, another owner's, or none opens nothing: the
         first message makes a session (a load never makes an empty one).
         """
+        import gradio as gr
+
         p = self.page
         owner, client = p.who(request)
         if owner is None:
             return p.view(None, colour_by, None).but(state=None, status=NOT_LOGGED_IN)
-        import gradio as gr
-
         if p.holder.ready:
             try:
                 sid = self._reattach(sid, owner, client)

@@ -150,8 +150,8 @@ def _isagi_replies(engine: Any, chats: list[list[dict[str, str]]], new_tokens: i
 
     def reply(i: int) -> None:
         try:
-            _total, first, out[i] = timed_reply(engine, chats[i], new_tokens, layers)
-            firsts[i] = time.perf_counter() - start - (_total - first)
+            total, first, out[i] = timed_reply(engine, chats[i], new_tokens, layers)
+            firsts[i] = time.perf_counter() - start - (total - first)  # its first token, from the start
         except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
 

@@ -174,7 +174,7 @@ class LlamaCppEngine:
         self._template = self._load_template()
         self._stop_ids: set[int] | None = None
         self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
-        self.evaluated_tokens = 0  # tokens run through the model (tests: no prompt token twice)
+        self._evaluated = 0  # tokens the one-sequence path ran (the step runner counts its own)
         self.prefixes = PrefixStore()  # KV caches of recent decodings, for prompts that extend them
         self.can_shift = bool(ll.llama_memory_can_shift(self._mem))  # the KV cache's positions can be moved
         self.context_shifts = 0  # saved KV caches reused with a gap cut out (tests)
@@ -217,6 +217,11 @@ class LlamaCppEngine:
     def check_layer(self, layer: int) -> None:
         """Layers 1..num_layers-1: the last block's output holds only the logit rows in llama.cpp."""
         check_layer(layer, self._n_layer - 1)
+
+    @property
+    def evaluated_tokens(self) -> int:
+        """Tokens run through the model (tests: no prompt token twice), by either path."""
+        return self._evaluated + self.steps.evaluated_tokens
 
     def footprint_bytes(self) -> int:
         return int(self._ll.llama_model_size(self._model)) + int(self._ll.llama_state_get_size(self._ctx))
@@ -354,7 +359,6 @@ class LlamaCppEngine:
         seq = self._take_slot(owner)
         try:
             step = self.steps.run(Step(seq, ids, 0, logits=logits, capture=capture, truncate=truncate))
-            self.evaluated_tokens += len(ids)
             return step
         finally:
             with self.lock:
@@ -445,7 +449,7 @@ class LlamaCppEngine:
             finally:
                 cap.stop()
             self._check(status, capture)
-            self.evaluated_tokens += 1
+            self._evaluated += 1
             return cap.rows() if capture else {}
 
     def _check(self, status: int, capture: dict[bytes, int] | None) -> None:
@@ -467,7 +471,7 @@ class LlamaCppEngine:
             finally:
                 self._capture.stop()
             self._check(status, capture)
-            self.evaluated_tokens += len(chunk)
+            self._evaluated += len(chunk)
             for layer, got in (self._capture.rows().items() if capture else ()):
                 rows[layer].append(got)
         return {layer: np.concatenate(parts) if len(parts) > 1 else parts[0] for layer, parts in rows.items() if parts}
@@ -753,7 +757,6 @@ class LlamaCppDecoding:
                  if self.reuse_prefix else 0)
         step = e.steps.run(Step(self.seq, self.ids[start:], start, logits="none" if self.states_only else "last",
                                 capture=e._names(self.layers), truncate=self.states_only))
-        e.evaluated_tokens += len(self.ids) - start
         self._next_logits = None if step.out_logits is None else step.out_logits[-1]
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, st) for layer, st in step.out_states.items()}
@@ -903,7 +906,6 @@ class LlamaCppDecoding:
         if not self._multi:
             return e._decode_token(token, names)
         step = e.steps.run(Step(self.seq, [token], pos, capture=names))
-        e.evaluated_tokens += 1
         assert step.out_logits is not None
         self._next_logits = step.out_logits[-1]
         return step.out_states

@@ -73,7 +73,7 @@ class StepRunner:
         self.prompt_chunk = n_batch
         self._last_singles = False  # what the last group was (singles and prompt chunks alternate)
         self.decodes = 0  # llama_decode calls (tests: a step of N replies is one call)
-        self.evaluated_tokens = 0
+        self.evaluated_tokens = 0  # tokens decoded here (every sequence's; only the runner counts)
 
     def free(self) -> None:
         if self._batch is not None:
