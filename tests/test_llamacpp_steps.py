@@ -236,3 +236,21 @@ def test_an_exploration_takes_every_slot_while_chat_replies_wait_and_ends_as_alo
     assert got["chain"] == want_chain
     assert got["reply"] == want_reply, "a reply around a steered step is not steered"
     assert not batched._slot_owner and len(batched._free) == batched.slots
+
+
+def test_calibration_replies_in_slots_equal_those_decoded_one_at_a_time(engines, settings_default):
+    """``reply_states`` (the profile build's greedy replies) decodes a reply per slot at once:
+    the same replies, state for state, in fewer ``llama_decode`` calls than tokens."""
+    alone, batched = engines
+    layer = alone.default_layer
+    chats = [_chat(settings_default.system_prompt, t) for t in TOPICS] * 2  # more replies than slots
+    expected = alone.reply_states(chats, layer, max_new_tokens=NEW)
+    before = batched.steps.decodes
+    got = batched.reply_states(chats, layer, max_new_tokens=NEW)
+    decodes = batched.steps.decodes - before
+    assert [g.shape for g in got] == [e.shape for e in expected], "a reply of another length"
+    for g, e in zip(got, expected, strict=True):
+        cos = (g * e).sum(1) / (np.linalg.norm(g, axis=1) * np.linalg.norm(e, axis=1))
+        assert cos.min() >= 0.999, cos.min()
+    tokens = sum(len(e) for e in expected)
+    assert decodes < 0.6 * tokens, (decodes, tokens)  # four at a time would be ~0.25 + the prompts

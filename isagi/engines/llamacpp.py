@@ -552,13 +552,22 @@ class LlamaCppEngine:
     def reply_states(
         self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
     ) -> list[np.ndarray]:
-        out = []
-        for chat in chats:
+        """Greedy replies to ``chats`` and their ``layer`` states; with several slots, up to one
+        reply per slot decodes at once (a thread each), each the reply it gets alone."""
+
+        def one(chat: list[dict[str, str]]) -> np.ndarray:
             with self.generation(chat, layer, GenerationOptions(max_new_tokens=max_new_tokens)) as gen:
                 for _ in gen.stream():
                     pass
-                out.append(gen.reply_hidden(layer))
-        return out
+                return gen.reply_hidden(layer)
+
+        width = min(self.slots, len(chats))
+        if width <= 1:
+            return [one(chat) for chat in chats]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=width, thread_name_prefix="isagi-reply") as pool:
+            return list(pool.map(one, chats))
 
     def reply_nll(self, messages: list[dict[str, str]], reply_ids: list[int]) -> float:
         if not reply_ids:
