@@ -3,6 +3,8 @@
 #               (PORT=7861 / HOST=0.0.0.0 to listen elsewhere)
 #   make test   install ISAGI with its test tools, start the test services, run every test
 #               but the container tests
+#   make openwebui-test   install Open WebUI in .isagi/owui-venv (2.9 GB) and chat with ISAGI
+#               through it in Chromium (tests/e2e/test_openwebui.py)
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
 #               from a local Debian base and run the container tests (docker/test.sh)
 #   make docker-test-gpu  the same for the GPU image (not in CI: torch's CUDA build is several GB)
@@ -35,7 +37,7 @@ endif
 PIP := $(BIN)/pip install --progress-bar on
 export ISAGI_TEST_HOME ?= $(CURDIR)/.isagi/test-home
 
-.PHONY: install install-dev web test lint services docker-test docker-test-gpu
+.PHONY: install install-dev web test lint services docker-test docker-test-gpu openwebui-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,12 +66,22 @@ services:
 	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
 
 test: install-dev services
-	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "not docker" -p no:cacheprovider --durations=40
+	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "not docker and not openwebui" -p no:cacheprovider --durations=40
 
 # The container tests' PostgreSQL is the one `make services` starts (idempotent).
 docker-test: install-dev
 	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
 	ISAGI_VENV=$(abspath $(VENV)) bash docker/test.sh cpu
+
+# Open WebUI (a real chat front end) on ISAGI's OpenAI-compatible API, in Chromium. Open
+# WebUI is installed in a virtual environment of its own (.ci/openwebui.sh: 2.9 GB with the
+# CPU torch, about 5 minutes the first time), so it is not part of `make test`.
+OWUI_VENV ?= .isagi/owui-venv
+openwebui-test: install-dev
+	bash .ci/browser.sh
+	bash .ci/openwebui.sh $(abspath $(OWUI_VENV)) > /dev/null
+	ISAGI_TEST_OPENWEBUI=$(abspath $(OWUI_VENV)) $(BIN)/python -m pytest -m openwebui -p no:cacheprovider \
+		tests/e2e/test_openwebui.py
 
 docker-test-gpu: install-dev
 	ISAGI_VENV=$(abspath $(VENV)) bash docker/test.sh gpu

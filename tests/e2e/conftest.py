@@ -53,16 +53,18 @@ def _health(url: str) -> tuple[int, dict]:
 
 @contextlib.contextmanager
 def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None,
-                fake: bool = False, fake_args: tuple[str, ...] = ()) -> Iterator[str]:
+                fake: bool = False, fake_args: tuple[str, ...] = (), home: Path | None = None) -> Iterator[str]:
     """Start ``isagi web`` on a free port (with ``ISAGI_AUTH=auth`` when given) and
     yield its URL once ``/health`` says ready; stop it afterwards.
 
     ``fake=True`` serves the same app on the fake engine (:mod:`tests.e2e.fake_server`,
-    a fresh home, ready in seconds, given ``fake_args``) instead of the default model."""
-    if fake or not os.environ.get("ISAGI_TEST_HOME"):
-        home = tmp_path_factory.mktemp("isagi-home")
-    else:
-        home = Path(os.environ["ISAGI_TEST_HOME"])
+    a fresh home, ready in seconds, given ``fake_args``) instead of the default model.
+    ``home``: the server's ``ISAGI_HOME`` (for a test that reads its history store)."""
+    if home is None:
+        if fake or not os.environ.get("ISAGI_TEST_HOME"):
+            home = tmp_path_factory.mktemp("isagi-home")
+        else:
+            home = Path(os.environ["ISAGI_TEST_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = tmp_path_factory.mktemp("isagi-web-log") / "server.log"
