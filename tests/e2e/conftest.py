@@ -51,6 +51,16 @@ def _health(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """Ask ``proc`` to end; kill it if it has not after ``grace_s`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 @contextlib.contextmanager
 def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None,
                 fake: bool = False, fake_args: tuple[str, ...] = (), home: Path | None = None) -> Iterator[str]:
@@ -95,12 +105,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
             time.sleep(1.0)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc, 30)
         log.close()
 
 

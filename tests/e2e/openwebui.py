@@ -133,9 +133,6 @@ def open_webui(venv: Path, work: Path, port: int, api_base: str, model: str, *,
                 raise RuntimeError(f"{exc}; its log ends:\n{log_path.read_text(errors='replace')[-3000:]}") from exc
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            from tests.e2e.conftest import stop_process
+
+            stop_process(proc, 20)
