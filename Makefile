@@ -7,6 +7,8 @@
 #               through it in Chromium (tests/e2e/test_openwebui.py)
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
 #               from a local Debian base and run the container tests (docker/test.sh)
+#   make rebuild-test     calibrate the default backend's shipped profile again from scratch
+#               and compare it with the shipped file (about 30 min; not in CI)
 #   make docker-test-gpu  the same for the GPU image (not in CI: torch's CUDA build is several GB)
 #
 # TORCH pins the torch wheel installed *before* ISAGI. The default, 2.13.0, is
@@ -37,7 +39,7 @@ endif
 PIP := $(BIN)/pip install --progress-bar on
 export ISAGI_TEST_HOME ?= $(CURDIR)/.isagi/test-home
 
-.PHONY: install install-dev web test lint services docker-test docker-test-gpu openwebui-test
+.PHONY: install install-dev web test lint services docker-test docker-test-gpu openwebui-test rebuild-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,7 +68,7 @@ services:
 	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
 
 test: install-dev services
-	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "not docker and not openwebui" -p no:cacheprovider --durations=40
+	. ./.isagi/postgres.env && $(BIN)/python -m pytest -m "not docker and not openwebui and not rebuild" -p no:cacheprovider --durations=40
 
 # The container tests' PostgreSQL is the one `make services` starts (idempotent).
 docker-test: install-dev
@@ -82,6 +84,12 @@ openwebui-test: install-dev
 	bash .ci/openwebui.sh $(abspath $(OWUI_VENV)) > /dev/null
 	ISAGI_TEST_OPENWEBUI=$(abspath $(OWUI_VENV)) $(BIN)/python -m pytest -m openwebui -p no:cacheprovider \
 		tests/e2e/test_openwebui.py
+
+# The whole calibration of the default backend's shipped profile again, compared with the
+# shipped file (isagi/profiles/README.md: run it after remaking a profile). About 30 min on
+# 2 cores, so `make test` checks a sample of each profile's corpora instead.
+rebuild-test: install-dev
+	$(BIN)/python -m pytest -m rebuild -p no:cacheprovider tests/test_shipped_profiles.py
 
 docker-test-gpu: install-dev
 	ISAGI_VENV=$(abspath $(VENV)) bash docker/test.sh gpu

@@ -4,10 +4,12 @@ Fast: each shipped profile's key is the key today's code, corpora and default
 settings give the embedded model on its backend (so a change to the calibration
 code or data that forgets to remake them fails here, not as a silent recalibration
 on every user's first start), and a profile in the shipped directory is used
-without calibrating. Model tier: rebuilding the default backend's (llama.cpp) from scratch agrees with
-the shipped file (prompt threshold within 2 %, each window threshold above the other's
-benign replies, the reply guard's held-out figures, basis subspace close); the
-transformers one scores fresh states of a sample of its corpora as it scored them when fitted.
+without calibrating. Model tier (CI): each shipped profile scores fresh states of a sample of
+its corpora as it scored them when fitted, and on llama.cpp a sample of its reply guard's own
+calibration replies, decoded again, as when fitted. ``make rebuild-test`` (marker ``rebuild``,
+about 30 min): rebuilding the default backend's (llama.cpp) from scratch agrees with the shipped
+file (prompt threshold within 2 %, each window threshold above the other's benign replies, the
+reply guard's held-out figures, basis subspace close).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def _assert_prompt_side_agrees(rebuilt, shipped) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.rebuild
 @pytest.mark.timeout(3600)  # the whole calibration: 9 min 16 s alone on 2 cores; 22 min in CI on a slower machine of this kind
 def test_rebuilding_the_default_backends_shipped_profile_agrees_with_it(tmp_path):
     """The whole calibration of the default backend (llama.cpp), replies included, from scratch."""
@@ -133,42 +136,60 @@ def test_rebuilding_the_default_backends_shipped_profile_agrees_with_it(tmp_path
 
 @pytest.mark.model
 @pytest.mark.timeout(1200)
-def test_the_transformers_profile_scores_fresh_states_of_its_corpora_as_when_fitted(tmp_path):
-    """The transformers (NF4) profile is not rebuilt here: through NF4 on 2 cores its prompts
-    alone took 21 min, 32 min with its calibration replies (CI, this machine kind). Instead
-    the hidden states of a fixed sample of its own corpora, computed now, must be scored by it
-    as the whole corpora were when it was fitted (its recorded in-sample ROC and the share of
-    variance its basis explains), within the sample's binomial error. A profile fitted on
-    another model, layer or pooling (a wrong re-key) fails here."""
+@pytest.mark.parametrize("backend", SHIPPED)
+def test_a_shipped_profile_scores_fresh_states_of_its_corpora_as_when_fitted(backend: str, request: pytest.FixtureRequest):
+    """What CI checks of each shipped profile on every run (the whole rebuild is
+    ``make rebuild-test``: 31 min on 2 cores in CI for llama.cpp, more through NF4).
+
+    The hidden states of a fixed sample of the profile's own corpora, computed now, must be
+    scored by it as the whole corpora were when it was fitted (its recorded in-sample ROC and
+    the share of variance its basis explains), within the sample's binomial error. On the
+    default backend (llama.cpp) a sample of the reply guard's own calibration replies is
+    decoded again too: no benign one may reach the window threshold, and the guard must
+    separate them as it did out of fold. A profile fitted on another model, layer or pooling
+    (a wrong re-key), or a reply guard fitted on other replies, fails here."""
     from isagi.data import load_zones
     from isagi.data.safety import load_safety_calibration
-    from isagi.engines import load_engine
     from isagi.manifold.pooling import prompt_hidden_states
     from isagi.profile import load_profile
-    from isagi.safety.calibration import roc_auc
-    from isagi.safety.runtime import SAFETY_POOL, teh
+    from isagi.safety.calibration import (
+        REPLY_CALIBRATION_TOKENS,
+        ordinary_mask,
+        reply_sample,
+        roc_auc,
+    )
+    from isagi.safety.runtime import (
+        SAFETY_POOL,
+        exchange_scores,
+        reply_window_scores,
+        teh,
+        window_threshold,
+    )
 
-    path = _shipped().get("transformers")
-    assert path is not None, "no current shipped profile for transformers"
+    path = _shipped().get(backend)
+    assert path is not None, f"no current shipped profile for {backend}"
     shipped = load_profile(shipped_profiles_dir(), path.name)
-    home = Path(__import__("os").environ.get("ISAGI_TEST_HOME") or tmp_path)
-    lm = load_engine(load_settings(environ={}, home=home, device="cpu", backend="transformers"))
+    safety = shipped.safety
+    lm = request.getfixturevalue("default_llama" if backend == "llamacpp" else "default_hf")
     rng = np.random.default_rng(0)
 
     def chats(texts: list[str]) -> list[list[dict[str, str]]]:
         return [[{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": t}] for t in texts]
 
+    def within_binomial(got: float, want: float, n: int, slack: float) -> bool:
+        return abs(got - want) <= 3 * np.sqrt(want * (1 - want) / n) + slack
+
     rows = load_safety_calibration()
     y = np.array([r["label"] == "harmful" for r in rows])
     n = 100  # per label
     pick = np.concatenate([rng.choice(np.flatnonzero(y == label), size=n, replace=False) for label in (True, False)])
-    H = prompt_hidden_states(lm, chats([rows[i]["text"] for i in pick]), shipped.safety.layer, pool=SAFETY_POOL)
-    scores, yy = teh(shipped.safety, H), y[pick]
-    roc = shipped.safety.roc
+    H = prompt_hidden_states(lm, chats([rows[i]["text"] for i in pick]), safety.layer, pool=SAFETY_POOL)
+    scores, yy = teh(safety, H), y[pick]
+    roc = safety.roc
     assert abs(roc_auc(scores[yy], scores[~yy]) - roc["auc"]) <= 0.03, (roc_auc(scores[yy], scores[~yy]), roc["auc"])
-    for got, want in (((scores[yy] > shipped.safety.threshold).mean(), roc["tpr_at_threshold"]),
-                      ((scores[~yy] > shipped.safety.threshold).mean(), roc["fpr_at_threshold"])):
-        assert abs(got - want) <= 3 * np.sqrt(want * (1 - want) / n) + 0.02, (got, want)
+    for got, want in (((scores[yy] > safety.threshold).mean(), roc["tpr_at_threshold"]),
+                      ((scores[~yy] > safety.threshold).mean(), roc["fpr_at_threshold"])):
+        assert within_binomial(got, want, n, 0.02), (got, want)
 
     zones = load_zones()
     Z = prompt_hidden_states(lm, chats([zones[i]["text"] for i in rng.choice(len(zones), size=n, replace=False)]),
@@ -176,3 +197,22 @@ def test_the_transformers_profile_scores_fresh_states_of_its_corpora_as_when_fit
     Zc = Z - shipped.basis.mu.astype(np.float64)
     explained = float(np.sum((Zc @ shipped.basis.B.astype(np.float64)) ** 2) / np.sum(Zc**2))
     assert abs(explained - shipped.basis.explained) <= 0.06, (explained, shipped.basis.explained)
+
+    if backend != "llamacpp":
+        return  # NF4 decoding on 2 cores: the replies of the transformers profile are left to its rebuild
+    labels, cats = y.astype(int), np.array([r["category"] for r in rows])
+    fitted_on = np.array(reply_sample(labels, cats, ordinary=ordinary_mask(rows)))
+    m = 24  # per label, among the calibration rows the reply guard was fitted on
+    sample = np.concatenate([rng.choice(fitted_on[labels[fitted_on] == label], size=m, replace=False) for label in (1, 0)])
+    asked = chats([rows[i]["text"] for i in sample])
+    P = prompt_hidden_states(lm, asked, safety.layer, pool=SAFETY_POOL)
+    R = lm.reply_states(asked, safety.layer, max_new_tokens=REPLY_CALIBRATION_TOKENS)
+    harmful = labels[sample] == 1
+    guard = np.array([exchange_scores(safety, p, r).max() for p, r in zip(P, R, strict=True)])
+    windows = np.array([reply_window_scores(safety, r).max() for r, h in zip(R, harmful, strict=True) if not h])
+    det = safety.details["reply"]
+    assert windows.max() < window_threshold(safety), (windows.max(), window_threshold(safety))
+    assert roc_auc(guard[harmful], guard[~harmful]) >= det["oof_auc"] - 0.08, (roc_auc(guard[harmful], guard[~harmful]), det)
+    withheld = guard > safety.reply_threshold
+    assert within_binomial(withheld[harmful].mean(), det["oof_withheld_harmful"], m, 0.05), (withheld[harmful].mean(), det)
+    assert withheld[~harmful].sum() <= 1, (guard[~harmful], safety.reply_threshold)
