@@ -2,7 +2,7 @@
 #   make web    install ISAGI in .venv and open the browser app on the embedded model
 #               (PORT=7861 / HOST=0.0.0.0 to listen elsewhere)
 #   make test   install ISAGI with its test tools, start the test services, run every test
-#               but the container tests
+#               but those of the three targets below (Open WebUI, containers, profile rebuild)
 #   make openwebui-test   install Open WebUI in .isagi/owui-venv (2.9 GB) and chat with ISAGI
 #               through it in Chromium (tests/e2e/test_openwebui.py)
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
