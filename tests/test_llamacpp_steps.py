@@ -254,3 +254,45 @@ def test_calibration_replies_in_slots_equal_those_decoded_one_at_a_time(engines,
         assert cos.min() >= 0.999, cos.min()
     tokens = sum(len(e) for e in expected)
     assert decodes < 0.6 * tokens, (decodes, tokens)  # four at a time would be ~0.25 + the prompts
+
+
+def test_a_one_slot_engines_decodes_run_on_one_thread_whichever_thread_asks(engines, settings_default, monkeypatch):
+    """Turns run on threads of their own (the web app's workers); llama.cpp's OpenMP kernels
+    were 20-30 % slower once decodes came from more than one thread, so every ``llama_decode``
+    of a one-slot engine must run on the one llama.cpp thread. (The step runner of an engine
+    with several slots decodes on the turns' threads: see isagi.engines.llama_thread.)"""
+    import llama_cpp
+
+    alone, _ = engines
+    real = llama_cpp.llama_decode
+    seen: set[int] = set()
+
+    def recording(ctx, batch):
+        seen.add(threading.get_ident())
+        return real(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", recording)
+    callers: set[int] = set()
+    chat = _chat(settings_default.system_prompt, TOPICS[0])
+
+    finished = threading.Event()  # the threads live to the end: no thread id is used twice
+
+    def reply(engine, done: threading.Event | None = None) -> None:
+        callers.add(threading.get_ident())
+        engine.reply_states([chat], engine.default_layer, max_new_tokens=4)
+        if done is not None:
+            done.set()
+            finished.wait(60)
+
+    threads = []
+    for engine in (alone, alone, alone):  # one after the other
+        done = threading.Event()
+        threads.append(threading.Thread(target=reply, args=(engine, done)))
+        threads[-1].start()
+        assert done.wait(120)
+    reply(alone)  # and the test's own thread
+    finished.set()
+    for t in threads:
+        t.join()
+    assert len(callers) == 4
+    assert len(seen) == 1 and not seen & callers, (seen, callers)

@@ -26,7 +26,13 @@ class PlainLlama:
                          n_batch=512, flash_attn=FLASH_ATTN == 1, verbose=False)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, *, stop_ids: set[int] | None = None) -> tuple[float, float, list[int]]:
-        """(seconds, seconds to the first token, new token ids) of one greedy generation."""
+        """(seconds, seconds to the first token, new token ids) of one greedy generation, on the
+        thread ISAGI's engine decodes on (:mod:`isagi.engines.llama_thread`), as ISAGI's side runs."""
+        from isagi.engines.llama_thread import on_llama_thread
+
+        return on_llama_thread(self._generate, prompt_ids, max_tokens, stop_ids)
+
+    def _generate(self, prompt_ids: list[int], max_tokens: int, stop_ids: set[int] | None) -> tuple[float, float, list[int]]:
         self.llm.reset()  # no prefix reuse from the previous run: the same work as ISAGI's prefill
         start = time.perf_counter()
         first: float | None = None

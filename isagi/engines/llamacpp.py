@@ -84,6 +84,7 @@ import numpy as np
 
 from isagi.engines.base import GenerationOptions, TokenEvent, check_layer
 from isagi.engines.kv_prefix import PrefixStore, Shift
+from isagi.engines.llama_thread import on_llama_thread
 from isagi.errors import ModelLoadError
 from isagi.manifold.pooling import last_token, span_mean
 
@@ -445,7 +446,7 @@ class LlamaCppEngine:
                 cap.start(capture, 1)
             self._one_id[0] = token
             try:
-                status = int(ll.llama_decode(self._ctx, self._one_batch))
+                status = int(on_llama_thread(ll.llama_decode, self._ctx, self._one_batch))
             finally:
                 cap.stop()
             self._check(status, capture)
@@ -480,7 +481,7 @@ class LlamaCppEngine:
         ll = self._ll
         if not all_logits:  # positions follow the sequence; logits for the last token only
             arr = (ll.llama_token * len(chunk))(*chunk)
-            return int(ll.llama_decode(self._ctx, ll.llama_batch_get_one(arr, len(chunk))))
+            return int(on_llama_thread(ll.llama_decode, self._ctx, ll.llama_batch_get_one(arr, len(chunk))))
         batch = ll.llama_batch_init(len(chunk), 0, 1)
         try:
             for i, tok in enumerate(chunk):
@@ -490,7 +491,7 @@ class LlamaCppEngine:
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = True
             batch.n_tokens = len(chunk)
-            return int(ll.llama_decode(self._ctx, batch))
+            return int(on_llama_thread(ll.llama_decode, self._ctx, batch))
         finally:
             ll.llama_batch_free(batch)
 
