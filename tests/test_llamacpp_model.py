@@ -4,6 +4,8 @@ cancel, steering, sampling, and nothing left installed afterwards."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -329,3 +331,46 @@ def test_a_states_only_prefill_reads_the_same_states_and_decodes_nothing(default
     with e.generation(CHATS[1], L, GenerationOptions(max_new_tokens=4), also_capture=(S,)) as again:
         np.testing.assert_allclose(again.prefill(), h_full, rtol=1e-4, atol=1e-4)
         assert len(list(again.stream())) > 0
+
+
+def test_a_one_slot_engines_decodes_run_on_one_thread_whichever_thread_asks(default_llama, settings_default, monkeypatch):
+    """Turns run on threads of their own (the web app's workers), and llama.cpp's OpenMP
+    kernels ran slower once decodes came from more than one thread, so every ``llama_decode``
+    of a one-slot engine runs on the one llama.cpp thread (isagi.engines.llama_thread; the
+    step runner of an engine with several slots does not yet)."""
+    import llama_cpp
+
+    alone = default_llama
+    assert alone.slots == 1
+    real = llama_cpp.llama_decode
+    seen: set[int] = set()
+
+    def recording(ctx, batch):
+        seen.add(threading.get_ident())
+        return real(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", recording)
+    callers: set[int] = set()
+    chat = [{"role": "system", "content": settings_default.system_prompt},
+            {"role": "user", "content": "Write a few sentences about how bread rises."}]
+    finished = threading.Event()  # the threads live to the end: no thread id is used twice
+
+    def reply(done: threading.Event | None = None) -> None:
+        callers.add(threading.get_ident())
+        alone.reply_states([chat], alone.default_layer, max_new_tokens=4)
+        if done is not None:
+            done.set()
+            finished.wait(60)
+
+    threads = []
+    for _ in range(3):  # one after the other
+        done = threading.Event()
+        threads.append(threading.Thread(target=reply, args=(done,)))
+        threads[-1].start()
+        assert done.wait(120)
+    reply()  # and the test's own thread
+    finished.set()
+    for t in threads:
+        t.join()
+    assert len(callers) == 4
+    assert len(seen) == 1 and not seen & callers, (seen, callers)

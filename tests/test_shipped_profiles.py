@@ -7,7 +7,7 @@ on every user's first start), and a profile in the shipped directory is used
 without calibrating. Model tier (CI): each shipped profile scores fresh states of a sample of
 its corpora as it scored them when fitted, and on llama.cpp a sample of its reply guard's own
 calibration replies, decoded again, as when fitted. ``make rebuild-test`` (marker ``rebuild``,
-about 30 min): rebuilding the default backend's (llama.cpp) from scratch agrees with the shipped
+the longest test by far): rebuilding the default backend's (llama.cpp) from scratch agrees with the shipped
 file (prompt threshold within 2 %, each window threshold above the other's benign replies, the
 reply guard's held-out figures, basis subspace close).
 """
@@ -104,7 +104,7 @@ def _assert_prompt_side_agrees(rebuilt, shipped) -> None:
 
 @pytest.mark.model
 @pytest.mark.rebuild
-@pytest.mark.timeout(3600)  # the whole calibration: 9 min 16 s alone on 2 cores; 22 min in CI on a slower machine of this kind
+@pytest.mark.timeout(3600)  # the whole calibration (its time: isagi/profiles/README.md)
 def test_rebuilding_the_default_backends_shipped_profile_agrees_with_it(tmp_path):
     """The whole calibration of the default backend (llama.cpp), replies included, from scratch."""
     from isagi.profile import load_profile
@@ -139,15 +139,15 @@ def test_rebuilding_the_default_backends_shipped_profile_agrees_with_it(tmp_path
 @pytest.mark.parametrize("backend", SHIPPED)
 def test_a_shipped_profile_scores_fresh_states_of_its_corpora_as_when_fitted(backend: str, request: pytest.FixtureRequest):
     """What CI checks of each shipped profile on every run (the whole rebuild is
-    ``make rebuild-test``: 31 min on 2 cores in CI for llama.cpp, more through NF4).
+    ``make rebuild-test``, llama.cpp only; isagi/profiles/README.md says why).
 
     The hidden states of a fixed sample of the profile's own corpora, computed now, must be
     scored by it as the whole corpora were when it was fitted (its recorded in-sample ROC and
     the share of variance its basis explains), within the sample's binomial error. On the
     default backend (llama.cpp) a sample of the reply guard's own calibration replies is
     decoded again too: no benign one may reach the window threshold, and the guard must
-    separate them as it did out of fold. A profile fitted on another model, layer or pooling
-    (a wrong re-key), or a reply guard fitted on other replies, fails here."""
+    separate them as it did out of fold. A profile fitted on another model, layer, pooling
+    or backend (a wrong re-key: the NF4 profile on llama.cpp's states) fails here."""
     from isagi.data import load_zones
     from isagi.data.safety import load_safety_calibration
     from isagi.manifold.pooling import prompt_hidden_states

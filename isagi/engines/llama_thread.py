@@ -2,10 +2,11 @@
 
 llama.cpp's CPU backend (as llama-cpp-python builds it) runs each decode on an OpenMP
 team led by the thread that called ``llama_decode``, and libgomp keeps a team of worker
-threads for every thread that has led one. Once decodes come from more than one thread,
-each of them ran 20-30 % slower on the project's 2-core machine, the main thread's and
-the others' alike (docs/measurements.md, "One thread for llama.cpp"). The web app and
-the API run each turn on a worker thread of their own.
+threads for every thread that has led one. Decodes from a thread other than the one that
+decoded before them ran markedly slower on the project's 2-core machine; decodes that
+all came from one thread did not (docs/measurements.md, "One thread for llama.cpp").
+The teams are the likely cause, not measured apart. The web app and the API run each
+turn on a worker thread of their own.
 
 :func:`on_llama_thread` runs a call on one thread owned here, started on first use, and
 returns its result; called from that thread, it runs the call in place. A one-slot
