@@ -2,21 +2,22 @@
 
 llama.cpp's CPU backend (as llama-cpp-python builds it) runs each decode on an OpenMP
 team led by the thread that called ``llama_decode``, and libgomp keeps a team of worker
-threads for every thread that has led one. Decodes from a thread other than the one that
-decoded before them ran markedly slower on the project's 2-core machine; decodes that
-all came from one thread did not (docs/measurements.md, "One thread for llama.cpp").
-The teams are the likely cause, not measured apart. The web app and the API run each
-turn on a worker thread of their own.
+threads for every thread that has led one, as long as that thread lives. While two
+threads had led a team, decodes from either ran markedly slower on the project's 2-core
+machine than while only one had (docs/measurements.md, "One thread for llama.cpp"). A
+likely cause, not measured apart: libgomp cuts its workers' spinning short once it
+manages more threads than there are CPUs, so each decode then wakes them from sleep.
+The web app and the API run each turn on a worker thread of their own.
 
 :func:`on_llama_thread` runs a call on one thread owned here, started on first use, and
 returns its result; called from that thread, it runs the call in place. A one-slot
 llama.cpp engine decodes through it; so does the benches' plain llama-cpp-python baseline
 (``isagi bench generate`` and ``bench turn``), so that both sides of a ratio decode on the
-same thread. The step runner of an engine with
-several slots (:mod:`isagi.engines.llamacpp_steps`) does not yet: its decodes run on the
-turn that finds no step running. Handing each of its steps to this thread cost, under
-eight busy turns, about what it saved (each hand-off waits for the interpreter lock);
-the runner's loop itself would have to live on this thread.
+same thread. The step runner of an engine with several slots
+(:mod:`isagi.engines.llamacpp_steps`) starts its loop here with
+:func:`submit_to_llama_thread` and the loop runs while steps are pending: handing each
+step over one by one instead cost, under eight busy turns, about what it saved (each
+hand-off waits for the interpreter lock).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def _pool() -> ThreadPoolExecutor:
                 _fork_hook = True
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isagi-llama", initializer=_mark)
         return _executor
+
+
+def is_llama_thread() -> bool:
+    """Whether the calling thread is the llama.cpp thread."""
+    return threading.get_ident() == _thread_id
+
+
+def submit_to_llama_thread(fn: Callable[..., T], *args: object) -> Future[T]:
+    """Start ``fn(*args)`` on the llama.cpp thread and return at once (its future).
+
+    For a loop that lives there while it has work (the step runner's); the caller must not
+    be the llama.cpp thread and wait for it (that would wait for itself)."""
+    return _pool().submit(fn, *args)
 
 
 def on_llama_thread(fn: Callable[..., T], *args: object) -> T:

@@ -2,9 +2,10 @@
 llama.cpp context with several sequence slots (``ISAGI_PARALLEL``).
 
 Owns :class:`StepRunner`. Each decoding thread hands it a :class:`Step` (its sequence's
-tokens at their positions, whether it wants logits and which layers' states) and waits;
-the thread that finds no step running becomes the runner until its own step is done:
-it puts every waiting single-token step into one batch (ascending sequence order), runs
+tokens at their positions, whether it wants logits and which layers' states) and waits.
+The runner's loop lives on the llama.cpp thread (:mod:`isagi.engines.llama_thread`) while
+steps are pending, so every decode of the context comes from that one thread: it puts
+every waiting single-token step into one batch (ascending sequence order), runs
 ``llama_decode`` once, copies each step's logits and captured rows out, and wakes their
 threads. A prompt (more than one token) runs in chunks of its own, taking turns with the
 replies' tokens (a reply waits at most one chunk, a prompt is not held back until every
@@ -29,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from isagi.engines.llama_thread import is_llama_thread, submit_to_llama_thread
+
 
 @dataclass
 class Step:
@@ -45,6 +48,7 @@ class Step:
     out_states: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n, d)
     error: BaseException | None = None
     done: bool = False
+    finished: threading.Event = field(default_factory=threading.Event, repr=False)  # set with ``done``
     # a prompt's progress through its chunks (the runner's)
     evaluated: int = 0
     parts: dict[int, list[np.ndarray]] = field(default_factory=dict)
@@ -66,6 +70,7 @@ class StepRunner:
         self._running = False
         self._active: set[int] = set()  # sequences decoding a reply (open .. close)
         self.gather_s = 0.005  # how long a step waits for the other decoding sequences' tokens
+        self.linger_s = 0.02  # how long the loop, with nothing pending, waits for a decoding sequence's next step
         # A prompt's tokens per llama_decode: replies decoding wait at most one chunk. The same
         # chunks as the engine's one-sequence path (512): llama.cpp's CPU kernels round a
         # batch's sums by its size, so other chunks would part a prompt's states (and, rarely, a
@@ -105,31 +110,72 @@ class StepRunner:
 
     def run(self, step: Step) -> Step:
         """Evaluate ``step`` (in a batch with others' single tokens when it is one token) and
-        return it with its logits and states; raises what its ``llama_decode`` raised."""
+        return it with its logits and states; raises what its ``llama_decode`` raised.
+
+        The steps run on the llama.cpp thread (:mod:`isagi.engines.llama_thread`): the first
+        step to find no loop running starts :meth:`_loop` there, and the loop runs until no
+        step is left. An interrupt while waiting takes the step back if it has not started,
+        or waits for its decode to end."""
+        on_thread = is_llama_thread()
         with self._cv:
             self._pending.append(step)
-            self._cv.notify_all()  # a runner gathering tokens takes this one too
-            while not step.done:
-                if self._running:
-                    self._cv.wait()
-                    continue
+            self._cv.notify_all()  # a loop gathering tokens takes this one too
+            if on_thread:  # a step asked for on the llama.cpp thread itself: run the loop here
+                while not step.done:
+                    self._loop_held()
+            elif not self._running:
                 self._running = True
+                submit_to_llama_thread(self._loop)
+        try:
+            step.finished.wait()  # its own event: a decode wakes only the threads it served
+        except BaseException:
+            with self._cv:
+                taken_back = step in self._pending
+                if taken_back:
+                    self._pending.remove(step)
+            while not taken_back and not step.done:  # its decode runs: the context is in use until it ends
                 try:
-                    while not step.done and self._pending:
-                        self._gather()
-                        group = self._take()
-                        self._cv.release()
-                        try:
-                            self._evaluate(group)
-                        finally:
-                            self._cv.acquire()
-                        self._cv.notify_all()
-                finally:
-                    self._running = False
-                    self._cv.notify_all()
+                    step.finished.wait()
+                except BaseException:
+                    continue
+            raise
         if step.error is not None:
             raise step.error
         return step
+
+    def _loop(self) -> None:
+        """On the llama.cpp thread: evaluate groups of steps until none is pending."""
+        with self._cv:
+            self._loop_held()
+
+    def _loop_held(self) -> None:
+        """:meth:`_loop` with the condition held (it is released around each decode)."""
+        self._running = True
+        try:
+            while True:
+                if not self._pending:
+                    # A reply decoding sends its next token in a moment: stay for it rather than
+                    # end and be started again for each token.
+                    if self._active:
+                        self._cv.wait(self.linger_s)
+                    if not self._pending:
+                        break
+                self._gather()
+                group = self._take()
+                self._cv.release()
+                try:
+                    self._evaluate(group)
+                finally:
+                    self._cv.acquire()
+        except BaseException as exc:  # a fault of the loop itself: no waiter may wait forever
+            for s in self._pending:
+                s.error, s.done = exc, True
+                s.finished.set()
+            self._pending.clear()
+            raise
+        finally:
+            self._running = False
+            self._cv.notify_all()
 
     def _take(self) -> list[Step]:
         """The next group to evaluate: every pending single-token step (ascending sequence, at most
@@ -167,6 +213,7 @@ class StepRunner:
         if finished or group[0].error is not None:
             for s in group:
                 s.done = True
+                s.finished.set()
         else:
             with self._cv:
                 self._pending.appendleft(group[0])
