@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import heapq
 import math
 import os
 import threading
@@ -168,7 +169,10 @@ class LlamaCppEngine:
 
         self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
         self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots, lock=self.lock)
-        self._free = list(range(self.slots))[::-1]  # free sequences (several slots only)
+        # Free sequences, a heap (several slots only): a turn takes the lowest. llama.cpp's
+        # attention over a batch spans every KV stream from its lowest sequence to its highest,
+        # so the sequences in use are kept together at the bottom.
+        self._free = list(range(self.slots))
         self._slot_owner: dict[int, object] = {}
         self._slots_cv = threading.Condition()
         self._wanting_all = 0  # steered decodings waiting for every slot
@@ -343,7 +347,7 @@ class LlamaCppEngine:
                 self._free.clear()
             else:
                 self._slots_cv.wait_for(lambda: bool(self._free) and not self._wanting_all)
-                taken = [self._free.pop()]
+                taken = [heapq.heappop(self._free)]
         for seq in taken:
             self._slot_owner[seq] = owner
         seq = min(taken)
@@ -372,7 +376,7 @@ class LlamaCppEngine:
             for seq, held in list(self._slot_owner.items()):
                 if held is owner:
                     del self._slot_owner[seq]
-                    self._free.append(seq)
+                    heapq.heappush(self._free, seq)
             self._slots_cv.notify_all()
 
     def _save_prefix(self, tokens: list[int], seq: int = 0) -> None:
