@@ -7,7 +7,8 @@ replies to different prompts:
 - ``anchor``: plain llama-cpp-python (its low-level API, no ISAGI code) decoding every
   reply in ONE multi-sequence batch: one context with a sequence per reply, each prompt
   prefilled into its sequence, then one ``llama_decode`` per step holding the next token of
-  every reply still going (llama.cpp's server's continuous batching, without the server);
+  every reply still going (llama.cpp's server's continuous batching, without the server),
+  from the llama.cpp thread (:mod:`isagi.engines.llama_thread`) where ISAGI's steps decode too;
 - ``isagi``: ISAGI's llama.cpp engine as a turn uses it (the prefill capturing layer L and
   the safety layer, every reply token captured at both), the replies asked for at once
   from as many threads, each in a sequence slot of its own (the engine opened with as many
@@ -173,6 +174,7 @@ def _stats(values: list[float]) -> dict[str, Any]:
 
 def run(settings: Settings, *, new_tokens: int = 48, repeats: int = 3, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
     from isagi.engines import load_engine
+    from isagi.engines.llama_thread import on_llama_thread
     from isagi.engines.llamacpp import FLASH_ATTN
     from isagi.errors import InputError
 
@@ -192,11 +194,13 @@ def run(settings: Settings, *, new_tokens: int = 48, repeats: int = 3, widths: t
     decode: dict[str, dict[int, list[float]]] = {k: {w: [] for w in widths} for k in ("anchor", "isagi")}
     same: dict[int, int] = {}
     try:
-        anchor.replies(prompt_ids[:2], 8, stops)  # warm-up, both sides
+        # The anchor decodes on the llama.cpp thread, as ISAGI's step runner does: a second
+        # thread's decodes would keep a second OpenMP team beside that one (isagi.engines.llama_thread).
+        on_llama_thread(anchor.replies, prompt_ids[:2], 8, stops)  # warm-up, both sides
         _isagi_replies(engine, chats[:1], 8, layers)
         for _ in range(repeats):
             for w in widths:
-                got = {"anchor": anchor.replies(prompt_ids[:w], new_tokens, stops),
+                got = {"anchor": on_llama_thread(anchor.replies, prompt_ids[:w], new_tokens, stops),
                        "isagi": _isagi_replies(engine, chats[:w], new_tokens, layers)}
                 for side, (replies, prefill_s, decode_s) in got.items():
                     n = sum(map(len, replies))
