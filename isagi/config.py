@@ -20,10 +20,12 @@ DEFAULT_SYSTEM_PROMPT = (
 QUANT_CHOICES = ("nf4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
-# The servers' sequence slots unless ISAGI_PARALLEL says otherwise: the most users were
-# answered soonest with 8 on the project's 2-core machine kind (docs/measurements.md, "Many
-# users at once: sequence slots"). One user (the terminal, the benches, the evals) gains nothing from more.
-SERVER_PARALLEL = 8
+# The servers' sequence slots unless ISAGI_PARALLEL says otherwise: on the project's 2-core
+# machine kind, 16 and 8 users were answered soonest with one (docs/measurements.md, "Every
+# decode on one thread, and how many slots"): a turn's prompts, about half its model time,
+# gain nothing from batching, and the turns' own Python work takes cores from the batch.
+# A machine with more cores may gain from more (measure with isagi bench web).
+SERVER_PARALLEL = 1
 MAX_PARALLEL = 64
 
 
