@@ -33,6 +33,29 @@ def table_turns(page, sid: str) -> int:
     return int(row["turns"])
 
 
+# Regenerate's "generating…" line can last less than a poll on a fast machine: an observer
+# on the chat records it, and a changed "Latest turn" panel (its latency to the ms) counts too.
+_WATCH = """() => {
+  window.__isagiSaw = false;
+  const chat = document.querySelector('#isagi-chat');
+  window.__isagiObs = new MutationObserver(() => {
+    if (chat.innerText.includes('generating')) window.__isagiSaw = true;
+  });
+  window.__isagiObs.observe(chat, {childList: true, subtree: true, characterData: true});
+  return document.querySelector('#isagi-turn').innerText;
+}"""
+_ENDED = """before => (window.__isagiSaw || document.querySelector('#isagi-turn').innerText !== before)
+  && !document.querySelector('#isagi-chat').innerText.includes('generating')"""
+
+
+def regenerate_and_wait(page) -> None:
+    """Click Regenerate and wait until its new turn has ended."""
+    before = page.evaluate(_WATCH)
+    page.click("#isagi-regen")
+    page.wait_for_function(_ENDED, arg=before, timeout=120_000)
+    page.evaluate("() => window.__isagiObs.disconnect()")
+
+
 def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_dir):
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
@@ -41,12 +64,7 @@ def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_d
             send_and_wait(page, q)
         sid = session_id(page)
         n_badges = len(badges(page))
-        page.click("#isagi-regen")
-        # the new turn streams ("generating…"), then its final info line replaces that
-        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.includes('generating')",
-                               timeout=120_000, polling=50)
-        page.wait_for_function("() => !document.querySelector('#isagi-chat').innerText.includes('generating')",
-                               timeout=120_000)
+        regenerate_and_wait(page)  # the new turn streams, then its final info line replaces that
         page.wait_for_timeout(500)
         page.screenshot(path=str(screenshot_dir / "regenerate-replaces.png"), full_page=True)
         assert session_id(page) == sid
@@ -100,11 +118,7 @@ def test_regenerate_of_an_answer_from_memory_gives_a_new_one(fake_url, browser, 
         send_and_wait(page, question)
         assert send_and_wait(page, question) == "RETRIEVE"
         stored = page.evaluate(LAST_REPLY)
-        page.click("#isagi-regen")
-        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.includes('generating')",
-                               timeout=120_000, polling=50)
-        page.wait_for_function("() => !document.querySelector('#isagi-chat').innerText.includes('generating')",
-                               timeout=120_000)
+        regenerate_and_wait(page)
         page.wait_for_timeout(500)
         page.screenshot(path=str(screenshot_dir / "regenerate-an-answer-from-memory.png"), full_page=True)
         assert badges(page)[-1] != "RETRIEVE", "Regenerate answered from memory again"
