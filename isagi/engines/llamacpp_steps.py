@@ -47,12 +47,21 @@ class Step:
     out_logits: np.ndarray | None = None  # (n, vocab): the logits asked for, in token order
     out_states: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n, d)
     error: BaseException | None = None
-    done: bool = False
-    finished: threading.Event = field(default_factory=threading.Event, repr=False)  # set with ``done``
+    finished: threading.Event = field(default_factory=threading.Event, repr=False)  # its caller waits on it
     # a prompt's progress through its chunks (the runner's)
     evaluated: int = 0
     parts: dict[int, list[np.ndarray]] = field(default_factory=dict)
     logit_rows: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Done (with ``error`` when its decode failed): its caller wakes."""
+        if error is not None:
+            self.error = error
+        self.finished.set()
 
 
 class StepRunner:
@@ -169,8 +178,7 @@ class StepRunner:
                     self._cv.acquire()
         except BaseException as exc:  # a fault of the loop itself: no waiter may wait forever
             for s in self._pending:
-                s.error, s.done = exc, True
-                s.finished.set()
+                s.finish(exc)
             self._pending.clear()
             raise
         finally:
@@ -212,8 +220,7 @@ class StepRunner:
                 s.error = exc
         if finished or group[0].error is not None:
             for s in group:
-                s.done = True
-                s.finished.set()
+                s.finish()
         else:
             with self._cv:
                 self._pending.appendleft(group[0])
