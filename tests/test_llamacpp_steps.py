@@ -136,6 +136,20 @@ def test_the_engines_decodings_in_slots_equal_those_alone_and_a_stop_leaves_the_
     assert not batched._slot_owner and len(batched._free) == batched.slots, "every slot is free again"
 
 
+def test_a_turn_takes_the_lowest_free_slot(engines):
+    """llama.cpp's attention over a batch spans every KV stream from its lowest sequence to its
+    highest: slots freed out of order are handed out lowest first, so the busy ones stay together."""
+    _, batched = engines
+    owners = [object() for _ in range(batched.slots)]
+    assert [batched._take_slot(o) for o in owners] == list(range(batched.slots))
+    for i in (1, 3, 0):
+        batched._give_slot(owners[i])
+    later = [object() for _ in range(3)]
+    assert [batched._take_slot(o) for o in later] == [0, 1, 3]
+    for o in owners + later:
+        batched._give_slot(o)
+    assert not batched._slot_owner and sorted(batched._free) == list(range(batched.slots))
+
 def test_reply_nll_and_prompt_states_in_a_slot_equal_those_alone(engines, settings_default):
     alone, batched = engines
     chat = _chat(settings_default.system_prompt, TOPICS[0])
