@@ -21,7 +21,8 @@ QUANT_CHOICES = ("nf4", "none")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 BACKEND_CHOICES = ("auto", "llamacpp", "transformers")
 # The servers' sequence slots unless ISAGI_PARALLEL says otherwise: on the project's 2-core
-# machine kind, 16 and 8 users were answered soonest with one (docs/measurements.md, "Every
+# machine kind, 16 users were answered soonest with one of 1, 2, 4 or 8, and 8 users with one
+# rather than 8 (docs/measurements.md, "Every
 # decode on one thread, and how many slots"): a turn's prompts, about half its model time,
 # gain nothing from batching, and the turns' own Python work takes cores from the batch.
 # A machine with more cores may gain from more (measure with isagi bench web).
