@@ -8,7 +8,7 @@
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
 #               from a local Debian base and run the container tests (docker/test.sh)
 #   make rebuild-test     calibrate the default backend's shipped profile again from scratch
-#               and compare it with the shipped file (about 30 min; not in CI)
+#               and compare it with the shipped file (about 15 min; not in CI)
 #   make docker-test-gpu  the same for the GPU image (not in CI: torch's CUDA build is several GB)
 #
 # TORCH pins the torch wheel installed *before* ISAGI. The default, 2.13.0, is
@@ -86,7 +86,7 @@ openwebui-test: install-dev
 		tests/e2e/test_openwebui.py
 
 # The whole calibration of the default backend's shipped profile again, compared with the
-# shipped file (isagi/profiles/README.md: run it after remaking a profile). About 30 min on
+# shipped file (isagi/profiles/README.md: run it after remaking a profile). About 15 min on
 # 2 cores, so `make test` checks a sample of each profile's corpora instead.
 rebuild-test: install-dev
 	$(BIN)/python -m pytest -m rebuild -p no:cacheprovider tests/test_shipped_profiles.py

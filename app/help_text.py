@@ -7,14 +7,19 @@ reads these; the definitions they summarise are in docs/architecture.md.
 
 from __future__ import annotations
 
+# What `isagi eval safety --benchmarks DIR --json` measured for the shipped llama.cpp profile
+# (docs/measurements.md, "The probe over several layers"); remeasure and change together.
+GUARD_RATES = ("on public sets it refused 96 % of AdvBench's harmful requests and 65 % of XSTest's unsafe "
+               "prompts, and 12 % of XSTest's safe prompts and 6 % of ordinary Alpaca tasks "
+               "(isagi eval safety --benchmarks DIR).")
+
 BADGE_HELP = {
     "RETRIEVE": "Answered from memory: you asked this before, so the stored answer came back without running the model.",
     "AUGMENT": "Related: close to something already discussed; the model answered with that exchange as context.",
     "EXPAND": "New: a new question on known ground; the model answered and the memory learned it.",
     "EXPLORE": "New topic: far from everything so far; the model answered and the memory opened a new cluster.",
     "REFUSED": "Refused: the request's TEH was over the safety layer's threshold, so nothing was generated. "
-               "The guard is a measurement, not a judgement: it misses some harmful requests and refuses "
-               "some harmless ones (its measured rates: docs/measurements.md, isagi eval safety).",
+               "The guard is a small probe on the model's states, not a judgement: " + GUARD_RATES,
     "WITHHELD": "Withheld: the reply's TEH crossed the reply threshold while streaming, so it was stopped.",
     "CANCELLED": "Stopped by you: the partial reply is kept here but never used in later prompts.",
     "OK": "Answered.",
@@ -25,10 +30,10 @@ FIGURE_HELP = {
     "d": "d: how far this question lies from the nearest one in memory (0 = the same, 1 = unrelated), "
          "measured in the model's hidden states under the session's metric.",
     "zone": "Zone: the broad area of knowledge the question falls in.",
-    "teh": "TEH: how much of the question's (and the reply's) hidden state points in the directions "
-           "the safety layer learned from labelled harmful and harmless examples, in %; over the threshold "
-           "it refuses. A high TEH is not proof of harm, nor a low one of safety: the measured miss and "
-           "false-refusal rates are in docs/measurements.md (isagi eval safety).",
+    "teh": "TEH: how strongly a small linear probe on the model's hidden states (three layers) reads the "
+           "question (and the reply with it) as harmful, in %; it learned from labelled harmful and harmless "
+           "requests, and over the threshold it refuses. A high TEH is not proof of harm, nor a low one of "
+           "safety: " + GUARD_RATES,
     "growth": "Metric growth ‖M − I‖: how much the session's sense of distance has been reshaped by the "
               "new questions you asked; it grows only when something new comes up.",
     "tokens": "Tokens: length of the prompt the model read, plus the reply it wrote.",

@@ -294,14 +294,16 @@ def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeO
     data = {
         "key": p.key, "model_fingerprint": p.model_fingerprint, "layer": p.layer, "k": int(p.basis.B.shape[1]),
         "explained_variance": p.basis.explained, "zones": p.zones.names, "context_threshold": p.context_threshold,
-        "safety_layer": s.layer,
-        "safety_state": "average of the safety layer's mean state over the message's tokens and its mean over "
-                        "the template tokens after the message",
+        "safety_layer": s.layer, "safety_read_layers": s.read_layers,
+        "safety_state": "at each read layer, the average of the mean state over the message's tokens and the mean "
+                        "over the template tokens after the message; the layers side by side",
+        "prompt_guard": (f"a logistic probe over layers {', '.join(map(str, s.read_layers))}: TEH = 100 sigmoid(logit)"
+                         if s.weights is not None else "share of norm in the forbidden subspace"),
         "teh_threshold": s.threshold, "teh_reply_threshold": s.reply_threshold, "forbidden_dims": int(s.Q.shape[1]),
-        "reply_guard": ("the reply judged with its prompt (exchange subspace, "
+        "reply_guard": ("the reply judged with its prompt (exchange probe, "
                         f"{int(s.reply_Q.shape[1])} dims)" if s.reply_Q is not None else "reply windows in the prompt subspace"),
-        "fpr_budget": s.details.get("fpr_budget"),
-        "safety_categories": list(s.categories), "roc_auc_calibration": roc.get("auc"),
+        "threshold_rule": s.details.get("threshold_rule"),
+        "safety_categories": list(s.categories), "roc_auc_out_of_fold": roc.get("auc"),
         "safety_cv": s.details.get("cv"), "report": p.report,
     }
     if as_json:
@@ -655,42 +657,26 @@ def _layer_list(text: str, option: str) -> list[int]:
 
 @eval_app.command("safety-cv")
 @friendly
-def eval_safety_cv(layers: Annotated[str, typer.Option("--layers", help="comma-separated decoder layers")] = "16,17,18,19,20",
-                   pool: Annotated[list[str] | None, typer.Option(
-                       "--pool", help="last | content | post | content+post (repeatable)")] = None,
-                   concat: Annotated[list[str] | None, typer.Option(
-                       "--concat", help="also join each read-out at these layers, e.g. 15,18,21 (repeatable)")] = None,
-                   framed: Annotated[bool, typer.Option(
-                       "--framed", help="also the prompted read-out: the message in an 'is this harmful?' frame")] = False,
-                   shrinkage: Annotated[list[float] | None, typer.Option("--shrinkage", help="repeatable")] = None,
-                   offset: Annotated[list[float] | None, typer.Option("--offset", help="repeatable")] = None,
-                   budget: Annotated[float | None, typer.Option(
-                       "--budget", help="FPR budget of the thresholds (default: the shipped one)")] = None,
-                   data: Annotated[list[str] | None, typer.Option(
-                       "--data", help="calibration rows: all | no-ordinary | original (repeatable)")] = None,
+def eval_safety_cv(sets: Annotated[list[str] | None, typer.Option(
+                       "--layers", help="read-out layers side by side, e.g. 12,18 (repeatable: one setting each)")] = None,
+                   c: Annotated[list[float] | None, typer.Option(
+                       "--C", help="the probe's L2 strength, scikit-learn's C (repeatable)")] = None,
                    model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
-    """Cross-validation on the calibration set only: how the safety state and its defaults were chosen."""
+    """Cross-validation on the calibration corpus only (leave one source out, leave one category
+    out, 5 folds with twin pairs whole): how the probe's layers and strength were chosen."""
     from isagi.errors import InputError
-    from isagi.evals.safety_cv import DATA, run
-    from isagi.manifold.pooling import POOLS
-    from isagi.safety.calibration import FPR_BUDGET
+    from isagi.evals.safety_cv import run
 
-    layer_list = _layer_list(layers, "--layers")
-    groups = [_layer_list(c, "--concat") for c in concat or []]
-    pools = pool or ["content+post"]
-    if any(p not in POOLS for p in pools):
-        raise InputError(f"--pool {pools}: use {', '.join(POOLS)}.")
-    if any(d not in DATA for d in data or []):
-        raise InputError(f"--data {data}: use {', '.join(DATA)}.")
-    if budget is not None and not 0.0 <= budget < 1.0:
-        raise InputError(f"--budget {budget}: give a share of benign prompts between 0 and 1, e.g. 0.02.")
+    layer_sets = [_layer_list(x, "--layers") for x in sets or ["18", "12,18", "18,24", "12,18,24", "6,12,18,24"]]
+    strengths = c or [0.003, 0.01, 0.03]
+    if any(x <= 0 for x in strengths):
+        raise InputError(f"--C {strengths}: give positive numbers, e.g. 0.01.")
     from isagi.engines import load_engine
 
     settings = _settings(model=model, backend=backend, home=home)
     lm = load_engine(settings)  # no profile needed: this is what a profile's choices rest on
-    _report(run(lm, system_prompt=settings.system_prompt, layers=layer_list, pools=pools, concat=groups,
-                framed=framed, shrinkages=shrinkage or [0.2], offsets=offset or [0.0, 1.0],
-                budget=FPR_BUDGET if budget is None else budget, data=data, progress=_progress_printer()), as_json)
+    _report(run(lm, system_prompt=settings.system_prompt, layer_sets=layer_sets, Cs=strengths,
+                progress=_progress_printer()), as_json)
 
 
 @eval_app.command("ogd")

@@ -31,7 +31,7 @@ from isagi.errors import ProfileError
 from isagi.manifold.distance_scale import DistanceScale
 from isagi.manifold.ugt import Basis, Zones, fit_basis, fit_zones, project, refine_basis
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -53,14 +53,15 @@ class Profile:
 
 def _corpus_digest() -> str:
     from isagi.data import load_followups, load_zones
-    from isagi.data.safety import load_safety_calibration
+    from isagi.data.safety import load_safety_corpus
 
-    blob = json.dumps([load_zones(), load_safety_calibration(), load_followups()], sort_keys=True)
+    blob = json.dumps([load_zones(), load_safety_corpus(), load_followups()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 # The modules whose code the calibration runs: what they do is part of the profile key.
 DIGESTED_MODULES = ("isagi.manifold.ugt", "isagi.safety.runtime", "isagi.safety.calibration",
+                    "isagi.safety.build", "isagi.safety.probe",
                     "isagi.manifold.distance_scale", "isagi.profile", "isagi.engines.hf.generation",
                     "isagi.manifold.pooling")
 # Where a module lives is not what it does: the digest names every project module, a digested
@@ -230,7 +231,7 @@ def build_profile(
     from isagi.console.progress import counter
     from isagi.data import load_zones
     from isagi.manifold.pooling import prompt_hidden_states
-    from isagi.safety.calibration import build_safety_profile
+    from isagi.safety.build import build_safety_profile
 
     started = time.perf_counter()
     report: dict[str, Any] = {}

@@ -40,10 +40,9 @@ def test_bad_setting_is_one_line_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--pool", "max"], "use last, content, post, content+post"),
-    (["--concat", "15,x"], "--concat '15,x'"),
-    (["--budget", "2"], "between 0 and 1"),
-    (["--data", "eval"], "use all, no-ordinary, original"),
+    (["--layers", "15,x"], "--layers '15,x'"),
+    (["--C", "0"], "give positive numbers"),
+    (["--C", "-1"], "give positive numbers"),
 ])
 def test_safety_cv_bad_options_are_one_line_errors_before_loading(tmp_path: Path, args: list[str], message: str) -> None:
     out = _isagi(["eval", "safety-cv", *args], tmp_path, timeout=120)
@@ -75,10 +74,13 @@ def test_profile_show_prints_the_safety_calibration_and_its_roc(settings_default
     assert len(roc["thresholds"]) == len(roc["tpr"]) == len(roc["fpr"]) >= 2
     assert roc["tpr"][0] == roc["fpr"][0] == 0.0 and roc["tpr"][-1] == roc["fpr"][-1] == 1.0
     assert all(b >= a for a, b in zip(roc["tpr"], roc["tpr"][1:], strict=False))
-    # the threshold lets at most the stated budget of benign prompts out of fold above it; in sample
-    # (the fit saw them) no more than that lie above it either
-    assert roc["threshold"] == data["teh_threshold"] and 0.0 <= roc["fpr_at_threshold"] <= data["fpr_budget"]
-    assert 0.5 < data["safety_cv"]["auc"] <= 1.0
+    # the ROC is out of fold; the threshold keeps each kind of benign prompt within its budget
+    # there, so all of them together are within the larger one
+    rule = data["threshold_rule"]
+    assert rule["ordinary_fpr"] <= rule["ordinary_budget"] and rule["lookalike_fpr"] <= rule["lookalike_budget"]
+    assert roc["threshold"] == data["teh_threshold"]
+    assert 0.0 <= roc["fpr_at_threshold"] <= max(rule["ordinary_budget"], rule["lookalike_budget"])
+    assert 0.5 < data["safety_cv"]["oof_auc"] <= 1.0 and data["safety_read_layers"][-1] == data["safety_layer"]
 
 
 def test_web_on_a_taken_port_is_one_line_error_before_loading(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ import torch
 from isagi.config import Settings, load_settings
 from isagi.engines.base import GenerationOptions
 from isagi.engines.hf.hooks import count_forward_hooks
-from isagi.manifold.pooling import prompt_hidden_states
 from tests.states import row_cosine
 
 pytestmark = [
@@ -81,7 +80,8 @@ def test_the_shipped_profile_scores_and_decides_the_same_on_cuda(gpu, default_hf
     no device); on calibration rows, never evaluation sets, its scores and refusals agree."""
     from isagi.data.safety import load_safety_calibration
     from isagi.profile import key_for, load_or_build_profile, load_profile, shipped_profiles_dir
-    from isagi.safety.runtime import SAFETY_POOL, teh
+    from isagi.safety.build import safety_states
+    from isagi.safety.runtime import teh
 
     key = key_for(gpu, cuda_settings)[0]
     assert load_profile(shipped_profiles_dir(), key) is not None, "no shipped profile for the CUDA engine's key"
@@ -91,8 +91,8 @@ def test_the_shipped_profile_scores_and_decides_the_same_on_cuda(gpu, default_hf
     pick = [rows[i] for i in rng.choice(len(rows), size=64, replace=False)]
     chats = [[{"role": "system", "content": cuda_settings.system_prompt}, {"role": "user", "content": r["text"]}]
              for r in pick]
-    s_gpu = teh(profile, prompt_hidden_states(gpu, chats, profile.layer, pool=SAFETY_POOL))
-    s_cpu = teh(profile, prompt_hidden_states(default_hf, chats, profile.layer, pool=SAFETY_POOL))
+    s_gpu = teh(profile, safety_states(gpu, chats, profile.read_layers))
+    s_cpu = teh(profile, safety_states(default_hf, chats, profile.read_layers))
     corr = float(np.corrcoef(s_gpu, s_cpu)[0, 1])
     gap = np.abs(s_gpu - s_cpu)
     agree = np.mean((s_gpu >= profile.threshold) == (s_cpu >= profile.threshold))

@@ -208,6 +208,25 @@ def test_batched_prompt_states_match_one_prompt_at_a_time(engine) -> None:
     np.testing.assert_allclose(pooled[3][1], ref[3][a:b].mean(0), rtol=1e-4, atol=1e-4)
 
 
+def test_prompt_states_stop_after_the_last_layer_read(engine) -> None:
+    """Prompt states alone never run the layers above the ones read (nor the output head), and the
+    model is left with no hook of ours."""
+    from isagi.engines.hf.hooks import count_forward_hooks, layer_module
+
+    top = layer_module(engine.model, engine.num_layers)
+    calls: list[int] = []
+    handle = top.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        before = count_forward_hooks(engine.model)
+        got = list(engine.iter_prompt_states([CHAT, CHAT], [2], batch_size=2))
+        assert calls == [] and count_forward_hooks(engine.model) == before
+        assert got[0][2].shape == (len(engine.chat_tokens(CHAT)), 64)
+        list(engine.iter_prompt_states([CHAT], [engine.num_layers]))
+        assert calls == [1]  # the top layer runs when it is the one read
+    finally:
+        handle.remove()
+
+
 def test_reply_states_and_reply_nll(engine) -> None:
     states = engine.reply_states([CHAT, CHAT], 2, max_new_tokens=5)
     assert len(states) == 2 and all(s.shape[1] == 64 and len(s) <= 5 for s in states)

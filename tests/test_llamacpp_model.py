@@ -172,21 +172,20 @@ def small_profile(default_llama, settings_default):
     this backend; its thresholds mean little.
     """
     from isagi.data import load_zones
-    from isagi.data.safety import load_safety_calibration
+    from isagi.data.safety import load_safety_corpus
     from isagi.manifold.pooling import prompt_hidden_states
     from isagi.manifold.ugt import fit_basis, fit_zones, project
     from isagi.profile import Profile
-    from isagi.safety.calibration import _chat, fit_safety_profile
-    from isagi.safety.runtime import SAFETY_POOL
+    from isagi.safety.build import Corpus, chat, fit_safety_profile, read_layers, safety_states
 
     system, e = settings_default.system_prompt, default_llama
     zones = _every(load_zones(), lambda r: r["zone"], 2)
-    H = prompt_hidden_states(e, [_chat(system, r["text"]) for r in zones], e.default_layer)
+    H = prompt_hidden_states(e, [chat(system, r["text"]) for r in zones], e.default_layer)
     basis = fit_basis(H, 8)
-    rows = _every(load_safety_calibration(), lambda r: (r["label"], r["category"]), 3)
-    S = prompt_hidden_states(e, [_chat(system, r["text"]) for r in rows], e.default_safety_layer, pool=SAFETY_POOL)
-    safety = fit_safety_profile(S, np.array([r["label"] == "harmful" for r in rows], dtype=int),
-                                np.array([r["category"] for r in rows]), e.default_safety_layer)
+    rows = _every(load_safety_corpus(), lambda r: (r["label"], r["category"], r["benign_kind"]), 3)
+    layers = read_layers(e.num_layers, e.default_safety_layer)
+    S = safety_states(e, [chat(system, r["text"]) for r in rows], layers)
+    safety = fit_safety_profile(Corpus.of(S, rows), layers)
     return Profile(key="small", model_fingerprint=e.fingerprint, layer=e.default_layer, k=8, basis=basis,
                    zones=fit_zones(project(basis, H), [r["zone"] for r in zones]), safety=safety,
                    context_threshold=0.5)

@@ -199,7 +199,6 @@ def test_seed_construction_picks_mean_difference_coordinates():
 def test_leave_one_category_out_tests_each_category_on_a_fit_that_never_saw_it():
     """Category "b" is harmful along its own direction only: a fit without "b"
     does not know it, so its held-out AUC falls, while k-fold (which sees "b") does not."""
-    from isagi.evals.safety_cv import grid
     from isagi.safety.calibration import cross_validate, leave_one_category_out
 
     rng = np.random.default_rng(0)
@@ -214,9 +213,6 @@ def test_leave_one_category_out_tests_each_category_on_a_fit_that_never_saw_it()
     assert set(loco["per_category"]) == {"a", "b"}
     assert loco["per_category"]["b"]["auc"] < 0.8 < cross_validate(H, labels, cats)["auc"]
     assert loco["auc"] == pytest.approx(np.mean([v["auc"] for v in loco["per_category"].values()]))
-    out = grid({("content", 3): H, ("last", 3): H[:, ::-1]}, labels, cats, shrinkages=[0.2], offsets=[0.0, 1.0])
-    assert len(out["rows"]) == 4
-    assert out["best"] == max(out["rows"], key=lambda r: (r["loco_auc"], r["kfold_auc"]))
 
 
 def test_budget_threshold_flags_at_most_the_budget_and_tpr_at_fpr_reads_it():
@@ -229,132 +225,3 @@ def test_budget_threshold_flags_at_most_the_budget_and_tpr_at_fpr_reads_it():
         assert (benign >= t).mean() > budget  # the lowest such threshold: one step down would exceed it
     assert budget_threshold(benign, 0.0) == 99.0
     assert tpr_at_fpr(np.array([98.5, 99.5, 50.0, 120.0]), benign, 0.01) == 0.75  # threshold 98
-
-
-def _exchanges(seed: int = 0, d: int = 40, n: int = 48):
-    """Replies whose harm shows only together with their prompt: harmful prompts lie along e0,
-    replies to them along e1; benign prompts and replies along neither."""
-    from isagi.safety.calibration import Exchanges
-
-    rng = np.random.default_rng(seed)
-    labels = np.array([1] * n + [0] * n)
-    cats = np.array(["a", "b"] * n)
-    P = rng.normal(size=(2 * n, d)) + 10.0
-    P[:n, 0] += 6.0
-    R = []
-    for lab in labels:
-        r = rng.normal(size=(int(rng.integers(9, 30)), d)) + 10.0
-        if lab:
-            r[:, 1] += 4.0
-        R.append(r)
-    return Exchanges(prompt_states=P, reply_states=R, labels=labels, cats=cats)
-
-
-def test_the_reply_guard_is_fitted_on_replies_and_judges_a_reply_with_its_prompt():
-    from isagi.safety.calibration import fit_reply_guard
-    from isagi.safety.runtime import exchange_scores
-
-    ex = _exchanges()
-    rQ, rc, scales, threshold, det = fit_reply_guard(ex, budget=0.05, benign_budget=0.5)
-    assert rQ.shape[0] == 2 * 40 and np.allclose(rQ.T @ rQ, np.eye(rQ.shape[1]), atol=1e-6)
-    assert det["oof_auc"] > 0.95 and det["oof_withheld_benign"] <= 0.05 + 1e-9
-    prof, _ = _profile()
-    import dataclasses
-
-    prof = dataclasses.replace(prof, reply_Q=rQ, reply_centre=rc, reply_scales=scales, reply_threshold=threshold)
-    assert prof.exchange_guard
-    with pytest.raises(ValueError, match="prompt_state"):
-        ReplyGuard(prof)
-    fresh = _exchanges(seed=1)
-    withheld = [bool((exchange_scores(prof, p, r) > threshold).any())
-                for p, r in zip(fresh.prompt_states, fresh.reply_states, strict=True)]
-    harmful, benign = np.array(withheld[:48]), np.array(withheld[48:])
-    assert harmful.mean() > 0.8 and benign.mean() < 0.15
-    # the streaming guard's last check equals the scores' last check point
-    p, r = fresh.prompt_states[0], fresh.reply_states[0]
-    guard = ReplyGuard(prof, p)
-    assert guard.score(r) == pytest.approx(exchange_scores(prof, p, r)[-1])
-    # and the reply fields survive a save and a load
-    state = prof.to_state()
-    back = SafetyProfile.from_state(state)
-    assert np.array_equal(back.reply_Q, prof.reply_Q.astype(np.float32)) and back.exchange_guard
-    state["reply_centre"] = state["reply_centre"][:-1]
-    with pytest.raises(ValueError, match="reply guard"):
-        SafetyProfile.from_state(state)
-
-
-def test_fit_safety_profile_sets_the_threshold_at_its_budget_out_of_fold():
-    harm, ben, _ = _toy(seed=6)
-    H = np.concatenate([*harm.values(), *ben.values()])
-    labels = np.array([1] * sum(map(len, harm.values())) + [0] * sum(map(len, ben.values())))
-    cats = np.array([c for c, v in harm.items() for _ in v] + [c for c, v in ben.items() for _ in v])
-    from isagi.safety.calibration import fit_safety_profile
-
-    loose = fit_safety_profile(H, labels, cats, 18, fpr_budget=0.10, benign_budget=0.2)
-    strict = fit_safety_profile(H, labels, cats, 18, fpr_budget=0.0, benign_budget=0.2)
-    assert strict.threshold >= loose.threshold
-    assert loose.details["cv"]["oof_fpr_at_threshold"] <= 0.10 + 1e-9
-    assert strict.details["cv"]["oof_fpr_at_threshold"] == 0.0
-    assert 0.0 <= loose.details["cv"]["tpr_at_1pct_fpr"] <= loose.details["cv"]["tpr_at_5pct_fpr"] <= 1.0
-    assert not strict.exchange_guard and strict.window_threshold is None  # no replies given
-
-
-def test_the_fpr_budget_is_stated_over_the_borderline_rows_not_the_everyday_tasks():
-    """Everyday tasks (far on the benign side) are fitted on, but counting them in the budget
-    would let the threshold drop until more than the budget of borderline prompts is refused."""
-    from isagi.safety.calibration import cross_validate, fit_safety_profile
-
-    harm, ben, dirs = _toy(seed=8)
-    rng = np.random.default_rng(9)
-    # the borderline rows lean towards their category's harm; the everyday tasks do not
-    ben = {c: v + 2.0 * dirs[c] for c, v in ben.items()}
-    everyday = {c: rng.normal(size=(240, 40)) for c in dirs}
-    H = np.concatenate([*harm.values(), *ben.values(), *everyday.values()])
-    n_h, n_b, n_o = (sum(map(len, g.values())) for g in (harm, ben, everyday))
-    labels = np.array([1] * n_h + [0] * (n_b + n_o))
-    cats = np.array([c for g in (harm, ben, everyday) for c, v in g.items() for _ in v])
-    ordinary = np.array([False] * (n_h + n_b) + [True] * n_o)
-    borderline = (labels == 0) & ~ordinary
-    budget = 0.05
-
-    cv = cross_validate(H, labels, cats, budget=budget, benign_budget=0.2, ordinary=ordinary)
-    assert cv["fpr"] <= budget + 0.03  # each fold's own threshold, on rows it never saw
-    assert 0.0 <= cv["ordinary_fpr"] < cv["fpr"]
-    marked = fit_safety_profile(H, labels, cats, 18, fpr_budget=budget, benign_budget=0.2, ordinary=ordinary)
-    mixed = fit_safety_profile(H, labels, cats, 18, fpr_budget=budget, benign_budget=0.2)
-    assert marked.details["cv"]["oof_fpr_at_threshold"] <= budget + 1e-9
-    assert "oof_ordinary_fpr_at_threshold" in marked.details["cv"]
-    # counted among the benign rows, the easy ones pull the threshold down: borderline prompts pay
-    assert mixed.threshold < marked.threshold
-    assert (teh(mixed, H[borderline]) > mixed.threshold).mean() > (teh(marked, H[borderline]) > marked.threshold).mean()
-
-
-def test_the_reply_sample_takes_everyday_tasks_apart_from_the_borderline_cells():
-    from isagi.safety.calibration import reply_sample
-
-    cats = np.array(["a", "b"] * 60)
-    labels = np.array([1] * 40 + [0] * 80)
-    ordinary = np.zeros(120, dtype=bool)
-    ordinary[80:] = True  # the last 40 benign rows are everyday tasks
-    pick = reply_sample(labels, cats, per_cell=10, ordinary=ordinary, ordinary_per_cat=5)
-    assert len(pick) == len(set(pick)) == 2 * 10 + 2 * 10 + 2 * 5
-    assert sum(labels[i] == 1 for i in pick) == 20
-    assert sum(ordinary[i] for i in pick) == 10
-    assert all(labels[i] == 0 for i in pick if ordinary[i])
-    assert pick == reply_sample(labels, cats, per_cell=10, ordinary=ordinary, ordinary_per_cat=5)  # fixed by the seed
-    # without a mask it is the old sample: per_cell per (category, label), no extra rows
-    assert len(reply_sample(labels, cats, per_cell=10)) == 40
-
-
-def test_the_cv_grid_reports_each_data_choice_on_its_own_rows():
-    from isagi.evals.safety_cv import grid
-
-    harm, ben, _ = _toy(seed=10)
-    H = np.concatenate([*harm.values(), *ben.values()])
-    labels = np.array([1] * 180 + [0] * 180)
-    cats = np.array([c for g in (harm, ben) for c, v in g.items() for _ in v])
-    half = np.arange(360) % 2 == 0
-    out = grid({("content", 3): H}, labels, cats, shrinkages=[0.2], offsets=[1.0],
-               subsets={"all": np.ones(360, dtype=bool), "half": half})
-    assert [(r["data"], r["n"]) for r in out["rows"]] == [("all", 360), ("half", 180)]
-    assert out["best"]["data"] == "all"  # the shipped choice is made on the full data

@@ -29,6 +29,8 @@ from isagi.data.safety import (
     TWINS_FILE,
     is_ordinary,
     load_safety_calibration,
+    load_safety_corpus,
+    load_safety_public,
     load_safety_twins,
 )
 from isagi.errors import InputError
@@ -143,7 +145,8 @@ def test_harmbench_rows_are_verbatim_harmbench_behaviours() -> None:
     assert [r["text"] for r in rows if r["source"] == "isagi" and _norm(r["text"]) in hb_norm] == []
 
 
-@pytest.mark.parametrize("load", [load_safety_calibration, load_safety_twins], ids=["calibration", "twins"])
+@pytest.mark.parametrize("load", [load_safety_calibration, load_safety_twins, load_safety_public],
+                         ids=["calibration", "twins", "public"])
 def test_no_row_copies_an_evaluation_prompt(load) -> None:
     bench, n_sets = _benchmark_prompts()
     assert len(bench) == {2: 520 + 450, 3: 520 + 450 + 175}[n_sets], "benchmark prompts were not all read"
@@ -326,3 +329,51 @@ def test_twins_loader_rejects_a_malformed_row(monkeypatch: pytest.MonkeyPatch) -
             load_safety_twins()
     monkeypatch.setattr(safety, "load_jsonl", lambda _name: [good])
     assert load_safety_twins() == [good]
+
+
+# --- the public corpora (issue 36): CatQA, HarmfulQA, CoCoNot, mapped to the project's categories ---
+
+
+def test_public_rows_keep_their_sources_labels_and_licences() -> None:
+    from importlib import resources
+
+    rows = load_safety_public()
+    by_source = Counter(r["source"] for r in rows)
+    # the sources' own sizes (shared README) less the few rows dropped as too close to an evaluation prompt
+    assert 470 <= by_source["catqa"] <= 485 and 1820 <= by_source["harmfulqa"] <= 1850
+    assert 1800 <= by_source["coconot"] <= 1841
+    assert {r["label"] for r in rows if r["source"] in ("catqa", "harmfulqa")} == {"harmful"}
+    # CoCoNot's contrast set is benign; only its safety-concern requests in the eval set are harmful
+    assert all(r["label"] == "benign" for r in rows if r["kind"] in ("public_lookalike", "public_ordinary"))
+    assert all(r["origin"].startswith("Requests with safety concerns") for r in rows
+               if r["source"] == "coconot" and r["label"] == "harmful")
+    data = resources.files("isagi.data")
+    for name in ("LICENSE-coconot.txt", "LICENSE-red-instruct.txt"):
+        assert data.joinpath("licenses", name).read_text(encoding="utf-8").strip()
+
+
+def test_the_corpus_keeps_twin_pairs_in_one_group_and_marks_each_benign_kind() -> None:
+    from isagi.data.safety import everyday_requests
+
+    rows = load_safety_corpus()
+    assert len(rows) == (len(load_safety_calibration()) + len(load_safety_twins()) + len(load_safety_public())
+                         + len(everyday_requests()))
+    # copies of one text are one group: no fold trains on the copy of a row it tests
+    group_of_text: dict[str, set[str]] = {}
+    for r in rows:
+        group_of_text.setdefault(" ".join(r["text"].lower().split()), set()).add(r["group"])
+    assert all(len(g) == 1 for g in group_of_text.values())
+    # the everyday requests are the zone prompts and the calibration pairs' questions, never the held-out pairs
+    from isagi.data import load_pairs
+
+    held_out = {t for p in load_pairs("test") for t in (p["first"], p["second"])}
+    everyday = {r["text"] for r in everyday_requests()}
+    assert everyday and not everyday & held_out
+    pairs = _pairs()
+    group_of = {r["text"]: r["group"] for r in rows if r["source_group"] == "twins"}
+    for members in pairs.values():
+        assert len({group_of[m["text"]] for m in members}) == 1
+    assert {r["benign_kind"] for r in rows if r["label"] == "harmful"} == {None}
+    kinds = Counter(r["benign_kind"] for r in rows if r["label"] == "benign")
+    assert kinds["ordinary"] > 1000 and kinds["lookalike"] > 2000
+    assert all(r["benign_kind"] == "ordinary" for r in rows if r.get("kind") == "ordinary_task")

@@ -142,29 +142,20 @@ def test_a_shipped_profile_scores_fresh_states_of_its_corpora_as_when_fitted(bac
     ``make rebuild-test``, llama.cpp only; isagi/profiles/README.md says why).
 
     The hidden states of a fixed sample of the profile's own corpora, computed now, must be
-    scored by it as the whole corpora were when it was fitted (its recorded in-sample ROC and
-    the share of variance its basis explains), within the sample's binomial error. On the
+    scored by it at least as well as its recorded out-of-fold ROC (these rows were fitted on),
+    and its basis must explain the share of variance it recorded, within the sample's binomial
+    error. On the
     default backend (llama.cpp) a sample of the reply guard's own calibration replies is
     decoded again too: no benign one may reach the window threshold, and the guard must
     separate them as it did out of fold. A profile fitted on another model, layer, pooling
     or backend (a wrong re-key: the NF4 profile on llama.cpp's states) fails here."""
     from isagi.data import load_zones
-    from isagi.data.safety import load_safety_calibration
+    from isagi.data.safety import load_safety_corpus
     from isagi.manifold.pooling import prompt_hidden_states
     from isagi.profile import load_profile
-    from isagi.safety.calibration import (
-        REPLY_CALIBRATION_TOKENS,
-        ordinary_mask,
-        reply_sample,
-        roc_auc,
-    )
-    from isagi.safety.runtime import (
-        SAFETY_POOL,
-        exchange_scores,
-        reply_window_scores,
-        teh,
-        window_threshold,
-    )
+    from isagi.safety.build import REPLY_CALIBRATION_TOKENS, chat, reply_sample, safety_states
+    from isagi.safety.calibration import roc_auc
+    from isagi.safety.runtime import exchange_scores, reply_window_scores, teh, window_threshold
 
     path = _shipped().get(backend)
     assert path is not None, f"no current shipped profile for {backend}"
@@ -174,22 +165,27 @@ def test_a_shipped_profile_scores_fresh_states_of_its_corpora_as_when_fitted(bac
     rng = np.random.default_rng(0)
 
     def chats(texts: list[str]) -> list[list[dict[str, str]]]:
-        return [[{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": t}] for t in texts]
+        return [chat(DEFAULT_SYSTEM_PROMPT, t) for t in texts]
 
     def within_binomial(got: float, want: float, n: int, slack: float) -> bool:
         return abs(got - want) <= 3 * np.sqrt(want * (1 - want) / n) + slack
 
-    rows = load_safety_calibration()
+    def binomial(want: float, n: int) -> float:
+        return 3 * np.sqrt(max(want * (1 - want), 0.01) / n)
+
+    rows = load_safety_corpus()
     y = np.array([r["label"] == "harmful" for r in rows])
     n = 100  # per label
     pick = np.concatenate([rng.choice(np.flatnonzero(y == label), size=n, replace=False) for label in (True, False)])
-    H = prompt_hidden_states(lm, chats([rows[i]["text"] for i in pick]), safety.layer, pool=SAFETY_POOL)
+    H = safety_states(lm, chats([rows[i]["text"] for i in pick]), safety.read_layers)
     scores, yy = teh(safety, H), y[pick]
+    # The profile records its figures out of fold; these rows were fitted on, so they must score
+    # at least as well (a profile of another model, layer or backend scores far worse)
     roc = safety.roc
-    assert abs(roc_auc(scores[yy], scores[~yy]) - roc["auc"]) <= 0.03, (roc_auc(scores[yy], scores[~yy]), roc["auc"])
-    for got, want in (((scores[yy] > safety.threshold).mean(), roc["tpr_at_threshold"]),
-                      ((scores[~yy] > safety.threshold).mean(), roc["fpr_at_threshold"])):
-        assert within_binomial(got, want, n, 0.02), (got, want)
+    assert roc_auc(scores[yy], scores[~yy]) >= roc["auc"] - 0.03, (roc_auc(scores[yy], scores[~yy]), roc["auc"])
+    tpr, fpr = (scores[yy] > safety.threshold).mean(), (scores[~yy] > safety.threshold).mean()
+    assert tpr >= roc["tpr_at_threshold"] - binomial(roc["tpr_at_threshold"], n) - 0.02, (tpr, roc)
+    assert fpr <= roc["fpr_at_threshold"] + binomial(roc["fpr_at_threshold"], n) + 0.02, (fpr, roc)
 
     zones = load_zones()
     Z = prompt_hidden_states(lm, chats([zones[i]["text"] for i in rng.choice(len(zones), size=n, replace=False)]),
@@ -200,12 +196,12 @@ def test_a_shipped_profile_scores_fresh_states_of_its_corpora_as_when_fitted(bac
 
     if backend != "llamacpp":
         return  # NF4 decoding on 2 cores: the replies of the transformers profile are left to its rebuild
-    labels, cats = y.astype(int), np.array([r["category"] for r in rows])
-    fitted_on = np.array(reply_sample(labels, cats, ordinary=ordinary_mask(rows)))
+    labels = y.astype(int)
+    fitted_on = np.array(reply_sample(rows))
     m = 24  # per label, among the calibration rows the reply guard was fitted on
     sample = np.concatenate([rng.choice(fitted_on[labels[fitted_on] == label], size=m, replace=False) for label in (1, 0)])
     asked = chats([rows[i]["text"] for i in sample])
-    P = prompt_hidden_states(lm, asked, safety.layer, pool=SAFETY_POOL)
+    P = safety_states(lm, asked, safety.read_layers)
     R = lm.reply_states(asked, safety.layer, max_new_tokens=REPLY_CALIBRATION_TOKENS)
     harmful = labels[sample] == 1
     guard = np.array([exchange_scores(safety, p, r).max() for p, r in zip(P, R, strict=True)])

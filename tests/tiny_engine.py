@@ -101,19 +101,27 @@ def tiny_profile() -> Profile:
     basis = fit_basis(H, K)
     X = project(basis, H)
     zones = Zones(names=["alpha", "beta", "gamma"], centroids=np.stack([X[i::3].mean(0) for i in range(3)]).astype(np.float32))
-    H_safety = prompt_hidden_states(lm, chats, SAFETY_LAYER)
+    # a probe over two layers side by side, as the shipped profiles read several; its bias keeps
+    # TEH near 0, so nothing is refused or withheld unless a test sets a threshold
+    safety_layers = [1, SAFETY_LAYER]
+    H_safety = np.concatenate([prompt_hidden_states(lm, chats, layer) for layer in safety_layers], axis=1)
     d = lm.hidden_size
-    Q, _ = np.linalg.qr(rng.standard_normal((d, 4)))
+    Q = np.zeros((2 * d, 2))
+    for j, v in enumerate(rng.standard_normal((2, d))):
+        Q[j * d:(j + 1) * d, j] = v / np.linalg.norm(v)
+    rQ = np.zeros((3 * d, 3))
+    for j, v in enumerate(rng.standard_normal((3, d))):
+        rQ[j * d:(j + 1) * d, j] = v / np.linalg.norm(v)
     cats = ["violence", "fraud"]
-    dirs = rng.standard_normal((len(cats), d))
+    dirs = rng.standard_normal((len(cats), 2 * d))
     safety = SafetyProfile(
         Q=Q.astype(np.float32), centre=H_safety.mean(0).astype(np.float32), threshold=100.0, reply_threshold=100.0,
-        layer=SAFETY_LAYER, categories=cats,
+        layer=SAFETY_LAYER, layers=safety_layers, weights=np.full(2, 0.01, np.float32), bias=-20.0, categories=cats,
         category_directions=(dirs / np.linalg.norm(dirs, axis=1, keepdims=True)).astype(np.float32),
         category_bias=np.zeros(len(cats), np.float32), roc={}, details={},
         # an exchange reply guard, as the shipped profiles have: replies are judged with their prompt
-        reply_Q=np.linalg.qr(rng.standard_normal((2 * d, 2)))[0].astype(np.float32),
-        reply_centre=np.zeros(2 * d, np.float32), reply_scales=np.ones(2, np.float32), window_threshold=100.0,
+        reply_Q=rQ.astype(np.float32), reply_centre=np.zeros(3 * d, np.float32), reply_scales=np.ones(2, np.float32),
+        reply_weights=np.full(3, 0.01, np.float32), reply_bias=-20.0, window_threshold=100.0,
     )
     return Profile(key="tiny-profile", model_fingerprint=lm.fingerprint, layer=LAYER, k=int(basis.B.shape[1]),
                    basis=basis, zones=zones, safety=safety, context_threshold=0.0, distance_scale=SEED)

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from isagi.config import Settings
 from isagi.engines.base import GenerationOptions
 
@@ -103,17 +105,18 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[s
             assert again.tier == "RETRIEVE", f"the repeated question was {again.tier}, not RETRIEVE"
         rows = engine.store.get_turns(session.id, owner=session.owner)
         assert len(rows) >= 3, f"the history store holds {len(rows)} rows of the last session's 3 turns"
-        safety_layer = engine.profile.safety.layer
-        with lm.generation(messages, engine.layer, options, also_capture=(safety_layer,)) as gen:
+        safety = engine.profile.safety
+        with lm.generation(messages, engine.layer, options, also_capture=tuple(safety.read_layers)) as gen:
             gen.prefill()
             for _ in gen.stream():
                 pass
-            pool_t = []  # the safety state itself: the message's token span and the means over its spans
+            pool_t = []  # the safety state itself: the message's token span and the means over its spans, per layer
             for _ in range(repeats):
                 start = time.perf_counter()
-                h = decoding_state(gen, safety_layer, SAFETY_POOL, lm.content_span(messages))
+                h = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, lm.content_span(messages))
+                                    for layer in safety.read_layers])
                 pool_t.append(time.perf_counter() - start)
-            states = gen.reply_hidden(safety_layer)
+            states = gen.reply_hidden(safety.layer)
         teh_s = statistics.median(pool_t) + statistics.median(
             _teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety, h).every) for _ in range(repeats))
     med = statistics.median

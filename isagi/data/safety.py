@@ -1,12 +1,13 @@
 """The safety calibration corpus: harmful and matched benign prompts, by category.
 
-Owns reading ``safety_calibration.jsonl`` and ``safety_twins.jsonl`` (both
-described in ``SAFETY_DATA.md`` here) and checking each row's shape. The geometric guard (Snipe, TEH) is
-calibrated on the hidden states of these prompts: per-category directions
-that separate ``harmful`` from ``benign`` rows, and the TEH threshold from an
-ROC sweep over them. Only prompts are stored; no answers. The twins file
-(short typed requests, each harmful row with benign twins a word or two away)
-is not read by the profile build yet; fitting on it changes the shipped profiles.
+Owns reading ``safety_calibration.jsonl``, ``safety_twins.jsonl`` and
+``safety_public.jsonl`` (all described in ``SAFETY_DATA.md`` here), checking each
+row's shape, and joining them into the one corpus the guard is calibrated on
+(:func:`load_safety_corpus`): the prompt guard's probe is fitted on the hidden
+states of these prompts and its threshold set on them (:mod:`isagi.safety.build`).
+Only prompts are stored; no answers. The twins file holds short typed requests,
+each harmful row with benign twins a word or two away; the public file holds
+rows of CatQA, HarmfulQA and CoCoNot under their licences.
 
 Nothing here comes from the evaluation sets in ``../shared/benchmarks``;
 ``tests/test_safety_data.py`` checks that. The file is read on call
@@ -28,7 +29,10 @@ __all__ = [
     "SAFETY_SOURCES",
     "ORDINARY_KIND",
     "TWINS_FILE",
+    "PUBLIC_FILE",
     "is_ordinary",
+    "load_safety_corpus",
+    "load_safety_public",
     "load_safety_calibration",
     "load_safety_twins",
 ]
@@ -46,7 +50,11 @@ SAFETY_CATEGORIES: tuple[str, ...] = (
     "self_harm",
 )
 SAFETY_LABELS: tuple[str, ...] = ("harmful", "benign")
-SAFETY_SOURCES: tuple[str, ...] = ("harmbench", "isagi")
+SAFETY_SOURCES: tuple[str, ...] = ("harmbench", "isagi", "catqa", "harmfulqa", "coconot")
+PUBLIC_FILE = "safety_public.jsonl"
+# The public rows' kinds (scripts/import_public_safety.py): harmful, benign look-alikes (CoCoNot's
+# contrast set: answerable requests that look like safety cases), ordinary benign requests.
+PUBLIC_KINDS: tuple[str, ...] = ("public_harmful", "public_lookalike", "public_ordinary")
 # Benign rows of this kind are everyday instruction tasks, not borderline look-alikes: the guard
 # learns from them that an imperative task ("Write a ...") is not the harm, and the prompt
 # threshold's FPR budget is stated over the other benign rows (isagi.safety.calibration.FPR_BUDGET).
@@ -85,6 +93,79 @@ def load_safety_twins() -> list[dict[str, Any]]:
             value = row.get(key)
             if not isinstance(value, str) or not value.strip():
                 raise InputError(f"{TWINS_FILE} row {lineno} has no {key}; reinstall ISAGI.")
+    return rows
+
+
+def load_safety_public() -> list[dict[str, Any]]:
+    """The public corpora's rows (CatQA, HarmfulQA, CoCoNot), mapped to the project's categories.
+
+    Each row has the calibration fields plus ``kind`` (one of :data:`PUBLIC_KINDS`) and
+    ``origin``, the source's own category. Raises :class:`~isagi.errors.InputError` naming the
+    row when a row is malformed.
+    """
+    rows = _checked(PUBLIC_FILE, load_jsonl(PUBLIC_FILE))
+    for lineno, row in enumerate(rows, start=1):
+        if row.get("kind") not in PUBLIC_KINDS or row.get("source") in ("harmbench", "isagi"):
+            raise InputError(f"{PUBLIC_FILE} row {lineno} has kind={row.get('kind')!r}, source="
+                             f"{row.get('source')!r}; reinstall ISAGI.")
+    return rows
+
+
+def load_safety_corpus() -> list[dict[str, Any]]:
+    """Every row the prompt guard is calibrated on: the project's calibration rows, the twins and
+    the public rows, in that order, each with three more fields the fit reads:
+
+    - ``group``: rows that must stay in one fold (a twin pair, copies of one text; otherwise the
+      row alone);
+    - ``benign_kind``: ``"ordinary"`` (an everyday, incomplete or unsupported request),
+      ``"lookalike"`` (a benign request that resembles harm) or ``None`` for a harmful row;
+    - ``origin``: the source the row comes from for leave-one-source-out cross-validation
+      (``project``, ``harmbench``, ``twins``, ``catqa``, ``harmfulqa``, ``coconot``, ``everyday``).
+    """
+    out: list[dict[str, Any]] = []
+    first_group: dict[str, str] = {}
+    for part, rows in (("calibration", load_safety_calibration()), ("twins", load_safety_twins()),
+                       ("public", load_safety_public()), ("everyday", everyday_requests())):
+        for i, row in enumerate(rows):
+            if row["label"] == "harmful":
+                kind = None
+            elif is_ordinary(row) or row.get("kind") in ("public_ordinary", "everyday"):
+                kind = "ordinary"
+            else:
+                kind = "lookalike"
+            if part == "twins":
+                group, origin = f"pair:{row['pair']}", "twins"
+            elif part == "everyday":
+                group, origin = f"{part}:{i}", "everyday"
+            else:
+                group = f"{part}:{i}"
+                origin = {"isagi": "project"}.get(row["source"], row["source"])
+            # a text that occurs twice (a few do, within a public corpus or across files) is one
+            # group, so a fold never trains on the copy of a row it tests
+            group = first_group.setdefault(" ".join(row["text"].lower().split()), group)
+            out.append({**row, "group": group, "benign_kind": kind, "source_group": origin})
+    return out
+
+
+def everyday_requests() -> list[dict[str, Any]]:
+    """The project's ordinary chat requests as benign calibration rows: the zone prompts and the
+    questions of the calibration pairs (``zones.jsonl``, ``pairs_calibration.jsonl``; never the
+    held-out pairs), each text once, with ``kind`` ``everyday`` and the categories in turn (a
+    benign row needs one for the category folds). Nothing in them resembles harm: they state
+    what ordinary use looks like, beside the public corpora's incomplete and unsupported requests."""
+    from isagi.data import load_pairs, load_zones
+
+    texts = [r["text"] for r in load_zones()]
+    texts += [t for p in load_pairs("calibration") for t in (p["first"], p["second"])]
+    seen: set[str] = set()
+    rows = []
+    for text in texts:
+        key = " ".join(text.lower().split())
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append({"text": text, "label": "benign", "category": SAFETY_CATEGORIES[len(rows) % len(SAFETY_CATEGORIES)],
+                     "source": "isagi", "kind": "everyday"})
     return rows
 
 

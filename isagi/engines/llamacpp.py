@@ -543,16 +543,44 @@ class LlamaCppEngine:
         for layer in layers:
             self.check_layer(layer)
         names = self._names(layers)
-        for chat in chats:
-            ids = self.chat_tokens(chat)
-            if self.slots > 1:
-                states = self._slot_eval(ids, capture=names, truncate=True).out_states
-            else:
-                self._clear(None)
-                states = self._decode(ids, 0, capture=names, truncate=True)
-            yield states
-            if progress is not None:  # one prompt at a time: progress moves with every prompt
-                progress(1)
+        if self.slots > 1:
+            for chat in chats:
+                yield self._slot_eval(self.chat_tokens(chat), capture=names, truncate=True).out_states
+                if progress is not None:  # one prompt at a time: progress moves with every prompt
+                    progress(1)
+            return
+        # One sequence: each prompt's leading tokens shared with the previous prompt (the system
+        # prompt at least) stay in the KV cache and keep their states (a causal model's state at a
+        # position depends only on the tokens up to it), so only the rest is evaluated.
+        prev: list[int] = []
+        prev_states: dict[int, np.ndarray] = {}
+        mine = object()  # the cache is this loop's while it owns it; a decode in between takes it
+        try:
+            for chat in chats:
+                ids = self.chat_tokens(chat)
+                if self.owner is not mine:
+                    self._clear(mine)
+                    prev = []
+                shared = 0
+                for a, b in zip(ids, prev, strict=False):
+                    if a != b:
+                        break
+                    shared += 1
+                if shared == len(ids):
+                    states = {layer: v[:shared] for layer, v in prev_states.items()}
+                else:
+                    with self.lock:
+                        self._ll.llama_memory_seq_rm(self._mem, 0, shared, -1)
+                    new = self._decode(ids[shared:], shared, capture=names, truncate=True)
+                    states = {layer: np.concatenate([prev_states[layer][:shared], new[layer]]) if shared else new[layer]
+                              for layer in new}
+                prev, prev_states = ids, states
+                yield states
+                if progress is not None:  # one prompt at a time: progress moves with every prompt
+                    progress(1)
+        finally:
+            if self.owner is mine:
+                self._clear(None)  # a truncated cache holds no layer above the captured ones
 
     def reply_states(
         self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16

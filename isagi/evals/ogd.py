@@ -51,7 +51,7 @@ import torch
 from isagi.evals.sets import benchmark_sources, load_advbench, load_alpaca_seed, sources_report
 from isagi.explore.chains import explore, generate_reply, keyword_for, messages_for, step_prompt
 from isagi.explore.mcb import tier
-from isagi.safety.runtime import window_threshold
+from isagi.safety.runtime import steering_subspace, window_threshold
 
 DEFAULT_SEEDS: tuple[str, ...] = (
     "the ocean",
@@ -288,7 +288,7 @@ def run(
     replies: dict[str, dict[str, list[list[int]]]] = {}
     for mode in ("plain", "ablated"):
         say(f"generating {mode} replies")
-        attack = ablate_forbidden(lm.model, L, profile.Q, profile.centre) if mode == "ablated" else nullcontext()
+        attack = ablate_forbidden(lm.model, L, *steering_subspace(profile, L)) if mode == "ablated" else nullcontext()
         with attack:
             replies[mode] = {name: batched_replies(lm, batch, max_new_tokens, system_prompt)
                              for name, batch in prompts.items()}

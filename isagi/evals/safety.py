@@ -42,20 +42,23 @@ from isagi.console.progress import counter
 from isagi.errors import InputError
 from isagi.evals.sets import load_alpaca_seed, load_benchmark_sets, sources_report
 from isagi.safety.baseline import seed_construction, seed_teh
-from isagi.safety.calibration import _chat, roc_auc, roc_sweep
+from isagi.safety.build import chat as _chat
+from isagi.safety.calibration import roc_auc, roc_sweep
 from isagi.safety.runtime import SAFETY_POOL, SafetyProfile, teh
 
 HARMFUL_SETS = ("advbench", "xstest_unsafe", "harmful")
 _CACHE: dict[tuple[Any, ...], np.ndarray] = {}  # hidden states per (model, layer, prompt, texts), one process
 
 
-def _states(lm: Any, system_prompt: str, layer: int, texts: list[str]) -> np.ndarray:
-    """Hidden states of ``texts``; both methods of one run share them."""
-    from isagi.manifold.pooling import prompt_hidden_states
+def _states(lm: Any, system_prompt: str, layers: list[int], texts: list[str]) -> np.ndarray:
+    """Safety states of ``texts`` (the read-out at each of ``layers``, side by side); the methods
+    of one run share them."""
+    from isagi.manifold.pooling import prompt_hidden_states_at
 
-    key = (lm.fingerprint, layer, system_prompt, tuple(texts))
+    key = (lm.fingerprint, tuple(layers), system_prompt, tuple(texts))
     if key not in _CACHE:
-        _CACHE[key] = prompt_hidden_states(lm, [_chat(system_prompt, t) for t in texts], layer, pool=SAFETY_POOL)
+        per_layer = prompt_hidden_states_at(lm, [_chat(system_prompt, t) for t in texts], layers, pool=SAFETY_POOL)
+        _CACHE[key] = np.concatenate([per_layer[layer] for layer in layers], axis=1)
     return _CACHE[key]
 
 
@@ -101,14 +104,18 @@ def _label(value: Any, default: str, path: Path, line: int) -> str:
 
 def _scorer(lm: Any, profile: SafetyProfile, system_prompt: str, method: str) -> tuple[Any, float, dict[str, Any]]:
     """A function texts -> scores, the shipped threshold, and facts about the method."""
-    layer = profile.layer
-
     def states(texts: list[str]) -> np.ndarray:
-        return _states(lm, system_prompt, layer, texts)
+        return _states(lm, system_prompt, profile.read_layers, texts)
 
     if method == "isagi":
-        return (lambda texts: teh(profile, states(texts))), float(profile.threshold), {"dims": profile.dims}
+        return ((lambda texts: teh(profile, states(texts))), float(profile.threshold),
+                {"dims": profile.dims, "layers": profile.read_layers})
     if method == "seed":
+        layer = profile.layer
+
+        def states(texts: list[str]) -> np.ndarray:  # the paper's construction reads one layer
+            return _states(lm, system_prompt, [layer], texts)
+
         from isagi.data.safety import load_safety_calibration
 
         rows = load_safety_calibration()
@@ -200,8 +207,7 @@ def run_replies(
     guard would stop it there. ``limit`` takes the first ``limit`` prompts of
     each set (for a quicker look; the figures are then for that sample).
     """
-    from isagi.manifold.pooling import prompt_hidden_states
-    from isagi.safety.calibration import generate_reply_states
+    from isagi.safety.build import generate_reply_states
     from isagi.safety.runtime import exchange_scores
 
     sets = load_benchmark_sets(benchmarks_dir)
@@ -213,7 +219,7 @@ def run_replies(
         for name in names:
             texts = sets[name][:limit] if limit else sets[name]
             chats = [_chat(system_prompt, t) for t in texts]
-            P = prompt_hidden_states(lm, chats, profile.layer, pool=SAFETY_POOL)
+            P = _states(lm, system_prompt, profile.read_layers, texts)
             R = generate_reply_states(lm, chats, profile.layer, max_new_tokens=max_new_tokens,
                                       progress=counter(progress, f"Replies to {name}", len(chats)))
             withheld = [bool(len(r)) and bool((exchange_scores(profile, p, r) > profile.reply_threshold).any())

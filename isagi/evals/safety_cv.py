@@ -1,147 +1,151 @@
-"""``isagi eval safety-cv``: the calibration-only choice of the safety state and its hyper-parameters.
+"""``isagi eval safety-cv``: the calibration-only choice of the prompt probe's layers and strength.
 
-Owns the evidence behind the shipped defaults (``default_safety_layer``,
-``SAFETY_POOL``, ``DEFAULT_SHRINKAGE``, ``DEFAULT_OFFSET`` and ``FPR_BUDGET``
-in :mod:`isagi.safety.calibration`). It reads only the project's calibration set, never
-the evaluation sets.
+Owns the evidence behind the shipped defaults (:data:`isagi.safety.build.READ_DEPTHS`,
+:data:`isagi.safety.probe.DEFAULT_C`). It reads only the calibration corpus
+(:func:`isagi.data.safety.load_safety_corpus`), never the evaluation sets.
 
-A *read-out* is where the prompt's state is read (:mod:`isagi.manifold.pooling`):
-``last`` token, ``content`` mean over the message, ``post`` mean over the
-post-instruction tokens, ``content+post`` (the average of those two means),
-each at one layer; ``concat`` joins one read-out at several layers into one
-longer vector (``--concat 15,18,21``); ``framed`` is the prompted read-out:
-the message wrapped in a short "is this request harmful?" frame
-(:data:`FRAME`), read at its last token, one more prefill per turn.
+Every setting (a set of read-out layers side by side × the probe's L2 strength ``C``) is
+measured three ways, each row scored by a probe that never saw it:
 
-A *data* choice is which calibration rows take part (:data:`DATA`): ``all``;
-``no-ordinary``, without the everyday instruction tasks (``kind``
-``ordinary_task``); ``original``, the rows written before issue 13 (no
-``kind``). The figures are always against the borderline benign rows of the
-subset; the everyday tasks, fitted on, are reported apart (``ordinary_fpr``).
+- ``kfold``: 5 folds that keep each twin pair whole; the threshold is the two-budget rule
+  (:func:`isagi.safety.probe.two_budget_threshold`) on the pooled out-of-fold logits, as the
+  profile build sets it;
+- ``loso``: leave one *source* out (the project's rows, HarmBench, the twins, CatQA, HarmfulQA,
+  CoCoNot): the probe never saw a row of that source, the register of another corpus;
+- ``loco``: leave one *category* out (twin pairs stay whole: a pair has one category).
 
-For every data × read-out × shrinkage × centre offset the grid reports
-leave-one-category-out CV (train on seven categories, test on the eighth:
-mean held-out AUC, pooled AUC, TPR at 1 % and 5 % FPR, and TPR/FPR at the
-training rows' threshold for the FPR budget) and the same for 5-fold CV.
-``best`` is the row with the highest leave-one-category-out AUC, ties broken
-by the 5-fold AUC, among the read-outs the product can use as its safety
-state: one vector of the residual stream at one layer, because the reply
-guard and Safe OGD's projector act there. Concatenations are measured and
-reported beside (``best_any``).
+In ``loso`` and ``loco`` the threshold of each held-out group comes from its training rows alone
+(the two-budget rule on their own out-of-fold logits, 3 inner folds), so the figures are what a
+profile fitted without that source or category would do on it. Per held-out group the report
+gives the share of its rows on the right side of the threshold (harmful flagged, benign passed).
+
+``best``: among the settings whose ``kfold`` ordinary and look-alike costs stay within the
+budgets plus one point, those whose mean of the ``loso`` and ``loco`` harmful shares flagged is
+within :data:`TIE` of the highest; of them the one reading fewest layers, then the highest mean.
+(A difference below half a point is within what another seed of the folds moves.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import product
 from typing import Any
 
 import numpy as np
 
-from isagi.console.progress import counter
-from isagi.data.safety import is_ordinary
-from isagi.safety.calibration import (
-    FPR_BUDGET,
-    cross_validate,
-    leave_one_category_out,
-    ordinary_mask,
+from isagi.safety.build import Corpus
+from isagi.safety.calibration import roc_auc
+from isagi.safety.probe import (
+    LOOKALIKE_BUDGET,
+    ORDINARY_BUDGET,
+    BenignKinds,
+    fit_readout,
+    group_folds,
+    out_of_fold,
+    two_budget_threshold,
 )
 
-FRAME = "Is the following request harmful? Answer yes or no.\n\nRequest: {text}"
-DATA: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "all": lambda row: True,
-    "no-ordinary": lambda row: not is_ordinary(row),
-    "original": lambda row: "kind" not in row,
-}
+TIE = 0.005
 
 
-def grid(
-    states: dict[tuple[str, Any], np.ndarray],
-    labels: np.ndarray,
-    cats: np.ndarray,
-    *,
-    shrinkages: list[float],
-    offsets: list[float],
-    budget: float = FPR_BUDGET,
-    ordinary: np.ndarray | None = None,
-    subsets: dict[str, np.ndarray] | None = None,
-) -> dict[str, Any]:
-    """CV rows for every data subset × (read-out, layer) in ``states`` × shrinkage × offset, and the best rows.
-
-    A key's layer is an ``int`` for a one-layer read-out and a ``str`` such as
-    ``"15+18+21"`` for a concatenation (not eligible for ``best``). ``subsets``
-    maps a data choice to the rows it keeps (default: every row, as ``all``);
-    ``ordinary`` marks the everyday tasks (outside the budget and the figures).
-    """
-    subsets = subsets or {"all": np.ones(len(labels), dtype=bool)}
-    ordinary = np.zeros(len(labels), dtype=bool) if ordinary is None else np.asarray(ordinary, dtype=bool)
-    rows = []
-    for data, (pool, layer), shrinkage, offset in product(subsets, sorted(states, key=str), shrinkages, offsets):
-        keep = subsets[data]
-        H = np.asarray(states[(pool, layer)], dtype=np.float64)[keep]
-        y, c, o = labels[keep], cats[keep], ordinary[keep]
-        params = {"shrinkage": shrinkage, "offset": offset, "budget": budget, "ordinary": o}
-        loco = leave_one_category_out(H, y, c, **params)
-        kfold = cross_validate(H, y, c, **params)
-        extra = ({"loco_ordinary_fpr": round(loco["ordinary_fpr"], 4), "kfold_ordinary_fpr": round(kfold["ordinary_fpr"], 4)}
-                 if o.any() else {})
-        rows.append({"data": data, "n": int(keep.sum()), "pool": pool, "layer": layer, "shrinkage": shrinkage,
-                     "offset": offset, **extra,
-                     "loco_auc": round(loco["auc"], 4), "loco_pooled_auc": round(loco["pooled_auc"], 4),
-                     "loco_tpr_at_1pct_fpr": round(loco["tpr_at_1pct_fpr"], 4),
-                     "loco_tpr_at_5pct_fpr": round(loco["tpr_at_5pct_fpr"], 4),
-                     "loco_tpr": round(loco["tpr"], 4), "loco_fpr": round(loco["fpr"], 4),
-                     "kfold_auc": round(kfold["auc"], 4),
-                     "kfold_tpr_at_1pct_fpr": round(kfold["tpr_at_1pct_fpr"], 4),
-                     "kfold_tpr_at_5pct_fpr": round(kfold["tpr_at_5pct_fpr"], 4),
-                     "kfold_tpr": round(kfold["tpr"], 4), "kfold_fpr": round(kfold["fpr"], 4)})
-
-    def rank(r: dict[str, Any]) -> tuple[float, float]:
-        return r["loco_auc"], r["kfold_auc"]
-
-    # best among the full data: a subset's figures are on fewer (and easier or harder) rows
-    first = next(iter(subsets))
-    usable = [r for r in rows if isinstance(r["layer"], int) and r["data"] == first]
-    return {"rows": rows, "best": max(usable, key=rank) if usable else None,
-            "best_any": max((r for r in rows if r["data"] == first), key=rank) if rows else None, "budget": budget}
+def _subset(corpus: Corpus, keep: np.ndarray, X: np.ndarray) -> Corpus:
+    return Corpus(X=X[keep], labels=corpus.labels[keep], cats=corpus.cats[keep],
+                  groups=[g for g, k in zip(corpus.groups, keep, strict=True) if k], sources=corpus.sources[keep],
+                  kinds=BenignKinds(ordinary=corpus.kinds.ordinary[keep], lookalike=corpus.kinds.lookalike[keep]))
 
 
-def run(lm: Any, *, system_prompt: str, layers: list[int], pools: list[str], shrinkages: list[float],
-        offsets: list[float], concat: list[list[int]] | None = None, framed: bool = False,
-        budget: float = FPR_BUDGET, data: list[str] | None = None,
-        progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Calibration states at ``layers`` (one forward pass per prompt gives every read-out), then :func:`grid`
-    over the ``data`` choices (:data:`DATA`; default ``all``); ``progress(stage, done, total)`` as the
-    prompts go through the model."""
-    from isagi.data.safety import load_safety_calibration
-    from isagi.manifold.pooling import pool_states, prompt_hidden_states_at
-    from isagi.safety.calibration import _chat
-
-    rows = load_safety_calibration()
-    labels = np.array([1 if r["label"] == "harmful" else 0 for r in rows])
-    cats = np.array([r["category"] for r in rows])
-    wanted = sorted({*layers, *(layer for group in concat or [] for layer in group)})
-    chats = [_chat(system_prompt, r["text"]) for r in rows]
-    pooled: dict[tuple[str, int], list[np.ndarray]] = {(p, la): [] for p in pools for la in wanted}
-    states_of = lm.iter_prompt_states(chats, wanted, progress=counter(progress, "Calibration prompts", len(chats)))
-    for chat, per_layer in zip(chats, states_of, strict=True):
-        span = lm.content_span(chat)
-        for pool, layer in pooled:
-            pooled[(pool, layer)].append(pool_states(per_layer[layer], pool, span if pool != "last" else None))
-    arrays = {key: np.stack(v) for key, v in pooled.items()}
-    states: dict[tuple[str, Any], np.ndarray] = {k: v for k, v in arrays.items() if k[1] in layers}
-    for pool, group in product(pools, concat or []):
-        # each layer's block scaled to unit mean norm, so no layer dominates by its scale
-        blocks = [arrays[(pool, la)] / np.linalg.norm(arrays[(pool, la)], axis=1).mean() for la in group]
-        states[(pool, "+".join(map(str, group)))] = np.concatenate(blocks, axis=1)
-    if framed:
-        framed_chats = [_chat(system_prompt, FRAME.format(text=r["text"])) for r in rows]
-        tick = counter(progress, "Calibration prompts in the harmfulness frame", len(framed_chats))
-        for layer, H in prompt_hidden_states_at(lm, framed_chats, layers, pool="last", progress=tick).items():
-            states[("framed", layer)] = H
-    subsets = {name: np.array([DATA[name](r) for r in rows], dtype=bool) for name in data or ["all"]}
-    out = grid(states, labels, cats, shrinkages=shrinkages, offsets=offsets, budget=budget,
-               ordinary=ordinary_mask(rows), subsets=subsets)
-    out["n_calibration"] = int(len(rows))
+def _held_out(corpus: Corpus, X: np.ndarray, blocks: list[int], by: np.ndarray, C: float,
+              budgets: tuple[float, float]) -> dict[str, Any]:
+    """Leave each value of ``by`` out in turn: the share of its rows on the right side."""
+    out: dict[str, Any] = {}
+    for name in sorted(set(by.tolist())):
+        test = by == name
+        train = _subset(corpus, ~test, X)
+        inner = out_of_fold(train.X, train.labels, blocks, group_folds(train.groups, 3), C=C)
+        threshold, _ = two_budget_threshold(inner, train.kinds, ordinary_budget=budgets[0], lookalike_budget=budgets[1])
+        z = fit_readout(train.X, train.labels, blocks, C=C).logits(X[test])
+        y = corpus.labels[test]
+        row: dict[str, Any] = {"n": int(test.sum())}
+        if (y == 1).any():
+            row["harmful_flagged"] = round(float((z[y == 1] > threshold).mean()), 4)
+        if (y == 0).any():
+            row["benign_passed"] = round(float((z[y == 0] <= threshold).mean()), 4)
+        out[str(name)] = row
     return out
 
+
+def measure(corpus: Corpus, states: dict[int, np.ndarray], layers: Sequence[int], C: float, *,
+            budgets: tuple[float, float] = (ORDINARY_BUDGET, LOOKALIKE_BUDGET), held_out: bool = True) -> dict[str, Any]:
+    """The three cross-validations of one setting (module docstring)."""
+    X = np.concatenate([states[layer] for layer in layers], axis=1).astype(np.float64)
+    blocks = [states[layer].shape[1] for layer in layers]
+    y = corpus.labels
+    oof = out_of_fold(X, y, blocks, group_folds(corpus.groups), C=C)
+    threshold, cost = two_budget_threshold(oof, corpus.kinds, ordinary_budget=budgets[0], lookalike_budget=budgets[1])
+    row: dict[str, Any] = {"layers": "+".join(map(str, layers)), "C": C,
+                           "kfold_auc": round(roc_auc(oof[y == 1], oof[y == 0]), 4),
+                           "kfold_tpr": round(float((oof[y == 1] > threshold).mean()), 4),
+                           "kfold_ordinary_fpr": round(cost.get("ordinary_fpr", 0.0), 4),
+                           "kfold_lookalike_fpr": round(cost.get("lookalike_fpr", 0.0), 4),
+                           "kfold_by_category": {
+                               str(c): round(float(np.where(y == 1, oof > threshold, oof <= threshold)[corpus.cats == c].mean()), 4)
+                               for c in sorted(set(corpus.cats.tolist()))}}
+    if held_out:
+        row["loso"] = _held_out(corpus, X, blocks, corpus.sources, C, budgets)
+        row["loco"] = _held_out(corpus, X, blocks, corpus.cats, C, budgets)
+        for key in ("loso", "loco"):
+            flagged = [v["harmful_flagged"] for v in row[key].values() if "harmful_flagged" in v]
+            passed = [v["benign_passed"] for v in row[key].values() if "benign_passed" in v]
+            row[f"{key}_harmful_flagged"] = round(float(np.mean(flagged)), 4)
+            row[f"{key}_benign_passed"] = round(float(np.mean(passed)), 4)
+    return row
+
+
+def grid(corpus: Corpus, states: dict[int, np.ndarray], layer_sets: list[list[int]], Cs: list[float], *,
+         progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """:func:`measure` for every layer set × C, and the best row (module docstring)."""
+    rows = []
+    settings = list(product(layer_sets, Cs))
+    for i, (layers, C) in enumerate(settings):
+        if progress:
+            progress("Cross-validating the probe settings", i, len(settings))
+        rows.append(measure(corpus, states, layers, C))
+    if progress:
+        progress("Cross-validating the probe settings", len(settings), len(settings))
+
+    def within(r: dict[str, Any]) -> bool:
+        return r["kfold_ordinary_fpr"] <= ORDINARY_BUDGET + 0.01 and r["kfold_lookalike_fpr"] <= LOOKALIKE_BUDGET + 0.01
+
+    def score(r: dict[str, Any]) -> float:
+        return (r["loso_harmful_flagged"] + r["loco_harmful_flagged"]) / 2
+
+    usable = [r for r in rows if within(r)] or rows
+    top = max(score(r) for r in usable)
+    near = [r for r in usable if score(r) >= top - TIE]
+    best = min(near, key=lambda r: (r["layers"].count("+"), -score(r)))
+    return {"rows": rows, "best": best,
+            "budgets": {"ordinary": ORDINARY_BUDGET, "lookalike": LOOKALIKE_BUDGET}}
+
+
+def run(lm: Any, *, system_prompt: str, layer_sets: list[list[int]], Cs: list[float],
+        progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """The corpus's states at every layer the sets name (one forward pass per prompt reads at most
+    four layers), then :func:`grid`."""
+    from isagi.console.progress import counter
+    from isagi.data.safety import load_safety_corpus
+    from isagi.manifold.pooling import prompt_hidden_states_at
+    from isagi.safety.build import chat
+    from isagi.safety.runtime import SAFETY_POOL
+
+    rows = load_safety_corpus()
+    chats = [chat(system_prompt, r["text"]) for r in rows]
+    wanted = sorted({layer for group in layer_sets for layer in group})
+    states: dict[int, np.ndarray] = {}
+    for start in range(0, len(wanted), 4):
+        part = wanted[start:start + 4]
+        tick = counter(progress, f"Calibration prompts at layers {', '.join(map(str, part))}", len(chats))
+        states.update(prompt_hidden_states_at(lm, chats, part, pool=SAFETY_POOL, progress=tick))
+    corpus = Corpus.of(np.zeros((len(rows), 1)), rows)
+    out = grid(corpus, states, layer_sets, Cs, progress=progress)
+    out["n_calibration"] = len(rows)
+    return out

@@ -12,17 +12,20 @@ orthogonal to t, v = u − (u·t̂) t̂, normalised, so the chain deviates
 sideways from where it was heading instead of running further along it.
 It is scaled to the residual stream's own size at that point, ‖h(p)‖.
 
-Safe OGD steers generation with s = α ‖h(p)‖ P_safe v̂, P_safe = I − Q_f Q_fᵀ:
-by construction the step has no component along the forbidden subspace
-(‖Q_fᵀ s‖ = 0 up to float error). Regular OGD uses s = α ‖h(p)‖ v̂. The
+Safe OGD steers generation with s = α ‖h(p)‖ P_safe v̂, P_safe = I − Q_L Q_Lᵀ,
+Q_L the forbidden directions the guards use at layer L
+(:func:`isagi.safety.runtime.steering_subspace`: the prompt probe's direction there
+and the reply guard's direction for reply states): by construction the step has no
+component along them (‖Q_Lᵀ s‖ = 0 up to float error), so it moves neither guard's score. Regular OGD uses s = α ‖h(p)‖ v̂. The
 vector is added to the residual stream after layer L for every position of
 the step (prompt and reply) through the engine's steering (a forward hook on
 transformers, a control vector on llama.cpp), which lives inside the
 decoding's ``with`` block and is removed however the block ends.
 
 What each step reports:
-- ``teh``: TEH (the formula of docs/architecture.md, :func:`isagi.safety.runtime.teh`) of the mean of
-  the reply's residual states as they leave layer L, i.e. the captured layer
+- ``teh``: the paper's TEH, the share of norm ‖Q_L Q_Lᵀ (h − c_L)‖ / ‖h − c_L‖ × 100
+  (:func:`isagi.safety.runtime.share`), of the mean of the reply's residual states as they
+  leave layer L, i.e. the captured layer
   output plus the step s (the state the rest of the network reads);
   ``teh_max``: the largest TEH at the stream guard's check points
   (:func:`isagi.safety.runtime.reply_window_scores`: mean of the newest 8 states,
@@ -41,7 +44,7 @@ What each step reports:
   0 no better than chance.
 - ``continuity``: cosine between the mean centred reply states of this and the
   previous step (None for the first step), reported beside coherence.
-- ``forbidden_fraction``: ‖Q_fᵀ s‖ / ‖s‖ of the step itself.
+- ``forbidden_fraction``: ‖Q_Lᵀ s‖ / ‖s‖ of the step itself.
 
 The chain is scored with the MIKU Creativity Benchmark (:mod:`isagi.explore.mcb`)
 against the unsteered baseline reply to the first step's prompt.
@@ -58,7 +61,13 @@ import numpy as np
 
 from isagi.errors import InputError
 from isagi.explore.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
-from isagi.safety.runtime import project_safe, reply_window_scores, teh, window_threshold
+from isagi.safety.runtime import (
+    project_safe,
+    reply_window_scores,
+    steering_subspace,
+    teh,
+    window_threshold,
+)
 
 ALPHA_RANGE = (0.05, 0.30)
 DEFAULT_ALPHAS = (0.20, 0.10, 0.05)
@@ -236,8 +245,7 @@ def explore(
         raise InputError('give a seed concept to explore, e.g. isagi explore "the ocean".')
     step_alphas = _alphas(steps, alphas)
     L = int(layer if layer is not None else profile.layer)
-    Q = np.asarray(profile.Q, np.float64)
-    c = np.asarray(profile.centre, np.float64)
+    Q, c = (np.asarray(a, np.float64) for a in steering_subspace(profile, L))
     Qc = (Q, c)
     keyword = keyword_for(seed)
     first_prompt = step_prompt(0, seed, "", keyword, max_words)

@@ -79,14 +79,18 @@ def prompt_hidden_states_at(
     """
     if pool not in POOLS:
         raise ValueError(f"pool={pool!r}: use one of {', '.join(POOLS)}")
-    out: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
-    states = engine.iter_prompt_states(chats, list(layers), batch_size=batch_size, progress=progress)
-    for chat, per_layer in zip(chats, states, strict=True):
-        span = engine.content_span(chat) if pool != "last" else None
-        for layer in layers:
-            out[layer].append(pool_states(per_layer[layer], pool, span))
     d = int(engine.hidden_size)
-    return {layer: np.stack(v).astype(np.float32) if v else np.zeros((0, d), dtype=np.float32) for layer, v in out.items()}
+    out = {layer: np.zeros((len(chats), d), dtype=np.float32) for layer in layers}
+    # shortest first: a batched engine pads each batch to its longest prompt, so prompts of like
+    # length share a batch; the rows go back to the callers' order
+    order = sorted(range(len(chats)), key=lambda i: sum(len(m["content"]) for m in chats[i]))
+    states = engine.iter_prompt_states([chats[i] for i in order], list(layers), batch_size=batch_size,
+                                       progress=progress)
+    for i, per_layer in zip(order, states, strict=True):
+        span = engine.content_span(chats[i]) if pool != "last" else None
+        for layer in layers:
+            out[layer][i] = pool_states(per_layer[layer], pool, span)
+    return out
 
 
 def prompt_hidden_states(

@@ -320,7 +320,7 @@ class Engine:
         safety = self.profile.safety
         # At most one Generation of this turn is open at a time (so it holds at most one slot).
         # The safety layer's states come from the same forward passes (one more hook).
-        with _OpenGeneration(self.lm, self.layer, options, also_capture=(safety.layer,)) as slot:
+        with _OpenGeneration(self.lm, self.layer, options, also_capture=tuple(safety.read_layers)) as slot:
             p = self._prepare(session, text, slot)
             teh_prompt, refusal = self._guard(p)
             if refusal is not None:
@@ -377,7 +377,7 @@ class Engine:
         # With history the reply is decoded from another prompt (or AUGMENT's), never from this one:
         # its prefill only has to reach the captured layers. (An exact repeat prefills nothing here.)
         history = self.prompts.fitting_history(session, text) if cached is None else None
-        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.layer, cached is None,
+        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.read_layers, cached is None,
                                          states_only=bool(history))
         if cached is None:
             session.cache_states(key, h, h_safety)
@@ -531,10 +531,13 @@ def _prompt_key(messages: list[dict[str, str]]) -> str:
 
 
 def _prefill(
-    slot: _OpenGeneration, lm: Any, messages: list[dict[str, str]], safety_layer: int, compute: bool,
+    slot: _OpenGeneration, lm: Any, messages: list[dict[str, str]], safety_layers: list[int], compute: bool,
     *, states_only: bool = False,
 ) -> tuple[Any, Any, int]:
     """Open the lookup prompt; with ``compute``, prefill it: (h at layer L, safety state, prompt tokens).
+
+    The safety state is the read-out at each of ``safety_layers``, side by side (the profile's
+    :attr:`~isagi.safety.runtime.SafetyProfile.read_layers`).
 
     Without ``compute`` (the states are known) nothing runs yet: a later
     generation from this prompt prefills on demand. ``states_only``: no reply will be
@@ -550,7 +553,7 @@ def _prefill(
     from isagi.safety.runtime import SAFETY_POOL
 
     h = gen.prefill()
-    h_safety = decoding_state(gen, safety_layer, SAFETY_POOL, span)
+    h_safety = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, span) for layer in safety_layers])
     return h, h_safety, gen.prompt_tokens
 
 

@@ -44,47 +44,25 @@ of everyday tasks over the threshold, out of fold.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from isagi.safety.runtime import (
     _EPS,
-    SAFETY_POOL,
-    SafetyProfile,
-    exchange_states,
-    reply_window_scores,
     teh,
 )
 
-# Hyper-parameters chosen by cross-validation on the calibration set only, with
-#   isagi eval safety-cv --backend llamacpp --layers 15,18,21 --pool content --pool last --pool post \
-#     --pool content+post --concat 15,18,21 --framed --shrinkage 0.2 --offset 1
-# (the grids and their figures: docs/measurements.md, "Safety hyper-parameters"). The read-out
-# (SAFETY_POOL) is the best one-layer row; the concatenation of three layers scored a little
-# higher but gives a 3x longer state that the reply guard and Safe OGD's projector, which act on
-# one layer's residual stream, cannot use. The prompted read-out needs one more prefill a turn.
+# Snipe's hyper-parameters, chosen by an earlier cross-validation on the project's own rows
+# (docs/measurements.md, "Safety hyper-parameters"); the baseline keeps them.
 DEFAULT_SHRINKAGE = 0.2
 DEFAULT_OFFSET = 1.0
 DEFAULT_BENIGN_BUDGET = 0.05
 DEFAULT_MAX_DIMS = 4
-# The prompt threshold: the share of borderline benign calibration prompts (out of fold) allowed
-# above it; the everyday instruction tasks are outside the budget (module docstring). A product
-# choice, stated, not fitted: one borderline request in 50 refused is the most the guard may cost.
-# The profile records its own out-of-fold TPR at the threshold (isagi profile show).
-FPR_BUDGET = 0.02
+FPR_BUDGET = 0.02  # the baseline's threshold: this share of the look-alike benign rows above it
+# Safe OGD's window threshold: this factor above the largest check point of any benign reply
 REPLY_MARGIN = 1.05
-# Replies the reply guard is fitted on are this long. The window threshold is REPLY_MARGIN x the
-# largest check-point TEH of the benign ones, which grows with a reply's length (more windows): a
-# one-off check (a script, not shipped) found 3 of 120 benign 48-token replies over a threshold
-# calibrated on 24-token replies.
-REPLY_CALIBRATION_TOKENS = 64
-REPLIES_PER_CELL = 24  # replies per (category, label) the reply guard is fitted on: 384
-ORDINARY_TASK_REPLIES = 16  # and replies to everyday instruction tasks of the calibration set, per category: 128
-ORDINARY_REPLIES = 160  # and replies to ordinary requests (zones.jsonl), benign
-REPLY_FPR_BUDGET = 0.01  # share of benign replies (out of fold) the reply guard may withhold
 
 
 # --------------------------------------------------------------------------- ROC
@@ -421,233 +399,3 @@ def calibrate_reply_threshold(benign_reply_scores: Sequence[np.ndarray], prompt_
     top = float(flat.max()) if len(flat) else 0.0
     value = max(prompt_threshold, top * REPLY_MARGIN)
     return value, {"benign_reply_max": top, "benign_reply_checks": int(len(flat)), "margin": REPLY_MARGIN}
-
-
-
-
-# --------------------------------------------------------------------------- building the profile
-
-
-def _chat(system_prompt: str, text: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": text}]
-
-
-def calibration_arrays(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, Any]]]:
-    """Hidden states (n, d), labels (1 harmful / 0 benign), categories and rows of the calibration set
-    (:func:`ordinary_mask` of the rows marks the everyday tasks)."""
-    from isagi.data.safety import load_safety_calibration
-    from isagi.manifold.pooling import prompt_hidden_states
-
-    rows = load_safety_calibration()
-    H = prompt_hidden_states(lm, [_chat(system_prompt, r["text"]) for r in rows], layer, progress=progress,
-                             pool=SAFETY_POOL)
-    labels = np.array([1 if r["label"] == "harmful" else 0 for r in rows])
-    cats = np.array([r["category"] for r in rows])
-    return H, labels, cats, rows
-
-
-def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24,
-                          batch_size: int = 16, progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
-    """Greedy replies to ``prompts`` and the layer-``layer`` states (n, d) of their tokens (the engine's own
-    batching); ``progress(n)`` after every ``batch_size`` replies."""
-    out: list[np.ndarray] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        out += lm.reply_states(chunk, layer, max_new_tokens=max_new_tokens, batch_size=batch_size)
-        if progress is not None:
-            progress(len(chunk))
-    return out
-
-
-@dataclass
-class Exchanges:
-    """The model's replies to a set of prompts: prompt safety states (n, d), reply states, labels, categories."""
-
-    prompt_states: np.ndarray
-    reply_states: list[np.ndarray]
-    labels: np.ndarray  # 1: a reply to a harmful prompt
-    cats: np.ndarray
-
-
-def ordinary_mask(rows: Sequence[dict[str, Any]]) -> np.ndarray:
-    """Which calibration rows are everyday instruction tasks (benign, outside the FPR budget)."""
-    from isagi.data.safety import is_ordinary
-
-    return np.array([is_ordinary(r) for r in rows], dtype=bool)
-
-
-def reply_sample(labels: np.ndarray, cats: np.ndarray, per_cell: int = REPLIES_PER_CELL, seed: int = 0,
-                 ordinary: np.ndarray | None = None, ordinary_per_cat: int = ORDINARY_TASK_REPLIES) -> list[int]:
-    """Calibration rows the reply guard is fitted on, fixed by ``seed``: ``per_cell`` per (category, label)
-    among the harmful and borderline rows, and ``ordinary_per_cat`` everyday tasks per category."""
-    rng = np.random.default_rng(seed)
-    ordinary = np.zeros(len(labels), dtype=bool) if ordinary is None else np.asarray(ordinary, dtype=bool)
-    pick: list[int] = []
-    for label, size, among in ((1, per_cell, ~ordinary), (0, per_cell, ~ordinary), (0, ordinary_per_cat, ordinary)):
-        for c in sorted(set(cats.tolist())):
-            idx = np.flatnonzero((labels == label) & (cats == c) & among)
-            pick += sorted(rng.choice(idx, size=min(size, len(idx)), replace=False).tolist())
-    return pick
-
-
-def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: Callable[[str, int, int], None] | None = None) -> SafetyProfile:
-    """Run the calibration set through the model and fit the forbidden subspace, the reply guard and the thresholds."""
-    from isagi.console.progress import counter
-    from isagi.data import load_jsonl
-    from isagi.data.safety import load_safety_calibration
-    from isagi.manifold.pooling import prompt_hidden_states
-
-    def ticker(stage: str, total: int) -> Callable[[int], None] | None:
-        return counter(progress, stage, total)
-
-    rows = load_safety_calibration()
-    H, labels, cats, _ = calibration_arrays(lm, layer, system_prompt,
-                                            progress=ticker("Safety: hidden states of the calibration prompts", len(rows)))
-    ordinary_rows = ordinary_mask(rows)
-    # The reply guard: the model's own replies to a sample of the calibration prompts (everyday
-    # tasks among them), and to ordinary requests (the project's zone prompts, mostly questions),
-    # which are benign replies of other kinds.
-    pick = reply_sample(labels, cats, ordinary=ordinary_rows)
-    ordinary = [r["text"] for r in load_jsonl("zones.jsonl")]
-    ordinary = [ordinary[i] for i in sorted(np.random.default_rng(0).choice(
-        len(ordinary), size=min(ORDINARY_REPLIES, len(ordinary)), replace=False).tolist())]
-    ordinary_chats = [_chat(system_prompt, t) for t in ordinary]
-    P_ord = prompt_hidden_states(lm, ordinary_chats, layer, pool=SAFETY_POOL,
-                                 progress=ticker("Safety: ordinary requests, for the reply guard", len(ordinary_chats)))
-    chats = [_chat(system_prompt, rows[i]["text"]) for i in pick] + ordinary_chats
-    tick = ticker("Safety: the model's replies, for the reply guard", len(chats))
-    R = generate_reply_states(lm, chats, layer, max_new_tokens=REPLY_CALIBRATION_TOKENS, progress=tick)
-    names = sorted(set(cats.tolist()))
-    exchanges = Exchanges(
-        prompt_states=np.concatenate([H[pick], P_ord]), reply_states=R,
-        labels=np.concatenate([labels[pick], np.zeros(len(ordinary), dtype=int)]),
-        # ordinary prompts have no category: spread over them so each fold and category has some
-        cats=np.concatenate([cats[pick], [names[i % len(names)] for i in range(len(ordinary))]]))
-    return fit_safety_profile(H, labels, cats, layer, exchanges=exchanges, progress=progress, ordinary=ordinary_rows)
-
-
-def fit_reply_guard(ex: Exchanges, *, budget: float = REPLY_FPR_BUDGET, k: int = 5, seed: int = 0,
-                    **snipe_params: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, dict[str, Any]]:
-    """Snipe on exchange states (:func:`exchange_states`), threshold at ``budget`` of benign replies.
-
-    A reply's score is its largest check-point TEH, as the streaming guard
-    withholds it at the first check point over the threshold. The threshold
-    lets at most ``budget`` of the benign replies' out-of-fold scores (each
-    reply scored by a fit that never saw it) lie above it. Returns
-    ``(reply_Q, reply_centre, scales, threshold, details)``.
-    """
-    P = np.asarray(ex.prompt_states, dtype=np.float64)
-    windows = [exchange_states(np.zeros(P.shape[1]), r, np.ones(2))[:, P.shape[1]:] for r in ex.reply_states]
-    scales = np.array([np.linalg.norm(P, axis=1).mean(),
-                       np.mean([np.linalg.norm(w, axis=1).mean() for w in windows if len(w)])])
-    X = [exchange_states(p, r, scales) for p, r in zip(P, ex.reply_states, strict=True)]
-    y, cats = np.asarray(ex.labels), np.asarray(ex.cats)
-
-    def fit(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.concatenate([X[i] for i in ids if len(X[i])])
-        ry = np.concatenate([[y[i]] * len(X[i]) for i in ids])
-        rc = np.concatenate([[cats[i]] * len(X[i]) for i in ids])
-        Q, c, _ = snipe(*split_by_category(rows, ry, rc), **snipe_params)
-        return Q, c
-
-    def score(Qc: tuple[np.ndarray, np.ndarray], i: int) -> float:
-        return float(np.max(teh(Qc, X[i]))) if len(X[i]) else 0.0
-
-    oof = np.zeros(len(X))
-    for test in _folds(len(X), k, np.random.default_rng(seed)):
-        Qc = fit(np.setdiff1d(np.arange(len(X)), test))
-        oof[test] = [score(Qc, i) for i in test]
-    threshold = budget_threshold(oof[y == 0], budget)
-    Q, c = fit(np.arange(len(X)))
-    details = {"calibrated": True, "kind": "exchange", "budget": budget, "n_harmful_replies": int((y == 1).sum()),
-               "n_benign_replies": int((y == 0).sum()), "oof_auc": roc_auc(oof[y == 1], oof[y == 0]),
-               "oof_withheld_harmful": float((oof[y == 1] > threshold).mean()),
-               "oof_withheld_benign": float((oof[y == 0] > threshold).mean()),
-               "dims": int(Q.shape[1])}
-    return Q, c, scales, threshold, details
-
-
-def fit_safety_profile(
-    H: np.ndarray,
-    labels: np.ndarray,
-    cats: np.ndarray,
-    layer: int,
-    *,
-    exchanges: Exchanges | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
-    fpr_budget: float = FPR_BUDGET,
-    ordinary: np.ndarray | None = None,
-    **snipe_params: Any,
-) -> SafetyProfile:
-    """Fit the profile from calibration states (label 1 = harmful); ``exchanges`` are the model's
-    replies the reply guard is fitted on (without them it checks reply windows in ``Q``).
-    ``ordinary`` marks benign everyday tasks: fitted on, outside the threshold's FPR budget."""
-    stage = "Safety: fitting the guards (cross-validated)"
-
-    def step(done: int) -> None:
-        if progress:
-            progress(stage, done, 3)
-
-    step(0)
-    H = np.asarray(H, dtype=np.float64)
-    harm, ben = split_by_category(H, labels, cats)
-    Q, centre, det = snipe(harm, ben, **snipe_params)
-    step(1)
-    scores = teh((Q, centre), H)
-    roc = roc_sweep(scores[labels == 1], scores[labels == 0])
-    # The threshold: fpr_budget of the benign rows' out-of-fold scores (each scored by a fit
-    # that never saw it), so the budget holds for prompts the fit has not seen, not in-sample.
-    cv = cross_validate(H, labels, cats, shrinkage=det["shrinkage"], offset=det["offset"],
-                        benign_budget=det["benign_budget"], max_dims=det["max_dims"], budget=fpr_budget,
-                        ordinary=ordinary)
-    oof = cv.pop("oof")
-    step(2)
-    counted = _counted(labels, ordinary)
-    threshold = budget_threshold(oof[counted], fpr_budget)
-    cv.update({"threshold_rule": f"{fpr_budget:.0%} of the borderline benign rows' out-of-fold TEH lie above it",
-               "oof_tpr_at_threshold": float((oof[labels == 1] > threshold).mean()),
-               "oof_fpr_at_threshold": float((oof[counted] > threshold).mean())})
-    if ordinary is not None and np.any(ordinary):
-        cv["oof_ordinary_fpr_at_threshold"] = float((oof[np.asarray(ordinary, dtype=bool)] > threshold).mean())
-    roc.update({"threshold": threshold, "tpr_at_threshold": float((scores[labels == 1] > threshold).mean()),
-                "fpr_at_threshold": float((scores[labels == 0] > threshold).mean())})
-    cat_names = det.pop("categories")
-    dirs = det.pop("category_directions")
-    det.pop("category_bias")
-    bias = probe_category_bias(dirs, harm, cat_names)
-    per_cat = {}
-    for c in cat_names:
-        m = cats == c
-        s_h, s_b = scores[m & (labels == 1)], scores[m & (labels == 0)]
-        per_cat[c] = {"auc": roc_auc(s_h, s_b) if len(s_b) else None,
-                      "tpr": float((s_h > threshold).mean()),
-                      "fpr": float((s_b > threshold).mean()) if len(s_b) else None,
-                      "n_harmful": int(len(s_h)), "n_benign": int(len(s_b))}
-
-    reply: dict[str, Any] = {"reply_threshold": threshold, "window_threshold": None}
-    reply_det: dict[str, Any] = {"calibrated": False}
-    if exchanges is not None:
-        rQ, rc, rs, r_thr, reply_det = fit_reply_guard(exchanges, **snipe_params)
-        benign = [r for r, lab in zip(exchanges.reply_states, exchanges.labels, strict=True) if lab == 0]
-        w_thr, w_det = calibrate_reply_threshold([reply_window_scores((Q, centre), r) for r in benign], threshold)
-        reply_det["window"] = w_det
-        reply = {"reply_Q": rQ.astype(np.float32), "reply_centre": rc.astype(np.float32),
-                 "reply_scales": rs.astype(np.float32), "reply_threshold": r_thr, "window_threshold": w_thr}
-    step(3)
-
-    det.update({"cv": cv, "per_category": per_cat, "reply": reply_det, "n_calibration": int(len(H)),
-                "fpr_budget": fpr_budget,
-                "teh_definition": "100*||Q Q^T (h-c)||/||h-c||; theorem: TEH(c + (I-QQ^T)(h-c)) = 0"})
-    return SafetyProfile(
-        Q=Q.astype(np.float32),
-        centre=centre.astype(np.float32),
-        threshold=float(threshold),
-        layer=int(layer),
-        categories=cat_names,
-        category_directions=dirs.astype(np.float32),
-        category_bias=bias.astype(np.float32),
-        roc=thin_roc({k: roc[k] for k in ("thresholds", "tpr", "fpr", "auc", "threshold",
-                                           "tpr_at_threshold", "fpr_at_threshold")}),
-        details=det,
-        **reply,
-    )

@@ -4,45 +4,34 @@ Owns what every turn measures against a calibrated :class:`SafetyProfile` (docs/
 Definitions). Fitting that profile is :mod:`isagi.safety.calibration`, offline; a turn
 imports none of it.
 
-Definitions (precise, as implemented):
+Definitions (precise, as implemented; docs/architecture.md, Definitions):
 
-- Forbidden subspace ``Q`` (d×m, orthonormal columns) and centre ``c`` (d,).
-- ``TEH(h) = ‖Q Qᵀ (h − c)‖ / ‖h − c‖ × 100`` (percent, in [0, 100]).
-- Safe OGD's projector ``P_safe = I − Q Qᵀ`` (linear, symmetric, idempotent).
-- Theorem (tested): for every ``h`` with ``P_safe(h − c) ≠ 0``,
-  ``TEH(c + P_safe (h − c)) = 0``: the projector acts on the state measured
-  from the centre, the frame in which TEH is defined. Equivalently, a step
-  ``α · P_safe v`` has no component along any forbidden direction
-  (``Qᵀ P_safe v = 0``), which is what exploration relies on. The centre has a
-  forbidden component on purpose (see below), so the theorem is *not*
-  ``TEH(P_safe h) = 0`` for the raw ``h`` unless ``Qᵀ c = 0``;
-  :func:`safe_point` is the map for which TEH is exactly zero.
-
-The safety state of a prompt is read at the safety layer over two token
-spans (:mod:`isagi.manifold.pooling`, ``content+post``): the mean over the user's
-message (:meth:`isagi.engines.hf.model.LoadedModel.content_span`) and the mean over the
-post-instruction tokens after it (the template's end of the message and the
-opening of the assistant's turn), averaged. Published work reads harmfulness
-best at the post-instruction tokens; the message mean keeps what every word
-contributed. Leave-one-category-out cross-validation on the calibration set
-chose it over the message mean alone, the post-instruction mean alone and the
-last token (``isagi eval safety-cv``; the figures are at ``SAFETY_POOL``). It
-comes from the turn's own prefill: both spans are evaluated in every turn
-(the KV cache may only supply tokens before the message), so it costs no
-extra forward pass.
+- The safety state ``s``: the ``content+post`` read-out (:mod:`isagi.manifold.pooling`: the
+  mean over the user's message and the mean over the template's tokens after it, averaged) at
+  each of the profile's :attr:`SafetyProfile.read_layers`, side by side. It comes from the
+  turn's own prefill, which captures every read-out layer (no extra forward pass).
+- The probe, written as a forbidden subspace (:class:`Readout`): ``Q`` has one orthonormal
+  column per layer (the probe's weights at that layer, normalised; zero elsewhere), ``a`` the
+  weight along each, ``c`` the benign centre, ``b`` the bias.
+- ``TEH(s) = 100 σ(aᵀ Qᵀ (s − c) + b)`` (percent): the probe's reading of the state's forbidden
+  coordinates. The prompt guard refuses when it is over ``threshold``, so the number shown
+  and the verdict agree.
+- Safe OGD's projector at the safety layer ``P_safe = I − Q_L Q_Lᵀ``
+  (:meth:`SafetyProfile.layer_subspace`: the prompt probe's direction there and the reply
+  guard's direction for reply states). Theorem (tested): a step ``P_safe v`` moves neither
+  guard's score, and ``TEH(c + P_safe (s − c)) = TEH(c)``, the benign centre's reading.
+- A ``(Q, c)`` pair, and a profile without a probe (``weights`` None), score by the paper's
+  share of norm ``‖Q Qᵀ (h − c)‖ / ‖h − c‖ × 100`` (:func:`share`); Safe OGD's check of a
+  steered reply's windows uses it in ``Q_L`` (:func:`window_scorer`).
 
 The reply guard judges a reply together with the request it answers, as guard
 models judge a response in the context of its prompt: an *exchange state*
-``[prompt safety state / s_p, mean of the newest 8 reply states / s_r]``
-(:func:`exchange_states`) is scored by TEH in a second forbidden subspace,
-fitted by the same Snipe on the model's own greedy replies to calibration
-prompts (replies to harmful prompts, generated with the prompt guard off, are
-the positives; replies to benign ones and to ordinary requests the
-negatives). Its threshold lets ``REPLY_FPR_BUDGET`` of the benign replies'
-out-of-fold scores (a reply's score: its largest check point) lie above it.
-Safe OGD's check of steered replies keeps the prompt subspace ``Q``
-(:func:`window_threshold`), since its question is whether a step moved the
-reply along a forbidden direction.
+``[s / s_p, mean of the newest 8 reply states / s_r]`` (:func:`exchange_states`) is
+read by a second probe fitted on the model's own greedy replies to calibration
+prompts (replies to harmful prompts, generated with the prompt guard off, are the
+positives; replies to benign ones and to ordinary requests the negatives). Its
+threshold lets a stated share of the benign replies' out-of-fold scores (a reply's
+score: its largest check point) lie above it.
 
 Ordinary generation is never steered or ablated here: removing the
 harmful-minus-benign direction from the residual stream is the published way
@@ -92,10 +81,70 @@ class SafetyProfile:
     reply_scales: np.ndarray | None = None  # (2,): mean norms of prompt states and of reply windows
     # Safe OGD's check of steered replies (isagi.explore.chains): window TEH in Q, above every benign reply
     window_threshold: float | None = None
+    # The probe (module docstring, "The probe"): the read-out layers whose states stand side by side
+    # in ``h`` (in this order; None: ``layer`` alone), the probe's weight on each column of Q and its
+    # bias. Without ``weights`` TEH is the paper's share of norm (:func:`share`).
+    layers: list[int] | None = None
+    weights: np.ndarray | None = None  # (m,)
+    bias: float = 0.0
+    reply_weights: np.ndarray | None = None  # (m_r,)
+    reply_bias: float = 0.0
 
     @property
     def dims(self) -> int:
         return int(self.Q.shape[1])
+
+    @property
+    def read_layers(self) -> list[int]:
+        """The layers the safety state is read at, in the order they stand in ``h``."""
+        return list(self.layers) if self.layers else [int(self.layer)]
+
+    @property
+    def layer_width(self) -> int:
+        """The residual stream's width d (``h`` is ``len(read_layers)`` blocks of it)."""
+        return int(self.Q.shape[0]) // len(self.read_layers)
+
+    def readout(self) -> Readout | tuple[np.ndarray, np.ndarray]:
+        """What :func:`teh` scores a prompt state with: the probe, or (Q, c) for a profile without one."""
+        if self.weights is None:
+            return self.Q, self.centre
+        return Readout(self.Q, self.centre, self.weights, self.bias)
+
+    def reply_readout(self) -> Readout | tuple[np.ndarray, np.ndarray]:
+        """The reply guard's scorer of exchange states (:func:`exchange_states`)."""
+        if self.reply_Q is None or self.reply_centre is None:
+            raise ValueError("this profile has no exchange reply guard")
+        if self.reply_weights is None:
+            return self.reply_Q, self.reply_centre
+        return Readout(self.reply_Q, self.reply_centre, self.reply_weights, self.reply_bias)
+
+    def layer_subspace(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(Q_L (d, m), c_L (d,)): the forbidden directions the guards use in layer ``layer``'s
+        residual stream, orthonormal, and the centre there; what Safe OGD projects out of a step.
+
+        The prompt probe's direction at ``layer`` (when it reads that layer) and the reply guard's
+        direction for reply states (read at :attr:`layer`), so a step projected by
+        ``I - Q_L Q_L^T`` moves neither guard's score (module docstring).
+        """
+        d, blocks = self.layer_width, self.read_layers
+        Q = np.asarray(self.Q, np.float64)
+        c = np.asarray(self.centre, np.float64)
+        cols: list[np.ndarray] = []
+        centre = c[:d] if len(blocks) == 1 else None
+        if layer in blocks:
+            i = blocks.index(layer)
+            part = Q[i * d:(i + 1) * d]
+            cols += [part[:, j] for j in range(part.shape[1]) if np.linalg.norm(part[:, j]) > 1e-8]
+            centre = c[i * d:(i + 1) * d]
+        if self.reply_Q is not None and layer == self.layer:
+            rQ = np.asarray(self.reply_Q, np.float64)[len(blocks) * d:]
+            cols += [rQ[:, j] for j in range(rQ.shape[1]) if np.linalg.norm(rQ[:, j]) > 1e-8]
+            if centre is None:
+                centre = np.asarray(self.reply_centre, np.float64)[len(blocks) * d:]
+        if not cols or centre is None:
+            raise ValueError(f"the safety profile reads no state at layer {layer} (its layers: {blocks})")
+        basis, sv, _ = np.linalg.svd(np.stack(cols, axis=1), full_matrices=False)
+        return basis[:, sv > 1e-6 * sv.max()], centre
 
     @property
     def exchange_guard(self) -> bool:
@@ -119,6 +168,11 @@ class SafetyProfile:
                 "reply_centre": np.asarray(self.reply_centre, dtype=np.float32),
                 "reply_scales": np.asarray(self.reply_scales, dtype=np.float32)} if self.exchange_guard else {}),
             **({"window_threshold": float(self.window_threshold)} if self.window_threshold is not None else {}),
+            **({"layers": [int(x) for x in self.layers]} if self.layers else {}),
+            **({"weights": np.asarray(self.weights, dtype=np.float32), "bias": float(self.bias)}
+               if self.weights is not None else {}),
+            **({"reply_weights": np.asarray(self.reply_weights, dtype=np.float32), "reply_bias": float(self.reply_bias)}
+               if self.reply_weights is not None else {}),
         }
 
     @classmethod
@@ -129,6 +183,13 @@ class SafetyProfile:
             raise ValueError(f"safety profile shapes do not match: Q {Q.shape}, centre {centre.shape}")
         cats = [str(c) for c in state["categories"]]
         dirs = np.asarray(state["category_directions"], dtype=np.float32).reshape(len(cats), Q.shape[0])
+        layers = [int(x) for x in state["layers"]] if state.get("layers") else None
+        if layers and Q.shape[0] % len(layers):
+            raise ValueError(f"safety profile: Q has {Q.shape[0]} rows, not a multiple of its {len(layers)} layers")
+        probe: dict[str, Any] = {}
+        if "weights" in state:
+            probe = {"weights": np.asarray(state["weights"], dtype=np.float32).reshape(Q.shape[1]),
+                     "bias": float(state["bias"])}
         return cls(
             Q=Q,
             centre=centre,
@@ -140,12 +201,15 @@ class SafetyProfile:
             category_bias=np.asarray(state["category_bias"], dtype=np.float32).reshape(len(cats)),
             roc=dict(state.get("roc", {})),
             details=dict(state.get("details", {})),
-            **_reply_fields(state, Q.shape[0]),
+            layers=layers,
+            **probe,
+            **_reply_fields(state, Q.shape[0], Q.shape[0] // len(layers or [0])),
         )
 
 
-def _reply_fields(state: dict[str, Any], d: int) -> dict[str, Any]:
-    """The optional reply-guard arrays of a stored profile, shape-checked."""
+def _reply_fields(state: dict[str, Any], d: int, width: int) -> dict[str, Any]:
+    """The optional reply-guard arrays of a stored profile, shape-checked (``d``: the prompt state's
+    length, ``width``: one layer's)."""
     out: dict[str, Any] = {}
     if state.get("window_threshold") is not None:
         out["window_threshold"] = float(state["window_threshold"])
@@ -154,8 +218,11 @@ def _reply_fields(state: dict[str, Any], d: int) -> dict[str, Any]:
     rQ = np.asarray(state["reply_Q"], dtype=np.float32)
     rc = np.asarray(state["reply_centre"], dtype=np.float32)
     rs = np.asarray(state["reply_scales"], dtype=np.float32)
-    if rQ.ndim != 2 or rQ.shape[0] != 2 * d or rc.shape != (2 * d,) or rs.shape != (2,):
+    if rQ.ndim != 2 or rQ.shape[0] != d + width or rc.shape != (d + width,) or rs.shape != (2,):
         raise ValueError(f"reply guard shapes do not match: reply_Q {rQ.shape}, centre {rc.shape}, scales {rs.shape}")
+    if "reply_weights" in state:
+        out.update(reply_weights=np.asarray(state["reply_weights"], dtype=np.float32).reshape(rQ.shape[1]),
+                   reply_bias=float(state["reply_bias"]))
     return {**out, "reply_Q": rQ, "reply_centre": rc, "reply_scales": rs}
 
 
@@ -174,19 +241,48 @@ def _jsonable(value: Any) -> Any:
 # --------------------------------------------------------------------------- TEH and projector
 
 
-def teh(profile_or_Q_c: SafetyProfile | tuple[np.ndarray, np.ndarray], h: np.ndarray) -> float | np.ndarray:
-    """TEH in percent of ``h`` (d,) or of each row of ``h`` (n, d)."""
-    if isinstance(profile_or_Q_c, SafetyProfile):
-        Q, c = profile_or_Q_c.Q, profile_or_Q_c.centre
+@dataclass
+class Readout:
+    """A linear probe written as a forbidden subspace: ``TEH(x) = 100 σ(aᵀ Qᵀ (x − c) + b)``.
+
+    ``Q`` (D, m) has one unit column per block of ``x`` (a layer's residual stream, or a part of an
+    exchange state), zero outside its block, so the columns are orthonormal; ``a`` (m,) is the
+    probe's weight along each, ``c`` the benign centre. The score depends on ``x`` only through
+    its forbidden coordinates ``Qᵀ (x − c)``.
+    """
+
+    Q: np.ndarray
+    centre: np.ndarray
+    weights: np.ndarray
+    bias: float
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        X = np.atleast_2d(np.asarray(x, dtype=np.float64)) - np.asarray(self.centre, dtype=np.float64)
+        return (X @ np.asarray(self.Q, np.float64)) @ np.asarray(self.weights, np.float64) + float(self.bias)
+
+
+def share(Q: np.ndarray, c: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """The paper's TEH: ``‖Q Qᵀ (h − c)‖ / ‖h − c‖ × 100`` of each row of ``h`` (n, d)."""
+    x = np.atleast_2d(np.asarray(h, dtype=np.float64)) - np.asarray(c, dtype=np.float64)
+    num = np.linalg.norm(x @ np.asarray(Q, dtype=np.float64), axis=1)  # ‖Q Qᵀ x‖ = ‖Qᵀ x‖ for orthonormal Q
+    return 100.0 * num / np.maximum(np.linalg.norm(x, axis=1), _EPS)
+
+
+def teh(scorer: SafetyProfile | Readout | tuple[np.ndarray, np.ndarray], h: np.ndarray) -> float | np.ndarray:
+    """TEH in percent of ``h`` (D,) or of each row of ``h`` (n, D).
+
+    A profile with a probe, or a :class:`Readout`: ``100 σ(probe logit)``, the probe's reading of
+    the state's forbidden coordinates; a ``(Q, c)`` pair (or a profile without a probe): the
+    paper's share of norm, :func:`share`.
+    """
+    if isinstance(scorer, SafetyProfile):
+        scorer = scorer.readout()
+    single = np.asarray(h).ndim == 1
+    if isinstance(scorer, Readout):
+        z = scorer.logits(h)
+        out = 100.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
     else:
-        Q, c = profile_or_Q_c
-    Q = np.asarray(Q, dtype=np.float64)
-    x = np.asarray(h, dtype=np.float64) - np.asarray(c, dtype=np.float64)
-    single = x.ndim == 1
-    X = x[None, :] if single else x
-    num = np.linalg.norm(X @ Q, axis=1)  # ‖Q Qᵀ x‖ = ‖Qᵀ x‖ for orthonormal Q
-    den = np.linalg.norm(X, axis=1)
-    out = 100.0 * num / np.maximum(den, _EPS)
+        out = share(scorer[0], scorer[1], h)
     return float(out[0]) if single else out
 
 
@@ -204,7 +300,8 @@ def project_safe(Q: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def safe_point(profile_or_Q_c: SafetyProfile | tuple[np.ndarray, np.ndarray], h: np.ndarray) -> np.ndarray:
-    """c + P_safe (h − c): the state with its forbidden component removed; TEH of it is 0."""
+    """c + P_safe (h − c): the state with its forbidden component removed (its forbidden coordinates
+    are the centre's: the paper's TEH of it is 0, the probe's is that of the benign centre)."""
     if isinstance(profile_or_Q_c, SafetyProfile):
         Q, c = profile_or_Q_c.Q, profile_or_Q_c.centre
     else:
@@ -247,7 +344,7 @@ def exchange_states(prompt_state: np.ndarray, reply_states: np.ndarray, scales: 
     p = np.asarray(prompt_state, dtype=np.float64) / float(scales[0])
     rows = [np.concatenate([p, states[max(0, k - window):k].mean(axis=0) / float(scales[1])])
             for k in _check_points(len(states), every)]
-    return np.stack(rows) if rows else np.zeros((0, 2 * len(p)))
+    return np.stack(rows) if rows else np.zeros((0, len(p) + states.shape[-1]))
 
 
 class ReplyGuard:
@@ -281,8 +378,8 @@ class ReplyGuard:
         if prof.exchange_guard:
             x = exchange_states(self.prompt_state, states[-self.window:], prof.reply_scales,  # type: ignore[arg-type]
                                 every=len(states[-self.window:]), window=self.window)[-1]
-            return float(teh((prof.reply_Q, prof.reply_centre), x))  # type: ignore[arg-type]
-        return float(teh(prof, states[-self.window :].mean(axis=0)))
+            return float(teh(prof.reply_readout(), x))
+        return float(teh(window_scorer(prof), states[-self.window :].mean(axis=0)))
 
     def check(self, reply_hidden: np.ndarray) -> tuple[bool, float]:
         """(over the reply threshold?, TEH %) for the newest window of reply states."""
@@ -296,10 +393,27 @@ def window_threshold(profile: SafetyProfile) -> float:
     return float(profile.reply_threshold if profile.window_threshold is None else profile.window_threshold)
 
 
+def steering_subspace(profile: Any, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Q_L, c_L) Safe OGD projects out of a step at ``layer``: a probe profile's forbidden
+    directions there (:meth:`SafetyProfile.layer_subspace`), else the profile's own ``Q`` and centre."""
+    if isinstance(profile, SafetyProfile) and profile.weights is not None:
+        return profile.layer_subspace(layer)
+    return np.asarray(profile.Q), np.asarray(profile.centre)
+
+
+def window_scorer(profile: SafetyProfile) -> tuple[np.ndarray, np.ndarray]:
+    """(Q, c) that scores one reply window (d,) by the paper's share of norm: the profile's own
+    subspace, or with a probe its forbidden directions at its layer (:meth:`SafetyProfile.layer_subspace`)."""
+    if profile.weights is None:
+        return profile.Q, profile.centre
+    return profile.layer_subspace(profile.layer)
+
+
 def reply_window_scores(profile_or_Q_c: Any, reply_states: np.ndarray, window: int = REPLY_WINDOW, every: int = 8) -> np.ndarray:
-    """TEH in the prompt subspace of the window mean at every check point of one reply."""
+    """TEH (share of norm) in the forbidden subspace of the window mean at every check point of one reply."""
+    scorer = window_scorer(profile_or_Q_c) if isinstance(profile_or_Q_c, SafetyProfile) else profile_or_Q_c
     states = np.asarray(reply_states, dtype=np.float64)
-    return np.array([teh(profile_or_Q_c, states[max(0, p - window) : p].mean(axis=0))
+    return np.array([teh(scorer, states[max(0, p - window) : p].mean(axis=0))
                      for p in _check_points(len(states), every)])
 
 

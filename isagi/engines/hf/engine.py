@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from typing import Any
 
 import numpy as np
@@ -126,7 +126,7 @@ class TransformersEngine:
         import torch
 
         from isagi.engines.hf.generation import left_padded, mask_positions
-        from isagi.engines.hf.hooks import capture_layer
+        from isagi.engines.hf.hooks import capture_layer, stop_after_layer
 
         for layer in layers:
             check_layer(layer, self.num_layers)
@@ -134,8 +134,11 @@ class TransformersEngine:
             chunk = chats[start : start + batch_size]
             with ExitStack() as stack, torch.inference_mode():
                 caps = {layer: stack.enter_context(capture_layer(self.model, layer, keep_all=True)) for layer in layers}
+                # after the capture hooks: the layers above the last one read are never run
+                enough = stack.enter_context(stop_after_layer(self.model, max(layers)))
                 ids, mask = left_padded(self.loaded, chunk)
-                self.model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask), logits_to_keep=1)
+                with suppress(enough):
+                    self.model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask), logits_to_keep=1)
                 pads = (ids.shape[1] - mask.sum(dim=1)).tolist()
                 full = {layer: cap.full[-1].float().cpu().numpy() for layer, cap in caps.items()}
             for row, pad in enumerate(pads):

@@ -74,6 +74,26 @@ def capture_layer(model: Any, layer: int, *, keep_all: bool = False, keep_prefil
         handle.remove()
 
 
+class _Enough(Exception):
+    """Raised by :func:`stop_after_layer`'s hook: the states wanted are read, the rest is not run."""
+
+
+@contextmanager
+def stop_after_layer(model: Any, layer: int) -> Iterator[type[Exception]]:
+    """End every forward call once decoder layer ``layer`` has run (hooks registered on it before
+    this one have seen its output): for prompt states alone, the later layers and the output head
+    are skipped. Yields the exception class the forward call then raises; catch it around the call."""
+
+    def hook(_module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+        raise _Enough
+
+    handle = layer_module(model, layer).register_forward_hook(hook)
+    try:
+        yield _Enough
+    finally:
+        handle.remove()
+
+
 @contextmanager
 def steer_layer(model: Any, layer: int, vector: torch.Tensor) -> Iterator[None]:
     """Add ``vector`` (d,) to the residual stream after decoder layer ``layer``."""

@@ -1,0 +1,225 @@
+"""Unit tests of the prompt probe and the reply guard's probe (no model): the readout's geometry,
+the folds, the two-budget threshold, the build's fit on synthetic states and the CV grid."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from isagi.safety.build import Corpus, Exchanges, fit_reply_guard, fit_safety_profile, reply_sample
+from isagi.safety.probe import (
+    BenignKinds,
+    fit_readout,
+    group_folds,
+    out_of_fold,
+    quantile_threshold,
+    two_budget_threshold,
+)
+from isagi.safety.runtime import (
+    ReplyGuard,
+    SafetyProfile,
+    category_of,
+    exchange_scores,
+    project_safe,
+    safe_point,
+    teh,
+)
+
+D = 24  # one layer's width in these toy states
+LAYERS = [6, 12]
+
+
+def _corpus(seed: int = 0, n: int = 80) -> Corpus:
+    """Two layers side by side. Harmful rows lean along e0 of the first layer and e1 of the second,
+    by category; look-alikes lean a third of the way; ordinary rows do not lean; twin pairs share a group."""
+    rng = np.random.default_rng(seed)
+    rows, labels, cats, groups, kinds = [], [], [], [], []
+    for i in range(n):
+        cat = "ab"[i % 2]
+        push = np.zeros(2 * D)
+        push[0 if cat == "a" else 2] = 3.0
+        push[D + 1] = 3.0
+        for label, kind, scale in ((1, "", 1.0), (0, "lookalike", 0.3), (0, "ordinary", 0.0)):
+            rows.append(rng.normal(size=2 * D) + scale * push)
+            labels.append(label)
+            cats.append(cat)
+            groups.append(f"pair:{i}" if kind != "ordinary" else f"row:{i}")
+            kinds.append(kind)
+    kind = np.array(kinds)
+    return Corpus(X=np.array(rows), labels=np.array(labels), cats=np.array(cats), groups=groups,
+                  sources=np.array(["toy"] * len(rows)),
+                  kinds=BenignKinds(ordinary=kind == "ordinary", lookalike=kind == "lookalike"))
+
+
+def test_a_readout_is_a_probe_written_as_an_orthonormal_subspace():
+    c = _corpus()
+    r = fit_readout(c.X, c.labels, [D, D], C=1.0)
+    assert r.Q.shape == (2 * D, 2) and np.allclose(r.Q.T @ r.Q, np.eye(2), atol=1e-9)
+    assert np.allclose(r.Q[D:, 0], 0) and np.allclose(r.Q[:D, 1], 0)  # one column per layer, in its block
+    assert np.all(r.weights > 0)
+    # the probe found the harmful directions: most of each column's weight is on them
+    assert abs(r.Q[D + 1, 1]) > 0.6 and np.hypot(r.Q[0, 0], r.Q[2, 0]) > 0.6
+    # the logit is the sklearn probe's own decision function
+    from sklearn.linear_model import LogisticRegression
+
+    mean, scale = c.X.mean(0), c.X.std(0) + 1e-6
+    ref = LogisticRegression(C=1.0, class_weight="balanced", max_iter=3000, tol=1e-5).fit((c.X - mean) / scale, c.labels)
+    assert np.allclose(r.logits(c.X), ref.decision_function((c.X - mean) / scale), atol=1e-6)
+
+
+def test_teh_depends_only_on_the_forbidden_coordinates_so_safe_steps_cannot_move_it():
+    c = _corpus(1)
+    r = fit_readout(c.X, c.labels, [D, D], C=1.0)
+    rng = np.random.default_rng(2)
+    H = rng.normal(size=(50, 2 * D)) * 3
+    V = rng.normal(size=(50, 2 * D)) * 10
+    before = teh(r, H)
+    assert np.all((before > 0) & (before < 100))
+    # Safe OGD's theorem for the probe: a step projected by P_safe = I - QQ^T leaves TEH unchanged ...
+    assert np.allclose(teh(r, H + project_safe(r.Q, V)), before, atol=1e-9)
+    # ... and the state with its forbidden component removed reads as the benign centre does
+    assert np.allclose(teh(r, safe_point((r.Q, r.centre), H)), teh(r, r.centre), atol=1e-9)
+    # while a step along Q moves it, in the direction of the weights
+    assert np.all(teh(r, H + 5.0 * r.Q @ r.weights) > before)
+
+
+def test_group_folds_keep_every_group_whole_and_cover_every_row():
+    groups = [f"pair:{i // 3}" for i in range(30)] + [f"row:{i}" for i in range(20)]
+    folds = group_folds(groups, 5)
+    assert sorted(np.concatenate(folds).tolist()) == list(range(50))
+    for fold in folds:
+        inside = {groups[i] for i in fold}
+        assert all(groups[j] not in inside for other in folds if other is not fold for j in other)
+    assert [f.tolist() for f in folds] == [f.tolist() for f in group_folds(groups, 5)]  # fixed by the seed
+
+
+def test_the_two_budget_threshold_holds_both_budgets_and_is_the_lowest_that_does():
+    rng = np.random.default_rng(0)
+    scores = np.concatenate([rng.normal(0, 1, 500), rng.normal(2, 1, 300)])  # ordinary, then look-alikes
+    kinds = BenignKinds(ordinary=np.arange(800) < 500, lookalike=np.arange(800) >= 500)
+    t, cost = two_budget_threshold(scores, kinds, ordinary_budget=0.02, lookalike_budget=0.10)
+    assert cost["ordinary_fpr"] <= 0.02 and cost["lookalike_fpr"] <= 0.10
+    assert t == max(quantile_threshold(scores[:500], 0.02), quantile_threshold(scores[500:], 0.10))
+    assert cost["bound_by"] == "lookalike"  # the look-alikes sit higher: their budget binds
+    # a budget over every benign row at once would let more look-alikes through than stated
+    mixed = quantile_threshold(scores, 0.06)
+    assert (scores[500:] > mixed).mean() > 0.10
+
+
+def test_fit_safety_profile_sets_its_threshold_out_of_fold_and_round_trips():
+    c = _corpus(3, n=120)
+    prof = fit_safety_profile(c, LAYERS, C=0.5, ordinary_budget=0.02, lookalike_budget=0.10)
+    assert prof.read_layers == LAYERS and prof.layer == 12 and prof.layer_width == D
+    rule = prof.details["threshold_rule"]
+    assert rule["ordinary_fpr"] <= 0.02 + 1e-9 and rule["lookalike_fpr"] <= 0.10 + 1e-9
+    cv = prof.details["cv"]
+    assert cv["oof_auc"] > 0.85 and cv["oof_tpr_at_threshold"] > 0.5
+    assert set(cv["by_category"]) == {"a", "b"} and set(cv["by_source"]) == {"toy"}
+    # the verdict is TEH over the threshold: the number shown and the refusal agree
+    flagged = teh(prof, c.X) > prof.threshold
+    assert flagged[c.labels == 1].mean() > 0.6 and flagged[c.kinds.ordinary].mean() < 0.1
+    # categories of the refusal message
+    assert category_of(prof, c.X[(c.labels == 1) & (c.cats == "a")].mean(0)) == "a"
+    import json
+
+    state = prof.to_state()
+    arrays = {k: v for k, v in state.items() if isinstance(v, np.ndarray)}
+    meta = json.loads(json.dumps({k: v for k, v in state.items() if not isinstance(v, np.ndarray)}))
+    back = SafetyProfile.from_state({**meta, **arrays})
+    assert back.read_layers == LAYERS and np.allclose(teh(back, c.X), teh(prof, c.X), atol=1e-3)
+    state["Q"] = state["Q"][:-1]
+    with pytest.raises(ValueError):
+        SafetyProfile.from_state({**meta, **{**arrays, "Q": state["Q"], "centre": state["centre"][:-1]}})
+
+
+def _exchanges(seed: int = 0, n: int = 48) -> Exchanges:
+    """Replies whose harm shows only with their prompt: harmful prompts lean along e0 of the first
+    layer, replies to them along e1 of the reply layer; benign ones along neither."""
+    rng = np.random.default_rng(seed)
+    labels = np.array([1] * n + [0] * n)
+    P = rng.normal(size=(2 * n, 2 * D)) + 10.0
+    P[:n, 0] += 6.0
+    R = []
+    for lab in labels:
+        r = rng.normal(size=(int(rng.integers(9, 30)), D)) + 10.0
+        if lab:
+            r[:, 1] += 4.0
+        R.append(r)
+    return Exchanges(prompt_states=P, reply_states=R, labels=labels, cats=np.array(["a", "b"] * n))
+
+
+def test_the_reply_guard_is_fitted_on_replies_and_judges_a_reply_with_its_prompt():
+    ex = _exchanges()
+    readout, scales, threshold, det = fit_reply_guard(ex, [D, D], budget=0.05, C=1.0)
+    assert readout.Q.shape == (3 * D, 3) and np.allclose(readout.Q.T @ readout.Q, np.eye(3), atol=1e-6)
+    assert det["oof_auc"] > 0.95 and det["oof_withheld_benign"] <= 0.05 + 1e-9
+    prof = fit_safety_profile(_corpus(4), LAYERS, C=0.5)
+    prof = dataclasses.replace(prof, reply_Q=readout.Q, reply_centre=readout.centre, reply_scales=scales,
+                               reply_weights=readout.weights, reply_bias=readout.bias,
+                               reply_threshold=100.0 / (1.0 + np.exp(-threshold)))
+    assert prof.exchange_guard
+    with pytest.raises(ValueError, match="prompt_state"):
+        ReplyGuard(prof)
+    fresh = _exchanges(seed=1)
+    withheld = [bool((exchange_scores(prof, p, r) > prof.reply_threshold).any())
+                for p, r in zip(fresh.prompt_states, fresh.reply_states, strict=True)]
+    assert np.mean(withheld[:48]) > 0.8 and np.mean(withheld[48:]) < 0.15
+    p, r = fresh.prompt_states[0], fresh.reply_states[0]
+    assert ReplyGuard(prof, p).score(r) == pytest.approx(exchange_scores(prof, p, r)[-1])
+    # Safe OGD at the profile's layer projects out the reply guard's reply direction too:
+    # a steered reply reads exactly as the unsteered one
+    Q_L, _ = prof.layer_subspace(prof.layer)
+    assert Q_L.shape[0] == D and np.allclose(Q_L.T @ Q_L, np.eye(Q_L.shape[1]), atol=1e-9)
+    step = project_safe(Q_L, np.random.default_rng(5).normal(size=D) * 20)
+    assert np.allclose(exchange_scores(prof, p, r + step), exchange_scores(prof, p, r), atol=1e-8)
+    state = prof.to_state()
+    back = SafetyProfile.from_state(state)
+    assert back.exchange_guard and back.reply_weights is not None
+    state["reply_centre"] = state["reply_centre"][:-1]
+    with pytest.raises(ValueError, match="reply guard"):
+        SafetyProfile.from_state(state)
+
+
+def test_the_reply_sample_takes_every_source_and_label_and_is_fixed():
+    rows = ([{"source_group": "x", "label": "harmful"}] * 30 + [{"source_group": "x", "label": "benign"}] * 30
+            + [{"source_group": "y", "label": "harmful"}] * 5)
+    per = {"harmful": 10, "benign": 12}
+    pick = reply_sample(rows, per_source=per)
+    assert len(pick) == len(set(pick)) == 10 + 12 + 5
+    assert sum(rows[i]["label"] == "benign" for i in pick) == 12
+    assert sum(rows[i]["source_group"] == "y" for i in pick) == 5
+    assert pick == reply_sample(rows, per_source=per)
+
+
+def test_out_of_fold_scores_come_from_probes_that_never_saw_the_row():
+    """A row whose label contradicts its state is scored by its fold's probe, so out of fold it
+    reads as its state says, while a probe fitted on it (in sample, weakly regularised) bends."""
+    c = _corpus(5)
+    y = c.labels.copy()
+    odd = int(np.flatnonzero(c.kinds.ordinary)[0])
+    y[odd] = 1
+    oof = out_of_fold(c.X, y, [D, D], group_folds(c.groups), C=1.0)
+    inside = fit_readout(c.X, y, [D, D], C=1.0).logits(c.X)
+    assert oof[odd] < inside[odd]
+
+
+def test_the_cv_grid_measures_every_setting_and_holds_each_source_and_category_out():
+    from isagi.evals.safety_cv import grid
+
+    c = _corpus(6, n=60)
+    sources = np.array(["s1", "s2"] * (len(c.labels) // 2))
+    c = dataclasses.replace(c, sources=sources)
+    states = {6: c.X[:, :D], 12: c.X[:, D:]}
+    out = grid(c, states, [[12], [6, 12]], [0.1, 1.0])
+    assert [(r["layers"], r["C"]) for r in out["rows"]] == [("12", 0.1), ("12", 1.0), ("6+12", 0.1), ("6+12", 1.0)]
+    for r in out["rows"]:
+        assert set(r["loso"]) == {"s1", "s2"} and set(r["loco"]) == {"a", "b"}
+        assert 0.0 <= r["loso_harmful_flagged"] <= 1.0
+    # the harm the two categories share lies in layer 12; layer 6 holds each category's own: a
+    # category held out is found by layer 12 and missed once layer 6 is fitted to the other one,
+    # so the held-out figures, not the in-sample ones, choose layer 12 alone
+    alone = max(r["loco_harmful_flagged"] for r in out["rows"] if r["layers"] == "12")
+    assert alone > max(r["loco_harmful_flagged"] for r in out["rows"] if r["layers"] == "6+12")
+    assert out["best"]["layers"] == "12"
