@@ -104,17 +104,14 @@ def _label(value: Any, default: str, path: Path, line: int) -> str:
 
 def _scorer(lm: Any, profile: SafetyProfile, system_prompt: str, method: str) -> tuple[Any, float, dict[str, Any]]:
     """A function texts -> scores, the shipped threshold, and facts about the method."""
-    def states(texts: list[str]) -> np.ndarray:
-        return _states(lm, system_prompt, profile.read_layers, texts)
-
     if method == "isagi":
-        return ((lambda texts: teh(profile, states(texts))), float(profile.threshold),
-                {"dims": profile.dims, "layers": profile.read_layers})
+        return ((lambda texts: teh(profile, _states(lm, system_prompt, profile.read_layers, texts))),
+                float(profile.threshold), {"dims": profile.dims, "layers": profile.read_layers})
     if method == "seed":
-        layer = profile.layer
+        layer = [profile.layer]  # the paper's construction reads one layer
 
-        def states(texts: list[str]) -> np.ndarray:  # the paper's construction reads one layer
-            return _states(lm, system_prompt, [layer], texts)
+        def states(texts: list[str]) -> np.ndarray:
+            return _states(lm, system_prompt, layer, texts)
 
         from isagi.data.safety import load_safety_calibration
 
