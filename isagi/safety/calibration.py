@@ -1,7 +1,12 @@
-"""Fitting the safety profile, offline: Snipe, cross-validation, the thresholds, the reply
-guard's fit and the profile build (``isagi profile build``).
+"""Snipe, the construction the prompt guard used before its probe (issue 36), with its
+cross-validation; and the ROC helpers the profile build uses (:func:`roc_auc`, :func:`roc_sweep`,
+:func:`thin_roc`) and Safe OGD's window margin (``REPLY_MARGIN``).
 
-What it fits is measured at run time by :mod:`isagi.safety.runtime` (TEH, the reply guard).
+No turn and no build fits Snipe any more (:mod:`isagi.safety.build` fits the probe); it stays
+with its tests as the documented earlier construction, whose held-out figures
+docs/measurements.md sets beside the probe's ("The probe over several layers", the "before"
+row). Removing it changes the profile key's code digest: do it with a re-key
+(isagi/profiles/README.md).
 
 Why the construction is not the research code's: that code took the top
 |mean difference| coordinates of an SVD basis of 10 prompts; on held-out

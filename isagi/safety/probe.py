@@ -5,11 +5,12 @@ scores with), the folds that keep related rows together, and the threshold rule 
 false-positive budgets are stated over two kinds of benign request apart. The profile build
 (:mod:`isagi.safety.calibration`) and ``isagi eval safety-cv`` call it; a turn imports none of it.
 
-Why a probe over several layers: on the calibration corpus a logistic regression over the
-safety read-out (``content+post``) of several layers side by side ranks harmful above benign
-requests of sources and categories it never saw better than the paper's share of norm in a
-subspace chosen by LDA (``isagi eval safety-cv`` prints both; docs/measurements.md keeps the
-figures). The probe is linear, so its decision depends on the state only through one
+Why a probe over several layers: on the calibration corpus, held out by source and by
+category, a logistic regression over the safety read-out (``content+post``) of layers 12, 18
+and 24 side by side flagged more harmful rows than one over layer 18 alone
+(``isagi eval safety-cv``; docs/measurements.md keeps the grid), and on the public sets it
+caught more harm than the Snipe subspace it replaced (the same page, "before" against
+"shipped"). The probe is linear, so its decision depends on the state only through one
 direction per layer: those directions are the forbidden subspace, and TEH is the probe's
 reading of the state's coordinates in it (docs/architecture.md, Definitions).
 
