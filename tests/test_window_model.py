@@ -34,11 +34,15 @@ def _long_session_turns(llama_engine, context_shift: bool) -> list[dict]:
     turns = []
     for question in NEW_QUESTIONS[:12]:
         start, _ = engine.prompts.history_window(s, question)
-        prompt = engine.prompts.build(s, question, None)
+        history = engine.prompts.fitting_history(s, question)
+        prompt = engine.prompts.build(s, question, None, history=history)
         lookup = engine.prompts.build(s, question, None, with_history=False)
         before, shifts = lm.evaluated_tokens, lm.context_shifts
         t = engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=REPLY_TOKENS))
         assert t.generated and t.verdict == "ok"
+        if t.tier == "AUGMENT":  # the related exchange sits in the prompt too
+            related = _record_of(s, t.nearest_query)
+            prompt = engine.prompts.build(s, question, related, history=history)
         turns.append({"start": start, "prompt": prompt, "ids": lm.chat_tokens(prompt), "tier": t.tier,
                       "alone": len(lm.chat_tokens(lookup)), "new_tokens": t.new_tokens,
                       "evaluated": lm.evaluated_tokens - before, "shifts": lm.context_shifts - shifts,
@@ -47,6 +51,15 @@ def _long_session_turns(llama_engine, context_shift: bool) -> list[dict]:
                       "lookup": len(lm.chat_tokens(lookup)) - lm.content_span(lookup)[0]})
         assert t.prompt_tokens == len(turns[-1]["ids"]) <= BUDGET
     return turns
+
+
+def _record_of(session, query: str) -> dict:
+    """The memory record of the exchange whose question was ``query``."""
+    for rid in session.memory.ids:
+        rec = session.memory.get(int(rid))
+        if rec["query_text"] == query:
+            return rec
+    raise AssertionError(f"no exchange asked {query!r} in memory")
 
 
 @pytest.mark.parametrize("context_shift", [True, False], ids=["shift", "no-shift"])
