@@ -258,7 +258,7 @@ def serve(
 @friendly
 def explore(
     seed_concept: Annotated[str, typer.Argument(help="the concept to explore from")],
-    steps: Annotated[int, typer.Option("--steps")] = 3,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=6, help="steered steps (1-6)")] = 3,
     unsafe_regular: Annotated[bool, typer.Option("--regular", help="regular (unprojected) OGD, for comparison")] = False,
     model: ModelOpt = None, backend: BackendOpt = None,
     home: HomeOpt = None,
@@ -283,6 +283,15 @@ def explore(
 # -- profile -------------------------------------------------------------------
 
 
+def _probe_words(s: Any) -> str:
+    """What kind of probe a safety profile's prompt guard is, in words."""
+    probe = s.details.get("probe", {})
+    if s.hidden is None:
+        return "a logistic probe"
+    return (f"an average of {probe.get('members', '?')} small ReLU networks "
+            f"({probe.get('hidden', '?')} units each)")
+
+
 @profile_app.command("show")
 @friendly
 def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
@@ -297,8 +306,8 @@ def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeO
         "safety_layer": s.layer, "safety_read_layers": s.read_layers,
         "safety_state": "at each read layer, the average of the mean state over the message's tokens and the mean "
                         "over the template tokens after the message; the layers side by side",
-        "prompt_guard": (f"a logistic probe over layers {', '.join(map(str, s.read_layers))}: TEH = 100 sigmoid(logit)"
-                         if s.weights is not None else "share of norm in the forbidden subspace"),
+        "prompt_guard": (f"{_probe_words(s)} over layers {', '.join(map(str, s.read_layers))}: "
+                         "TEH = 100 sigmoid(logit)" if s.weights is not None else "share of norm in the forbidden subspace"),
         "teh_threshold": s.threshold, "teh_reply_threshold": s.reply_threshold, "forbidden_dims": int(s.Q.shape[1]),
         "reply_guard": ("the reply judged with its prompt (exchange probe, "
                         f"{int(s.reply_Q.shape[1])} dims)" if s.reply_Q is not None else "reply windows in the prompt subspace"),
@@ -430,10 +439,11 @@ def inspect(path: Path, as_json: JsonOpt = False) -> None:
     checksum, impossible values); 2 if it cannot be read at all.
     """
     from isagi.console.tables import inspect_tables
-    from isagi.session.files import check_session_state
+    from isagi.session.files import session_from_state
     from storage.miku import inspect_miku
 
-    data = inspect_miku(path, check=lambda state: check_session_state(state, "the session"))
+    # the loader's own judgement (what chat --load and the page would say), without a model
+    data = inspect_miku(path, check=lambda state: session_from_state(state, "the session"))
     if as_json:
         _print_json(data)
     else:
@@ -659,23 +669,25 @@ def _layer_list(text: str, option: str) -> list[int]:
 @friendly
 def eval_safety_cv(sets: Annotated[list[str] | None, typer.Option(
                        "--layers", help="read-out layers side by side, e.g. 12,18 (repeatable: one setting each)")] = None,
-                   c: Annotated[list[float] | None, typer.Option(
-                       "--C", help="the probe's L2 strength, scikit-learn's C (repeatable)")] = None,
+                   probes: Annotated[list[str] | None, typer.Option(
+                       "--probe", help="logistic:C or mlp:UNITS, e.g. logistic:0.03, mlp:8 (repeatable)")] = None,
                    model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Cross-validation on the calibration corpus only (leave one source out, leave one category
-    out, 5 folds with twin pairs whole): how the probe's layers and strength were chosen."""
+    out, 5 folds with twin pairs whole): how the probe's layers and kind were chosen."""
     from isagi.errors import InputError
     from isagi.evals.safety_cv import run
+    from isagi.safety.probe import ProbeSpec
 
-    layer_sets = [_layer_list(x, "--layers") for x in sets or ["18", "12,18", "18,24", "12,18,24", "6,12,18,24"]]
-    strengths = c or [0.003, 0.01, 0.03]
-    if any(x <= 0 for x in strengths):
-        raise InputError(f"--C {strengths}: give positive numbers, e.g. 0.01.")
+    layer_sets = [_layer_list(x, "--layers") for x in sets or ["18", "6,12,18", "12,18,24"]]
+    try:
+        specs = [ProbeSpec.parse(x) for x in probes or ["logistic:0.03", "mlp:8"]]
+    except ValueError as exc:
+        raise InputError(f"--probe: {exc}") from exc
     from isagi.engines import load_engine
 
     settings = _settings(model=model, backend=backend, home=home)
     lm = load_engine(settings)  # no profile needed: this is what a profile's choices rest on
-    _report(run(lm, system_prompt=settings.system_prompt, layer_sets=layer_sets, Cs=strengths,
+    _report(run(lm, system_prompt=settings.system_prompt, layer_sets=layer_sets, specs=specs,
                 progress=_progress_printer()), as_json)
 
 

@@ -534,6 +534,9 @@ def loadable(state: MikuState) -> MikuState:
     """``state`` completed into a session :func:`isagi.session.files.load_session` accepts."""
     state.tensors["singular_values"] = np.ones(state.header["k"], np.float32)
     state.trajectories["last_hit"] = state.trajectories["created"].copy()
+    n = len(state.trajectories["created"])
+    for column in ("query_text", "reply_text", "tier", "context_key", "content_key"):
+        state.trajectories.setdefault(column, [""] * n)
     return state
 
 
@@ -549,11 +552,11 @@ def test_cli_inspect_says_why_a_file_would_not_load_and_exits_1(tmp_path: Path) 
     """A file the loader refuses, though it parses: the summary, then why, then exit 1."""
     import json
 
-    from isagi.session.files import check_session_state
+    from isagi.session.files import session_from_state
 
     good = tmp_path / "good.miku"
     write_miku(good, loadable(make_state()))
-    check_session_state(read_miku(good))  # the loader accepts it (the tests below change one thing)
+    session_from_state(read_miku(good))  # the loader accepts it (the tests below change one thing)
     cases = {  # name: (file contents, what stderr says)
         "damaged": (None, "the crc32 checksum does not match its contents"),
         "not a session": (make_state(), "has no 'singular_values' tensor"),
@@ -591,3 +594,33 @@ def test_cli_inspect_of_a_file_over_a_limit_says_so_in_one_line_and_exits_2(tmp_
         assert shown.exit_code == 2, shown.output
         assert reason in shown.output and "is invalid" in shown.output
         assert shown.output.strip().count("\n") == 0 and "Traceback" not in shown.output
+
+
+def test_cli_inspect_refuses_exactly_what_the_loader_refuses(tmp_path: Path) -> None:
+    """One judgement of a file: a real session file, then files the loader refuses only once it
+    builds the session (two exchanges under one id), refused by inspect too, with the loader's
+    reason (inspect used to run only the checks before the building, and said nothing)."""
+    import copy
+
+    from isagi.session.files import load_session, session_state
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path / "home", with_store=False)
+    session = engine.new_session(autosave=False)
+    for question in ("hello there", "what is the sea"):
+        engine.turn(session, question)
+    base = session_state(engine.frame, session)
+    good = tmp_path / "good.miku"
+    write_miku(good, base)
+    assert load_session(engine.frame, good).turns and _inspect(str(good)).exit_code == 0
+    same_id = copy.deepcopy(base)
+    same_id.trajectories["id"] = np.zeros_like(same_id.trajectories["id"])
+    for name, state in (("same-id", same_id),):
+        path = tmp_path / f"{name}.miku"
+        write_miku(path, state)
+        with pytest.raises(MikuError) as refused:
+            load_session(engine.frame, path)
+        shown = _inspect(str(path))
+        assert shown.exit_code == 1, (name, shown.output)
+        reason = str(refused.value).split(": ", 1)[1]  # the loader's words after the file's name
+        assert reason in shown.stderr.replace("\n", ""), (reason, shown.stderr)

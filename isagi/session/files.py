@@ -270,8 +270,8 @@ def load_session(
     """Restore a session from ``path``; raise :class:`MikuError` if it does not fit ``frame``
     (another model, unless ``allow_other_model``; another hidden size).
 
-    Everything is checked (:func:`check_session_state`) before anything is
-    built. A session id in the file that is missing, malformed, or for which
+    Everything is checked (:func:`session_from_state`) before the session is
+    used. A session id in the file that is missing, malformed, or for which
     ``id_taken`` answers True (another live or stored session has it) is
     replaced by a fresh :func:`~isagi.ids.new_session_id`; the file's own id
     is then kept nowhere. ``session_id``: open it as that session instead (the
@@ -282,30 +282,51 @@ def load_session(
     state = read_miku(
         path, expected_fingerprint=frame.model_fingerprint, allow_other_model=allow_other_model
     )
-    header, tensors, extra = state.header, state.tensors, state.extra
-    d = int(header["d"])
+    d = int(state.header["d"])
     if d != frame.hidden_size:
         raise MikuError(
             f"{path}: the session was made with hidden size {d}, this model has "
             f"{frame.hidden_size}; load it with the model it was saved with."
         )
-    check_session_state(state, path)
+    return session_from_state(state, path, id_taken=id_taken, session_id=session_id)
+
+
+def session_from_state(
+    state: MikuState,
+    where: str | Path = "session",
+    *,
+    id_taken: Callable[[str], bool] | None = None,
+    session_id: str | None = None,
+) -> Session:
+    """The :class:`Session` a read file holds, or :class:`MikuError` saying why it would not load.
+
+    The one judgement of a file: :func:`load_session` and ``isagi inspect`` both end here, so a
+    file inspect passes is one the loader takes. Checks (:func:`check_session_state`), then builds
+    the basis, the metric, the memory and the turns; anything a check did not foresee that the
+    building refuses is a :class:`MikuError` too. ``id_taken`` and ``session_id``: as in
+    :func:`load_session`.
+    """
+    check_session_state(state, where)
+    header, tensors, extra = state.header, state.tensors, state.extra
     k = int(header["k"])
-    basis = Basis(
-        B=tensors["basis"].astype(np.float32, copy=False),
-        mu=tensors["mu"].astype(np.float32, copy=False),
-        singular_values=tensors["singular_values"].astype(np.float32, copy=False),
-        explained=float(extra.get("basis_explained", 0.0)),
-    )
-    defaults = Metric(k)  # what a file that leaves them out (an import) gets
-    metric_state: dict[str, Any] = {"k": k, "eta": defaults.eta, "eig_floor": defaults.eig_floor}
-    metric_state.update(extra.get("metric", {}))
-    metric_state["M"] = tensors["metric"]
     try:
+        basis = Basis(
+            B=tensors["basis"].astype(np.float32, copy=False),
+            mu=tensors["mu"].astype(np.float32, copy=False),
+            singular_values=tensors["singular_values"].astype(np.float32, copy=False),
+            explained=float(extra.get("basis_explained", 0.0)),
+        )
+        defaults = Metric(k)  # what a file that leaves them out (an import) gets
+        metric_state: dict[str, Any] = {"k": k, "eta": defaults.eta, "eig_floor": defaults.eig_floor}
+        metric_state.update(extra.get("metric", {}))
+        metric_state["M"] = tensors["metric"]
         metric = Metric.from_state(metric_state)
         memory = TrajectoryMemory.from_columns(state.trajectories, k)
-    except (KeyError, ValueError, TypeError, OverflowError) as exc:
-        raise MikuError(f"{path}: the trajectories or the metric are inconsistent ({exc}).") from None
+        turns = turns_from_messages(state.conversation)
+        created = _created(header, extra)
+    except (KeyError, ValueError, TypeError, OverflowError, AttributeError) as exc:
+        raise MikuError(f"{where}: the session's contents are inconsistent ({exc}); "
+                        "it cannot be loaded, keep it only as a record.") from None
     sid = session_id if session_id is not None else extra.get("session_id")
     if session_id is None and (not is_session_id(sid) or (id_taken is not None and id_taken(sid))):
         sid = new_session_id()
@@ -315,8 +336,8 @@ def load_session(
         basis=basis,
         metric=metric,
         memory=memory,
-        turns=turns_from_messages(state.conversation),
-        created=_created(header, extra),
+        turns=turns,
+        created=created,
         title=title,
     )
 
