@@ -44,6 +44,10 @@ from storage.owners import LOCAL_OWNER
 
 API = "/gradio_api/"
 MAX_JSON_BODY = 4 * 1024 * 1024  # an event's JSON (a message is at most 8,000 characters)
+# A page event nests a few levels (data -> a component's value -> a message's parts); anything
+# deeper is not the page's, and deep enough it breaks a recursive parser downstream (a 500)
+MAX_JSON_DEPTH = 64
+TOO_DEEP = "This request body is nested too deeply; send the page's own JSON."
 MAX_BINDINGS = 100_000
 BINDING_TTL_S = 24 * 3600.0
 OTHER_LOGIN = "This page's session belongs to another login. Reload the page and log in again."
@@ -149,6 +153,18 @@ async def _read_body(receive: Any, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
+def _depth(node: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, level)
+            if level <= MAX_JSON_DEPTH:  # no need to look further down than the limit
+                stack += [(v, level + 1) for v in (value.values() if isinstance(value, dict) else value)]
+    return deepest
+
+
 def _replay(body: bytes, receive: Any) -> Any:
     """A ``receive`` that hands out ``body`` once, then whatever the client sends (a disconnect)."""
     sent = False
@@ -233,6 +249,12 @@ class GradioGuard:
             data = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError):
             data = None  # not JSON: Gradio refuses it itself
+        except RecursionError:  # nesting deeper than Python's parser goes
+            await _answer(send, 400, TOO_DEEP)
+            return
+        if _depth(data) > MAX_JSON_DEPTH:
+            await _answer(send, 400, TOO_DEEP)
+            return
         if isinstance(data, dict):
             if self.auth and not self._body_admitted(route, data, user):
                 await _answer(send, 403, OTHER_LOGIN)
@@ -278,7 +300,7 @@ class GradioGuard:
             return
         try:
             eid = json.loads(body).get("event_id")
-        except (ValueError, AttributeError, UnicodeDecodeError):
+        except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
             return
         if isinstance(eid, str) and eid:
             self.events.admit(eid, user)

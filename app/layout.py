@@ -33,6 +33,11 @@ CSS = """
 """
 
 
+def _low_end(usual: int, cap: int) -> int:
+    """A token slider's low end: ``usual``, below the server's cap ``cap`` (Gradio needs low < high)."""
+    return max(0, min(usual, cap - 1))
+
+
 def with_request(fn: Any, names: list[str], outputs: tuple[str, ...] | None, *fixed: Any) -> Any:
     """``fn`` as a Gradio handler taking inputs ``names`` and the request (as ``request=``), its
     :class:`~app.updates.PageUpdate` values turned into the tuple of the event's ``outputs``.
@@ -133,7 +138,10 @@ def build_blocks(ui: WebUI) -> Any:
                         regen = gr.Button("Regenerate", elem_id="isagi-regen")
                         new = gr.Button("New chat", elem_id="isagi-new")
                     with gr.Accordion("Generation settings", open=False):
-                        max_tokens = gr.Slider(8, 2048, value=s.max_new_tokens, step=8,
+                        # the server's limit (ISAGI_MAX_NEW_TOKENS) is the slider's end: the engine
+                        # clamps any request to it, so the page offers no more than it gets
+                        max_tokens = gr.Slider(_low_end(8, s.max_new_tokens), s.max_new_tokens, value=s.max_new_tokens,
+                                               step=1 if s.max_new_tokens < 64 else 8,
                                                label="Max new tokens", elem_id="isagi-max-tokens")
                         sample = gr.Checkbox(False, label="Sample (otherwise greedy)")
                         temperature = gr.Slider(0.1, 1.5, value=0.7, step=0.05, label="Temperature")
@@ -185,7 +193,9 @@ def build_blocks(ui: WebUI) -> Any:
                     seed = gr.Textbox(label="Seed concept", placeholder="e.g. the ocean", scale=4,
                                       elem_id="isagi-seed")
                     steps = gr.Slider(1, 6, value=3, step=1, label="Steps", scale=2)
-                    ex_tokens = gr.Slider(16, 128, value=40, step=8, label="Tokens per step", scale=2)
+                    ex_tokens = gr.Slider(_low_end(16, s.max_new_tokens), min(128, s.max_new_tokens),
+                                          value=min(40, s.max_new_tokens), step=1 if s.max_new_tokens < 64 else 8,
+                                          label="Tokens per step", scale=2)
                     run_ex = gr.Button("Run the explorer", variant="primary", scale=1, elem_id="isagi-explore")
                 mcb_md = gr.Markdown("", elem_id="isagi-mcb")
                 ex_plot = gr.Plot(label="TEH per step")

@@ -292,6 +292,26 @@ def test_a_session_hash_belongs_to_the_login_that_made_it(world) -> None:
     assert stream.status_code == 200 and world["sid"] in stream.text, "alice reads her own event"
 
 
+@pytest.mark.parametrize("depth", [100_000, 65])
+def test_a_deeply_nested_body_is_a_400_on_every_gradio_route(world, depth: int, caplog) -> None:
+    """A body nested past Python's parser (100,000) or past any page event (65) is refused with one
+    line, logged in or not; before, json.loads raised RecursionError: a 500 and a traceback."""
+    body = ("[" * depth + "]" * depth).encode()
+    event = b'{"data": ' + body + b', "fn_index": 0, "session_hash": "deephash0001"}'
+    with httpx.Client(base_url=world["url"], timeout=30) as nobody:
+        for client in (world["alice"], nobody):
+            for route in ("queue/join", "run/predict", "call/send", "run/send"):
+                for payload in (body, event):
+                    caplog.clear()
+                    r = client.post(f"gradio_api/{route}", content=payload,
+                                    headers={"content-type": "application/json"})
+                    assert r.status_code == 400 and "nested too deeply" in r.json()["detail"], (route, r.text[:200])
+                    assert "Traceback" not in caplog.text
+    # a page's own event still goes through
+    listing = next(d for d in world["raw_alice"].deps() if d.get("api_name") == "list_sessions")
+    assert world["raw_alice"].call(listing, [""], "alicehash0009")["success"]
+
+
 def test_bindings_tie_a_key_to_its_first_login_and_stay_bounded() -> None:
     now = [0.0]
     b = Bindings(max_keys=3, ttl_s=100, clock=lambda: now[0])
@@ -381,3 +401,43 @@ def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
     assert at_once.count(200) >= 1 and at_once.count(413) >= 7, at_once  # two fit: 2 x 6 MiB < 16 MiB
     assert peak <= quota + len(b"alice's upload"), f"the cache held {peak / MIB:.1f} MiB"
     engine.store.close()
+
+
+def test_the_page_cannot_ask_for_more_than_the_servers_limits(world) -> None:
+    """ISAGI_MAX_NEW_TOKENS (8 here) wins over the page: the sliders end at it, a send event asking
+    for 2,048 tokens is refused by the slider's own bounds (before: a 2,048-token reply), and one
+    at the slider's end gets a reply of at most 8 tokens."""
+    raw = world["raw_alice"]
+    sliders = {c["props"].get("elem_id") or c["props"].get("label"): c["props"] for c in raw.components.values()
+               if c.get("type") == "slider"}
+    assert sliders["isagi-max-tokens"]["maximum"] == 8
+    assert sliders["Tokens per step"]["maximum"] == 8
+    send = next(d for d in raw.deps() if d.get("api_name") == "send")
+    data = [raw.value_for(c, "") for c in send["inputs"]]
+    names = [raw.components[c]["props"].get("elem_id") or raw.components[c]["props"].get("label") for c in send["inputs"]]
+    data[0] = "Tell me a very long story about the sea."
+    data[names.index("Sample (otherwise greedy)")] = True
+    registry = world["app"].state.isagi_registry
+    before = set(registry.live_ids("alice"))
+    data[names.index("isagi-max-tokens")] = 2048
+    refused = raw.call(send, data, "alicehash0011")
+    assert not refused.get("success") and set(registry.live_ids("alice")) == before, refused
+    data[names.index("isagi-max-tokens")] = 8
+    assert raw.call(send, data, "alicehash0012")["success"]
+    [sid] = set(registry.live_ids("alice")) - before
+    turn = registry.entry(sid, "alice").session.turns[-1]
+    assert turn.generated and 1 <= turn.new_tokens <= 8, turn
+
+
+def test_the_engine_clamps_every_generation_option_to_the_server(tmp_path) -> None:
+    import math
+
+    from isagi.engines.base import GenerationOptions, within_limits
+
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=8)
+    s = engine.new_session(autosave=False)
+    t = engine.turn(s, "hello there", options=GenerationOptions(max_new_tokens=2048, ignore_eos=True))
+    assert t.new_tokens == 8, "decoded to the server's limit, not the request's"
+    o = within_limits(GenerationOptions(max_new_tokens=0, temperature=math.nan, top_p=5.0, top_k=-3,
+                                        repetition_penalty=math.inf), 8)
+    assert (o.max_new_tokens, o.temperature, o.top_p, o.top_k, o.repetition_penalty) == (1, 0.7, 1.0, 0, 1.0)

@@ -20,9 +20,10 @@ layer ``L`` (1..num_layers) is the output of decoder block ``L - 1``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -41,6 +42,35 @@ class GenerationOptions:
     repetition_penalty: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks only: decode exactly max_new_tokens
+
+
+MAX_TEMPERATURE = 2.0  # the highest sampling temperature any front end may ask for (OpenAI's range)
+
+
+def within_limits(options: GenerationOptions, max_new_tokens: int) -> GenerationOptions:
+    """``options`` with every field inside what the server allows: at most ``max_new_tokens``
+    (``ISAGI_MAX_NEW_TOKENS``) and at least one new token, temperature in [0, 2], top-p in (0, 1],
+    top-k and the repetition penalty non-negative; a value that is not a finite number takes the
+    default. Whatever a page, the API or a script sends, one reply holds the model no longer than
+    the server's limit says."""
+    from dataclasses import replace
+
+    def number(value: Any, default: float, lo: float, hi: float) -> float:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            return default
+        return min(max(v, lo), hi) if math.isfinite(v) else default
+
+    default = GenerationOptions()
+    return replace(
+        options,
+        max_new_tokens=int(number(options.max_new_tokens, max_new_tokens, 1, max_new_tokens)),
+        temperature=number(options.temperature, default.temperature, 0.0, MAX_TEMPERATURE),
+        top_p=number(options.top_p, default.top_p, 1e-6, 1.0),
+        top_k=int(number(options.top_k, default.top_k, 0, 1 << 20)),
+        repetition_penalty=number(options.repetition_penalty, default.repetition_penalty, 0.0, 10.0),
+    )
 
 
 REUSE_ANY = 1 << 62  # ``generation(reuse_prefix=...)``: any shared prefix may come from a saved KV cache

@@ -324,6 +324,9 @@ def explore(
     return result
 
 
+MAX_STEPS = 6  # the most steps one exploration may take (the page's slider offers 1-6)
+
+
 def explore_on(
     engine: Any, seed: str, *, steps: int = 3, safe: bool = True, max_new_tokens: int = 40
 ) -> ExplorationResult:
@@ -334,8 +337,11 @@ def explore_on(
     vector acts on the whole llama.cpp context).
 
     ``engine``: an :class:`isagi.pipeline.engine.Engine` (its ``lm``, ``profile``, ``settings`` and
-    ``model_turns``).
+    ``model_turns``). The server's limits win: at most :data:`MAX_STEPS` steps of at most
+    ``ISAGI_MAX_NEW_TOKENS`` tokens each, whatever the caller asked for.
     """
+    steps = max(1, min(int(steps), MAX_STEPS))
+    max_new_tokens = max(1, min(int(max_new_tokens), int(engine.settings.max_new_tokens)))
     with engine.model_turns:
         return explore(engine.lm, engine.profile.safety, seed, steps=steps, safe=safe,
                        max_new_tokens=max_new_tokens, system_prompt=engine.settings.system_prompt)

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from isagi.config import Settings
-from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions
+from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions, within_limits
 from isagi.errors import InputError, not_saved_notice
 from isagi.ids import new_session_id
 from isagi.manifold.cog import Metric, Tier, TierThresholds
@@ -297,7 +297,9 @@ class Engine:
         fresh: bool = False,
     ) -> Iterator[TurnEvent]:
         started, asked_at = time.perf_counter(), time.time()
-        options = options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens)
+        # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
+        options = within_limits(options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens),
+                                self.settings.max_new_tokens)
         before = session.checkpoint()
         try:
             with self.model_turns:
