@@ -92,6 +92,24 @@ def default_factory(settings: Settings) -> Callable[[Callable[[str, int, int], N
     return factory
 
 
+def _retention_timer(settings: Any, holder: Any, registry: Any) -> Any:
+    """With ``ISAGI_SESSION_RETENTION``, the started timer that removes old sessions at start and
+    daily (:mod:`isagi.session.retention`); never a session the server has open."""
+    days = getattr(settings, "session_retention_days", None)
+    if days is None:
+        return None
+    from isagi.session.folder import SessionFiles
+    from isagi.session.retention import RetentionTimer, prune_sessions
+
+    def run() -> Any:
+        engine = holder.engine
+        return prune_sessions(engine.store, SessionFiles(settings.sessions_dir), days, is_live=registry.is_live)
+
+    timer = RetentionTimer(run, ready=holder.wait)
+    timer.start()
+    return timer
+
+
 def create_app(
     engine_or_factory: Any,
     settings: Settings,
@@ -154,6 +172,7 @@ def create_app(
         registry.start_reaper(reaper_interval_s)
         if uploads is not None:
             uploads.start_sweeper()
+        retention = _retention_timer(settings, holder, registry)
         try:
             yield
         finally:
@@ -161,6 +180,8 @@ def create_app(
                 uploads.stop_sweeper()
                 uploads.sweep(now=math.inf)  # uploads never opened go with the server
             registry.stop_reaper()
+            if retention is not None:
+                retention.stop()
             if holder.ready:
                 registry.save_all()  # each file written brings its history up to it
                 if waiting := registry.retry_history():

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from isagi import __version__
 from isagi.config import Settings, load_settings
-from isagi.errors import IsagiError
+from isagi.errors import InputError, IsagiError
 from storage.owners import LOCAL_OWNER
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ISAGI: chat with a living model.")
@@ -407,6 +407,33 @@ def sessions_export(session_id: str, fmt: Annotated[str, typer.Option("--format"
         sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
     else:
         output.write_text(text)
+
+
+@sessions_app.command("prune")
+@friendly
+def sessions_prune(older_than: Annotated[float, typer.Option(
+                       "--older-than", help="days since a session was last updated, e.g. 30")],
+                   dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would go")] = False,
+                   home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """Delete every session (of every owner) last updated more than --older-than days ago: its
+    history rows and its autosaved .miku. What ISAGI_SESSION_RETENTION has a server do daily."""
+    from isagi.session.folder import SessionFiles
+    from isagi.session.retention import prune_sessions
+
+    if not older_than > 0:
+        raise InputError(f"--older-than {older_than:g}: give a number of days above 0, e.g. 30.")
+    settings = _settings(home=home)
+    store = _store(home)
+    pruned = prune_sessions(store, SessionFiles(settings.sessions_dir), older_than, dry_run=dry_run)
+    if as_json:
+        _print_json({"dry_run": dry_run, "older_than_days": older_than, "sessions": pruned.sessions,
+                     "files": [str(p) for p in pruned.files]})
+        return
+    verb = "Would delete" if dry_run else "Deleted"
+    out.print(f"{verb} {len(pruned.sessions)} session(s) and {len(pruned.files)} file(s) "
+              f"last updated more than {older_than:g} days ago.", highlight=False, markup=False)
+    for sid in pruned.sessions:
+        out.print(f"  {sid}", highlight=False, markup=False)
 
 
 @sessions_app.command("delete")
