@@ -18,6 +18,10 @@ looks at every request to Gradio's API (``/gradio_api/...``) before Gradio does:
   cache (an app that is mounted, not launched, skips its own check), and hand
   the handler a path. The handler then gives its one neutral answer, the same
   for every path, existing or not.
+- **Files served.** Gradio's file route (``/gradio_api/file=<path>``) serves any file in its
+  cache to whoever names the URL. A download the page handed out (Save .miku, an export) and a
+  waiting upload are recorded for their owner (:meth:`app.uploads.UploadLedger.hand_out`,
+  :meth:`~app.uploads.UploadLedger.holders`): anyone else gets 404, no login 401.
 - **Uploads.** A multipart request must state its length; room for it is
   reserved in the caller's upload quota before a byte is read (over it: 413
   with the reason), and the upload route's answer (the paths Gradio wrote) is
@@ -51,6 +55,7 @@ TOO_DEEP = "This request body is nested too deeply; send the page's own JSON."
 MAX_BINDINGS = 100_000
 BINDING_TTL_S = 24 * 3600.0
 OTHER_LOGIN = "This page's session belongs to another login. Reload the page and log in again."
+NOT_LOGGED_IN = "Log in first: this file belongs to a login."
 
 Scope = dict[str, Any]
 UserOf = Callable[[Scope], "str | None"]
@@ -232,6 +237,14 @@ class GradioGuard:
         route = path[at + len(API):].strip("/")
         user = self.user_of(scope) if self.auth else None
         owner = (user or "") if self.auth else LOCAL_OWNER
+        if route.startswith("file="):  # a download or a waiting upload is its owner's alone
+            holders = self.ledger.holders(path[at + len(API) + len("file="):])
+            if holders is not None and self.auth and user is None:
+                await _answer(send, 401, NOT_LOGGED_IN)
+                return
+            if holders is not None and owner not in holders:
+                await _answer(send, 404, "Not Found")
+                return
         if self.auth and not self._url_admitted(route, scope, user):
             await _answer(send, 403, OTHER_LOGIN)
             return

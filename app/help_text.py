@@ -9,8 +9,8 @@ from __future__ import annotations
 
 # What `isagi eval safety --benchmarks DIR --json` measured for the shipped llama.cpp profile
 # (docs/measurements.md, "The probe over several layers"); remeasure and change together.
-GUARD_RATES = ("on public sets it refused 96 % of AdvBench's harmful requests and 65 % of XSTest's unsafe "
-               "prompts, and 12 % of XSTest's safe prompts and 6 % of ordinary Alpaca tasks "
+GUARD_RATES = ("on public sets it refused 95 % of AdvBench's harmful requests and 59 % of XSTest's unsafe "
+               "prompts, and 13 % of XSTest's safe prompts and 4 % of ordinary Alpaca tasks "
                "(isagi eval safety --benchmarks DIR).")
 
 BADGE_HELP = {
@@ -30,7 +30,7 @@ FIGURE_HELP = {
     "d": "d: how far this question lies from the nearest one in memory (0 = the same, 1 = unrelated), "
          "measured in the model's hidden states under the session's metric.",
     "zone": "Zone: the broad area of knowledge the question falls in.",
-    "teh": "TEH: how strongly a small linear probe on the model's hidden states (three layers) reads the "
+    "teh": "TEH: how strongly a small probe (tiny neural networks) on the model's hidden states (three layers) reads the "
            "question (and the reply with it) as harmful, in %; it learned from labelled harmful and harmless "
            "requests, and over the threshold it refuses. A high TEH is not proof of harm, nor a low one of "
            "safety: " + GUARD_RATES,

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 UPLOAD_TTL_S = 120.0  # an upload not opened by then is removed (the page opens it at once)
+DOWNLOAD_TTL_S = 600.0  # a download the page handed out is removed from Gradio's cache after this
 SWEEP_INTERVAL_S = 15.0
 NOT_YOUR_UPLOAD = (
     "This file is not one you uploaded on this page, or it is no longer there: "
@@ -128,6 +129,7 @@ class UploadLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._uploads: dict[tuple[str, str], _Upload] = {}  # (owner, path) -> upload
+        self._handed: dict[str, tuple[str, float]] = {}  # a download's path in the cache -> (owner, when)
         self._arriving: dict[str, int] = {}  # quota key -> bytes reserved for uploads under way
         self._sweeper: threading.Thread | None = None
         self._stop = threading.Event()
@@ -297,6 +299,40 @@ class UploadLedger:
             old = [u for u in self._uploads.values() if now - u.at > self.ttl_s]
             for u in old:
                 self._drop(u)
+            self._sweep_downloads(now)
+        return len(old)
+
+    # -- downloads --------------------------------------------------------------------
+    def hand_out(self, owner: str, path: str | os.PathLike[str]) -> str | None:
+        """Record that the file at ``path`` (inside the cache: where Gradio serves a download from)
+        is ``owner``'s alone; it is removed after ``DOWNLOAD_TTL_S``. Returns the path recorded."""
+        norm = normalise(os.fspath(path), self.root)
+        if norm is not None:
+            with self._lock:
+                self._handed[norm] = (owner, self._clock())
+        return norm
+
+    def holders(self, path: object) -> set[str] | None:
+        """Who may fetch the cached file ``path``: the owners of the waiting uploads and the
+        download it is; None when it is neither (not a file this ledger knows)."""
+        norm = normalise(path, self.root)
+        if norm is None:
+            return None
+        with self._lock:
+            who = {o for (o, p) in self._uploads if p == norm}
+            if norm in self._handed:
+                who.add(self._handed[norm][0])
+        return who or None
+
+    def _sweep_downloads(self, now: float) -> int:
+        """Remove the handed-out downloads older than ``DOWNLOAD_TTL_S`` (lock held)."""
+        old = [p for p, (_o, at) in self._handed.items() if now - at > DOWNLOAD_TTL_S]
+        for p in old:
+            del self._handed[p]
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(p).st_mode):
+                    os.unlink(p)
+            _remove_empty_parent(Path(p), self.root)
         return len(old)
 
     def waiting(self, owner: str | None = None) -> list[str]:

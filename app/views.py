@@ -7,7 +7,6 @@ Every text from outside is rendered by :func:`app.render_safe.render_text`.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from app.help_text import BADGE_HELP, FIGURE_HELP
@@ -208,9 +207,14 @@ def counted(n: int, one: str, many: str | None = None) -> str:
     return f"{n:,} {one if n == 1 else (many or one + 's')}"
 
 
-def slug(text: str | None, fallback: str) -> str:
-    s = re.sub(r"[^A-Za-z0-9]+", "-", text or "").strip("-").lower()[:40]
-    return s or fallback
+def download_name(session_id: str, ext: str, when: float | None = None) -> str:
+    """A download's file name: ``isagi-<session id>-<UTC date>.<ext>``, no words of the chat
+    (a name travels in URLs, browser histories and server logs)."""
+    import datetime as dt
+    import time
+
+    day = dt.datetime.fromtimestamp(time.time() if when is None else when, dt.UTC).strftime("%Y%m%d")
+    return f"isagi-{session_id}-{day}.{ext}"
 
 
 def verdict_alert(reply: dict[str, Any] | None) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 import stat
 import threading
@@ -441,3 +442,65 @@ def test_the_engine_clamps_every_generation_option_to_the_server(tmp_path) -> No
     o = within_limits(GenerationOptions(max_new_tokens=0, temperature=math.nan, top_p=5.0, top_k=-3,
                                         repetition_penalty=math.inf), 8)
     assert (o.max_new_tokens, o.temperature, o.top_p, o.top_k, o.repetition_penalty) == (1, 0.7, 1.0, 0, 1.0)
+
+
+def _download_of(outputs: Any) -> dict[str, Any]:
+    """The file object among an event's outputs (Save .miku, an export)."""
+    found = [o for o in outputs["data"] if isinstance(o, dict) and o.get("path") and o.get("url")]
+    assert len(found) == 1, outputs
+    return found[0]
+
+
+def test_a_download_is_served_to_its_owner_only_and_names_no_words_of_the_chat(world) -> None:
+    """Save .miku and an export hand out files that only their login fetches (bob 404, no login
+    401; before: 200 with the whole session), named by session id and date, not by the chat's
+    words (before: isagi-remember-<secret>-....miku)."""
+    from gradio.processing_utils import hash_file
+
+    raw = world["raw_alice"]
+    save = next(d for d in raw.deps() if d.get("api_name") == "save_miku")
+    export = next(d for d in raw.deps() if d.get("api_name") == "export_json")
+    got = raw.call(save, [raw.value_for(c, world["sid"]) for c in save["inputs"]], "alicehash0001")
+    assert got["success"], got
+    miku = _download_of(got["output"])
+    got = raw.call(export, [raw.value_for(c, world["sid"]) for c in export["inputs"]], "alicehash0001")
+    assert got["success"], got
+    exported = _download_of(got["output"])
+    for f in (miku, exported):
+        name = Path(f["path"]).name
+        assert re.fullmatch(r"isagi-[0-9a-f]{12}-\d{8}\.(miku|json)", name), name
+        assert "walrus" not in f["url"].lower() and "remember" not in f["url"].lower()
+        # the page recorded the very path Gradio serves (its cache: the file's hash, then its name)
+        assert Path(f["path"]).parent.name == hash_file(f["path"])
+    waiting = upload_file(world["alice"], world["session_file"], "alice-fresh.miku")
+    url = f"gradio_api/file={miku['path']}"
+    mine = world["alice"].get(url)
+    assert mine.status_code == 200 and SECRET.encode() in mine.content
+    with logged_in(world["url"], "bob", "b") as bob, httpx.Client(base_url=world["url"], timeout=30) as nobody:
+        for f in (miku, exported):
+            theirs = bob.get(f"gradio_api/file={f['path']}")
+            assert theirs.status_code == 404 and SECRET.encode() not in theirs.content
+            assert nobody.get(f"gradio_api/file={f['path']}").status_code == 401
+        # and alice's waiting upload, by its URL
+        assert bob.get(f"gradio_api/file={waiting}").status_code == 404
+        assert nobody.get(f"gradio_api/file={waiting}").status_code == 401
+    assert world["alice"].get(f"gradio_api/file={waiting}").status_code == 200
+
+
+def test_a_handed_out_download_is_removed_after_its_time(tmp_path) -> None:
+    from app.uploads import DOWNLOAD_TTL_S, UploadLedger
+
+    now = [0.0]
+    ledger = UploadLedger(tmp_path, 1 << 20, clock=lambda: now[0])
+    folder = tmp_path / "abc123"
+    folder.mkdir()
+    f = folder / "isagi-x.miku"
+    f.write_bytes(b"x")
+    assert ledger.hand_out("alice", f) and ledger.holders(str(f)) == {"alice"}
+    assert ledger.holders(str(tmp_path / "other.miku")) is None and ledger.holders("/etc/passwd") is None
+    now[0] = DOWNLOAD_TTL_S / 2
+    ledger.sweep()
+    assert f.is_file()
+    now[0] = DOWNLOAD_TTL_S + 1
+    ledger.sweep()
+    assert not f.exists() and not folder.exists() and ledger.holders(str(f)) is None

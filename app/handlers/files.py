@@ -19,7 +19,7 @@ from app.render_safe import md_cell
 from app.sessions import SessionBusy, SessionLimit
 from app.updates import PageUpdate
 from app.uploads import NOT_YOUR_UPLOAD
-from app.views import counted, slug
+from app.views import counted, download_name
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,10 @@ class FileHandlers:
                 raise KeyError(sid)
             with p.registry.using(sid, owner=owner) as entry:
                 s = entry.session
-                path = p.download_dir() / f"isagi-{slug(s.title, 'session')}-{s.id}.miku"
+                # the name carries no words of the chat: it goes into URLs, histories and logs
+                path = p.download_dir() / download_name(s.id, "miku")
                 save_session(p.engine.frame, s, path)
+                p.hand_out(owner, path)
         except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
             return PageUpdate(files_note=p.warn(msg))

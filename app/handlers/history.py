@@ -15,7 +15,7 @@ from app.loader import EngineLoading
 from app.render_safe import md_cell
 from app.sessions import SessionLimit
 from app.updates import PageUpdate
-from app.views import counted, short
+from app.views import counted, download_name, short
 from isagi.ids import is_session_id
 from isagi.session.folder import SessionFiles
 
@@ -119,9 +119,9 @@ class HistoryHandlers:
         except Exception as exc:
             return PageUpdate(files_note=p.warn(f"Could not export session {shown}: {exc}"))
         ext = "md" if fmt == "markdown" else "json"
-        name = f"isagi-{target}.{ext}" if is_session_id(target) else f"isagi-session.{ext}"
-        path = p.download_dir() / name
+        path = p.download_dir() / download_name(target if is_session_id(target) else "session", ext)
         path.write_text(text, encoding="utf-8")
+        p.hand_out(owner, path)
         return PageUpdate(download=str(path), files_note=f"Exported session {md_cell(shown)} as {ext.upper()}.")
 
     # -- delete, in two steps -------------------------------------------------------

@@ -95,6 +95,17 @@ class Page:
         self.sweep_downloads(DOWNLOAD_TTL_S)
         return Path(tempfile.mkdtemp(prefix="dl-", dir=root))
 
+    def hand_out(self, owner: str, path: Path) -> None:
+        """Record the copy of download ``path`` that Gradio will serve (it copies an output file
+        into its cache, named by the file's hash and name) as ``owner``'s alone: the guard
+        (:mod:`app.guard`) serves it to nobody else, and it is removed after a while
+        (:data:`app.uploads.DOWNLOAD_TTL_S`). tests/test_app_trust.py checks the two paths agree."""
+        from gradio.processing_utils import hash_file
+        from gradio_client.utils import strip_invalid_filename_characters
+
+        cached = Path(self.uploads.root) / hash_file(path) / strip_invalid_filename_characters(path.name)
+        self.uploads.hand_out(owner, cached)
+
     def _ensure_tmp(self) -> Path:
         if self._tmp is None or not self._tmp.is_dir():
             self._tmp = Path(tempfile.mkdtemp(prefix="isagi-web-"))
