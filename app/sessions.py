@@ -59,6 +59,10 @@ from storage.owners import LOCAL_OWNER
 log = logging.getLogger(__name__)
 
 DEFAULT_IDLE_S = 30 * 60.0
+# How often the server tries again to write a session whose save failed (a full disk) and history
+# rows that wait: a turn stays only in memory for about this long after space returns.
+SAVE_RETRY_S = 5.0
+SAVED_AGAIN = "Saved: this chat's file and history are written now (there was room on the disk again)."
 MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotten beyond it)
 
 
@@ -73,6 +77,7 @@ class Entry:
     stop: threading.Event = field(default_factory=threading.Event)
     last_used: float = 0.0
     notice: str | None = None  # what the last turn could not keep yet (a full disk), for the page
+    resaved: bool = False  # a save the server retried on its own has written what the notice said waits
     stop_requested_at: float | None = None  # monotonic time Stop reached the server
     stop_latency_s: float | None = None  # from then until the turn had ended
     # Made for a request that has not begun its turn yet (an API conversation's first message):
@@ -433,6 +438,36 @@ class SessionRegistry:
             saved(session)  # a history that still cannot take them keeps them waiting (and logs it)
         return Path(path)
 
+    def retry_saves(self) -> list[str]:
+        """Save again every live session whose last save failed (the engine's keeper remembers
+        them), each under its lock (one in use is tried at the next round); the ids written."""
+        try:
+            unsaved = getattr(getattr(self.engine, "keep", None), "unsaved", None)
+        except Exception:  # still loading
+            return []
+        if not callable(unsaved):
+            return []
+        with self._guard:
+            entries = [e for e in self._entries.values() if unsaved(e.session)]
+        done: list[str] = []
+        for entry in entries:
+            if not entry.lock.acquire(blocking=False):
+                continue
+            try:
+                if not unsaved(entry.session):
+                    continue  # a turn saved it meanwhile
+                self._persist(entry)
+            except Exception as exc:  # still no room: the next round tries again
+                log.debug("session %s still cannot be saved: %s", entry.session.id, exc)
+                continue
+            finally:
+                entry.lock.release()
+            entry.notice, entry.resaved = None, True
+            done.append(entry.session.id)
+        if done:
+            log.info("saved %d session(s) that a failed save had left in memory", len(done))
+        return done
+
     def retry_history(self) -> int:
         """Ask the engine's keeper to write the history rows a full disk held back; returns how
         many still wait (0 also while the engine loads or when it keeps no backlog)."""
@@ -511,18 +546,23 @@ class SessionRegistry:
         self.evicted_total += len(evicted)
         return evicted
 
-    def start_reaper(self, interval_s: float = 60.0) -> None:
-        """Run :meth:`evict_idle` and :meth:`retry_history` every ``interval_s`` seconds in a
-        daemon thread."""
+    def start_reaper(self, interval_s: float = 60.0, retry_s: float = SAVE_RETRY_S) -> None:
+        """In a daemon thread: :meth:`retry_saves` and :meth:`retry_history` every ``retry_s``
+        seconds, :meth:`evict_idle` every ``interval_s``."""
         if self._reaper is not None:
             return
         self._reaper_stop.clear()
 
         def loop() -> None:
-            while not self._reaper_stop.wait(interval_s):
+            step = min(interval_s, retry_s)
+            next_evict = time.monotonic() + interval_s
+            while not self._reaper_stop.wait(step):
                 try:
-                    self.evict_idle()
+                    self.retry_saves()
                     self.retry_history()
+                    if self._clock() >= next_evict:
+                        next_evict = time.monotonic() + interval_s
+                        self.evict_idle()
                 except Exception as exc:  # the reaper must survive a bad session
                     log.warning("idle eviction failed: %s", exc)
 

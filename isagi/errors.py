@@ -100,9 +100,9 @@ def retry_when(cause: str) -> str:
 def not_saved_notice(cause: str) -> str:
     """What the user is told when a turn's autosave failed for ``cause``: one line, no path.
 
-    The turn stands (shown, kept in memory); its file was not written; the next save (the
-    next message, or the server's idle save) writes the whole chat and then its history.
+    The turn stands (shown, kept in memory); its file was not written; the server saves the
+    whole chat again on its own every few seconds (the web app), and so does the next message.
     """
     return (f"This chat could not be saved ({cause}): its file was not written. This turn is shown and "
-            f"kept in memory; your next message saves the whole chat again, and adds it to the history, "
-            f"{retry_when(cause)}.")
+            f"kept in memory; your next message saves the whole chat again, with its history, and the web "
+            f"app does so on its own within seconds {retry_when(cause)}.")

@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +223,45 @@ def test_a_read_only_data_directory_is_refused_before_anything_is_served(tmp_pat
         with pytest.raises(DataDirError) as info:
             open_data_dir(tiny_settings(home))
         assert "\n" not in str(info.value) and "Read-only file system" in str(info.value)
+
+
+def test_the_server_saves_what_a_full_disk_held_back_within_seconds_of_space_returning(tmp_path):
+    """Issue 37: a turn in an existing chat and a new chat's first turn, made on a full disk, are
+    written by the server on its own once space returns (before: only at the user's next
+    message, a close or a shutdown, so a kill in between lost them); the page then says so."""
+    from app.sessions import SAVED_AGAIN
+
+    with tmpfs(tmp_path / "home") as home:
+        ui = make_ui(home)
+        registry = ui.page.registry
+        disk = Filler(home)
+        old = registry.create()
+        run(ui.chat.send("first question", old, 4))
+        disk.fill()
+        run(ui.chat.send("second question", old, 4))
+        new = registry.create()
+        run(ui.chat.send("a new chat on a full disk", new, 4))
+        new_session = registry.entry(new).session
+        assert registry.retry_saves() == [], "no room yet: nothing written, nothing lost"
+        assert file_texts(registry.entry(old).session.miku_path) == ["first question"]
+        registry.start_reaper(interval_s=60, retry_s=0.1)
+        try:
+            disk.free()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and (
+                    not Path(new_session.miku_path).is_file() or len(history_texts(ui, old)) < 2):
+                time.sleep(0.05)
+        finally:
+            registry.stop_reaper()
+        # what a SIGKILL now would leave: every finished turn in its file and in the history
+        assert file_texts(registry.entry(old).session.miku_path) == ["first question", "second question"]
+        assert history_texts(ui, old) == ["first question", "second question"]
+        assert file_texts(new_session.miku_path) == ["a new chat on a full disk"] == history_texts(ui, new)
+        assert not ui.page.engine.keep.unsaved(new_session)
+        # the page's next periodic check replaces the "not saved" notice
+        shown = quiet(ui.chat.sync, old, None)
+        assert shown.alert == SAVED_AGAIN
+        from app.updates import KEEP
+
+        assert quiet(ui.chat.sync, old, shown.seen).alert is KEEP, "said once"
+        ui.page.engine.store.close()

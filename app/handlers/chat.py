@@ -34,7 +34,7 @@ from app import plots, turns
 from app.handlers.page import NOT_LOGGED_IN, Page
 from app.loader import EngineLoading
 from app.render_safe import render_text
-from app.sessions import Entry, SessionBusy, SessionLimit
+from app.sessions import SAVED_AGAIN, Entry, SessionBusy, SessionLimit
 from app.updates import KEEP, PageUpdate
 from app.views import (
     chat_window,
@@ -325,6 +325,9 @@ class ChatHandlers:
             return PageUpdate()
         session = entry.session
         now = p.seen(sid, session)
+        if entry.resaved:  # the server wrote what the last notice said was waiting: say so
+            entry.resaved = False
+            return p.view_of(session, colour_by).but(seen=now, alert=SAVED_AGAIN)
         if now == seen:
             return PageUpdate()
         return p.view_of(session, colour_by).but(seen=now)

@@ -18,9 +18,12 @@ the next start.
 A turn the history store cannot take (a full disk, a read-only database) is
 not lost: it waits in the keeper's backlog, in order, and is written before
 the next turn of that session, by :meth:`TurnKeeper.retry` (which the web
-app's idle reaper calls), or from the file at the next start. A turn whose
+app calls every few seconds), or from the file at the next start. A turn whose
 file cannot be written stays in the live session, which the next save writes
-whole; its history rows wait until then. Either way the keeper returns a
+whole; its history rows wait until then. The keeper remembers such a session
+(:meth:`TurnKeeper.unsaved`), and the web app saves it again every few seconds
+(:meth:`app.sessions.SessionRegistry.retry_saves`), so a turn is kept only in
+memory no longer than the disk stays full. Either way the keeper returns a
 plain notice saying so (:func:`isagi.errors.not_saved_notice`: the file was not
 written, the next message saves it again), and never raises for it, whatever
 the failure: the turn happened and is shown, and the session is never rolled
@@ -77,7 +80,10 @@ class TurnKeeper:
         self.model_id = model_id
         self._told: dict[tuple[str, str], str] = {}  # (owner, session id) -> the file path the store holds
         self._backlogs: dict[tuple[str, str], _Backlog] = {}
-        self._guard = threading.Lock()  # protects the two dicts, never held during I/O
+        # sessions whose last save failed (a full disk): whoever holds them saves them again
+        # (the web registry every few seconds, isagi.pipeline.keeping's module docstring)
+        self._unsaved: dict[tuple[str, str], Session] = {}
+        self._guard = threading.Lock()  # protects the dicts, never held during I/O
 
     def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> str | None:
         backlog = self._backlog(session) if self.store is not None else None
@@ -101,6 +107,8 @@ class TurnKeeper:
             try:
                 self.save(session, Path(str(session.miku_path)))
             except Exception as exc:  # any failure: the file was not written; the turns wait in memory
+                with self._guard:
+                    self._unsaved[(session.owner, session.id)] = session
                 if isinstance(exc, StorageError | OSError):
                     log.warning("could not save session %s to %s: %s", session.id, session.miku_path, exc)
                 else:
@@ -119,6 +127,8 @@ class TurnKeeper:
         whole file (idle eviction, shutdown). Returns a notice, or None when the
         history holds every turn.
         """
+        with self._guard:
+            self._unsaved.pop((session.owner, session.id), None)
         if self.store is None:
             return None
         with self._guard:
@@ -147,6 +157,11 @@ class TurnKeeper:
                 self._tell_path(b.session)
         with self._guard:
             return sum(len(b.ops) for b in self._backlogs.values())
+
+    def unsaved(self, session: Session) -> bool:
+        """Whether ``session``'s last save failed and nothing has written its file since."""
+        with self._guard:
+            return self._unsaved.get((session.owner, session.id)) is session
 
     def waiting(self, session: Session) -> int:
         """How many of ``session``'s exchanges the history store does not hold yet."""
