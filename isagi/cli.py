@@ -600,6 +600,20 @@ def bench_api(url: Annotated[str | None, typer.Option("--url", help="a running s
     _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home), rounds=rounds), as_json)
 
 
+@bench_app.command("soak")
+@friendly
+def bench_soak(conversations: Annotated[int, typer.Option(min=1, help="one-off API conversations")] = 1500,
+               page_sessions: Annotated[int, typer.Option(min=0, help="one-question page chats first")] = 500,
+               every: Annotated[int, typer.Option(min=1, help="read the server's RSS after every N")] = 100,
+               idle_s: Annotated[float, typer.Option(min=0, help="seconds of no traffic before the last reading")] = 60.0,
+               home: HomeOpt = None, as_json: JsonOpt = False) -> None:
+    """A live server flooded with page chats and one-off API conversations: its RSS as it goes and when idle."""
+    from isagi.bench.soak import run
+
+    _report(run(conversations=conversations, page_sessions=page_sessions, every=every, idle_s=idle_s,
+                home=home), as_json)
+
+
 @bench_app.command("attention")
 @friendly
 def bench_attention(model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False) -> None:

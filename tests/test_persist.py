@@ -266,3 +266,31 @@ def test_reconcile_adds_what_the_history_lacks_from_the_files(tmp_path: Path) ->
     again = reconcile_history(store, sessions)  # idempotent: nothing more to do
     assert again.added == {} and again.replaced == []
     store.close()
+
+
+def test_the_keeper_holds_no_session_once_its_history_is_level(tmp_path: Path) -> None:
+    """Issue 37's memory that did not come back: the keeper kept every session it had ever
+    recorded (up to 4,096 of them, each with its memory and cached states) in its backlogs. A
+    session whose exchanges are all written is forgotten; its next turn needs no store count."""
+    import gc
+    import weakref
+
+    from tests.tiny_engine import tiny_engine
+
+    engine = tiny_engine(tmp_path)
+    refs = []
+    for i in range(5):
+        s = engine.new_session()
+        engine.turn(s, f"question number {i}")
+        refs.append(weakref.ref(s))
+    kept = engine.new_session()
+    engine.turn(kept, "a session that stays open")
+    del s
+    gc.collect()
+    assert all(r() is None for r in refs), "a closed session is not kept alive by the keeper"
+    counts = []
+    original = engine.store.exchange_count
+    engine.store.exchange_count = lambda *a, **k: counts.append(1) or original(*a, **k)
+    engine.turn(kept, "and its next turn")
+    assert counts == [] and engine.store.exchange_count(kept.id, owner=kept.owner) == 2
+    engine.store.close()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,17 +80,25 @@ class TurnKeeper:
         self.save = save
         self.model_id = model_id
         self._told: dict[tuple[str, str], str] = {}  # (owner, session id) -> the file path the store holds
-        self._backlogs: dict[tuple[str, str], _Backlog] = {}
+        self._backlogs: dict[tuple[str, str], _Backlog] = {}  # only sessions with exchanges waiting
+        # sessions whose history the keeper has brought level once (so a new backlog of theirs need
+        # not count the store's rows again); ids only: a settled session is not held in memory
+        self._counted: OrderedDict[tuple[str, str], None] = OrderedDict()
         # sessions whose last save failed (a full disk): whoever holds them saves them again
         # (the web registry every few seconds, isagi.pipeline.keeping's module docstring)
         self._unsaved: dict[tuple[str, str], Session] = {}
         self._guard = threading.Lock()  # protects the dicts, never held during I/O
 
     def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> str | None:
-        backlog = self._backlog(session) if self.store is not None else None
-        if backlog is not None:
+        backlog = None
+        while self.store is not None:
+            backlog = self._backlog(session)
             with backlog.lock:
-                backlog.ops.append((turn, replaces_last))
+                with self._guard:
+                    current = self._backlogs.get((session.owner, session.id)) is backlog
+                if current:  # not settled away meanwhile (by a retry on another thread)
+                    backlog.ops.append((turn, replaces_last))
+                    break
         return self._autosave(session, backlog)
 
     def adopted(self, session: Session) -> str | None:
@@ -139,6 +148,7 @@ class TurnKeeper:
         exc = self._flush(backlog)
         if exc is None:
             self._tell_path(session)
+            self._settle(backlog)
             return None
         waiting = len(backlog.ops)
         cause = storage_cause(exc)
@@ -155,6 +165,7 @@ class TurnKeeper:
         for b in backlogs:
             if self._flush(b) is None:
                 self._tell_path(b.session)
+                self._settle(b)
         with self._guard:
             return sum(len(b.ops) for b in self._backlogs.values())
 
@@ -175,13 +186,24 @@ class TurnKeeper:
         with self._guard:
             backlog = self._backlogs.get(key)
             if backlog is None or backlog.session is not session:
-                if len(self._backlogs) >= MAX_TRACKED:  # forget the settled ones; forgetting costs one count
-                    for k in [k for k, b in self._backlogs.items() if not b.ops]:
-                        del self._backlogs[k]
                 ops = backlog.ops if backlog is not None else []
-                backlog = _Backlog(session, ops=ops, counted=backlog.counted if backlog is not None else False)
+                counted = backlog.counted if backlog is not None else key in self._counted
+                backlog = _Backlog(session, ops=ops, counted=counted)
                 self._backlogs[key] = backlog
             return backlog
+
+    def _settle(self, b: _Backlog) -> None:
+        """``b`` has nothing waiting: forget it (and with it its session, which a parked or
+        closed chat must not keep in memory), remembering only that its history is level."""
+        key = (b.session.owner, b.session.id)
+        with b.lock, self._guard:
+            if b.ops or self._backlogs.get(key) is not b:
+                return
+            del self._backlogs[key]
+            self._counted[key] = None
+            self._counted.move_to_end(key)
+            while len(self._counted) > MAX_TRACKED:
+                self._counted.popitem(last=False)
 
     def _flush(self, b: _Backlog) -> StorageError | None:
         """Write ``b``'s waiting exchanges in order; the first failure stops it and is returned."""
