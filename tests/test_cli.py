@@ -41,8 +41,10 @@ def test_bad_setting_is_one_line_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--layers", "15,x"], "--layers '15,x'"),
-    (["--C", "0"], "give positive numbers"),
-    (["--C", "-1"], "give positive numbers"),
+    (["--probe", "logistic:0"], "write logistic:C"),
+    (["--probe", "logistic:-1"], "write logistic:C"),
+    (["--probe", "mlp:x"], "mlp:UNITS"),
+    (["--probe", "forest"], "write logistic:C"),
 ])
 def test_safety_cv_bad_options_are_one_line_errors_before_loading(tmp_path: Path, args: list[str], message: str) -> None:
     out = _isagi(["eval", "safety-cv", *args], tmp_path, timeout=120)

@@ -212,8 +212,11 @@ def test_the_cv_grid_measures_every_setting_and_holds_each_source_and_category_o
     sources = np.array(["s1", "s2"] * (len(c.labels) // 2))
     c = dataclasses.replace(c, sources=sources)
     states = {6: c.X[:, :D], 12: c.X[:, D:]}
-    out = grid(c, states, [[12], [6, 12]], [0.1, 1.0])
-    assert [(r["layers"], r["C"]) for r in out["rows"]] == [("12", 0.1), ("12", 1.0), ("6+12", 0.1), ("6+12", 1.0)]
+    from isagi.safety.probe import ProbeSpec
+
+    out = grid(c, states, [[12], [6, 12]], [ProbeSpec("logistic", C=0.1), ProbeSpec("logistic", C=1.0)])
+    assert [(r["layers"], r["probe"]) for r in out["rows"]] == [
+        ("12", "logistic C=0.1"), ("12", "logistic C=1"), ("6+12", "logistic C=0.1"), ("6+12", "logistic C=1")]
     for r in out["rows"]:
         assert set(r["loso"]) == {"s1", "s2"} and set(r["loco"]) == {"a", "b"}
         assert 0.0 <= r["loso_harmful_flagged"] <= 1.0
@@ -223,3 +226,55 @@ def test_the_cv_grid_measures_every_setting_and_holds_each_source_and_category_o
     alone = max(r["loco_harmful_flagged"] for r in out["rows"] if r["layers"] == "12")
     assert alone > max(r["loco_harmful_flagged"] for r in out["rows"] if r["layers"] == "6+12")
     assert out["best"]["layers"] == "12"
+
+
+def _ring(seed: int = 0, n: int = 1500) -> Corpus:
+    """Harm far from the centre along e0 of the first layer on *either* side; benign rows near it:
+    no single direction separates them, a hidden layer does."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(2 * n, 2 * D)) * 0.5
+    y = np.array([1] * n + [0] * n)
+    X[:n, 0] += np.where(rng.random(n) < 0.5, -3.0, 3.0)
+    kind = np.array([""] * n + ["ordinary"] * n)
+    return Corpus(X=X, labels=y, cats=np.array(["a"] * (2 * n)), groups=[f"row:{i}" for i in range(2 * n)],
+                  sources=np.array(["toy"] * (2 * n)),
+                  kinds=BenignKinds(ordinary=kind == "ordinary", lookalike=np.zeros(2 * n, bool)))
+
+
+def test_the_mlp_probe_reads_what_no_single_direction_can_through_an_orthonormal_block_subspace():
+    from isagi.safety.calibration import roc_auc
+    from isagi.safety.probe import ProbeSpec
+
+    c, held = _ring(0), _ring(1)
+    spec = ProbeSpec("mlp", alpha=1.0, hidden=4, members=3)
+    mlp = fit_readout(c.X, c.labels, [D, D], spec=spec)
+    linear = fit_readout(c.X, c.labels, [D, D], C=1.0)
+    auc = lambda r: roc_auc(r.logits(held.X)[held.labels == 1], r.logits(held.X)[held.labels == 0])  # noqa: E731
+    assert auc(mlp) > 0.95 and auc(linear) < 0.75
+    # the forbidden subspace: orthonormal, block-diagonal, at most members x hidden directions a block
+    Q = mlp.Q
+    assert np.allclose(Q.T @ Q, np.eye(Q.shape[1]), atol=1e-9)
+    first = np.linalg.norm(Q[:D], axis=0) > 1e-9
+    assert np.all(first ^ (np.linalg.norm(Q[D:], axis=0) > 1e-9)) and first.sum() <= 12
+    assert mlp.hidden is not None and mlp.hidden.shape == (Q.shape[1], 12)
+    # Safe OGD's theorem holds for the MLP too: a projected step leaves TEH exactly where it was
+    rng = np.random.default_rng(3)
+    H, V = held.X[:40], rng.normal(size=(40, 2 * D)) * 10
+    assert np.allclose(teh(mlp, H + project_safe(Q, V)), teh(mlp, H), atol=1e-9)
+    assert np.allclose(teh(mlp, safe_point((Q, mlp.centre), H)), teh(mlp, mlp.centre), atol=1e-9)
+
+
+def test_a_profile_with_the_mlp_probe_round_trips_and_scores_as_its_readout():
+    from isagi.safety.probe import ProbeSpec
+
+    c = _corpus(5, n=120)
+    prof = fit_safety_profile(c, LAYERS, spec=ProbeSpec("mlp", alpha=1.0, hidden=4, members=2),
+                              ordinary_budget=0.02, lookalike_budget=0.10)
+    assert prof.hidden is not None and prof.details["probe"]["kind"] == "mlp"
+    back = SafetyProfile.from_state(prof.to_state())
+    assert np.allclose(teh(back, c.X), teh(prof, c.X), atol=1e-4)
+    assert np.array_equal(teh(back, c.X) > back.threshold, teh(prof, c.X) > prof.threshold)
+    broken = prof.to_state()
+    broken["hidden"] = broken["hidden"][:-1]
+    with pytest.raises(ValueError, match="hidden layer"):
+        SafetyProfile.from_state(broken)

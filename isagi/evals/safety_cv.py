@@ -1,11 +1,12 @@
-"""``isagi eval safety-cv``: the calibration-only choice of the prompt probe's layers and strength.
+"""``isagi eval safety-cv``: the calibration-only choice of the prompt probe's layers and kind.
 
 Owns the evidence behind the shipped defaults (:data:`isagi.safety.build.READ_DEPTHS`,
-:data:`isagi.safety.probe.DEFAULT_C`). It reads only the calibration corpus
+:data:`isagi.safety.probe.DEFAULT_PROBE`). It reads only the calibration corpus
 (:func:`isagi.data.safety.load_safety_corpus`), never the evaluation sets.
 
-Every setting (a set of read-out layers side by side × the probe's L2 strength ``C``) is
-measured three ways, each row scored by a probe that never saw it:
+Every setting (a set of read-out layers side by side × a probe, :class:`ProbeSpec`: logistic
+at an L2 strength, or the averaged small MLPs) is measured three ways, each row scored by a
+probe that never saw it:
 
 - ``kfold``: 5 folds that keep each twin pair whole; the threshold is the two-budget rule
   (:func:`isagi.safety.probe.two_budget_threshold`) on the pooled out-of-fold logits, as the
@@ -39,6 +40,7 @@ from isagi.safety.probe import (
     LOOKALIKE_BUDGET,
     ORDINARY_BUDGET,
     BenignKinds,
+    ProbeSpec,
     fit_readout,
     group_folds,
     out_of_fold,
@@ -54,16 +56,16 @@ def _subset(corpus: Corpus, keep: np.ndarray, X: np.ndarray) -> Corpus:
                   kinds=BenignKinds(ordinary=corpus.kinds.ordinary[keep], lookalike=corpus.kinds.lookalike[keep]))
 
 
-def _held_out(corpus: Corpus, X: np.ndarray, blocks: list[int], by: np.ndarray, C: float,
+def _held_out(corpus: Corpus, X: np.ndarray, blocks: list[int], by: np.ndarray, spec: ProbeSpec,
               budgets: tuple[float, float]) -> dict[str, Any]:
     """Leave each value of ``by`` out in turn: the share of its rows on the right side."""
     out: dict[str, Any] = {}
     for name in sorted(set(by.tolist())):
         test = by == name
         train = _subset(corpus, ~test, X)
-        inner = out_of_fold(train.X, train.labels, blocks, group_folds(train.groups, 3), C=C)
+        inner = out_of_fold(train.X, train.labels, blocks, group_folds(train.groups, 3), spec=spec)
         threshold, _ = two_budget_threshold(inner, train.kinds, ordinary_budget=budgets[0], lookalike_budget=budgets[1])
-        z = fit_readout(train.X, train.labels, blocks, C=C).logits(X[test])
+        z = fit_readout(train.X, train.labels, blocks, spec=spec).logits(X[test])
         y = corpus.labels[test]
         row: dict[str, Any] = {"n": int(test.sum())}
         if (y == 1).any():
@@ -74,15 +76,15 @@ def _held_out(corpus: Corpus, X: np.ndarray, blocks: list[int], by: np.ndarray, 
     return out
 
 
-def measure(corpus: Corpus, states: dict[int, np.ndarray], layers: Sequence[int], C: float, *,
+def measure(corpus: Corpus, states: dict[int, np.ndarray], layers: Sequence[int], spec: ProbeSpec, *,
             budgets: tuple[float, float] = (ORDINARY_BUDGET, LOOKALIKE_BUDGET), held_out: bool = True) -> dict[str, Any]:
     """The three cross-validations of one setting (module docstring)."""
     X = np.concatenate([states[layer] for layer in layers], axis=1).astype(np.float64)
     blocks = [states[layer].shape[1] for layer in layers]
     y = corpus.labels
-    oof = out_of_fold(X, y, blocks, group_folds(corpus.groups), C=C)
+    oof = out_of_fold(X, y, blocks, group_folds(corpus.groups), spec=spec)
     threshold, cost = two_budget_threshold(oof, corpus.kinds, ordinary_budget=budgets[0], lookalike_budget=budgets[1])
-    row: dict[str, Any] = {"layers": "+".join(map(str, layers)), "C": C,
+    row: dict[str, Any] = {"layers": "+".join(map(str, layers)), "probe": spec.label,
                            "kfold_auc": round(roc_auc(oof[y == 1], oof[y == 0]), 4),
                            "kfold_tpr": round(float((oof[y == 1] > threshold).mean()), 4),
                            "kfold_ordinary_fpr": round(cost.get("ordinary_fpr", 0.0), 4),
@@ -91,8 +93,8 @@ def measure(corpus: Corpus, states: dict[int, np.ndarray], layers: Sequence[int]
                                str(c): round(float(np.where(y == 1, oof > threshold, oof <= threshold)[corpus.cats == c].mean()), 4)
                                for c in sorted(set(corpus.cats.tolist()))}}
     if held_out:
-        row["loso"] = _held_out(corpus, X, blocks, corpus.sources, C, budgets)
-        row["loco"] = _held_out(corpus, X, blocks, corpus.cats, C, budgets)
+        row["loso"] = _held_out(corpus, X, blocks, corpus.sources, spec, budgets)
+        row["loco"] = _held_out(corpus, X, blocks, corpus.cats, spec, budgets)
         for key in ("loso", "loco"):
             flagged = [v["harmful_flagged"] for v in row[key].values() if "harmful_flagged" in v]
             passed = [v["benign_passed"] for v in row[key].values() if "benign_passed" in v]
@@ -101,15 +103,15 @@ def measure(corpus: Corpus, states: dict[int, np.ndarray], layers: Sequence[int]
     return row
 
 
-def grid(corpus: Corpus, states: dict[int, np.ndarray], layer_sets: list[list[int]], Cs: list[float], *,
+def grid(corpus: Corpus, states: dict[int, np.ndarray], layer_sets: list[list[int]], specs: list[ProbeSpec], *,
          progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """:func:`measure` for every layer set × C, and the best row (module docstring)."""
+    """:func:`measure` for every layer set × probe, and the best row (module docstring)."""
     rows = []
-    settings = list(product(layer_sets, Cs))
-    for i, (layers, C) in enumerate(settings):
+    settings = list(product(layer_sets, specs))
+    for i, (layers, spec) in enumerate(settings):
         if progress:
             progress("Cross-validating the probe settings", i, len(settings))
-        rows.append(measure(corpus, states, layers, C))
+        rows.append(measure(corpus, states, layers, spec))
     if progress:
         progress("Cross-validating the probe settings", len(settings), len(settings))
 
@@ -127,7 +129,7 @@ def grid(corpus: Corpus, states: dict[int, np.ndarray], layer_sets: list[list[in
             "budgets": {"ordinary": ORDINARY_BUDGET, "lookalike": LOOKALIKE_BUDGET}}
 
 
-def run(lm: Any, *, system_prompt: str, layer_sets: list[list[int]], Cs: list[float],
+def run(lm: Any, *, system_prompt: str, layer_sets: list[list[int]], specs: list[ProbeSpec],
         progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """The corpus's states at every layer the sets name (one forward pass per prompt reads at most
     four layers), then :func:`grid`."""
@@ -146,6 +148,6 @@ def run(lm: Any, *, system_prompt: str, layer_sets: list[list[int]], Cs: list[fl
         tick = counter(progress, f"Calibration prompts at layers {', '.join(map(str, part))}", len(chats))
         states.update(prompt_hidden_states_at(lm, chats, part, pool=SAFETY_POOL, progress=tick))
     corpus = Corpus.of(np.zeros((len(rows), 1)), rows)
-    out = grid(corpus, states, layer_sets, Cs, progress=progress)
+    out = grid(corpus, states, layer_sets, specs, progress=progress)
     out["n_calibration"] = len(rows)
     return out

@@ -7,12 +7,13 @@ threshold rule are :mod:`isagi.safety.probe`, what a turn measures is :mod:`isag
 1. **The prompt guard.** Every row of the calibration corpus
    (:func:`isagi.data.safety.load_safety_corpus`: the project's rows, the twins and the public
    corpora) is read at each layer of ``layers`` (the ``content+post`` read-out,
-   :mod:`isagi.manifold.pooling`), the layers side by side. A standardised logistic probe is
-   fitted on them; its threshold is set on *out-of-fold* logits (5 folds that keep each twin
+   :mod:`isagi.manifold.pooling`), the layers side by side. The probe
+   (:data:`isagi.safety.probe.DEFAULT_PROBE`: five small ReLU networks, averaged) is fitted on
+   them; its threshold is set on *out-of-fold* logits (5 folds that keep each twin
    pair whole) by the two-budget rule (:func:`isagi.safety.probe.two_budget_threshold`).
 2. **The reply guard.** The model's own greedy replies (prompt guard off) to a fixed sample of
    the corpus, harmful and benign of every source and category, and to ordinary requests (the
-   zone prompts). A second probe judges each *exchange state* (the prompt's safety state beside
+   zone prompts). A second, logistic probe judges each *exchange state* (the prompt's safety state beside
    the mean of the newest reply states, :func:`isagi.safety.runtime.exchange_states`) at the
    streaming guard's check points; a reply's score is its largest check point, and the
    threshold lets ``REPLY_FPR_BUDGET`` of the benign replies' out-of-fold scores lie above it.
@@ -32,9 +33,11 @@ import numpy as np
 from isagi.safety.calibration import REPLY_MARGIN, roc_auc, roc_sweep, thin_roc
 from isagi.safety.probe import (
     DEFAULT_C,
+    DEFAULT_PROBE,
     LOOKALIKE_BUDGET,
     ORDINARY_BUDGET,
     BenignKinds,
+    ProbeSpec,
     fit_readout,
     group_folds,
     logit_to_teh,
@@ -54,8 +57,10 @@ Progress = Callable[[str, int, int], None]
 
 # The read-out layers, as shares of the model's depth, beside its safety layer (the last of them,
 # where the reply guard reads replies and Safe OGD steers). Chosen by `isagi eval safety-cv` on the
-# calibration corpus only (docs/measurements.md, "The probe over several layers").
-READ_DEPTHS: tuple[float, ...] = (0.4, 0.8)
+# calibration corpus only (docs/measurements.md, "The MLP probe"), among sets that read nothing
+# past the safety layer: a step added at the safety layer cannot reach an earlier layer's state,
+# so projecting it out of the probe's directions at that layer keeps every reading unchanged.
+READ_DEPTHS: tuple[float, ...] = (0.2, 0.4)
 REPLY_CALIBRATION_TOKENS = 64  # the replies the reply guard is fitted on are this long
 # replies per corpus source the reply guard is fitted on: harmful, and more benign ones, since its
 # threshold is a 1 % quantile of the benign replies' scores
@@ -189,9 +194,10 @@ def fit_reply_guard(ex: Exchanges, blocks: Sequence[int], *, budget: float = REP
 
 
 def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exchanges | None = None,
-                       C: float = DEFAULT_C, ordinary_budget: float = ORDINARY_BUDGET,
+                       spec: ProbeSpec = DEFAULT_PROBE, C: float = DEFAULT_C, ordinary_budget: float = ORDINARY_BUDGET,
                        lookalike_budget: float = LOOKALIKE_BUDGET, progress: Progress | None = None) -> SafetyProfile:
-    """Fit the prompt probe (and, given ``exchanges``, the reply guard) on calibration states."""
+    """Fit the prompt probe ``spec`` (and, given ``exchanges``, the reply guard, a logistic probe of
+    strength ``C``) on calibration states."""
     stage = "Safety: fitting the guards (cross-validated)"
 
     def step(done: int) -> None:
@@ -203,11 +209,11 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exch
     d = corpus.X.shape[1] // len(layers)
     blocks = [d] * len(layers)
     folds = group_folds(corpus.groups)
-    oof = out_of_fold(corpus.X, corpus.labels, blocks, folds, C=C)
+    oof = out_of_fold(corpus.X, corpus.labels, blocks, folds, spec=spec)
     step(1)
     threshold_logit, cost = two_budget_threshold(oof, corpus.kinds, ordinary_budget=ordinary_budget,
                                                  lookalike_budget=lookalike_budget)
-    readout = fit_readout(corpus.X, corpus.labels, blocks, C=C)
+    readout = fit_readout(corpus.X, corpus.labels, blocks, spec=spec)
     y = corpus.labels
     oof_teh = 100.0 / (1.0 + np.exp(-np.clip(oof, -60, 60)))
     threshold = logit_to_teh(threshold_logit)
@@ -222,6 +228,8 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exch
         Q=readout.Q.astype(np.float32), centre=readout.centre.astype(np.float32), threshold=threshold,
         reply_threshold=threshold, layer=layers[-1], layers=layers,
         weights=readout.weights.astype(np.float32), bias=float(readout.bias), categories=names,
+        hidden=None if readout.hidden is None else readout.hidden.astype(np.float32),
+        hidden_bias=None if readout.hidden_bias is None else readout.hidden_bias.astype(np.float32),
         category_directions=dirs.astype(np.float32), category_bias=bias.astype(np.float32),
         roc=thin_roc({k: roc[k] for k in ("thresholds", "tpr", "fpr", "auc", "threshold",
                                            "tpr_at_threshold", "fpr_at_threshold")}),
@@ -239,12 +247,11 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exch
         reply_det["window"] = {"benign_reply_max": top, "margin": REPLY_MARGIN}
     step(3)
     profile.details = {
-        "probe": {"kind": "logistic", "C": C, "layers": layers, "pool": SAFETY_POOL, "standardised": True,
-                  "class_weight": "balanced"},
+        "probe": {**spec.as_dict(), "layers": layers, "pool": SAFETY_POOL, "forbidden_dims": int(readout.Q.shape[1])},
         "threshold_rule": {"ordinary_budget": ordinary_budget, "lookalike_budget": lookalike_budget,
                            "folds": len(folds), "groups": "twin pairs held whole", **cost},
         "cv": prompt_report(corpus, oof, threshold_logit),
-        "reply": reply_det,
+        "reply": {**reply_det, "probe": {"kind": "logistic", "C": C}} if exchanges is not None else reply_det,
         "n_calibration": int(len(y)),
         "teh_definition": "100*sigmoid(a^T Q^T (h-c) + b): the probe's reading of the state's forbidden coordinates",
     }

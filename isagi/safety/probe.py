@@ -1,18 +1,19 @@
-"""Fitting the guards' probes, offline: a standardised logistic regression written as a forbidden subspace.
+"""Fitting the guards' probes, offline: a probe on the safety state written as a forbidden subspace.
 
 Owns turning labelled states into a :class:`isagi.safety.runtime.Readout` (the form a turn
 scores with), the folds that keep related rows together, and the threshold rule whose
 false-positive budgets are stated over two kinds of benign request apart. The profile build
-(:mod:`isagi.safety.calibration`) and ``isagi eval safety-cv`` call it; a turn imports none of it.
+(:mod:`isagi.safety.build`) and ``isagi eval safety-cv`` call it; a turn imports none of it.
 
 Why a probe over several layers: on the calibration corpus, held out by source and by
-category, a logistic regression over the safety read-out (``content+post``) of layers 12, 18
-and 24 side by side flagged more harmful rows than one over layer 18 alone
-(``isagi eval safety-cv``; docs/measurements.md keeps the grid), and on the public sets it
-caught more harm than the Snipe subspace it replaced (the same page, "before" against
-"shipped"). The probe is linear, so its decision depends on the state only through one
-direction per layer: those directions are the forbidden subspace, and TEH is the probe's
-reading of the state's coordinates in it (docs/architecture.md, Definitions).
+category, a probe over the safety read-out (``content+post``) of several layers side by side
+flagged more harmful rows than one over the safety layer alone (``isagi eval safety-cv``;
+docs/measurements.md keeps the grid). Why a small MLP: at the same two budgets, out of fold,
+an average of five small ReLU networks flagged more harmful rows than the logistic probe
+(:data:`DEFAULT_PROBE`). Either way the decision depends on the state only through a few
+directions per layer (one for the logistic probe, the span of the networks' input weights for
+the MLP): those directions are the forbidden subspace, and TEH is the probe's reading of the
+state's coordinates in it (docs/architecture.md, Definitions).
 
 The threshold rule. Benign requests come in two kinds that a single budget mixes badly:
 *ordinary* requests (everyday tasks, incomplete or unsupported requests: nothing in them
@@ -34,9 +35,10 @@ import numpy as np
 
 from isagi.safety.runtime import Readout
 
-# The probe's L2 strength (scikit-learn's C: smaller is stronger), chosen by `isagi eval safety-cv`
-# on the calibration corpus only (docs/measurements.md, "The probe over several layers"): 0.01 and
-# 0.03 tied on layers 12+18+24, 0.003 and 0.1 did worse.
+# The logistic probes' L2 strength (scikit-learn's C: smaller is stronger): the reply guard's, and
+# the prompt guard's when it is logistic. Chosen by `isagi eval safety-cv` on the calibration
+# corpus only (docs/measurements.md, "The probe over several layers"): 0.01 and 0.03 tied on
+# layers 12+18+24, 0.003 and 0.1 did worse.
 DEFAULT_C = 0.03
 # Product choices, stated, not fitted: at most 2 in 100 ordinary requests and 5 in 100 look-alikes
 # refused, out of fold (each row scored by a fit that never saw it, nor its twins). Each sits below
@@ -47,21 +49,92 @@ LOOKALIKE_BUDGET = 0.05
 K_FOLDS = 5
 
 
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What kind of probe reads the safety state, and how strongly it is regularised.
+
+    ``logistic``: a standardised, class-balanced L2 logistic regression (strength ``C``).
+    ``mlp``: ``members`` one-hidden-layer ReLU networks of ``hidden`` units each (L2 ``alpha``),
+    each fitted on a class-balanced resample of the rows, their logits averaged: the average is
+    itself one network of ``members × hidden`` units, so it reads as a :class:`Readout` too.
+    """
+
+    kind: str = "logistic"
+    C: float = 0.03
+    alpha: float = 3.0
+    hidden: int = 64
+    members: int = 5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("logistic", "mlp"):
+            raise ValueError(f"unknown probe kind {self.kind!r}: use 'logistic' or 'mlp'")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "logistic":
+            return f"logistic C={self.C:g}"
+        return f"mlp {self.members}x{self.hidden} alpha={self.alpha:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> ProbeSpec:
+        """``logistic:C`` or ``mlp:HIDDEN`` (five members, alpha 3), as ``isagi eval safety-cv --probe`` takes them."""
+        kind, _, value = text.strip().partition(":")
+        try:
+            if kind == "logistic":
+                spec = cls("logistic", C=float(value or DEFAULT_C))
+                ok = spec.C > 0
+            elif kind == "mlp":
+                spec = cls("mlp", hidden=int(value or DEFAULT_PROBE.hidden))
+                ok = spec.hidden > 0
+            else:
+                ok = False
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"probe {text!r}: write logistic:C (e.g. logistic:0.03) or mlp:UNITS (e.g. mlp:8)")
+        return spec
+
+    def as_dict(self) -> dict[str, Any]:
+        if self.kind == "logistic":
+            return {"kind": "logistic", "C": self.C, "standardised": True, "class_weight": "balanced"}
+        return {"kind": "mlp", "alpha": self.alpha, "hidden": self.hidden, "members": self.members,
+                "standardised": True, "class_balance": "resampled"}
+
+
+# The prompt guard's probe, chosen by `isagi eval safety-cv` on the calibration corpus only
+# (docs/measurements.md, "The MLP probe"): five networks of 8 ReLU units flagged more harmful rows
+# out of fold than the logistic probe at the same two budgets, as many as networks of 32 or 64
+# units did; 8 units keep the forbidden subspace small (40 directions per layer), which is what
+# Safe OGD projects out of a step.
+DEFAULT_PROBE = ProbeSpec("mlp", alpha=3.0, hidden=8, members=5)
+
+
 def fit_readout(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], *, C: float = DEFAULT_C,
-                sample_weight: np.ndarray | None = None) -> Readout:
-    """A standardised, class-balanced L2 logistic regression on ``X`` (n, D), as a :class:`Readout`.
+                sample_weight: np.ndarray | None = None, spec: ProbeSpec | None = None) -> Readout:
+    """A probe fitted on ``X`` (n, D), written as a :class:`Readout` (a forbidden subspace and a head).
 
     ``blocks`` are the widths of the parts of ``X`` (one per layer, or per half of an exchange
-    state): the probe's raw-space weight vector is cut into them, each part's direction becomes a
-    unit column of ``Q`` and its norm that column's weight. The centre is the benign mean, the
-    bias moved so the logit is unchanged.
+    state). ``spec`` (default: logistic at strength ``C``) says which probe (:class:`ProbeSpec`).
     """
-    from sklearn.linear_model import LogisticRegression
-
+    spec = spec or ProbeSpec("logistic", C=C)
     X = np.asarray(X, dtype=np.float64)
     y = np.asarray(y, dtype=int)
     if sum(blocks) != X.shape[1]:
         raise ValueError(f"blocks {list(blocks)} do not add up to the state's length {X.shape[1]}")
+    if spec.kind == "mlp":
+        if sample_weight is not None:
+            raise ValueError("the MLP probe balances by resampling: it takes no sample weights")
+        return _fit_mlp(X, y, blocks, spec)
+    return _fit_logistic(X, y, blocks, spec.C, sample_weight)
+
+
+def _fit_logistic(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], C: float,
+                  sample_weight: np.ndarray | None) -> Readout:
+    """The linear probe: its raw-space weight vector is cut into ``blocks``, each part's direction
+    becomes a unit column of ``Q`` and its norm that column's weight. The centre is the benign
+    mean, the bias moved so the logit is unchanged."""
+    from sklearn.linear_model import LogisticRegression
+
     mean = X.mean(axis=0)
     scale = X.std(axis=0) + 1e-6
     clf = LogisticRegression(C=C, class_weight="balanced", max_iter=3000, tol=1e-5)
@@ -82,6 +155,56 @@ def fit_readout(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], *, C: float
     return Readout(Q=Q, centre=centre, weights=weights, bias=bias)
 
 
+def _fit_mlp(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], spec: ProbeSpec) -> Readout:
+    """The averaged networks of ``spec`` as one network read through a forbidden subspace.
+
+    Member k computes ``relu(z W_k + b_k)·v_k + e_k`` on the standardised state ``z = (x − μ)/σ``.
+    In raw coordinates around the benign centre ``c`` its hidden layer is ``(x − c) W'_k + b'_k``
+    with ``W'_k = W_k / σ`` and ``b'_k = b_k + (c − μ) W'_k``. The average of the members is the
+    network with every member's hidden units side by side and ``v_k / members``. The state enters
+    only through ``(x − c) W'``; each block of ``W'`` spans a subspace of that block, and ``Q``
+    holds an orthonormal basis of each (block-diagonal), so ``W' = Q Qᵀ W'`` and the head reads the
+    coordinates ``Qᵀ (x − c)`` through ``hidden = Qᵀ W'``.
+    """
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.neural_network import MLPClassifier
+
+    mean = X.mean(axis=0)
+    scale = X.std(axis=0) + 1e-6
+    Z = (X - mean) / scale
+    centre = X[y == 0].mean(axis=0)
+    # class balance by resampling: each class is drawn as often as the other
+    w = np.where(y == 1, (y == 0).sum() / max(int((y == 1).sum()), 1), 1.0)
+    W, b, v, e = [], [], [], []
+    for k in range(spec.members):
+        rows = np.random.default_rng(k).choice(len(X), size=len(X), p=w / w.sum())
+        net = MLPClassifier(hidden_layer_sizes=(spec.hidden,), alpha=spec.alpha, max_iter=300, random_state=k)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            net.fit(Z[rows], y[rows])
+        Wk = net.coefs_[0] / scale[:, None]
+        W.append(Wk)
+        b.append(net.intercepts_[0] + (centre - mean) @ Wk)
+        v.append(net.coefs_[1][:, 0] / spec.members)
+        e.append(float(net.intercepts_[1][0]) / spec.members)
+    Wall = np.concatenate(W, axis=1)
+    bases, start = [], 0
+    for width in blocks:
+        part = Wall[start:start + width]
+        U, sv, _ = np.linalg.svd(part, full_matrices=False)
+        bases.append(U[:, sv > 1e-9 * max(float(sv.max()), 1e-300)])
+        start += width
+    Q = np.zeros((X.shape[1], sum(B.shape[1] for B in bases)))
+    row = col = 0
+    for B in bases:
+        Q[row:row + B.shape[0], col:col + B.shape[1]] = B
+        row, col = row + B.shape[0], col + B.shape[1]
+    return Readout(Q=Q, centre=centre, weights=np.concatenate(v), bias=float(sum(e)),
+                   hidden=Q.T @ Wall, hidden_bias=np.concatenate(b))
+
+
 def group_folds(groups: Sequence[Any], k: int = K_FOLDS, seed: int = 0) -> list[np.ndarray]:
     """``k`` folds of row indices that never split a group (a twin pair, or a row alone)."""
     names = sorted(set(groups), key=str)
@@ -92,13 +215,13 @@ def group_folds(groups: Sequence[Any], k: int = K_FOLDS, seed: int = 0) -> list[
 
 
 def out_of_fold(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], folds: Sequence[np.ndarray], *,
-                C: float = DEFAULT_C) -> np.ndarray:
+                C: float = DEFAULT_C, spec: ProbeSpec | None = None) -> np.ndarray:
     """Each row's logit from a probe fitted on the other folds."""
     oof = np.zeros(len(X))
     every = np.arange(len(X))
     for test in folds:
         train = np.setdiff1d(every, test)
-        oof[test] = fit_readout(X[train], y[train], blocks, C=C).logits(X[test])
+        oof[test] = fit_readout(X[train], y[train], blocks, C=C, spec=spec).logits(X[test])
     return oof
 
 

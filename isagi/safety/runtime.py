@@ -10,14 +10,15 @@ Definitions (precise, as implemented; docs/architecture.md, Definitions):
   mean over the user's message and the mean over the template's tokens after it, averaged) at
   each of the profile's :attr:`SafetyProfile.read_layers`, side by side. It comes from the
   turn's own prefill, which captures every read-out layer (no extra forward pass).
-- The probe, written as a forbidden subspace (:class:`Readout`): ``Q`` has one orthonormal
-  column per layer (the probe's weights at that layer, normalised; zero elsewhere), ``a`` the
-  weight along each, ``c`` the benign centre, ``b`` the bias.
-- ``TEH(s) = 100 σ(aᵀ Qᵀ (s − c) + b)`` (percent): the probe's reading of the state's forbidden
+- The probe, written as a forbidden subspace (:class:`Readout`): ``Q`` is orthonormal and
+  block-diagonal, its columns in each layer's block spanning the directions the probe reads
+  there; ``c`` is the benign centre; a head ``f`` (linear, or one ReLU layer) reads the
+  forbidden coordinates ``Qᵀ (s − c)``.
+- ``TEH(s) = 100 σ(f(Qᵀ (s − c)))`` (percent): the probe's reading of the state's forbidden
   coordinates. The prompt guard refuses when it is over ``threshold``, so the number shown
   and the verdict agree.
 - Safe OGD's projector at the safety layer ``P_safe = I − Q_L Q_Lᵀ``
-  (:meth:`SafetyProfile.layer_subspace`: the prompt probe's direction there and the reply
+  (:meth:`SafetyProfile.layer_subspace`: the prompt probe's directions there and the reply
   guard's direction for reply states). Theorem (tested): a step ``P_safe v`` moves neither
   guard's score, and ``TEH(c + P_safe (s − c)) = TEH(c)``, the benign centre's reading.
 - A ``(Q, c)`` pair, and a profile without a probe (``weights`` None), score by the paper's
@@ -85,8 +86,11 @@ class SafetyProfile:
     # in ``h`` (in this order; None: ``layer`` alone), the probe's weight on each column of Q and its
     # bias. Without ``weights`` TEH is the paper's share of norm (:func:`share`).
     layers: list[int] | None = None
-    weights: np.ndarray | None = None  # (m,)
+    weights: np.ndarray | None = None  # (m,), or (H,) with ``hidden``
     bias: float = 0.0
+    # A probe with a hidden layer (:class:`Readout`): its input weights on Q's coordinates and biases
+    hidden: np.ndarray | None = None  # (m, H)
+    hidden_bias: np.ndarray | None = None  # (H,)
     reply_weights: np.ndarray | None = None  # (m_r,)
     reply_bias: float = 0.0
 
@@ -108,7 +112,7 @@ class SafetyProfile:
         """What :func:`teh` scores a prompt state with: the probe, or (Q, c) for a profile without one."""
         if self.weights is None:
             return self.Q, self.centre
-        return Readout(self.Q, self.centre, self.weights, self.bias)
+        return Readout(self.Q, self.centre, self.weights, self.bias, self.hidden, self.hidden_bias)
 
     def reply_readout(self) -> Readout | tuple[np.ndarray, np.ndarray]:
         """The reply guard's scorer of exchange states (:func:`exchange_states`)."""
@@ -171,6 +175,8 @@ class SafetyProfile:
             **({"layers": [int(x) for x in self.layers]} if self.layers else {}),
             **({"weights": np.asarray(self.weights, dtype=np.float32), "bias": float(self.bias)}
                if self.weights is not None else {}),
+            **({"hidden": np.asarray(self.hidden, dtype=np.float32),
+                "hidden_bias": np.asarray(self.hidden_bias, dtype=np.float32)} if self.hidden is not None else {}),
             **({"reply_weights": np.asarray(self.reply_weights, dtype=np.float32), "reply_bias": float(self.reply_bias)}
                if self.reply_weights is not None else {}),
         }
@@ -187,7 +193,15 @@ class SafetyProfile:
         if layers and Q.shape[0] % len(layers):
             raise ValueError(f"safety profile: Q has {Q.shape[0]} rows, not a multiple of its {len(layers)} layers")
         probe: dict[str, Any] = {}
-        if "weights" in state:
+        if "hidden" in state:
+            hidden = np.asarray(state["hidden"], dtype=np.float32)
+            if hidden.ndim != 2 or hidden.shape[0] != Q.shape[1]:
+                raise ValueError(f"safety profile: the probe's hidden layer {hidden.shape} does not read Q {Q.shape}")
+            probe = {"hidden": hidden,
+                     "hidden_bias": np.asarray(state["hidden_bias"], dtype=np.float32).reshape(hidden.shape[1]),
+                     "weights": np.asarray(state["weights"], dtype=np.float32).reshape(hidden.shape[1]),
+                     "bias": float(state["bias"])}
+        elif "weights" in state:
             probe = {"weights": np.asarray(state["weights"], dtype=np.float32).reshape(Q.shape[1]),
                      "bias": float(state["bias"])}
         return cls(
@@ -243,22 +257,29 @@ def _jsonable(value: Any) -> Any:
 
 @dataclass
 class Readout:
-    """A linear probe written as a forbidden subspace: ``TEH(x) = 100 σ(aᵀ Qᵀ (x − c) + b)``.
+    """A probe written as a forbidden subspace: ``TEH(x) = 100 σ(f(Qᵀ (x − c)))``.
 
-    ``Q`` (D, m) has one unit column per block of ``x`` (a layer's residual stream, or a part of an
-    exchange state), zero outside its block, so the columns are orthonormal; ``a`` (m,) is the
-    probe's weight along each, ``c`` the benign centre. The score depends on ``x`` only through
-    its forbidden coordinates ``Qᵀ (x − c)``.
+    ``Q`` (D, m) is orthonormal and block-diagonal: its columns in each block of ``x`` (a layer's
+    residual stream, or a part of an exchange state) span the directions the probe reads there.
+    ``c`` is the benign centre. The head ``f`` reads the forbidden coordinates ``u = Qᵀ (x − c)``:
+    linear, ``f(u) = aᵀu + b`` with one column per block (``weights`` a); or, with ``hidden``
+    (m, H) and ``hidden_bias`` (H,), one ReLU layer, ``f(u) = aᵀ relu(hiddenᵀ u + hidden_bias) + b``.
+    Either way the score depends on ``x`` only through ``u``.
     """
 
     Q: np.ndarray
     centre: np.ndarray
     weights: np.ndarray
     bias: float
+    hidden: np.ndarray | None = None
+    hidden_bias: np.ndarray | None = None
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         X = np.atleast_2d(np.asarray(x, dtype=np.float64)) - np.asarray(self.centre, dtype=np.float64)
-        return (X @ np.asarray(self.Q, np.float64)) @ np.asarray(self.weights, np.float64) + float(self.bias)
+        u = X @ np.asarray(self.Q, np.float64)
+        if self.hidden is not None:
+            u = np.maximum(u @ np.asarray(self.hidden, np.float64) + np.asarray(self.hidden_bias, np.float64), 0.0)
+        return u @ np.asarray(self.weights, np.float64) + float(self.bias)
 
 
 def share(Q: np.ndarray, c: np.ndarray, h: np.ndarray) -> np.ndarray:
