@@ -65,7 +65,7 @@ from starlette.requests import Request
 
 from app import turns
 from app.loader import EngineLoading
-from app.sessions import SessionBusy, SessionLimit
+from app.sessions import SAVED_AGAIN, SessionBusy, SessionLimit
 from isagi.errors import ConfigError, IsagiError
 from isagi.ids import is_session_id
 from isagi.session.folder import SessionFiles
@@ -549,6 +549,10 @@ class Api:
                         if ev.kind == "done":
                             finished = True
                             entry.notice = ev.notice
+                            if ev.notice is None and entry.resaved:
+                                # the server wrote what the previous answer said was waiting
+                                entry.resaved = False
+                                return ev.turn, SAVED_AGAIN
                             return ev.turn, ev.notice
                         if not emit(ev):
                             break

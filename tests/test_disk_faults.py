@@ -265,3 +265,38 @@ def test_the_server_saves_what_a_full_disk_held_back_within_seconds_of_space_ret
 
         assert quiet(ui.chat.sync, old, shown.seen).alert is KEEP, "said once"
         ui.page.engine.store.close()
+
+
+def test_the_api_says_saved_once_the_server_has_written_what_a_full_disk_held_back(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+    from app.sessions import SAVED_AGAIN
+
+    with tmpfs(tmp_path / "home") as home:
+        engine = tiny_engine(home, max_new_tokens=6)
+        app = create_app(engine, engine.settings, page=False)
+        registry = app.state.isagi_registry
+        disk = Filler(home)
+        with TestClient(app, client=("127.0.0.1", 5000)) as client:
+            registry.stop_reaper()  # this test turns the retry by hand
+
+            def ask(messages, sid=None):
+                r = client.post("/v1/chat/completions", headers={"X-Isagi-Session": sid} if sid else {},
+                                json={"model": engine.lm.model_id, "messages": messages})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            disk.fill()
+            first = ask([{"role": "user", "content": "a question on a full disk"}])
+            sid = first["isagi"]["session"]
+            assert "could not be saved (the disk is full)" in first["isagi"]["notice"]
+            disk.free()
+            assert registry.retry_saves() == [sid]
+            assert file_texts(registry.entry(sid).session.miku_path) == ["a question on a full disk"]
+            reply = first["choices"][0]["message"]["content"]
+            second = ask([{"role": "user", "content": "a question on a full disk"},
+                          {"role": "assistant", "content": reply},
+                          {"role": "user", "content": "and another"}], sid)
+            assert second["isagi"]["notice"] == SAVED_AGAIN
+        engine.store.close()
