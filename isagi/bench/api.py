@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from isagi.bench import live_server
-from isagi.bench.web import TOPICS, _drive, _figures, _server, question
+from isagi.bench.web import TOPICS, _drive, _figures, _server, page_token_cap, question
 from isagi.errors import ConfigError, InputError
 
 SESSION_HEADER = "X-Isagi-Session"  # app.api's header (the app layer is above this one)
@@ -133,6 +133,7 @@ def run(
     wall = dict.fromkeys(PARTS, 0.0)
     with _server(base_url, settings, start_timeout_s) as url:
         model = live_server.health(url).get("model")
+        max_new_tokens = page_token_cap(url, max_new_tokens)  # both parts under the server's cap
         # one unmeasured turn through each part first (numbered after every measured pass): the
         # server's first turns (cold caches, first requests of each route) would bias the first part
         warmup = [e for j, part in enumerate(PARTS) for e in _drive(

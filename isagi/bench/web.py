@@ -152,6 +152,7 @@ def run_history(base_url: str | None, histories: list[int], sessions: int = 8, t
     passes = {}
     with _server(base_url, settings, start_timeout_s) as url, \
             tempfile.TemporaryDirectory(prefix="isagi-bench-web-") as tmp:
+        max_new_tokens = page_token_cap(url, max_new_tokens)
         for n in histories:
             path = long_session_file(settings, n, Path(tmp) / f"history-{n}.miku")
             passes[n] = _figures(*_drive(url, sessions, turns, max_new_tokens, path), sessions, turns,
@@ -174,8 +175,24 @@ def run(
     """Drive ``sessions`` concurrent sessions of ``turns`` turns each; return the figures."""
     with _server(base_url, settings, start_timeout_s) as url:
         model = live_server.health(url).get("model")
+        max_new_tokens = page_token_cap(url, max_new_tokens)
         out, wall = _drive(url, sessions, turns, max_new_tokens, None)
     return _figures(out, wall, sessions, turns, max_new_tokens, model)
+
+
+def page_token_cap(url: str, wanted: int) -> int:
+    """``wanted`` within the server's reply limit (``ISAGI_MAX_NEW_TOKENS``), read from the end of
+    the page's Max new tokens slider: the server refuses more from the page and clamps the API to
+    it, so the figures report the cap the turns really ran under."""
+    import httpx
+
+    try:
+        config = httpx.get(url.rstrip("/") + "/config", timeout=30).json()
+        cap = next(int(c["props"]["maximum"]) for c in config["components"]
+                   if c.get("props", {}).get("elem_id") == "isagi-max-tokens")
+    except (httpx.HTTPError, ValueError, KeyError, StopIteration, TypeError):
+        return wanted
+    return max(1, min(wanted, cap))
 
 
 @contextlib.contextmanager
