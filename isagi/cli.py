@@ -603,7 +603,8 @@ def bench_api(url: Annotated[str | None, typer.Option("--url", help="a running s
 @bench_app.command("soak")
 @friendly
 def bench_soak(conversations: Annotated[int, typer.Option(min=1, help="one-off API conversations")] = 1500,
-               page_sessions: Annotated[int, typer.Option(min=0, help="one-question page chats first")] = 500,
+               page_sessions: Annotated[int, typer.Option(
+                   min=0, max=31, help="one-question page chats first (they stay open: below the client's cap of 32)")] = 20,
                every: Annotated[int, typer.Option(min=1, help="read the server's RSS after every N")] = 100,
                idle_s: Annotated[float, typer.Option(min=0, help="seconds of no traffic before the last reading")] = 60.0,
                home: HomeOpt = None, as_json: JsonOpt = False) -> None:

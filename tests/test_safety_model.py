@@ -40,10 +40,17 @@ def test_profile_is_well_formed(safety: SafetyProfile, lm):
     d = lm.hidden_size
     Q = safety.Q.astype(np.float64)
     assert safety.read_layers[-1] == safety.layer and len(safety.read_layers) >= 2
-    assert Q.shape == (d * len(safety.read_layers), len(safety.read_layers))
+    n = len(safety.read_layers)
+    assert Q.shape[0] == d * n and n <= Q.shape[1] <= 64 * n  # a few directions a layer, not the whole space
     assert np.allclose(Q.T @ Q, np.eye(Q.shape[1]), atol=1e-5)
-    for j in range(Q.shape[1]):  # one column per layer, inside its own block
-        assert np.linalg.norm(Q[j * d:(j + 1) * d, j]) == pytest.approx(1.0, abs=1e-5)
+    # block-diagonal: each column lies inside one layer's block, and every layer has some
+    blocks = [np.linalg.norm(Q[i * d:(i + 1) * d], axis=0) for i in range(n)]
+    inside = np.stack(blocks) > 1e-5
+    assert np.all(inside.sum(axis=0) == 1) and np.all(inside.sum(axis=1) >= 1)
+    # the probe's head reads exactly those coordinates (a hidden layer over them, or one weight each)
+    width = safety.hidden.shape[1] if safety.hidden is not None else Q.shape[1]
+    assert safety.weights is not None and safety.weights.shape == (width,)
+    assert safety.hidden is None or safety.hidden.shape == (Q.shape[1], width)
     cv = safety.details["cv"]
     assert safety.roc["auc"] > 0.9 and cv["oof_auc"] > 0.9  # out of fold: a broken fit would sit near 0.5
     rule = safety.details["threshold_rule"]

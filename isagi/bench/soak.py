@@ -2,9 +2,11 @@
 
 Starts a real ``isagi web`` (:mod:`isagi.bench.live_server`) on a fresh data directory and
 floods it the way a busy public server is used: ``page_sessions`` one-question chats through
-the page (``gradio_client``, each a new browser session), then ``conversations`` one-off
-conversations through the OpenAI-compatible API (each a new first message, so each makes a
-session). It reads the server process's resident memory (``VmRSS`` of ``/proc/<pid>/status``)
+the page (``gradio_client``, each a new browser session; it never closes its page, so they stay
+live, and there must be fewer than ``ISAGI_MAX_SESSIONS_PER_CLIENT``, 32, to leave the API room),
+then ``conversations`` one-off conversations through the OpenAI-compatible API (each a new first
+message, so each makes a session; at the client's cap the API parks its oldest idle one). A
+request that fails counts in ``failed``, with the first few reasons in ``errors``. It reads the server process's resident memory (``VmRSS`` of ``/proc/<pid>/status``)
 after every ``every`` of them, and again after ``idle_s`` seconds with no traffic.
 
 What it reports: the RSS after the first ``every`` API conversations and at the end, their
@@ -34,14 +36,15 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def _api_conversation(client: Any, model: str, index: int, max_new_tokens: int) -> bool:
+def _api_conversation(client: Any, model: str, index: int, max_new_tokens: int) -> str | None:
+    """One one-off conversation; None when answered, else why not."""
     r = client.post("/v1/chat/completions", json={
         "model": model, "max_tokens": max_new_tokens,
         "messages": [{"role": "user", "content": f"In one line, what is fact number {index} about the sea?"}]})
-    return r.status_code == 200
+    return None if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
 
 
-def run(*, conversations: int = 1500, page_sessions: int = 500, every: int = 100, idle_s: float = 60.0,
+def run(*, conversations: int = 1500, page_sessions: int = 20, every: int = 100, idle_s: float = 60.0,
         max_new_tokens: int = 8, home: Path | None = None, start_timeout_s: float = 3600.0) -> dict[str, Any]:
     """The soak (module docstring); a fresh data directory unless ``home``."""
     import httpx
@@ -52,7 +55,7 @@ def run(*, conversations: int = 1500, page_sessions: int = 500, every: int = 100
     server = live_server.start(home, start_timeout_s)
     pid = server.proc.pid
     samples: list[dict[str, Any]] = [{"part": "start", "done": 0, "rss_mib": round(rss_mib(pid), 1)}]
-    failed = 0
+    errors: list[str] = []
     t0 = time.monotonic()
     try:
         out: dict[str, list] = {"latency": [], "queue_wait": [], "answered": [], "errors": []}
@@ -60,11 +63,13 @@ def run(*, conversations: int = 1500, page_sessions: int = 500, every: int = 100
             _session(server.url, 100_000 + i, 1, max_new_tokens, out, None)
             if (i + 1) % every == 0 or i + 1 == page_sessions:
                 samples.append({"part": "page", "done": i + 1, "rss_mib": round(rss_mib(pid), 1)})
-        failed += len(out["errors"])
+        errors += out["errors"]
         with httpx.Client(base_url=server.url, timeout=600) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             for i in range(conversations):
-                failed += not _api_conversation(client, model, i, max_new_tokens)
+                why = _api_conversation(client, model, i, max_new_tokens)
+                if why is not None:
+                    errors.append(f"api conversation {i}: {why}")
                 if (i + 1) % every == 0 or i + 1 == conversations:
                     samples.append({"part": "api", "done": i + 1, "rss_mib": round(rss_mib(pid), 1)})
         flood_s = time.monotonic() - t0
@@ -77,7 +82,7 @@ def run(*, conversations: int = 1500, page_sessions: int = 500, every: int = 100
     files = list((home / "sessions").glob("*.miku"))
     return {
         "page_sessions": page_sessions, "conversations": conversations, "max_new_tokens": max_new_tokens,
-        "failed": failed, "flood_s": round(flood_s, 1), "samples": samples,
+        "failed": len(errors), "errors": errors[:5], "flood_s": round(flood_s, 1), "samples": samples,
         "rss_after_first_api_mib": first["rss_mib"], "rss_end_mib": last["rss_mib"],
         "growth_after_first_api_mib": round(last["rss_mib"] - first["rss_mib"], 1),
         "target_growth_mib": 300, "idle_s": idle_s, "rss_idle_mib": idle,
