@@ -607,12 +607,14 @@ def bench_soak(conversations: Annotated[int, typer.Option(min=1, help="one-off A
                    min=0, max=31, help="one-question page chats first (they stay open: below the client's cap of 32)")] = 20,
                every: Annotated[int, typer.Option(min=1, help="read the server's RSS after every N")] = 100,
                idle_s: Annotated[float, typer.Option(min=0, help="seconds of no traffic before the last reading")] = 60.0,
+               idle_minutes: Annotated[float | None, typer.Option(
+                   help="the server's ISAGI_IDLE_MINUTES, e.g. 0.5 to read RSS after its sessions are evicted")] = None,
                home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """A live server flooded with page chats and one-off API conversations: its RSS as it goes and when idle."""
     from isagi.bench.soak import run
 
     _report(run(conversations=conversations, page_sessions=page_sessions, every=every, idle_s=idle_s,
-                home=home), as_json)
+                idle_minutes=idle_minutes, home=home), as_json)
 
 
 @bench_app.command("attention")

@@ -94,6 +94,8 @@ class Settings:
     # Sessions (their .miku files and history rows) untouched for longer than this many days are
     # removed, at the server's start and daily after (isagi.session.retention); None: kept for good.
     session_retention_days: float | None = None
+    # A web session unused this long is saved and dropped from memory (resumed from its file).
+    web_idle_minutes: float = 30.0
 
     def with_overrides(self, **overrides: object) -> Settings:
         """A copy with every override that is not ``None`` applied and checked."""
@@ -180,6 +182,8 @@ def _validated(s: Settings) -> Settings:
             f"ISAGI_UPLOAD_QUOTA_MB={s.upload_quota_mb}: use a number of MiB from 1 to 1048576 "
             "(65 or more lets a user upload the largest .miku, 64 MiB)."
         )
+    if not (0 < s.web_idle_minutes <= 10_080):
+        raise ConfigError(f"ISAGI_IDLE_MINUTES={s.web_idle_minutes:g}: use a number of minutes from 0 to 10080 (a week).")
     if s.session_retention_days is not None and not (0 < s.session_retention_days <= 36_500):
         raise ConfigError(f"ISAGI_SESSION_RETENTION={s.session_retention_days:g}: use a number of days from "
                           "0 to 36500 (e.g. 30), or leave it unset to keep every session.")
@@ -282,6 +286,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["trusted_proxies"] = parse_proxies(v)
     if v := env.get("ISAGI_UPLOAD_QUOTA_MB"):
         values["upload_quota_mb"] = _int("ISAGI_UPLOAD_QUOTA_MB", v)
+    if v := env.get("ISAGI_IDLE_MINUTES"):
+        values["web_idle_minutes"] = _float("ISAGI_IDLE_MINUTES", v)
     if (v := env.get("ISAGI_SESSION_RETENTION")) and v.strip().lower() != "keep":
         values["session_retention_days"] = _float("ISAGI_SESSION_RETENTION", v)
     known = {f.name for f in fields(Settings)}

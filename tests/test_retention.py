@@ -139,3 +139,16 @@ def test_a_server_with_a_retention_removes_old_sessions_when_it_starts(sessions)
         assert made["old"] not in times and made["new"] in times and made["live"] not in times
         assert SessionFiles(settings.sessions_dir).find(made["old"]) is None
         # (the orphan's row is written back from its file by the start-up repair, dated now)
+
+
+def test_the_idle_time_is_a_setting(tmp_path: Path) -> None:
+    from app.server import create_app
+    from tests.tiny_engine import tiny_engine
+
+    assert load_settings(environ={}, home=tmp_path).web_idle_minutes == 30.0
+    s = load_settings(environ={"ISAGI_IDLE_MINUTES": "0.5"}, home=tmp_path)
+    engine = tiny_engine(tmp_path / "home", with_store=False)
+    app = create_app(engine, s, page=False)
+    assert app.state.isagi_registry.idle_s == 30.0
+    with pytest.raises(ConfigError, match="ISAGI_IDLE_MINUTES"):
+        load_settings(environ={"ISAGI_IDLE_MINUTES": "0"}, home=tmp_path)

@@ -45,14 +45,28 @@ def _api_conversation(client: Any, model: str, index: int, max_new_tokens: int) 
 
 
 def run(*, conversations: int = 1500, page_sessions: int = 20, every: int = 100, idle_s: float = 60.0,
-        max_new_tokens: int = 8, home: Path | None = None, start_timeout_s: float = 3600.0) -> dict[str, Any]:
-    """The soak (module docstring); a fresh data directory unless ``home``."""
+        idle_minutes: float | None = None, max_new_tokens: int = 8, home: Path | None = None,
+        start_timeout_s: float = 3600.0) -> dict[str, Any]:
+    """The soak (module docstring); a fresh data directory unless ``home``. ``idle_minutes``: the
+    server's ``ISAGI_IDLE_MINUTES`` (None: its default), so the idle reading can come after its
+    sessions were evicted."""
+    import os
+
     import httpx
 
     from isagi.bench.web import _session
 
     home = home or Path(tempfile.mkdtemp(prefix="isagi-bench-soak-"))
-    server = live_server.start(home, start_timeout_s)
+    before = os.environ.get("ISAGI_IDLE_MINUTES")
+    if idle_minutes is not None:
+        os.environ["ISAGI_IDLE_MINUTES"] = str(idle_minutes)
+    try:
+        server = live_server.start(home, start_timeout_s)
+    finally:
+        if before is None:
+            os.environ.pop("ISAGI_IDLE_MINUTES", None)
+        else:
+            os.environ["ISAGI_IDLE_MINUTES"] = before
     pid = server.proc.pid
     samples: list[dict[str, Any]] = [{"part": "start", "done": 0, "rss_mib": round(rss_mib(pid), 1)}]
     errors: list[str] = []
@@ -85,6 +99,6 @@ def run(*, conversations: int = 1500, page_sessions: int = 20, every: int = 100,
         "failed": len(errors), "errors": errors[:5], "flood_s": round(flood_s, 1), "samples": samples,
         "rss_after_first_api_mib": first["rss_mib"], "rss_end_mib": last["rss_mib"],
         "growth_after_first_api_mib": round(last["rss_mib"] - first["rss_mib"], 1),
-        "target_growth_mib": 300, "idle_s": idle_s, "rss_idle_mib": idle,
+        "target_growth_mib": 300, "idle_s": idle_s, "idle_minutes": idle_minutes, "rss_idle_mib": idle,
         "session_files": len(files), "session_files_mib": round(sum(f.stat().st_size for f in files) / MIB, 1),
     }
