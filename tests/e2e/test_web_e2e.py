@@ -38,6 +38,11 @@ def set_max_tokens(page, n: int, attempts: int = 4) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     box = page.locator("#isagi-max-tokens input[type=number]")
+    if not box.is_visible():
+        page.get_by_text("Generation settings").click()
+        box.wait_for(state="visible", timeout=30_000)
+    # the slider ends at the server's limit (ISAGI_MAX_NEW_TOKENS): asking more means its end
+    n = min(n, int(float(page.locator("#isagi-max-tokens input[type=range]").get_attribute("max") or n)))
     for attempt in range(attempts):
         if not box.is_visible():
             page.get_by_text("Generation settings").click()
