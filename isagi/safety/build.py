@@ -56,10 +56,10 @@ from isagi.safety.runtime import (
 Progress = Callable[[str, int, int], None]
 
 # The read-out layers, as shares of the model's depth, beside its safety layer (the last of them,
-# where the reply guard reads replies and Safe OGD steers). Chosen by `isagi eval safety-cv` on the
-# calibration corpus only (docs/measurements.md, "The MLP probe"), among sets that read nothing
-# past the safety layer: a step added at the safety layer cannot reach an earlier layer's state,
-# so projecting it out of the probe's directions at that layer keeps every reading unchanged.
+# where the reply guard reads replies and Safe OGD steers). Chosen with the probe on its 5-fold
+# figures (docs/measurements.md, "The MLP probe"), among sets that read nothing past the safety
+# layer: a step added at the safety layer cannot reach an earlier layer's state, so projecting it
+# out of the probe's directions at that layer keeps every reading unchanged.
 READ_DEPTHS: tuple[float, ...] = (0.2, 0.4)
 REPLY_CALIBRATION_TOKENS = 64  # the replies the reply guard is fitted on are this long
 # replies per corpus source the reply guard is fitted on: harmful, and more benign ones, since its
