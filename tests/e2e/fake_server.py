@@ -52,6 +52,8 @@ class ScriptedDecoding:
 
     def stream(self) -> Iterator[Any]:
         for event in self._real.stream():
+            if self._shown >= len(self._script):
+                return  # the script is told: the reply ends there, whatever the reply limit
             piece = self._script[self._shown : self._shown + self._per_token]
             self._shown += len(piece)
             time.sleep(self._delay_s)
