@@ -43,6 +43,7 @@ and the rollback of a failed turn are the engine's (:class:`isagi.pipeline.engin
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -91,15 +92,24 @@ def give_back_memory() -> None:
     """Collect what dropped sessions left (reference cycles) and hand the freed heap back to the
     system (glibc keeps freed memory for reuse: without this an idle server's RSS stays at its
     peak, issue 37)."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``); None elsewhere."""
+    import ctypes
+    import ctypes.util
+
     name = ctypes.util.find_library("c")
-    if name:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(name).malloc_trim(0)
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(name).malloc_trim if name else None
+    return None
 
 
 class SessionBusy(RuntimeError):
