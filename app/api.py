@@ -68,6 +68,7 @@ from app.loader import EngineLoading
 from app.sessions import SAVED_AGAIN, SessionBusy, SessionLimit
 from isagi.errors import ConfigError, IsagiError
 from isagi.ids import is_session_id
+from isagi.pipeline.events import Done, shown_text
 from isagi.session.folder import SessionFiles
 from storage.miku import MAX_TURNS
 from storage.owners import LOCAL_OWNER
@@ -546,7 +547,7 @@ class Api:
                 finished = False
                 try:
                     for ev in events:
-                        if ev.kind == "done":
+                        if isinstance(ev, Done):
                             finished = True
                             entry.notice = ev.notice
                             if ev.notice is None and entry.resaved:
@@ -771,9 +772,9 @@ def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any)
                 while True:
                     kind, value = await queue.get()
                     if kind == "event":
-                        if value.kind == "token" and value.text:
-                            sent.append(value.text)
-                            yield chunk({"content": value.text})
+                        if text := shown_text(value):
+                            sent.append(text)
+                            yield chunk({"content": text})
                         continue
                     if kind == "error":
                         yield f"data: {json.dumps(value.body())}\n\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from isagi.engines.hf.hooks import count_forward_hooks
+from isagi.pipeline.events import Token
 from isagi.session.files import load_session, save_session
 
 pytestmark = pytest.mark.model
@@ -118,7 +119,7 @@ def test_hooks_are_removed_when_the_consumer_raises(default_engine) -> None:
     before = _left_behind(default_engine.lm)
     with pytest.raises(RuntimeError):
         for event in default_engine.stream_turn(s, "Tell me a long story about a dragon."):
-            if event.kind == "token":
+            if isinstance(event, Token):
                 raise RuntimeError("client went away")
     assert _left_behind(default_engine.lm) == before
     assert not default_engine.model_turns.locked()
@@ -200,7 +201,7 @@ def test_a_stopped_reply_never_enters_the_next_prompt(default_engine) -> None:
     tokens = 0
     for event in default_engine.stream_turn(s, "Tell me a long story about a dragon.", stop=stop, record=False,
                                             options=GenerationOptions(max_new_tokens=64)):
-        tokens += event.kind == "token"
+        tokens += isinstance(event, Token)
         if tokens == 5:
             stop.set()
     assert s.turns[-1].verdict == "cancelled" and s.turns[-1].reply_text

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from app.sessions import SessionRegistry
+from isagi.pipeline.events import Done
 from isagi.session.files import load_session
 from tests.tiny_engine import tiny_engine
 
@@ -38,7 +39,7 @@ def registry(engine, clock):
 
 
 def _turn(engine, session, text):
-    return [ev for ev in engine.stream_turn(session, text) if ev.kind == "done"][0].turn
+    return [ev for ev in engine.stream_turn(session, text) if isinstance(ev, Done)][0].turn
 
 
 def test_sessions_are_isolated(registry, engine):
@@ -163,7 +164,7 @@ def test_stop_event_reaches_the_running_turn(tmp_path):
     def run():
         with reg.using(sid) as e:
             for ev in engine.stream_turn(e.session, "a long answer please", stop=e.stop, options=long):
-                if ev.kind == "done":
+                if isinstance(ev, Done):
                     results.append(ev.turn)
 
     t = threading.Thread(target=run)

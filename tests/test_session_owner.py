@@ -30,6 +30,7 @@ from app.ui import WebUI
 from isagi.console.terminal import chat_loop
 from isagi.engines.base import GenerationOptions
 from isagi.errors import InputError, StorageError
+from isagi.pipeline.events import Decided, Done, Token
 from isagi.session.files import load_session
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
@@ -103,7 +104,7 @@ def test_the_engine_regenerates_and_puts_the_old_turn_back_when_the_new_one_fail
     engine.turn(session, QUESTION)
     engine.turn(session, "Name three primary colours.")
     old, growth = session.turns[-1], session.metric.growth
-    turn = [e for e in engine.regenerate(session) if e.kind == "done"][0].turn
+    turn = [e for e in engine.regenerate(session) if isinstance(e, Done)][0].turn
     assert session.turns[-1] is turn is not old and len(session.turns) == 2 and len(session.memory) == 2
     assert session.metric.growth == pytest.approx(growth)
     before = (list(session.turns), len(session.memory), session.metric.growth)
@@ -123,9 +124,9 @@ def test_a_turn_closed_before_it_is_recorded_leaves_the_session_as_it_was(tmp_pa
     engine.turn(session, QUESTION)
     hits = list(session.memory.to_columns()["hits"])
     events = engine.stream_turn(session, QUESTION)
-    kinds = [next(events).kind, next(events).kind]  # the decision, the stored answer
+    kinds = [type(next(events)), type(next(events))]  # the decision, the stored answer
     events.close()  # e.g. a second Ctrl-C, or a page that crashed
-    assert kinds == ["decision", "token"]
+    assert kinds == [Decided, Token]
     assert len(session.turns) == 1 and list(session.memory.to_columns()["hits"]) == hits
     assert not engine.model_turns.locked()
 
@@ -139,7 +140,7 @@ def test_the_terminal_regenerates_the_last_reply(tmp_path):
 
     def spy(*args, **kwargs):
         for event in real(*args, **kwargs):
-            if event.kind == "done":
+            if isinstance(event, Done):
                 answers.append(event.turn.reply_text)
             yield event
 

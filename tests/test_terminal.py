@@ -17,6 +17,7 @@ from rich.console import Console
 
 from isagi.console.terminal import StopOnInterrupt, chat_loop
 from isagi.engines.hf.generation import GenerationOptions
+from isagi.pipeline.events import Token
 from tests.tiny_engine import tiny_engine
 
 STORY = "Tell me a long story about a dragon."
@@ -63,7 +64,7 @@ def interrupt_after(engine: Any, tokens: int, presses: int = 1) -> list[int]:
         n = 0
         for event in real(*args, **kwargs):
             yield event
-            n += event.kind == "token"
+            n += isinstance(event, Token)
             if n == tokens and not sent:
                 for _ in range(presses):
                     sent.append(1)

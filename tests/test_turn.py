@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from isagi.errors import InputError, StorageError
+from isagi.pipeline.events import Decided, Done, Refused, Token
 from isagi.session.files import load_session
 from isagi.session.turn import TURN_FIELDS, Message, Turn, turns_from_messages, turns_to_messages
 from tests.tiny_engine import tiny_engine
@@ -78,11 +79,11 @@ def test_one_turn_is_the_same_record_in_the_session_the_store_and_the_file(tmp_p
     engine = tiny_engine(tmp_path)
     s = engine.new_session()
     events = list(engine.stream_turn(s, WATER))
-    kinds = [e.kind for e in events]
-    assert kinds[0] == "decision" and kinds[-1] == "done" and set(kinds[1:-1]) == {"token"}
+    kinds = [type(e) for e in events]
+    assert kinds[0] is Decided and kinds[-1] is Done and set(kinds[1:-1]) == {Token}
     turn = events[-1].turn
     assert s.turns == [turn] and turn.user_text == WATER
-    assert turn.reply_text == "".join(e.text for e in events if e.kind == "token")
+    assert turn.reply_text == "".join(e.text for e in events if isinstance(e, Token))
     assert (turn.tier, turn.verdict, turn.generated, turn.new_tokens) == ("EXPLORE", "ok", True, 12)
     assert turn.zone in engine.profile.zones.names and 0 <= turn.teh_prompt <= 100
     assert turn.prompt_tokens == engine.prompts.prompt_tokens([{"role": "system", "content": engine.settings.system_prompt},
@@ -110,7 +111,8 @@ def test_a_refused_turn_generates_nothing_learns_nothing_and_is_recorded(tmp_pat
     s = engine.new_session()
     events = list(engine.stream_turn(s, WATER))
     turn = events[-1].turn
-    assert events[0].kind == "decision" and events[0].tier is None
+    assert isinstance(events[0], Decided) and events[0].tier is None
+    assert [type(e) for e in events[1:]] == [Refused, Done] and events[1].text == turn.reply_text
     assert (turn.verdict, turn.tier, turn.generated, turn.new_tokens) == ("refused", None, False, 0)
     assert turn.category in engine.profile.safety.categories and turn.category.replace("_", " ") in turn.reply_text
     assert turn.teh_prompt > engine.profile.safety.threshold

@@ -18,6 +18,7 @@ from isagi.config import load_settings
 from isagi.engines.hf.model import LoadedModel
 from isagi.errors import ConfigError, InputError
 from isagi.pipeline.engine import Engine, Session
+from isagi.pipeline.events import Done
 from isagi.pipeline.prompts import clean_message
 from isagi.session.turn import Turn, turns_from_messages, turns_to_messages
 
@@ -281,4 +282,4 @@ def test_a_session_as_long_as_its_file_can_hold_refuses_the_next_turn_before_any
     assert "\n" not in str(err.value) and len(session.turns) == MAX_TURNS
     session.turns.pop()  # Regenerate: the caller undid the last turn, the new one replaces it
     events = list(engine.stream_turn(session, "the first question again", replaces_last=True))
-    assert events[-1].kind == "done" and len(session.turns) == MAX_TURNS
+    assert isinstance(events[-1], Done) and len(session.turns) == MAX_TURNS

@@ -45,6 +45,7 @@ from app.views import (
     verdict_alert,
 )
 from isagi.ids import is_session_id
+from isagi.pipeline.events import Decided, Done, Token, shown_text
 from storage.owners import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
@@ -251,18 +252,18 @@ class ChatHandlers:
         try:
             events = turns.open_events(p.engine, entry, message, options, regenerate=regenerate)
             for ev in events:
-                if ev.kind == "decision":
+                if isinstance(ev, Decided):
                     info = pending_html(ev.tier, ev.distance)
-                elif ev.kind == "token":
-                    reply += ev.text
-                    now = time.monotonic()
-                    if now - last < STREAM_INTERVAL_S:
-                        continue
-                    last = now
-                elif ev.kind == "done":
+                elif isinstance(ev, Done):
                     finished = True
                     entry.notice = ev.notice
                     continue
+                else:
+                    reply += shown_text(ev)
+                    now = time.monotonic()
+                    if isinstance(ev, Token) and now - last < STREAM_INTERVAL_S:
+                        continue
+                    last = now
                 partial = render_text(reply)  # the same rendering as the finished reply
                 shown = [*history, user, *([{"role": "assistant", "content": partial}] if partial else []),
                          {"role": "assistant", "content": info}]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from isagi.errors import InputError
+from isagi.pipeline.events import Done, shown_text
 
 DOUBLE_PRESS_S = 2.0  # a second Ctrl-C within this many seconds of the first leaves the chat
 REGENERATE = "/regenerate"  # the command that runs the last question again (see the module's docstring)
@@ -141,10 +142,10 @@ def _one_turn(events: Any, stop: threading.Event, *, interactive: bool, out: Any
         out.print("isagi> ", end="")
     with StopOnInterrupt(stop):
         for event in events:
-            if event.kind == "token" and interactive:
-                out.print(event.text, end="", highlight=False, markup=False, soft_wrap=True)
-            elif event.kind == "done":
+            if isinstance(event, Done):
                 turn, notice = event.turn, event.notice
+            elif interactive and (text := shown_text(event)):
+                out.print(text, end="", highlight=False, markup=False, soft_wrap=True)
     assert turn is not None
     if interactive:
         out.print()

@@ -73,6 +73,7 @@ from isagi.manifold.memory import TrajectoryMemory
 from isagi.manifold.pooling import decoding_state
 from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis, project, route
+from isagi.pipeline.events import Decided, Done, Refused, Token, TurnEvent, Withheld
 from isagi.pipeline.model_turns import ModelTurns
 from isagi.pipeline.prompts import Prompts
 from isagi.session.files import SessionFrame
@@ -90,18 +91,6 @@ RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RET
 # keep(session, turn, *, replaces_last=False) persists a finished turn; it returns None, or a
 # notice for the user when part of it has to wait (a full disk): the turn itself stands.
 Keep = Callable[..., "str | None"]
-
-
-@dataclass
-class TurnEvent:
-    """A streamed piece of a turn: the decision, a text delta, or the finished turn."""
-
-    kind: str  # "decision" | "token" | "done"
-    text: str = ""
-    tier: str | None = None
-    distance: float | None = None
-    turn: Turn | None = None
-    notice: str | None = None  # "done" only: what could not be saved yet, in words for the user
 
 
 @dataclass
@@ -212,7 +201,7 @@ class Engine:
         """Run a whole turn and return it (no streaming)."""
         turn = None
         for event in self.stream_turn(session, message, **kwargs):
-            if event.kind == "done":
+            if isinstance(event, Done):
                 turn = event.turn
         assert turn is not None
         return turn
@@ -277,7 +266,7 @@ class Engine:
         try:
             for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
                                           replaces_last=True, fresh=True):
-                recorded = recorded or event.kind == "done"
+                recorded = recorded or isinstance(event, Done)
                 yield event
         except BaseException:
             if not recorded:
@@ -312,7 +301,7 @@ class Engine:
             raise
         notice = self._record(session, turn, persist=record, replaces_last=replaces_last)
         session.undo = before
-        yield TurnEvent("done", turn=turn, notice=notice)
+        yield Done(turn, notice)
 
     def _turn_locked(
         self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None,
@@ -326,11 +315,11 @@ class Engine:
             p = self._prepare(session, text, slot)
             teh_prompt, refusal = self._guard(p)
             if refusal is not None:
-                yield TurnEvent("decision", tier=None)
-                yield TurnEvent("token", text=refusal.reply_text)
+                yield Decided(None)
+                yield Refused(refusal.reply_text)
                 return refusal
             d = self._decide(session, text, p.x, p.context_key)
-            yield TurnEvent("decision", tier=d.tier.value, distance=d.distance)
+            yield Decided(d.tier.value, d.distance)
             turn = Turn(
                 user_text=text, reply_text="", tier=d.tier.value, distance=d.distance,
                 nearest_query=d.record["query_text"] if d.record is not None else None, zone=p.zone,
@@ -348,7 +337,7 @@ class Engine:
                 assert d.nearest is not None
                 session.memory.record_hit(d.nearest.id)
                 turn.reply_text, turn.cluster = d.nearest.record["reply_text"], int(d.nearest.record["cluster"])
-                yield TurnEvent("token", text=turn.reply_text)
+                yield Token(turn.reply_text)
                 return turn
             out = yield from self._generate(session, text, d, slot, stop, p.h_safety, p.history)
             if out.verdict == "withheld":
@@ -356,7 +345,7 @@ class Engine:
 
                 turn.category = self._category(p.h_safety)
                 out.reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=turn.category.replace("_", " "))
-                yield TurnEvent("token", text="\n\n" + out.reply)
+                yield Withheld("\n\n" + out.reply)
         turn.reply_text, turn.verdict, turn.teh_reply = out.reply, out.verdict, out.teh_reply
         turn.prompt_tokens, turn.new_tokens, turn.generated = out.prompt_tokens, out.new_tokens, True
         if out.verdict == "ok" and replacing is not None:
@@ -596,7 +585,7 @@ def _generate(
                 verdict = "withheld"
                 break
         if event.text:
-            yield TurnEvent("token", text=event.text)
+            yield Token(event.text)
     if gen.finish_reason == "cancelled" and verdict == "ok":
         verdict = "cancelled"
     if verdict == "ok" and len(gen.new_ids) > checked:
