@@ -4,7 +4,7 @@ Owns translating between OpenAI's chat protocol and ISAGI's sessions, so any
 OpenAI client (the ``openai`` package, ``curl``, editor plugins, chat front
 ends) can talk to ISAGI and keep its living memory. It is mounted on the same
 FastAPI app as the page (:func:`app.server.create_app`) and runs every turn
-through the same pipeline (:mod:`app.turns`, :class:`app.sessions.SessionRegistry`,
+through the same session service as the page (:class:`isagi.session.service.SessionService`:
 the engine's tiers, RETRIEVE, guard, record and autosave), so an API
 conversation is a session like any other: in the Sessions tab, the history,
 exports and its ``.miku``.
@@ -40,7 +40,11 @@ by :data:`PARSES_AT_ONCE` requests at a time.
 Every failure is an OpenAI-shaped error ``{"error": {"message", "type",
 "param", "code"}}`` with a 4xx status (a 503 while the model loads), never a
 bare 500. A turn whose client disconnects before its answer (streamed or not)
-is dropped: the engine rolls it back and no turn is kept (:func:`app.turns.abandon`).
+is dropped: the engine rolls it back and no turn is kept (:meth:`isagi.session.service.TurnRun.end`).
+
+This module only translates: the request is read by :mod:`app.api_request`, every session
+action is one call of the service, and the turn's typed events (:mod:`isagi.pipeline.events`)
+become OpenAI JSON or server-sent chunks.
 """
 
 from __future__ import annotations
@@ -56,85 +60,38 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # At module level: FastAPI resolves the handlers' annotations (``from __future__``) here.
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
-from app import turns
-from app.loader import EngineLoading
-from app.sessions import SAVED_AGAIN, SessionBusy, SessionLimit
-from isagi.errors import ConfigError, IsagiError
+from app.api_request import ApiError, ChatRequest, parse_api_keys, parse_request
+from app.loader import EngineHolder, EngineLoading
+from isagi.errors import ConversationChanged, IsagiError, SessionBusy, SessionLimit
 from isagi.ids import is_session_id
-from isagi.pipeline.events import Done, shown_text
-from isagi.session.folder import SessionFiles
-from storage.miku import MAX_TURNS
-from storage.owners import LOCAL_OWNER
+from isagi.pipeline.events import Done, TurnEvent, shown_text
+from isagi.session.service import LOCAL_OWNER, SessionService
+
+if TYPE_CHECKING:
+    from app.login import Backoff
+    from isagi.config import Settings
+    from isagi.engines.base import GenerationOptions
+    from isagi.pipeline.engine import Engine
+    from isagi.session.turn import Message, Turn
+
+__all__ = ["MAX_BODY_BYTES", "Api", "ApiError", "mount_api", "parse_api_keys", "parse_request"]
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Isagi-Session"
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a whole conversation is sent each time: room for a long one
-MAX_STOP_SEQUENCES = 4
 MAX_TURNS_IN_FLIGHT = 32  # API turns running or waiting for the model at once (the model runs one at a time)
 DISCONNECT_POLL_S = 0.2  # how often a request waiting for its turn looks whether its client is still there
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
-ROLES = ("system", "developer", "user", "assistant")
-# A conversation's messages: a session's turns (a question and a reply each), its new question,
-# and room for system messages; a longer one could never continue a session.
-MAX_MESSAGES = 2 * MAX_TURNS + 64
 PARSES_AT_ONCE = 2  # bodies parsed at once: a 16 MiB body of tiny messages takes ~150 MiB as objects
-MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
-MADE_KEPT = 1024  # ids of sessions the API made live, remembered before the gone ones are forgotten
-PARK_TRIES = 4  # sessions parked at most to make room for one (the client's, the user's, the server's cap)
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: ``status``, a one-line ``message``, its ``type``, ``param`` and ``code``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def parse_api_keys(spec: str | None) -> dict[str, str]:
-    """``"alice:KEY,bob:KEY2"`` → ``{"KEY": "alice", "KEY2": "bob"}``; ``None``/empty → no keys."""
-    keys: dict[str, str] = {}
-    for item in (spec or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        user, sep, key = item.partition(":")
-        user, key = user.strip(), key.strip()
-        if not sep or not user or not key:
-            raise ConfigError(f"ISAGI_API_KEYS entry {user[:20]!r}… is not user:key; write it as user:KEY,user2:KEY2.")
-        if user == LOCAL_OWNER:
-            raise ConfigError(f"ISAGI_API_KEYS: the user name {LOCAL_OWNER!r} is reserved; pick another name.")
-        if len(user) > 64:
-            raise ConfigError(f"ISAGI_API_KEYS: the user name {user[:20]!r}… is longer than 64 characters.")
-        if key in keys:
-            raise ConfigError(f"ISAGI_API_KEYS: two entries ({keys[key]!r}, {user!r}) share a key; give each its own.")
-        keys[key] = user
-    return keys
-
-
-def same_exchanges(recorded: list[tuple[str, str, str]], said: list[tuple[str, str]]) -> bool:
-    """Whether a session's ``recorded`` (question, reply, verdict) exchanges are the ``said``
-    (question, reply) ones a client sends back. A withheld reply counts as said both as recorded
-    and as streamed (the part generated before it was withheld, then the notice)."""
-    if len(recorded) != len(said):
-        return False
-    for (q, reply, verdict), (q2, reply2) in zip(recorded, said, strict=True):
-        if q != q2 or not (reply2 == reply or (verdict == "withheld" and reply2.endswith("\n\n" + reply))):
-            return False
-    return True
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -146,156 +103,43 @@ def _is_loopback(host: str | None) -> bool:
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
-# --------------------------------------------------------------------------- the request
 
 
 @dataclass
-class ChatRequest:
-    """What ISAGI takes from an OpenAI chat request."""
+class PreparedRequest:
+    """A request ready for its turn: what was asked, in which of the caller's sessions."""
 
-    model: str
-    text: str  # the new (last) user message, as sent
-    earlier: list[tuple[str, str]] | None  # the earlier (user, assistant) exchanges; None: not pairs
-    stream: bool
-    include_usage: bool
-    options: Any  # isagi.engines.base.GenerationOptions
-
-
-def _content(m: dict[str, Any], i: int) -> str:
-    """The text of message ``i``: a string, or a list of text parts (joined)."""
-    c = m.get("content")
-    if c is None and m.get("role") == "assistant":
-        return ""
-    if isinstance(c, str):
-        return c
-    kinds = {"text": "text", "refusal": "refusal"} if m.get("role") == "assistant" else {"text": "text"}
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") in kinds
-                                   and isinstance(p.get(kinds[p["type"]]), str) for p in c):
-        return "".join(p[kinds[p["type"]]] for p in c)  # an assistant's parts: text or refusal (OpenAI's)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts (ISAGI takes text only).",
-                   param=f"messages[{i}].content")
+    request: ChatRequest
+    engine: Engine
+    owner: str
+    sid: str
+    message: Message  # the new user message, checked against the server's limits
+    expect: list[tuple[str, str]] | None  # the exchanges the session was found by (None: named or new)
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise ApiError(400, f"{name} must be a number from {lo:g} to {hi:g}; got {json.dumps(v)[:40]}.", param=name)
-    return float(v)
+@dataclass
+class Answered:
+    """A turn's end as the API answers it: the turn (None: dropped, its client left) and its notice."""
+
+    turn: Turn | None
+    notice: str | None = None
 
 
-def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ApiError(400, f"{name} must be an integer from {lo:,} to {hi:,}; got {json.dumps(v)[:40]}.", param=name)
-    return v
+@dataclass
+class Started:
+    """The turn has its session and runs: errors after this one belong to the stream."""
 
 
-def _flag(body: dict[str, Any], name: str, where: str | None = None) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ApiError(400, f"{where or name} must be true or false.", param=where or name)
-    return v
-
-
-def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
-    """The request body checked and read, or an :class:`ApiError` (400) naming what to fix.
-
-    ``max_new_tokens``: the server's reply limit (``ISAGI_MAX_NEW_TOKENS``), the default and
-    the cap of ``max_tokens`` (a larger one is capped, not refused). Fields ISAGI does not know are ignored.
-    """
-    from isagi.engines.base import GenerationOptions
-
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "The request body is not valid JSON; send a JSON object.") from None
-    except RecursionError:  # nesting deeper than Python's parser goes
-        raise ApiError(400, "The request body is nested too deeply; send a JSON object of messages.") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model is required: a model id from GET /v1/models.", param="model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects.", param="messages")
-    if len(messages) > MAX_MESSAGES:
-        raise ApiError(400, f"messages holds {len(messages):,} messages; a conversation here has at most "
-                       f"{MAX_MESSAGES:,} (a session keeps {MAX_TURNS:,} turns).", param="messages",
-                       code="too_many_messages")
-    said: list[tuple[str, str]] = []
-    for i, m in enumerate(messages):
-        if isinstance(m, dict) and m.get("role") in ("tool", "function"):
-            raise ApiError(400, f"messages[{i}] is a {m['role']} result, but ISAGI offers no tools (its replies "
-                           "never call one); send user and assistant messages.", param=f"messages[{i}]")
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}.",
-                           param=f"messages[{i}]")
-        if m["role"] in ("system", "developer"):
-            _content(m, i)  # checked, not used: the system prompt is the server's
-            continue
-        said.append((m["role"], _content(m, i)))
-    if not said or said[-1][0] != "user":
-        raise ApiError(400, "The last message (besides system ones) must be the user's.", param="messages")
-    rest = said[:-1]
-    pairs = len(rest) % 2 == 0 and all(r == ("user", "assistant")[k % 2] for k, (r, _) in enumerate(rest))
-    earlier = [(rest[k][1], rest[k + 1][1]) for k in range(0, len(rest), 2)] if pairs else None
-
-    stream = _flag(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise ApiError(400, "stream_options must be an object.", param="stream_options")
-        if not stream:
-            raise ApiError(400, "stream_options is only allowed with stream: true.", param="stream_options")
-    include_usage = _flag(opts or {}, "include_usage", "stream_options.include_usage")
-    if body.get("n") not in (None, 1):
-        raise ApiError(400, "n must be 1: each turn of a session has one reply.", param="n")
-    # Above the server's limit: capped to it (clients often send a large default such as 4096);
-    # a reply that reaches it ends with finish_reason "length".
-    limit = _integer(body, "max_completion_tokens", 1, 2**31 - 1)
-    if limit is None:
-        limit = _integer(body, "max_tokens", 1, 2**31 - 1)
-    if limit is not None:
-        limit = min(limit, max_new_tokens)
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0)
-    if top_p == 0.0:
-        raise ApiError(400, "top_p must be above 0 (1 keeps every token).", param="top_p")
-    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and len(stop) <= MAX_STOP_SEQUENCES
-                                 and all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings.", param="stop")
-    if stop and any(stop):
-        raise ApiError(400, "stop sequences are not supported by ISAGI: every reply is kept whole in the "
-                       "living memory; leave stop out and end the reply with max_tokens.", param="stop")
-    sample = temperature is not None and temperature > 0  # none or 0: greedy, as the page's default
-    options = GenerationOptions(
-        max_new_tokens=limit or max_new_tokens, do_sample=sample,
-        temperature=temperature if sample else 0.7, top_p=1.0 if top_p is None else top_p,
-        seed=None if seed is None else seed % 2**32,
-    )
-    return ChatRequest(model, said[-1][1], earlier, stream, include_usage, options)
-
-
-# --------------------------------------------------------------------------- the API
+WorkItem = Started | TurnEvent | Answered | ApiError  # what a turn's worker thread sends the response
 
 
 class Api:
-    """The API's handlers, bound to the app's engine holder, registry and settings."""
+    """The API's handlers' state: the engine holder, the session service, keys and in-flight turns."""
 
-    def __init__(self, holder: Any, registry: Any, settings: Any, backoff: Any) -> None:
+    def __init__(self, holder: EngineHolder | None, sessions: SessionService | None, settings: Settings,
+                 backoff: Backoff) -> None:
         self.holder = holder
-        self.registry = registry
+        self.sessions = sessions
         self.settings = settings
         self.backoff = backoff  # failures per client address: the page's login throttle
         self.keys = {hashlib.sha256(k.encode()).digest(): u for k, u in parse_api_keys(settings.api_keys).items()}
@@ -304,7 +148,6 @@ class Api:
         self._in_flight = 0
         self._count = threading.Lock()
         self._parsing = threading.BoundedSemaphore(PARSES_AT_ONCE)
-        self._made: dict[str, None] = {}  # sessions the API made live (parked to make room at a cap)
 
     def take_slot(self) -> None:
         """Take one of the :attr:`max_turns` places of API turns running or waiting for the
@@ -321,9 +164,9 @@ class Api:
             self._in_flight -= 1
 
     # -- who and what --------------------------------------------------------------
-    def caller(self, request: Any) -> str:
+    def caller(self, request: Request) -> str:
         """The owner a request works as, or an :class:`ApiError` (401, 403, 429)."""
-        client = getattr(getattr(request, "client", None), "host", None) or "unknown"
+        client = _client(request) or "unknown"
         if not self.keys:
             if self.settings.auth:
                 raise ApiError(401, "This server requires a login (ISAGI_AUTH): the API takes Bearer keys from "
@@ -353,8 +196,9 @@ class Api:
                            code="invalid_api_key")
         return owner  # a right key clears nothing: a key holder cannot wipe a guesser's record
 
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         """The engine, or a 503 saying what the loader does (a failed load: no server detail)."""
+        assert self.holder is not None
         try:
             return self.holder.engine
         except EngineLoading:
@@ -378,199 +222,85 @@ class Api:
         return self._model(model_id)
 
     @staticmethod
-    def _unknown_model(model_id: str, engine: Any) -> ApiError:
+    def _unknown_model(model_id: str, engine: Engine) -> ApiError:
         return ApiError(404, f"The model {model_id[:80]!r} is not served here; use {engine.lm.model_id!r} "
                         "(GET /v1/models).", param="model", code="model_not_found")
 
     # -- sessions ------------------------------------------------------------------
+    def _service(self) -> SessionService:
+        assert self.sessions is not None
+        return self.sessions
+
     def session_for(self, owner: str, client: str | None, req: ChatRequest,
                     named: str | None) -> tuple[str, list[tuple[str, str]] | None]:
         """The id of the caller's session this request continues (see the module's docstring),
-        and, when it was found by the replayed turns, those turns (:meth:`run_turn` checks that
-        the session still holds just them once it has its lock)."""
+        and, when it was found by the replayed turns, those turns (the turn checks that the
+        session still holds just them once it has its lock)."""
         from isagi.pipeline.prompts import clean_message
 
+        sessions = self._service()
         if named:
-            if is_session_id(named) and self.registry.holds(named, owner):  # live, or parked: resumed at its use
-                with self._count:
-                    self._made[named] = None
-                return named, None
-            summary = self._summary(named, owner) if is_session_id(named) else None
-            if summary is not None and (sid := self._admitted(lambda: self._reopen(summary, owner, client),
-                                                              owner, client)) is not None:
+            sid = self._with_room(lambda: sessions.reopen(named, owner, client), owner, client) \
+                if is_session_id(named) else None
+            if sid is not None:
                 return sid, None
             raise ApiError(404, f"No session {named[:64]!r} of yours to continue here; leave out "
                            f"{SESSION_HEADER} to start one.", param=SESSION_HEADER, code="session_not_found")
         if req.earlier:
             want = [(clean_message(u), a) for u, a in req.earlier]
-            found = self._admitted(lambda: self.find(owner, client, want), owner, client)
+            found = self._with_room(lambda: sessions.find(owner, client, want), owner, client)
             if found is not None:
                 return found, want
-        # claimed: another request at the cap must not reclaim it as an empty chat before its turn
-        return self._admitted(lambda: self.registry.create(owner, client, claimed=True), owner, client), None
+        new = self._with_room(lambda: sessions.new(owner, client, for_request=True), owner, client)
+        assert new is not None
+        return new, None
 
-    def _admitted(self, make: Callable[[], str | None], owner: str, client: str | None) -> str | None:
-        """``make()`` (a session made or reopened live), making room at a session cap by parking
-        the caller's least recently used idle session the API made live (kept in its file and
-        the history, resumed by its id or its replay, as idle eviction does): every new
-        conversation of a client is a session, and a script of many one-off questions must not
-        lock its user (and their page) out until the idle time. A cap still full: a 429."""
-        for _ in range(PARK_TRIES):
-            try:
-                sid = make()
-            except SessionLimit:
-                if self._park_one(owner, client):
-                    continue
-                break
-            if sid is not None:
-                with self._count:
-                    self._made[sid] = None
-                    if len(self._made) > MADE_KEPT:  # forget the ids of sessions no longer live or parked
-                        self._made = {m: None for m in self._made if m in self.registry}
-            return sid
-        raise ApiError(429, "Too many open chats for this client or user (ISAGI_MAX_SESSIONS_PER_CLIENT), all of "
-                       "them busy or open in a page; try again shortly.", type="rate_limit_error",
-                       code="session_limit", headers={"Retry-After": "5"})
-
-    def _park_one(self, owner: str, client: str | None) -> bool:
-        """Park ``owner``'s least recently used idle session that the API made live (this
-        client's first); whether one was."""
-        with self._count:
-            made = list(self._made)
-        idle = []
-        for sid in made:
-            entry = self.registry.live_entry(sid, owner) if sid in self.registry else None
-            if entry is None:
-                if sid not in self.registry:
-                    with self._count:
-                        self._made.pop(sid, None)  # gone (evicted, released, another's never listed)
-                continue
-            if not entry.lock.locked():
-                idle.append((entry.client != client, entry.last_used, sid))
-        for *_, sid in sorted(idle):
-            try:
-                if self.registry.release(sid, park=True, owner=owner):
-                    with self._count:
-                        self._made.pop(sid, None)
-                    return True
-            except IsagiError as exc:  # its file could not be written: it stays live
-                log.warning("could not park session %s to make room: %s", sid, exc)
-        return False
-
-    def find(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
-        """The caller's session whose turns are exactly ``want`` (the earlier exchanges, their
-        questions as :func:`isagi.pipeline.prompts.clean_message` keeps them), or None: a live one (the newest
-        used first), else one of their :data:`MATCH_SCAN` most recently updated sessions in the
-        history, made live again under its id as a page reload does (parked: resumed; saved
-        before a restart: reopened from its ``.miku``)."""
-        found: list[tuple[float, str]] = []
-        for sid in self.registry.live_ids(owner):
-            entry = self.registry.live_entry(sid, owner)
-            if entry is None:
-                continue
-            if same_exchanges([(t.user_text, t.reply_text, t.verdict) for t in list(entry.session.turns)], want):
-                found.append((entry.last_used, sid))
-        if found:
-            return max(found)[1]
-        return self._find_saved(owner, client, want)
-
-    def _find_saved(self, owner: str, client: str | None, want: list[tuple[str, str]]) -> str | None:
-        engine = self.engine()
-        store = getattr(engine, "store", None)
-        if store is None:
-            return None
-        for summary in store.list_sessions(limit=MATCH_SCAN, owner=owner):
-            if summary.turns != len(want) or self.registry.live_entry(summary.id, owner) is not None:
-                continue
-            try:
-                rows = store.get_turns(summary.id, owner=owner)
-                same = [r.role for r in rows] == ["user", "assistant"] * len(want) and same_exchanges(
-                    [(q.text, a.text, a.verdict) for q, a in zip(rows[::2], rows[1::2], strict=True)], want)
-            except IsagiError:
-                continue
-            if same and (sid := self._reopen(summary, owner, client)) is not None:
-                return sid
-        return None
-
-    def _summary(self, sid: str, owner: str) -> Any:
-        """``owner``'s history summary of ``sid``, or None (unknown, another's, no history)."""
-        store = getattr(self.engine(), "store", None)
+    def _with_room(self, make: Callable[[], str | None], owner: str, client: str | None) -> str | None:
+        """:meth:`isagi.session.service.SessionService.with_room`, a full cap answered as a 429."""
         try:
-            return None if store is None else store.get_session(sid, owner=owner)
-        except (IsagiError, ValueError):
-            return None
-
-    def _reopen(self, summary: Any, owner: str, client: str | None) -> str | None:
-        """Make ``owner``'s saved session live again under its id, as a page reload does (parked:
-        resumed at its next use; else opened from its ``.miku``); None when it has no living
-        state to continue or it cannot be read (a new session it is then)."""
-        from isagi.session.files import load_session
-
-        if self.registry.holds(summary.id, owner):
-            return summary.id
-        engine = self.engine()
-        path = SessionFiles(engine.settings.sessions_dir).find(summary.id, summary.miku_path)
-        if path is None:
-            return None
-        try:
-            return self.registry.reopen(load_session(engine.frame, path, session_id=summary.id),
-                                        owner=owner, client=client)
+            return self._service().with_room(make, owner, client)
         except SessionLimit:
-            raise  # a cap: :meth:`_admitted` makes room
-        except (IsagiError, KeyError, OSError) as exc:  # unreadable, or live for another owner
-            log.warning("could not continue session %s from the history: %s", summary.id, exc)
-            return None
+            raise ApiError(429, "Too many open chats for this client or user (ISAGI_MAX_SESSIONS_PER_CLIENT), all "
+                           "of them busy or open in a page; try again shortly.", type="rate_limit_error",
+                           code="session_limit", headers={"Retry-After": "5"}) from None
 
     # -- a turn --------------------------------------------------------------------
-    def run_turn(self, sid: str, owner: str, message: Any, options: Any,
-                 emit: Callable[[Any], bool], started: Callable[[], None],
-                 expect: list[tuple[str, str]] | None = None) -> tuple[Any, str | None]:
-        """Run one turn of ``owner``'s session ``sid`` through the page's pipeline; returns the
-        turn and the engine's notice. ``emit(event)`` gets each event before ``done`` and returns
-        False once nobody listens: the turn is then dropped (nothing kept) and None returned.
-        ``started()`` is called once the turn runs (an error before it is the request's).
-        ``expect``: the exchanges the session was found by; another request that continued it
-        meanwhile makes this one a 409 (its question would follow a reply its client never saw)."""
-        engine = self.engine()
+    def run_turn(self, p: PreparedRequest, emit: Callable[[TurnEvent], bool],
+                 started: Callable[[], None]) -> Answered:
+        """Run the prepared turn; returns its turn and notice. ``emit(event)`` gets each event
+        before the turn's Done and returns False once nobody listens: the turn is then dropped
+        (nothing kept) and ``Answered(None)`` returned. ``started()`` is called once the turn runs
+        (an error before it is the request's). Another request that continued a replayed
+        conversation meanwhile makes this one a 409 (its question would follow a reply its client
+        never saw)."""
         try:
-            with self.registry.using(sid, timeout=BUSY_WAIT_S, owner=owner) as entry:
-                if expect is not None and not same_exchanges(
-                        [(t.user_text, t.reply_text, t.verdict) for t in list(entry.session.turns)], expect):
-                    raise ApiError(409, "Another request continued this conversation first; send the "
-                                   "conversation again with that request's reply.", code="conversation_changed")
-                turns.begin(entry)
+            with self._service().turn(p.sid, p.owner, p.message, p.request.options, if_left="drop",
+                                      timeout=BUSY_WAIT_S, expect=p.expect) as run:
+                events = run.events()
                 try:
-                    events = turns.open_events(engine, entry, message, options)
+                    first = next(events, None)
                 except IsagiError as exc:  # e.g. a session at its most turns
                     raise ApiError(400, " ".join(str(exc).split()), param="messages") from None
                 started()
-                finished = False
-                try:
-                    for ev in events:
-                        if isinstance(ev, Done):
-                            finished = True
-                            entry.notice = ev.notice
-                            if ev.notice is None and entry.resaved:
-                                # the server wrote what the previous answer said was waiting
-                                entry.resaved = False
-                                return ev.turn, SAVED_AGAIN
-                            return ev.turn, ev.notice
-                        if not emit(ev):
-                            break
-                finally:
-                    if not finished:
-                        turns.abandon(entry, events, keep=False)
-                return None, None
+                event = first
+                while event is not None:
+                    if isinstance(event, Done):
+                        return Answered(event.turn, run.answer_notice(event))
+                    if not emit(event):
+                        break
+                    event = next(events, None)
+                return Answered(None)
+        except ConversationChanged as exc:
+            raise ApiError(409, str(exc), code="conversation_changed") from None
         except SessionBusy as exc:
             raise ApiError(409, str(exc), code="session_busy") from None
         except KeyError:
             raise ApiError(404, "This session was closed meanwhile; send the conversation again.",
                            code="session_not_found") from None
 
-    def prepare(self, request: Any, owner: str,
-                raw: bytes | None) -> tuple[ChatRequest, Any, str, Any, list[tuple[str, str]] | None]:
-        """What ``owner`` (:meth:`caller`) asks, in which session: (request, engine, session id,
-        checked message, the exchanges it was found by: :meth:`run_turn`'s ``expect``). ``raw``: the body, None when it was over :data:`MAX_BODY_BYTES`."""
+    def prepare(self, request: Request, owner: str, raw: bytes | None) -> PreparedRequest:
+        """What ``owner`` (:meth:`caller`) asks, in which session. ``raw``: the body, None when it
+        was over :data:`MAX_BODY_BYTES`."""
         if raw is None:
             raise ApiError(413, f"The request is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter conversation.")
         engine = self.engine()
@@ -583,33 +313,37 @@ class Api:
         except IsagiError as exc:
             raise ApiError(400, " ".join(str(exc).split()), param="messages", code="message_too_long"
                            if "limit" in str(exc) or "budget" in str(exc) else "invalid_message") from None
-        client = getattr(getattr(request, "client", None), "host", None)
-        sid, expect = self.session_for(owner, client, req, request.headers.get(SESSION_HEADER))
-        return req, engine, sid, checked, expect
+        sid, expect = self.session_for(owner, _client(request), req, request.headers.get(SESSION_HEADER))
+        return PreparedRequest(req, engine, owner, sid, checked, expect)
 
     # -- answers -------------------------------------------------------------------
     @staticmethod
-    def finish_reason(turn: Any, options: Any) -> str:
+    def finish_reason(turn: Turn, options: GenerationOptions) -> str:
         if turn.verdict in ("refused", "withheld"):
             return "content_filter"
-        if getattr(turn, "generated", False) and turn.new_tokens >= options.max_new_tokens:
+        if turn.generated and turn.new_tokens >= options.max_new_tokens:
             return "length"
         return "stop"
 
     @staticmethod
-    def extension(sid: str, turn: Any, notice: str | None) -> dict[str, Any]:
+    def extension(sid: str, turn: Turn, notice: str | None) -> dict[str, Any]:
         return {"session": sid, "tier": turn.tier, "verdict": turn.verdict, "distance": turn.distance,
                 "teh_prompt": turn.teh_prompt, "teh_reply": turn.teh_reply, "notice": notice}
 
     @staticmethod
-    def usage(engine: Any, turn: Any, content: str) -> dict[str, int]:
+    def usage(engine: Engine, turn: Turn, content: str) -> dict[str, int]:
         """Tokens of the prompt the model read and of the reply sent (the model's tokenizer's count)."""
         out = engine.prompts.count_tokens(content) if content else 0
         return {"prompt_tokens": int(turn.prompt_tokens), "completion_tokens": out,
                 "total_tokens": int(turn.prompt_tokens) + out}
 
 
-async def read_body(request: Any) -> bytes | None:
+def _client(request: Request) -> str | None:
+    """The request's client address (None: unknown)."""
+    return request.client.host if request.client is not None else None
+
+
+async def read_body(request: Request) -> bytes | None:
     """The request's body, or None once it is over :data:`MAX_BODY_BYTES` (read no further)."""
     parts, size = [], 0
     async for part in request.stream():
@@ -620,187 +354,211 @@ async def read_body(request: Any) -> bytes | None:
     return b"".join(parts)
 
 
-def _send_soon(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+def _send_soon(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[WorkItem], item: WorkItem) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
         loop.call_soon_threadsafe(queue.put_nowait, item)
 
 
-def mount_api(app: Any, holder: Any, registry: Any, settings: Any, backoff: Any) -> Api:
-    """Add ``/v1/models`` and ``/v1/chat/completions`` to ``app`` (before the page's mount)."""
+def _api(request: Request) -> Api:
+    api: Api = request.app.state.isagi_api
+    return api
+
+
+def _failure(exc: ApiError, sid: str | None = None) -> Any:
     from fastapi.responses import JSONResponse
-    from starlette.responses import StreamingResponse
 
-    api = Api(holder, registry, settings, backoff)
+    headers = dict(exc.headers)
+    if sid:
+        headers[SESSION_HEADER] = sid
+    return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
 
-    class _Stream(StreamingResponse):
-        """A stream that calls ``on_close`` however it ends (a client gone included)."""
 
-        def __init__(self, body: Any, on_close: Callable[[], None], **kw: Any) -> None:
-            super().__init__(body, **kw)
-            self.on_close = on_close
+# --------------------------------------------------------------------------- the routes
 
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.on_close()
+def list_models(request: Request) -> Any:
+    """``GET /v1/models``."""
+    api = _api(request)
+    try:
+        api.caller(request)
+        return api.models()
+    except ApiError as exc:
+        return _failure(exc)
 
-    def failure(exc: ApiError, sid: str | None = None) -> Any:
-        headers = dict(exc.headers)
-        if sid:
-            headers[SESSION_HEADER] = sid
-        return JSONResponse(status_code=exc.status, content=exc.body(), headers=headers)
 
-    @app.get("/v1/models")
-    def list_models(request: Request) -> Any:
-        try:
-            api.caller(request)
-            return api.models()
-        except ApiError as exc:
-            return failure(exc)
+def get_model(model_id: str, request: Request) -> Any:
+    """``GET /v1/models/{model_id}``."""
+    api = _api(request)
+    try:
+        api.caller(request)
+        return api.model(model_id)
+    except ApiError as exc:
+        return _failure(exc)
 
-    @app.get("/v1/models/{model_id:path}")
-    def get_model(model_id: str, request: Request) -> Any:
-        try:
-            api.caller(request)
-            return api.model(model_id)
-        except ApiError as exc:
-            return failure(exc)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        from starlette.concurrency import run_in_threadpool
+def unknown_url(rest: str, request: Request) -> Any:
+    """Any other ``/v1`` address (or method): OpenAI's 404, not the page's."""
+    return _failure(ApiError(404, f"Invalid URL ({request.method} /v1/{rest[:80]}); this server has "
+                             "POST /v1/chat/completions and GET /v1/models.", code="unknown_url"))
 
-        try:
-            owner = api.caller(request)  # before the body: a stranger's body is never read
-            raw = await read_body(request)
-            api.take_slot()  # before a session is made: a full queue makes none
-        except ApiError as exc:
-            return failure(exc, request.headers.get(SESSION_HEADER))
-        try:
-            req, engine, sid, checked, expect = await run_in_threadpool(api.prepare, request, owner, raw)
-        except BaseException as exc:
-            api.free_slot()
-            if isinstance(exc, ApiError):
-                return failure(exc, request.headers.get(SESSION_HEADER))
-            raise
-        completion = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        model = engine.lm.model_id
-        headers = {SESSION_HEADER: sid}
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        gone = threading.Event()
 
-        def emit(ev: Any) -> bool:
-            if gone.is_set():
-                return False
-            _send_soon(loop, queue, ("event", ev))
-            return True
+async def chat_completions(request: Request) -> Any:
+    """``POST /v1/chat/completions``: one turn of the caller's session, answered whole or streamed."""
+    from starlette.concurrency import run_in_threadpool
 
-        def work() -> None:
-            item: tuple[str, Any] = ("error", ApiError(500, "This turn ended unexpectedly; try again.",
-                                                       type="server_error"))
-            try:
-                turn, notice = api.run_turn(sid, owner, checked, req.options, emit,
-                                            lambda: _send_soon(loop, queue, ("started", None)), expect)
-                item = ("done", (turn, notice))
-            except ApiError as exc:
-                item = ("error", exc)
-            except Exception as exc:  # a bug: the engine has rolled the turn back
-                log.exception("API turn failed in session %s", sid)
-                item = ("error", ApiError(
-                    500, f"This turn failed ({type(exc).__name__}); the session is as it was before it. "
-                    "Try again, and report the error if it repeats.", type="server_error"))
-            finally:
-                api.free_slot()  # before the answer: a client that has it may send the next one
-                _send_soon(loop, queue, item)
+    api = _api(request)
+    try:
+        owner = api.caller(request)  # before the body: a stranger's body is never read
+        raw = await read_body(request)
+        api.take_slot()  # before a session is made: a full queue makes none
+    except ApiError as exc:
+        return _failure(exc, request.headers.get(SESSION_HEADER))
+    try:
+        prepared = await run_in_threadpool(api.prepare, request, owner, raw)
+    except BaseException as exc:
+        api.free_slot()
+        if isinstance(exc, ApiError):
+            return _failure(exc, request.headers.get(SESSION_HEADER))
+        raise
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[WorkItem] = asyncio.Queue()
+    gone = threading.Event()
+    try:
+        threading.Thread(target=_work, args=(api, prepared, loop, queue, gone), name="isagi-api-turn",
+                         daemon=True).start()
+    except BaseException:
+        api.free_slot()
+        raise
+    watcher = asyncio.create_task(_watch(request, gone))
+    try:
+        item = await queue.get()
+        if isinstance(item, ApiError):
+            return _failure(item, prepared.sid)
+        if not prepared.request.stream:
+            while not isinstance(item, Answered):
+                item = await queue.get()
+                if isinstance(item, ApiError):
+                    return _failure(item, prepared.sid)
+    finally:
+        watcher.cancel()  # a stream's own end (and its client's) is the response's to see
+    if isinstance(item, Answered):
+        return _whole_answer(api, prepared, item)
+    return _Stream(_chunks(api, prepared, queue, gone), gone.set, media_type="text/event-stream",
+                   headers={SESSION_HEADER: prepared.sid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        try:
-            threading.Thread(target=work, name="isagi-api-turn", daemon=True).start()
-        except BaseException:
-            api.free_slot()
-            raise
 
-        async def watch() -> None:
-            """A client gone before its answer (a non-streamed one, or one still waiting for its
-            session or the model) ends the turn, which is then dropped as a stream's is."""
-            while not gone.is_set():
-                if await request.is_disconnected():
-                    gone.set()
-                    return
-                await asyncio.sleep(DISCONNECT_POLL_S)
+def _work(api: Api, prepared: PreparedRequest, loop: asyncio.AbstractEventLoop,
+          queue: asyncio.Queue[WorkItem], gone: threading.Event) -> None:
+    """The turn, in its own thread: its events, then its answer or error, onto ``queue``."""
+    def emit(event: TurnEvent) -> bool:
+        if gone.is_set():
+            return False
+        _send_soon(loop, queue, event)
+        return True
 
-        watcher = asyncio.create_task(watch())
-        try:
-            kind, value = await queue.get()
-            if kind == "error":
-                return failure(value, sid)
-            if not req.stream:
-                while kind != "done":
-                    kind, value = await queue.get()
-                    if kind == "error":
-                        return failure(value, sid)
-        finally:
-            watcher.cancel()  # a stream's own end (and its client's) is the response's to see
-        if not req.stream:
-            turn, notice = value
-            if turn is None:  # its client left: dropped, nothing kept; nobody reads this
-                return failure(ApiError(499, "The client closed the request; the turn was not kept."), sid)
-            content = turn.reply_text
-            return JSONResponse(headers=headers, content={
-                "id": completion, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
-                             "logprobs": None, "finish_reason": api.finish_reason(turn, req.options)}],
-                "usage": api.usage(engine, turn, content),
-                "isagi": api.extension(sid, turn, notice),
-            })
+    item: WorkItem = ApiError(500, "This turn ended unexpectedly; try again.", type="server_error")
+    try:
+        item = api.run_turn(prepared, emit, lambda: _send_soon(loop, queue, Started()))
+    except ApiError as exc:
+        item = exc
+    except Exception as exc:  # a bug: the engine has rolled the turn back
+        log.exception("API turn failed in session %s", prepared.sid)
+        item = ApiError(500, f"This turn failed ({type(exc).__name__}); the session is as it was before it. "
+                        "Try again, and report the error if it repeats.", type="server_error")
+    finally:
+        api.free_slot()  # before the answer: a client that has it may send the next one
+        _send_soon(loop, queue, item)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-            body: dict[str, Any] = {
-                "id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra,
-            }
-            if req.include_usage:
-                body["usage"] = None  # OpenAI: every chunk but the last has a null usage
-            return f"data: {json.dumps(body)}\n\n"
 
-        async def events() -> Any:
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                sent: list[str] = []
-                while True:
-                    kind, value = await queue.get()
-                    if kind == "event":
-                        if text := shown_text(value):
-                            sent.append(text)
-                            yield chunk({"content": text})
-                        continue
-                    if kind == "error":
-                        yield f"data: {json.dumps(value.body())}\n\n"
-                        break
-                    turn, notice = value
-                    if turn is None:
-                        break
-                    yield chunk({}, api.finish_reason(turn, req.options), isagi=api.extension(sid, turn, notice))
-                    if req.include_usage:
-                        yield "data: " + json.dumps({
-                            "id": completion, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": api.usage(engine, turn, "".join(sent)),
-                        }) + "\n\n"
+async def _watch(request: Request, gone: threading.Event) -> None:
+    """A client gone before its answer (a non-streamed one, or one still waiting for its session
+    or the model) ends the turn, which is then dropped as a stream's is."""
+    while not gone.is_set():
+        if await request.is_disconnected():
+            gone.set()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _whole_answer(api: Api, p: PreparedRequest, answered: Answered) -> Any:
+    """A non-streamed chat completion."""
+    from fastapi.responses import JSONResponse
+
+    turn = answered.turn
+    if turn is None:  # its client left: dropped, nothing kept; nobody reads this
+        return _failure(ApiError(499, "The client closed the request; the turn was not kept."), p.sid)
+    content = turn.reply_text
+    return JSONResponse(headers={SESSION_HEADER: p.sid}, content={
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+        "model": p.engine.lm.model_id,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
+                     "logprobs": None, "finish_reason": api.finish_reason(turn, p.request.options)}],
+        "usage": api.usage(p.engine, turn, content),
+        "isagi": api.extension(p.sid, turn, answered.notice),
+    })
+
+
+async def _chunks(api: Api, p: PreparedRequest, queue: asyncio.Queue[WorkItem],
+                  gone: threading.Event) -> AsyncIterator[str]:
+    """A streamed chat completion's server-sent events."""
+    completion, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), p.engine.lm.model_id
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        body: dict[str, Any] = {
+            "id": completion, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra,
+        }
+        if p.request.include_usage:
+            body["usage"] = None  # OpenAI: every chunk but the last has a null usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        sent: list[str] = []
+        while True:
+            item = await queue.get()
+            if isinstance(item, ApiError):
+                yield f"data: {json.dumps(item.body())}\n\n"
+                break
+            if isinstance(item, Answered):
+                turn = item.turn
+                if turn is None:
                     break
-                yield "data: [DONE]\n\n"
-            finally:
-                gone.set()
+                yield chunk({}, api.finish_reason(turn, p.request.options),
+                            isagi=api.extension(p.sid, turn, item.notice))
+                if p.request.include_usage:
+                    yield "data: " + json.dumps({
+                        "id": completion, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [], "usage": api.usage(p.engine, turn, "".join(sent)),
+                    }) + "\n\n"
+                break
+            if not isinstance(item, Started) and (text := shown_text(item)):
+                sent.append(text)
+                yield chunk({"content": text})
+        yield "data: [DONE]\n\n"
+    finally:
+        gone.set()
 
-        return _Stream(events(), gone.set, media_type="text/event-stream",
-                       headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
-    def unknown_url(rest: str, request: Request) -> Any:
-        """Any other ``/v1`` address (or method): OpenAI's 404, not the page's."""
-        return failure(ApiError(404, f"Invalid URL ({request.method} /v1/{rest[:80]}); this server has "
-                                "POST /v1/chat/completions and GET /v1/models.", code="unknown_url"))
+class _Stream(StreamingResponse):
+    """A stream that calls ``on_close`` however it ends (a client gone included)."""
 
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def mount_api(app: Any, holder: EngineHolder, sessions: SessionService, settings: Settings, backoff: Backoff) -> Api:
+    """Add ``/v1/models`` and ``/v1/chat/completions`` to ``app`` (before the page's mount)."""
+    api = Api(holder, sessions, settings, backoff)
     app.state.isagi_api = api
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/{rest:path}", unknown_url, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     return api

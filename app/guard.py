@@ -44,7 +44,7 @@ from typing import Any
 
 from app.uploads import UploadLedger
 from isagi.errors import UploadError
-from storage.owners import LOCAL_OWNER
+from isagi.session.service import LOCAL_OWNER
 
 API = "/gradio_api/"
 MAX_JSON_BODY = 4 * 1024 * 1024  # an event's JSON (a message is at most 8,000 characters)

@@ -35,12 +35,16 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isagi.config import Settings
 from isagi.errors import ConfigError, PortInUseError
-from storage.miku import MAX_MIKU_BYTES
-from storage.owners import LOCAL_OWNER
+from isagi.session.service import LOCAL_OWNER, MAX_MIKU_BYTES
+
+if TYPE_CHECKING:
+    from app.loader import EngineHolder
+    from isagi.session.retention import Pruned, RetentionTimer
+    from isagi.session.service import SessionService
 
 # The web upload limit is the .miku reader's own limit (64 MiB, 4.5x a measured
 # 10,000-turn session): a larger upload is refused by Gradio before it is stored.
@@ -92,18 +96,16 @@ def default_factory(settings: Settings) -> Callable[[Callable[[str, int, int], N
     return factory
 
 
-def _retention_timer(settings: Any, holder: Any, registry: Any) -> Any:
+def _retention_timer(settings: Settings, holder: EngineHolder, sessions: SessionService) -> RetentionTimer | None:
     """With ``ISAGI_SESSION_RETENTION``, the started timer that removes old sessions at start and
     daily (:mod:`isagi.session.retention`); never a session the server has open."""
-    days = getattr(settings, "session_retention_days", None)
+    days = settings.session_retention_days
     if days is None:
         return None
-    from isagi.session.folder import SessionFiles
-    from isagi.session.retention import RetentionTimer, prune_sessions
+    from isagi.session.retention import RetentionTimer
 
-    def run() -> Any:
-        engine = holder.engine
-        return prune_sessions(engine.store, SessionFiles(settings.sessions_dir), days, is_live=registry.is_live)
+    def run() -> Pruned:
+        return sessions.prune(days)
 
     timer = RetentionTimer(run, ready=holder.wait)
     timer.start()
@@ -137,19 +139,19 @@ def create_app(
     from app.api import mount_api
     from app.loader import EngineHolder
     from app.login import Backoff, Logins, LoginThrottleMiddleware
-    from app.sessions import SessionRegistry
     from isagi.datadir import open_data_dir
+    from isagi.session.service import SessionService
 
     if idle_minutes is None:
-        idle_minutes = float(getattr(settings, "web_idle_minutes", DEFAULT_IDLE_MINUTES))
+        idle_minutes = settings.web_idle_minutes
     pairs = parse_auth(settings.auth)
     user_backoff = Backoff(settings.login_max_failures, settings.login_backoff_s)
     client_backoff = Backoff(settings.login_max_failures, settings.login_backoff_s)
     auth = Logins(pairs, user_backoff) if pairs else None
     holder = EngineHolder(engine_or_factory, on_progress=on_progress)
-    registry = SessionRegistry(lambda: holder.engine, idle_s=idle_minutes * 60.0,
-                               max_per_client=settings.max_sessions_per_client,
-                               max_total=settings.max_sessions)
+    sessions = SessionService.start(lambda: holder.engine, idle_s=idle_minutes * 60.0,
+                                    max_per_client=settings.max_sessions_per_client,
+                                    max_total=settings.max_sessions)
     uploads = ui = None
     if page:
         from gradio.utils import get_upload_folder
@@ -158,7 +160,7 @@ def create_app(
         from app.uploads import MIB, UploadLedger
 
         uploads = UploadLedger(get_upload_folder(), settings.upload_quota_mb * MIB)
-        ui = WebUI(holder, registry, settings, uploads=uploads)
+        ui = WebUI(holder, sessions, settings, uploads=uploads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app_: Any):
@@ -169,22 +171,22 @@ def create_app(
                 log.warning("%s", line)
         app_.state.isagi_data_dir = data
         holder.start()
-        registry.start_reaper(reaper_interval_s)
+        sessions.start_reaper(reaper_interval_s)
         if uploads is not None:
             uploads.start_sweeper()
-        retention = _retention_timer(settings, holder, registry)
+        retention = _retention_timer(settings, holder, sessions)
         try:
             yield
         finally:
             if uploads is not None:
                 uploads.stop_sweeper()
                 uploads.sweep(now=math.inf)  # uploads never opened go with the server
-            registry.stop_reaper()
+            sessions.stop_reaper()
             if retention is not None:
                 retention.stop()
             if holder.ready:
-                registry.save_all()  # each file written brings its history up to it
-                if waiting := registry.retry_history():
+                sessions.save_all()  # each file written brings its history up to it
+                if waiting := sessions.retry_history():
                     log.warning("%d exchange(s) could not be added to the history at shutdown; they are in "
                                 "their session files, and the next start adds them", waiting)
             if ui is not None:
@@ -203,14 +205,15 @@ def create_app(
             return {
                 "status": "ok",
                 "model": engine.lm.model_id,
-                "sessions": len(registry),
+                "sessions": sessions.live_count(),
                 "uptime_s": round(time.monotonic() - holder.started_at, 1),
             }
         return JSONResponse(status_code=503, content=st)
 
-    mount_api(app, holder, registry, settings, client_backoff)  # before the page's mount at "/"
+    mount_api(app, holder, sessions, settings, client_backoff)  # before the page's mount at "/"
     app.state.isagi_holder = holder
-    app.state.isagi_registry = registry
+    app.state.isagi_sessions = sessions
+    app.state.isagi_registry = sessions.registry
     app.state.isagi_ui = ui
     app.state.isagi_logins = (user_backoff, client_backoff)
     app.state.isagi_uploads = uploads

@@ -17,18 +17,18 @@ from app.handlers.files import FileHandlers
 from app.handlers.history import HistoryHandlers
 from app.handlers.page import Page
 from app.loader import EngineHolder
-from app.sessions import SessionRegistry
 from app.uploads import UploadLedger
+from isagi.session.service import SessionService
 
 
 class WebUI:
-    """The page's handlers, by area, over one engine holder and one registry."""
+    """The page's handlers, by area, over one engine holder and one session service."""
 
-    def __init__(self, holder: EngineHolder, registry: SessionRegistry, settings: Any,
+    def __init__(self, holder: EngineHolder, sessions: SessionService, settings: Any,
                  uploads: UploadLedger | None = None) -> None:
         """``uploads``: the server's ledger of uploads (its upload route records them); without
         one (tests of the handlers alone) the page keeps its own, under its temporary directory."""
-        self.page = Page(holder, registry, settings, uploads)
+        self.page = Page(holder, sessions, settings, uploads)
         self.chat = ChatHandlers(self.page)
         self.history = HistoryHandlers(self.page)
         self.files = FileHandlers(self.page)

@@ -7,12 +7,16 @@ Every text from outside is rendered by :func:`app.render_safe.render_text`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.help_text import BADGE_HELP, FIGURE_HELP
 from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
 from isagi.ids import is_session_id
 from isagi.session.turn import turns_to_messages
+
+if TYPE_CHECKING:
+    from isagi.safety.runtime import SafetyProfile
+    from isagi.session.state import Session
 
 # What one page update renders and sends, whatever the session's length: the chat's
 # newest turns, and the plots' newest turns and stored trajectories.
@@ -146,12 +150,12 @@ def chat_window(session: Any, *, drop_last: bool = False) -> list[dict[str, str]
     return [{"role": "assistant", "content": render_text(note)}, *shown]
 
 
-def turn_markdown(m: dict[str, Any] | None, safety: Any = None) -> str:
+def turn_markdown(m: dict[str, Any] | None, safety: SafetyProfile | None = None) -> str:
     """The Turn panel: every figure of the latest turn (file fields escaped for markdown)."""
     if m is None:
         return "*No turn yet. Ask something: the panel shows what the manifold did with it.*"
-    thr = getattr(safety, "threshold", None)
-    rthr = getattr(safety, "reply_threshold", None)
+    thr = safety.threshold if safety is not None else None
+    rthr = safety.reply_threshold if safety is not None else None
     category = m.get("category")
     verdict = m.get("verdict") or "ok"
     rows = [
@@ -175,10 +179,10 @@ def reply_fields(turn: Any) -> dict[str, Any] | None:
     return None if turn is None else turn.to_messages()[1]
 
 
-def manifold_summary(session: Any) -> str:
+def manifold_summary(session: Session) -> str:
     mem = session.memory
     n = len(mem)
-    clusters = len(getattr(mem, "clusters", {}) or {})
+    clusters = len(mem.clusters)
     sid = f"`{session.id}`" if is_session_id(session.id) else md_cell(session.id)
     return (
         f"Trajectories: **{n}** · clusters: **{clusters}** · "

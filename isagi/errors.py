@@ -34,6 +34,22 @@ class ProfileError(IsagiError):
     """A per-model profile is missing, stale or unreadable."""
 
 
+class SessionLimit(IsagiError):
+    """Too many live sessions for this client, this user, or the server."""
+
+
+class SessionBusy(IsagiError):
+    """The session is in use by another event (e.g. a turn) of the same user."""
+
+
+class SessionNotFound(IsagiError):
+    """No such session of the caller's (an unknown id and another owner's are the same)."""
+
+
+class ConversationChanged(IsagiError):
+    """A replayed conversation was continued by another request first."""
+
+
 class StorageError(IsagiError):
     """Saving or loading failed (disk full, permission, unreadable database)."""
 

@@ -478,7 +478,7 @@ def test_other_v1_addresses_are_openai_404s(served, method, path):
 
 
 def test_too_many_messages_is_a_400(served):
-    from app.api import MAX_MESSAGES
+    from app.api_request import MAX_MESSAGES
 
     body = {"model": served.model, "messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)}
     assert _assert_openai_error(_raw(served, body), 400)["code"] == "too_many_messages"

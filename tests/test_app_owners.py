@@ -18,12 +18,13 @@ from types import SimpleNamespace
 import pytest
 
 from app.loader import EngineHolder
-from app.sessions import SessionLimit, SessionRegistry
 from app.ui import WebUI
 from app.uploads import NOT_YOUR_UPLOAD
 from isagi.config import load_settings
 from isagi.ids import new_session_id
 from isagi.pipeline.engine import Engine
+from isagi.session.registry import SessionLimit, SessionRegistry
+from isagi.session.service import SessionService
 from storage.history import HistoryStore
 from tests.tiny_engine import engine_for
 from tests.uploads import upload
@@ -55,7 +56,7 @@ def make_ui(tmp_path: Path, **settings_kw) -> tuple[WebUI, Engine, HistoryStore]
     registry = SessionRegistry(lambda: holder.engine, idle_s=600,
                                max_per_client=settings.max_sessions_per_client,
                                max_total=settings.max_sessions)
-    return WebUI(holder, registry, settings), engine, store
+    return WebUI(holder, SessionService(registry), settings), engine, store
 
 
 @pytest.fixture

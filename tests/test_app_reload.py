@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from app.loader import EngineHolder
-from app.sessions import SessionRegistry
 from app.ui import WebUI
 from isagi.ids import new_session_id
+from isagi.session.registry import SessionRegistry
+from isagi.session.service import SessionService
 from tests.test_app_owners import ALICE, BOB, SECRET, make_ui, quiet, req
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
@@ -81,7 +82,7 @@ def test_a_reload_after_a_server_restart_reopens_the_autosave(alice_world, tmp_p
     ui.page.registry.save_all()
     # a new server process: a new registry (nothing live, nothing parked), the same store and files
     holder = EngineHolder(engine)
-    ui2 = WebUI(holder, SessionRegistry(lambda: holder.engine, idle_s=600), ui.page.settings)
+    ui2 = WebUI(holder, SessionService(SessionRegistry(lambda: holder.engine, idle_s=600)), ui.page.settings)
     page = quiet(ui2.chat.on_load, a, "tier", ALICE)
     assert page.state == a, "the same id, not a fork"
     assert _user_texts(page.chat) == [Q1, Q2]

@@ -97,7 +97,7 @@ def test_login_required_when_auth_is_set(tmp_path):
 
 def test_importing_the_app_builds_nothing():
     code = (
-        "import sys; import app.server, app.ui, app.sessions, app.plots, app.loader; "
+        "import sys; import app.server, app.ui, isagi.session.registry, app.plots, app.loader; "
         "print('gradio' in sys.modules, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

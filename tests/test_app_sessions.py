@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from app.sessions import SessionRegistry
 from isagi.pipeline.events import Done
 from isagi.session.files import load_session
+from isagi.session.registry import SessionRegistry
 from tests.tiny_engine import tiny_engine
 
 

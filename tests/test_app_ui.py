@@ -21,12 +21,13 @@ import app.views
 from app import plots
 from app.loader import EngineHolder
 from app.render_safe import render_text
-from app.sessions import SessionRegistry
 from app.ui import WebUI
 from app.updates import KEEP
 from app.views import chat_messages, info_html
 from isagi.pipeline.engine import Engine
 from isagi.session.files import load_session
+from isagi.session.registry import SessionRegistry
+from isagi.session.service import SessionService
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
@@ -37,7 +38,7 @@ def make_ui(tmp_path: Path, **engine_kw) -> tuple[WebUI, Engine]:
     engine = tiny_engine(tmp_path, max_new_tokens=8, **engine_kw)
     holder = EngineHolder(engine)
     registry = SessionRegistry(lambda: holder.engine, idle_s=600)
-    return WebUI(holder, registry, engine.settings), engine
+    return WebUI(holder, SessionService(registry), engine.settings), engine
 
 
 def counts(ui: WebUI, sid: str) -> tuple[int, int, int]:
@@ -242,7 +243,7 @@ def test_loading_engine_is_reported_not_crashed(tmp_path):
     gate = threading.Event()
     holder = EngineHolder(lambda progress: (progress("converting", 1, 4), gate.wait(30), tiny_engine(tmp_path))[2])
     reg = SessionRegistry(lambda: holder.engine)
-    ui = WebUI(holder, reg, settings)
+    ui = WebUI(holder, SessionService(reg), settings)
     holder.start()
     out = run(ui.chat.send("hello", None, 4))
     assert "Loading the model" in out[0].alert

@@ -28,9 +28,10 @@ from pathlib import Path
 import pytest
 
 from app.loader import EngineHolder
-from app.sessions import SessionRegistry
 from app.ui import WebUI
 from isagi.datadir import open_data_dir
+from isagi.session.registry import SessionRegistry
+from isagi.session.service import SessionService
 from isagi.session.turn import turns_from_messages
 from storage.miku import read_miku
 from tests.tiny_engine import tiny_engine, tiny_settings
@@ -96,7 +97,7 @@ def quiet(fn, *args):
 def make_ui(home: Path, **kw) -> WebUI:
     engine = tiny_engine(home, max_new_tokens=6, **kw)
     holder = EngineHolder(engine)
-    return WebUI(holder, SessionRegistry(lambda: holder.engine, idle_s=600), engine.settings)
+    return WebUI(holder, SessionService(SessionRegistry(lambda: holder.engine, idle_s=600)), engine.settings)
 
 
 def file_texts(path: Path) -> list[str]:
@@ -229,7 +230,7 @@ def test_the_server_saves_what_a_full_disk_held_back_within_seconds_of_space_ret
     """Issue 37: a turn in an existing chat and a new chat's first turn, made on a full disk, are
     written by the server on its own once space returns (before: only at the user's next
     message, a close or a shutdown, so a kill in between lost them); the page then says so."""
-    from app.sessions import SAVED_AGAIN
+    from isagi.session.registry import SAVED_AGAIN
 
     with tmpfs(tmp_path / "home") as home:
         ui = make_ui(home)
@@ -271,7 +272,7 @@ def test_the_api_says_saved_once_the_server_has_written_what_a_full_disk_held_ba
     from fastapi.testclient import TestClient
 
     from app.server import create_app
-    from app.sessions import SAVED_AGAIN
+    from isagi.session.registry import SAVED_AGAIN
 
     with tmpfs(tmp_path / "home") as home:
         engine = tiny_engine(home, max_new_tokens=6)

@@ -175,3 +175,34 @@ def test_the_owner_of_work_without_a_login_is_named_once():
             if isinstance(node, ast.Constant) and node.value == LOCAL_OWNER:
                 spelled.append(f"{module}:{node.lineno}")
     assert not spelled, f"import LOCAL_OWNER from storage.owners instead: {spelled}"
+
+
+def test_the_front_ends_reach_sessions_only_through_the_service(graph):
+    """app/ (the page and the API) opens, saves and finds sessions through
+    :class:`isagi.session.service.SessionService` alone: it imports neither the session files
+    (:mod:`isagi.session.files`, the folder) nor anything of storage/ (the ``.miku`` format, the
+    history store); a second way in would drift from the first (issue 38)."""
+    banned = ("isagi.session.files", "isagi.session.folder")
+    wrong = {m: sorted(t for t in ts if t in banned or t.split(".")[0] == "storage")
+             for m, ts in graph.items() if m.split(".")[0] == "app"}
+    wrong = {m: ts for m, ts in wrong.items() if ts}
+    assert not wrong, f"app/ reaches past the session service: {wrong}"
+
+
+SEAMS = ("engine", "keep", "store", "lm", "profile", "safety", "registry", "session", "entry", "sessions")
+
+
+def test_the_front_ends_use_typed_seams_not_getattr():
+    """No ``getattr(x, ...)`` on the engine, the keeper, the store, the session or the registry
+    in app/: their types say what they have, so a renamed attribute is a type error, not a
+    silent default (issue 38). ``getattr`` stays for what app/ does not own (requests, files)."""
+    found = []
+    for module, path in project_modules().items():
+        if module.split(".")[0] != "app":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+                target = ast.unparse(node.args[0])
+                if any(re.search(rf"\b{s}\b", target) for s in SEAMS):
+                    found.append(f"{module}:{node.lineno} getattr({target}, ...)")
+    assert not found, f"use the typed attribute instead: {found}"

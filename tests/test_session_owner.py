@@ -25,13 +25,14 @@ import pytest
 from rich.console import Console
 
 from app.loader import EngineHolder
-from app.sessions import SessionRegistry
 from app.ui import WebUI
 from isagi.console.terminal import chat_loop
 from isagi.engines.base import GenerationOptions
 from isagi.errors import InputError, StorageError
 from isagi.pipeline.events import Decided, Done, Token
 from isagi.session.files import load_session
+from isagi.session.registry import SessionRegistry
+from isagi.session.service import SessionService
 from tests.tiny_engine import tiny_engine
 from tests.uploads import upload
 
@@ -54,7 +55,7 @@ def quiet(fn, *args, **kw):
 def make_ui(tmp_path: Path) -> WebUI:
     engine = tiny_engine(tmp_path, max_new_tokens=8)
     holder = EngineHolder(engine)
-    return WebUI(holder, SessionRegistry(lambda: holder.engine, idle_s=600), engine.settings)
+    return WebUI(holder, SessionService(SessionRegistry(lambda: holder.engine, idle_s=600)), engine.settings)
 
 
 def history(ui: WebUI, sid: str) -> list[tuple[str, str]]:

@@ -155,5 +155,5 @@ def engine_for(settings: Settings, store: Any = None) -> Engine:
     from isagi.pipeline.keeping import default_keeper
 
     engine = Engine(settings, tiny_lm(), tiny_profile(), store)
-    engine.keep = default_keeper(engine, store)
+    engine.keep = default_keeper(lambda: engine.frame, store, model_id=engine.lm.model_id)
     return engine

@@ -2,7 +2,7 @@
 New chat, the map's colouring.
 
 Handlers get the browser's session *id* from ``gr.State`` and look the Session up in the
-:class:`~app.sessions.SessionRegistry`; the Session itself never enters Gradio's state. The
+:class:`~isagi.session.registry.SessionRegistry`; the Session itself never enters Gradio's state. The
 server-side Session is the single source of truth: the chat is re-rendered from the
 session's turns and never read back from the browser. The id is also kept in the browser's
 storage (``gr.BrowserState``), so a page reload reopens the same session
@@ -30,11 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from app import plots, turns
+from app import plots
 from app.handlers.page import NOT_LOGGED_IN, Page
 from app.loader import EngineLoading
 from app.render_safe import render_text
-from app.sessions import SAVED_AGAIN, Entry, SessionBusy, SessionLimit
 from app.updates import KEEP, PageUpdate
 from app.views import (
     chat_window,
@@ -44,9 +43,11 @@ from app.views import (
     turn_markdown,
     verdict_alert,
 )
+from isagi.errors import SessionBusy, SessionLimit
 from isagi.ids import is_session_id
 from isagi.pipeline.events import Decided, Done, Token, shown_text
-from storage.owners import LOCAL_OWNER
+from isagi.session.registry import SAVED_AGAIN
+from isagi.session.service import LOCAL_OWNER, TurnRun
 
 log = logging.getLogger(__name__)
 
@@ -90,29 +91,9 @@ class ChatHandlers:
     def _reattach(self, sid: Any, owner: str, client: str | None) -> str | None:
         """``owner``'s session ``sid`` made live under its own id, or None (unknown,
         another owner's, or no saved state: nothing of it is read)."""
-        from isagi.errors import IsagiError
-        from isagi.session.files import load_session
-
-        p = self.page
-        if not is_session_id(sid):
-            return None
         try:
-            p.registry.entry(sid, owner)  # live, or parked (evicted): resumed from its file
-            return sid
-        except KeyError:
-            pass
-        summary = p.own_summary(sid, owner)  # another owner's id: None, as an unknown one
-        path = p.autosave_of(summary) if summary is not None else None
-        if path is None:
-            return None
-        try:
-            session = load_session(p.engine.frame, path, session_id=sid)
-        except (IsagiError, EngineLoading) as exc:
-            log.warning("could not reopen session %s on page load: %s", sid, exc)
-            return None
-        try:
-            return p.registry.reopen(session, owner=owner, client=client)
-        except KeyError:
+            return self.page.sessions.reopen(sid, owner, client)
+        except EngineLoading:
             return None
 
     def on_tick(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
@@ -155,7 +136,7 @@ class ChatHandlers:
         try:
             engine = p.engine
             checked = engine.check(message)  # validated once, here: the turn takes it as it is
-            sid, entry = p.registry.ensure(sid, owner, client)
+            sid = p.sessions.ensure(sid, owner, client)
         except (EngineLoading, IsagiError) as exc:
             yield PageUpdate(state=sid, alert=p.warn(str(exc)))
             return
@@ -176,14 +157,12 @@ class ChatHandlers:
         p = self.page
         owner, _ = p.who(request)
         try:
-            if owner is None:
-                raise KeyError(sid)
-            entry = p.registry.entry(sid, owner)
+            can = p.sessions.can_regenerate(sid, owner)
         except (KeyError, EngineLoading) as exc:
             msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
             yield PageUpdate(state=sid, alert=p.warn(msg))
             return
-        if not entry.session.can_regenerate:
+        if not can:
             yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
             return
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
@@ -202,29 +181,28 @@ class ChatHandlers:
         p = self.page
         with contextlib.ExitStack() as held:
             try:
-                entry = held.enter_context(p.registry.using(sid, timeout=STOP_WAIT_S, owner=owner))
+                run = held.enter_context(p.sessions.turn(sid, owner, message, options, regenerate=regenerate,
+                                                         if_left="keep", timeout=STOP_WAIT_S))
             except SessionBusy as exc:
                 yield PageUpdate(state=sid, alert=p.warn(str(exc)))
                 return
             except KeyError:  # dropped meanwhile (e.g. reclaimed while empty): the next message makes one
                 yield PageUpdate(state=None, alert=p.warn("This chat was closed; send your message again."))
                 return
-            session = entry.session
-            turns.begin(entry)
-            failure = yield from self._stream(sid, entry, message, options, regenerate=regenerate,
-                                              clear_box=clear_box)
+            session = run.session
+            failure = yield from self._stream(sid, run, message, regenerate=regenerate, clear_box=clear_box)
             if failure is not None:  # the engine has put the session back as it was
                 yield PageUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
                                  seen=p.seen(sid, session))
                 return
             alert = verdict_alert(reply_fields(session.last_turn))
-            if entry.notice:  # kept in memory or in the file, not everywhere yet: say so plainly
-                alert = "\n\n".join(a for a in (alert, p.warn(entry.notice)) if a)
+            if run.notice:  # kept in memory or in the file, not everywhere yet: say so plainly
+                alert = "\n\n".join(a for a in (alert, p.warn(run.notice)) if a)
             yield p.view_of(session, colour_by).but(state=sid, alert=alert, status=p.status_line(owner),
                                                     seen=p.seen(sid, session))
 
     def _stream(
-        self, sid: str, entry: Entry, message: Any, options: Any, *, regenerate: bool, clear_box: bool,
+        self, sid: str, run: TurnRun, message: Any, *, regenerate: bool, clear_box: bool,
     ) -> Iterator[PageUpdate]:
         """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
 
@@ -235,28 +213,23 @@ class ChatHandlers:
         from isagi.errors import IsagiError
 
         p = self.page
-        session = entry.session
+        session = run.session
         if regenerate:  # the chat without the turn being replaced, then its question again
             history = chat_window(session, drop_last=True)
             text = session.turns[-1].user_text if session.turns else ""
         else:
             history = chat_window(session)
-            text = getattr(message, "text", message)
+            text = message.text
         user = {"role": "user", "content": render_text(text)}
         reply, info = "", pending_html(None, None)
         yield PageUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
                          textbox="" if clear_box else KEEP)
-        events: Any = None
-        finished = False
         last = 0.0
         try:
-            events = turns.open_events(p.engine, entry, message, options, regenerate=regenerate)
-            for ev in events:
+            for ev in run.events():
                 if isinstance(ev, Decided):
                     info = pending_html(ev.tier, ev.distance)
                 elif isinstance(ev, Done):
-                    finished = True
-                    entry.notice = ev.notice
                     continue
                 else:
                     reply += shown_text(ev)
@@ -269,22 +242,16 @@ class ChatHandlers:
                          {"role": "assistant", "content": info}]
                 yield PageUpdate(state=sid, chat=shown)
         except IsagiError as exc:
-            finished = True
+            run.end(keep=False)  # bad input: the engine raised before recording anything
             return _BadInput(p.warn(str(exc)))
         except Exception as exc:
             log.exception("turn failed in session %s", sid)
-            finished = True
-            if events is not None:
-                with contextlib.suppress(Exception):
-                    events.close()  # a failure here, not in the engine: the engine rolls the turn back
+            run.end(keep=False)  # a failure here, not in the engine: the engine rolls the turn back
             return _Failure(p.warn(
                 f"This turn failed ({type(exc).__name__}: {exc}). Your session is as it was before it; "
                 "try again, and report the error if it repeats."))
-        finally:
-            if not finished and events is not None:
-                turns.abandon(entry, events, keep=True)  # recorded as cancelled, as Stop does
-            if entry.stop_requested_at is not None:
-                entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
+        # a turn left early (Stop's cancel, a lost client) is recorded as cancelled: the service's
+        # turn ends it so (if_left="keep") when this generator is closed
         return None
 
     def stop(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
@@ -294,17 +261,18 @@ class ChatHandlers:
         owner, _ = p.who(request)
         if owner is None:
             return PageUpdate()
-        p.registry.request_stop(sid, owner)
-        if not p.registry.wait_until_free(sid, STOP_WAIT_S, owner):
-            return PageUpdate(alert="The model is still finishing a step; it will stop shortly.")
         try:
-            entry = p.registry.entry(sid, owner)
-        except (KeyError, EngineLoading):
+            stopped = p.sessions.stop(sid, owner, STOP_WAIT_S)
+        except EngineLoading:
             return PageUpdate()
-        session = entry.session
+        if stopped.still_running:
+            return PageUpdate(alert="The model is still finishing a step; it will stop shortly.")
+        session = stopped.session
+        if session is None:
+            return PageUpdate()
         last_bot = reply_fields(session.last_turn)
         # A stopped turn stores no trajectory and does not move the metric: the plots stay.
-        took = getattr(entry, "stop_latency_s", None)
+        took = stopped.latency_s
         if last_bot is not None and last_bot.get("verdict") == "cancelled" and took is not None:
             note = f"Stopped: the turn ended {took:.2f} s after Stop reached the server; the partial reply is kept."
         else:
@@ -321,8 +289,8 @@ class ChatHandlers:
         owner, _ = p.who(request)
         if owner is None or not is_session_id(sid) or not p.holder.ready:
             return PageUpdate()
-        entry = p.registry.live_entry(sid, owner)
-        if entry is None or entry.lock.locked():  # not live here (nothing changed), or a turn runs
+        entry = p.sessions.peek(sid, owner)
+        if entry is None:  # not live here (nothing changed), or a turn runs
             return PageUpdate()
         session = entry.session
         now = p.seen(sid, session)
@@ -338,8 +306,7 @@ class ChatHandlers:
         registry learns which page shows it; the id goes to the browser's storage (``stored``)."""
         p = self.page
         owner, _ = p.who(request)
-        mine = is_session_id(sid) and owner is not None and p.registry.holds(sid, owner)
-        p.registry.attach(_page_of(request), sid if mine else None)
+        p.sessions.attach(_page_of(request), sid if is_session_id(sid) else None, owner)
         return PageUpdate(stored=sid) if is_session_id(sid) else PageUpdate()
 
     def page_closed(self, request: Any = None) -> None:
@@ -347,7 +314,7 @@ class ChatHandlers:
         page, is saved and parked (no longer live: it can be deleted; a reload resumes it)."""
         owner, _ = self.page.who(request)
         if owner is not None:
-            self.page.registry.detach(_page_of(request), owner)
+            self.page.sessions.detach(_page_of(request), owner)
 
     def new_chat(self, sid: str | None, colour_by: str = "tier", request: Any = None) -> PageUpdate:
         """A new, empty session for the page (outputs :data:`~app.updates.NEW_CHAT`); the one it
@@ -360,21 +327,18 @@ class ChatHandlers:
             p.engine  # noqa: B018 - raises while loading
         except EngineLoading as exc:
             return p.view(sid, colour_by, owner).but(state=sid, alert=p.warn(str(exc)))
-        note = p.release_for(sid, owner)
         try:
-            new = p.registry.create(owner, client)
+            new, unsaved = p.sessions.new_chat(owner, client, leaving=sid)
         except SessionLimit as exc:
             return p.view(None, colour_by, owner).but(state=None, alert=p.warn(str(exc)))
-        return p.view(new, colour_by, owner).but(state=new, alert=note)
+        return p.view(new, colour_by, owner).but(state=new, alert=p.left_note(unsaved))
 
     def recolour(self, sid: str | None, colour_by: str, request: Any = None) -> PageUpdate:
         """The trajectory map coloured by ``colour_by`` (outputs :data:`~app.updates.RECOLOUR`)."""
         p = self.page
         owner, _ = p.who(request)
         try:
-            if owner is None:
-                raise KeyError(sid)
-            session = p.registry.entry(sid, owner).session
+            session = p.sessions.session(sid, owner)
         except (KeyError, EngineLoading):
             return PageUpdate(map=plots.map_figure({}))
         return PageUpdate(map=p.map_of(session, colour_by))
@@ -382,7 +346,7 @@ class ChatHandlers:
 
 def _page_of(request: Any) -> str:
     """The browser page a request comes from: its Gradio session hash ('' when unknown)."""
-    page = getattr(request, "session_hash", None)
+    page = request.session_hash if request is not None else None
     return page if isinstance(page, str) else ""
 
 

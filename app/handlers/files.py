@@ -16,10 +16,10 @@ from typing import Any
 from app.handlers.page import NOT_LOGGED_IN, Page
 from app.loader import EngineLoading
 from app.render_safe import md_cell
-from app.sessions import SessionBusy, SessionLimit
 from app.updates import PageUpdate
 from app.uploads import NOT_YOUR_UPLOAD
 from app.views import counted, download_name
+from isagi.errors import SessionLimit
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +33,15 @@ class FileHandlers:
     def save_miku(self, sid: str | None, request: Any = None) -> PageUpdate:
         """Write the open session's living state to a ``.miku`` for download."""
         from isagi.errors import IsagiError
-        from isagi.session.files import save_session
 
         p = self.page
         owner, _ = p.who(request)
         try:
-            if owner is None:
-                raise KeyError(sid)
-            with p.registry.using(sid, owner=owner) as entry:
-                s = entry.session
-                # the name carries no words of the chat: it goes into URLs, histories and logs
-                path = p.download_dir() / download_name(s.id, "miku")
-                save_session(p.engine.frame, s, path)
-                p.hand_out(owner, path)
-        except (KeyError, EngineLoading, SessionBusy, IsagiError, OSError) as exc:
+            # the name carries no words of the chat: it goes into URLs, histories and logs
+            path, s = p.sessions.save_copy(sid, owner, p.download_dir(), lambda s: download_name(s.id, "miku"))
+            assert owner is not None
+            p.hand_out(owner, path)
+        except (KeyError, EngineLoading, IsagiError, OSError) as exc:
             msg = "There is no session to save yet." if isinstance(exc, KeyError) else str(exc)
             return PageUpdate(files_note=p.warn(msg))
         return PageUpdate(download=str(path),
@@ -69,7 +64,6 @@ class FileHandlers:
         import gradio as gr
 
         from isagi.errors import IsagiError
-        from isagi.session.files import load_session
 
         p = self.page
         owner, client = p.who(request)
@@ -86,7 +80,7 @@ class FileHandlers:
         name = claim.name
         with claim:
             try:
-                session = load_session(p.engine.frame, claim.path)
+                session = p.sessions.read_upload(claim.path)
             except (IsagiError, EngineLoading) as exc:
                 reason = _hide_path(str(exc), claim.path).rstrip()
                 reason += "" if reason.endswith((".", "!", "?")) else "."
@@ -95,12 +89,13 @@ class FileHandlers:
                 log.exception("loading an upload failed")
                 return refused(f"Could not load {name} ({type(exc).__name__}: "
                                f"{_hide_path(str(exc), claim.path)}). Your open session is unchanged.")
-        note = p.release_for(sid, owner)
         try:
-            new = p.registry.adopt(session, fresh_id=True, owner=owner, client=client)
+            opened = p.sessions.adopt_upload(session, owner, client, leaving=sid)
         except SessionLimit as exc:
             return refused(str(exc))
-        kept = self._keep_loaded(new, owner)
+        new = opened.sid
+        note = p.left_note(opened.left_unsaved)
+        kept = p.warn(opened.notice) if opened.notice else ""
         # No pop-up notice: the note says it, and a later refused file replaces the note, so the
         # page never says "Loaded" beside that error.
         loaded = (f"Loaded `{md_cell(name)}`: {counted(len(session.memory), 'trajectory', 'trajectories')}, "
@@ -109,17 +104,6 @@ class FileHandlers:
         return p.view(new, colour_by, owner).but(
             state=new, files_note=loaded + "".join(f"\n\n{n}" for n in (note, kept) if n),
             table=rows, tabs=gr.Tabs(selected="chat"), alert=kept)
-
-    def _keep_loaded(self, sid: str, owner: str) -> str:
-        """Write the just-loaded session ``sid`` (its file, then all its turns into the history) with
-        the engine's keeper; '' or a warning when part of it has to wait (e.g. a full disk)."""
-        p = self.page
-        try:
-            with p.registry.using(sid, owner=owner) as entry:
-                notice = p.engine.keep_loaded(entry.session)
-        except (KeyError, SessionBusy, EngineLoading):
-            return ""
-        return p.warn(notice) if notice else ""
 
 
 def _hide_path(message: str, path: str | os.PathLike[str]) -> str:

@@ -13,11 +13,10 @@ from typing import Any
 from app.handlers.page import NOT_LOGGED_IN, Page
 from app.loader import EngineLoading
 from app.render_safe import md_cell
-from app.sessions import SessionLimit
 from app.updates import PageUpdate
 from app.views import counted, download_name, short
+from isagi.errors import IsagiError, SessionLimit, SessionNotFound
 from isagi.ids import is_session_id
-from isagi.session.folder import SessionFiles
 
 
 class HistoryHandlers:
@@ -50,9 +49,6 @@ class HistoryHandlers:
         previous chat's alert is not the resumed one's."""
         import gradio as gr
 
-        from isagi.errors import IsagiError
-        from isagi.session.files import load_session
-
         p = self.page
         owner, client = p.who(request)
         chosen = (chosen or "").strip()
@@ -66,35 +62,22 @@ class HistoryHandlers:
 
         if not chosen:
             return refused("Pick a session in the table first.")
-        if owner is not None and chosen == sid and p.registry.holds(sid, owner):
-            return switched(sid, "That session is already open.")
-        if owner is not None and is_session_id(chosen) and p.registry.holds(chosen, owner):
-            # The caller's own live (or parked) session, e.g. open in another tab: switch to it.
-            try:
-                session = p.registry.entry(chosen, owner).session
-            except (KeyError, EngineLoading, IsagiError) as exc:
-                return refused(f"Could not resume {chosen}: {exc}")
-            left = p.release_for(sid, owner)
-            note = (f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({_size(session)}).") + (
-                f"\n\n{left}" if left else "")
-            return switched(chosen, note)
-        summary = p.own_summary(chosen, owner)
-        if summary is None:
+        if owner is None:
             return refused(f"No session {short(chosen, 64)} in your history.")
-        path = p.autosave_of(summary)
-        if path is None:
-            return refused(f"Session {chosen} has no saved living state; export its history instead.")
+        if chosen == sid and p.sessions.holds(sid, owner):
+            return switched(sid, "That session is already open.")
+        # the caller's own live (or parked) one, e.g. open in another tab, is switched to; another
+        # is opened from its saved living state
         try:
-            session = load_session(p.engine.frame, path, session_id=chosen)
-        except (IsagiError, EngineLoading) as exc:
-            return refused(f"Could not resume {chosen}: {exc}")
-        left = p.release_for(sid, owner)
-        try:
-            new = p.registry.adopt(session, owner=owner, client=client)
-        except SessionLimit as exc:
+            opened = p.sessions.resume(chosen, owner, client, leaving=sid)
+        except (SessionNotFound, SessionLimit) as exc:
             return refused(str(exc))
+        except (KeyError, EngineLoading, IsagiError) as exc:
+            return refused(f"Could not resume {chosen}: {exc}")
+        left = p.left_note(opened.left_unsaved)
+        new, session = opened.sid, opened.session
         note = f"Resumed “{md_cell(short(session.title or chosen, 80))}” ({_size(session)})."
-        if new != chosen:
+        if opened.forked:
             note += f" It is open in another browser, so this is a copy with id {new}."
         if left:
             note += f"\n\n{left}"
@@ -107,15 +90,13 @@ class HistoryHandlers:
         owner, _ = p.who(request)
         target = (chosen or "").strip() or (sid or "")
         shown = short(target, 64) or "(none)"
+        if owner is None:
+            return PageUpdate(files_note=p.warn(NOT_LOGGED_IN))
         try:
-            store = p.engine.store
-            if store is None:
-                return PageUpdate(files_note=p.warn("No history store is configured."))
-            if owner is None:
-                return PageUpdate(files_note=p.warn(NOT_LOGGED_IN))
-            if p.own_summary(target, owner) is None:  # unknown and another's alike
-                return PageUpdate(files_note=p.warn(f"Could not export session {shown}: no such session in your history."))
-            text = store.export(target, "markdown" if fmt == "markdown" else "json", owner=owner)
+            text = p.sessions.export(target, owner, "markdown" if fmt == "markdown" else "json")
+        except SessionNotFound as exc:  # unknown and another's alike, or no history store
+            msg = str(exc) if p.sessions.store is None else f"Could not export session {shown}: {exc}"
+            return PageUpdate(files_note=p.warn(msg))
         except Exception as exc:
             return PageUpdate(files_note=p.warn(f"Could not export session {shown}: {exc}"))
         ext = "md" if fmt == "markdown" else "json"
@@ -134,7 +115,7 @@ class HistoryHandlers:
             return None, f"No session {short(chosen, 64)} in your history."
         if chosen == sid:
             return None, "That is the chat open on this page: start a New chat first, then delete it."
-        if chosen in self.page.registry.live_ids(owner):
+        if chosen in self.page.sessions.live_ids(owner):
             return None, "That session is open in a browser; close it there first."
         return summary, None
 
@@ -184,13 +165,11 @@ class HistoryHandlers:
         if summary is None or owner is None:
             return PageUpdate(sessions_note=p.warn(why or ""))
         try:
-            ok = p.engine.store.delete_session(chosen, owner=owner)
+            removed = p.sessions.delete(chosen, owner)
+        except SessionNotFound as exc:
+            return PageUpdate(sessions_note=p.warn(str(exc)))
         except Exception as exc:
             return PageUpdate(sessions_note=p.warn(f"Could not delete {chosen}: {exc}"))
-        if not ok:
-            return PageUpdate(sessions_note=p.warn(f"No session {chosen} in your history."))
-        p.registry.forget(chosen, owner)
-        removed = SessionFiles(p.settings.sessions_dir).remove(chosen, summary.miku_path)
         rows, _ = p.session_rows(owner)
         gone = f" and its saved state ({removed[0].name})" if removed else ""
         return PageUpdate(table=rows, sessions_note=f"Deleted session {chosen} from the history{gone}.")

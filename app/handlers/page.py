@@ -20,12 +20,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import plots
 from app.loader import EngineHolder, EngineLoading
 from app.render_safe import esc, md_cell
-from app.sessions import SessionRegistry
 from app.updates import PageUpdate
 from app.uploads import MIB, UploadLedger
 from app.views import (
@@ -36,9 +35,14 @@ from app.views import (
     short,
     turn_markdown,
 )
-from isagi.session.folder import SessionFiles
+from isagi.session.registry import SessionRegistry
+from isagi.session.service import LOCAL_OWNER, SessionService
 from isagi.session.turn import turns_to_messages
-from storage.owners import LOCAL_OWNER
+
+if TYPE_CHECKING:
+    from isagi.pipeline.engine import Engine
+    from isagi.safety.runtime import SafetyProfile
+    from isagi.session.service import SessionSummary
 
 PLOT_WINDOW_TURNS = 1000
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
@@ -46,24 +50,29 @@ NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
 
 
 class Page:
-    """One engine holder, one registry and the settings, as every handler area sees them."""
+    """One engine holder, the session service and the settings, as every handler area sees them."""
 
-    def __init__(self, holder: EngineHolder, registry: SessionRegistry, settings: Any,
+    def __init__(self, holder: EngineHolder, sessions: SessionService, settings: Any,
                  uploads: UploadLedger | None = None) -> None:
         """``uploads``: the server's ledger of uploads (its upload route records them); without
         one (tests of the handlers alone) the page keeps its own, under its temporary directory."""
         self.holder = holder
-        self.registry = registry
+        self.sessions = sessions
         self.settings = settings
         self._tmp: Path | None = None  # made on first use, removed by cleanup()
         self._uploads = uploads
 
     # -- the engine and the request's owner ---------------------------------
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         return self.holder.engine
 
-    def safety(self) -> Any:
+    @property
+    def registry(self) -> SessionRegistry:
+        """The live sessions (the service's; for the status line and tests)."""
+        return self.sessions.registry
+
+    def safety(self) -> SafetyProfile | None:
         """The loaded profile's safety layer, or None (still loading, or none)."""
         try:
             return self.engine.profile.safety
@@ -134,15 +143,13 @@ class Page:
         """The chat and the five panels (:data:`app.updates.VIEW`) of ``owner``'s session, from its
         live state; empty ones when there is none (unknown, another owner's, or still loading)."""
         try:
-            if owner is None:
-                raise KeyError(sid)
-            entry = self.registry.entry(sid, owner)
+            session = self.sessions.session(sid, owner)
         except (KeyError, EngineLoading):
             empty: list[dict[str, Any]] = []
             return PageUpdate(chat=[], turn=turn_markdown(None), summary="Trajectories: **0**",
                               map=plots.map_figure({}), growth=plots.growth_figure(empty),
                               teh=plots.teh_figure(empty))
-        return self.view_of(entry.session, colour_by)
+        return self.view_of(session, colour_by)
 
     def view_of(self, session: Any, colour_by: str) -> PageUpdate:
         """The page's view of ``session``: a bounded amount of work and data whatever its
@@ -156,7 +163,7 @@ class Page:
             summary=manifold_summary(session),
             map=self.map_of(session, colour_by),
             growth=plots.growth_figure(msgs, first_turn=first + 1),
-            teh=plots.teh_figure(msgs, getattr(safety, "threshold", None), first_turn=first + 1),
+            teh=plots.teh_figure(msgs, safety.threshold if safety is not None else None, first_turn=first + 1),
         )
 
     @staticmethod
@@ -180,7 +187,7 @@ class Page:
         if h.ready:
             e = self.engine
             lm = e.lm
-            n = len(self.registry) if owner is None or not self.settings.auth else len(self.registry.live_ids(owner))
+            n = self.sessions.live_count(owner if owner is not None and self.settings.auth else None)
             return (
                 f"Model **{lm.model_id}** ({lm.quant}, {lm.device}) · layer {e.layer} · "
                 f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
@@ -224,62 +231,39 @@ class Page:
         return public_text(msg, (str(s.home), str(home), s.resolved_database_url))
 
     # -- the caller's sessions ------------------------------------------------------
-    def release_for(self, sid: str | None, owner: str | None) -> str:
-        """Save and drop the session a browser leaves; a save that fails (a full disk) keeps it
-        live in memory and returns a warning saying so, else ''."""
-        from isagi.errors import IsagiError, storage_cause
+    def left_note(self, unsaved: Exception | None) -> str:
+        """'' when the session a page left was saved; else a warning that it is kept in memory
+        (a full disk) and saved once that works again."""
+        from isagi.errors import storage_cause
 
-        try:
-            self.registry.release(sid, park=True, owner=owner)
-        except (IsagiError, OSError) as exc:
-            return self.warn(f"Your previous chat could not be saved ({storage_cause(exc)}). It is kept in "
-                             "memory and saved once that works again; nothing of it is lost.")
-        return ""
+        if unsaved is None:
+            return ""
+        return self.warn(f"Your previous chat could not be saved ({storage_cause(unsaved)}). It is kept in "
+                         "memory and saved once that works again; nothing of it is lost.")
 
-    def store(self) -> Any:
-        """The history store, or None (still loading, or none configured)."""
-        return getattr(self.holder._engine, "store", None) if self.holder.ready else None
-
-    def own_summary(self, chosen: str, owner: str | None) -> Any:
-        """``owner``'s history summary of ``chosen``, or None (unknown and another's alike)."""
-        store = self.store()
-        if store is None or owner is None or not chosen or len(chosen) > 64:
-            return None
-        from isagi.errors import IsagiError
-
-        try:
-            return store.get_session(chosen, owner=owner)
-        except IsagiError:
-            return None
-
-    def autosave_of(self, summary: Any) -> Path | None:
-        """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
-        return SessionFiles(self.settings.sessions_dir).find(summary.id, summary.miku_path)
+    def own_summary(self, chosen: str, owner: str | None) -> SessionSummary | None:
+        """``owner``'s history summary of ``chosen``, or None (unknown and another's alike, or the
+        model still loading)."""
+        return self.sessions.summary(chosen, owner) if self.holder.ready else None
 
     def session_rows(self, owner: str | None, query: str = "") -> tuple[list[list[Any]], str]:
         """(rows, note): ``owner``'s sessions (id, title, turns, updated, state), the newest 100,
         or those with a message containing ``query``."""
         if owner is None:
             return [], NOT_LOGGED_IN
-        store = self.store()
-        if store is None:
-            msg = "The history store is not available yet." if not self.holder.ready else "No history store is configured."
-            return [], msg
+        if not self.holder.ready:
+            return [], "The history store is not available yet."
+        if self.sessions.store is None:
+            return [], "No history store is configured."
         try:
-            if query and query.strip():
-                hits = store.search(query.strip(), limit=200, owner=owner)
-                found: list[str] = []
-                for h in hits:
-                    if h.session_id not in found:
-                        found.append(h.session_id)
-                summaries = [store.get_session(i, owner=owner) for i in found[:100]]
-                note = f"{len(summaries)} session(s) with messages containing “{md_cell(short(query.strip(), 80))}”."
-            else:
-                summaries = store.list_sessions(limit=100, owner=owner)
-                note = f"{len(summaries)} most recent session(s)."
+            summaries = self.sessions.summaries(owner, query)
         except Exception as exc:
             return [], self.warn(f"Could not read the history: {exc}")
-        live = set(self.registry.live_ids(owner))
+        if query and query.strip():
+            note = f"{len(summaries)} session(s) with messages containing “{md_cell(short(query.strip(), 80))}”."
+        else:
+            note = f"{len(summaries)} most recent session(s)."
+        live = set(self.sessions.live_ids(owner))
         rows = [
             [s.id, s.title or "(untitled)", s.turns, s.updated_at.strftime("%Y-%m-%d %H:%M"),
              "live" if s.id in live else ("saved" if s.miku_path else "history only")]

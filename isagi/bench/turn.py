@@ -74,7 +74,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[s
         engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
         from isagi.pipeline.keeping import default_keeper
 
-        engine.keep = default_keeper(engine, engine.store)  # the turn writes its history rows and its file
+        engine.keep = default_keeper(lambda: engine.frame, engine.store, model_id=engine.lm.model_id)  # the turn writes its history rows and its file
         lm = engine.lm
         options = GenerationOptions(max_new_tokens=new_tokens)
         messages = [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": QUESTION}]
@@ -226,7 +226,7 @@ def run_history(
     with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
         engine = Engine.start(settings, with_store=False, lm=lm, profile=profile)
         engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
-        engine.keep = default_keeper(engine, engine.store)
+        engine.keep = default_keeper(lambda: engine.frame, engine.store, model_id=engine.lm.model_id)
         lm = engine.lm
         _forget_prefixes(lm)
         sessions = {}

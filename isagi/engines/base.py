@@ -142,6 +142,7 @@ class ModelEngine(Protocol):
     quant: str
     device: str
     device_reason: str
+    slots: int  # turns the engine can hold at once (its sequence slots; 1 without them)
 
     @property
     def num_layers(self) -> int: ...

@@ -56,9 +56,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -81,17 +81,18 @@ from isagi.session.folder import SessionFiles
 from isagi.session.state import PROMPT_STATE_CACHE, Session
 from isagi.session.turn import Message, Turn
 
+if TYPE_CHECKING:
+    from isagi.engines.base import ModelEngine
+    from isagi.pipeline.keeping import Keeper
+    from isagi.profile import Profile
+    from storage.history import HistoryStore
+
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
 log = logging.getLogger(__name__)
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
-
-# keep(session, turn, *, replaces_last=False) persists a finished turn; it returns None, or a
-# notice for the user when part of it has to wait (a full disk): the turn itself stands.
-Keep = Callable[..., "str | None"]
-
 
 @dataclass
 class Prepared:
@@ -122,7 +123,8 @@ class Engine:
     """What all sessions share: settings, model, profile, history store, turn persistence."""
 
     def __init__(
-        self, settings: Settings, lm: Any, profile: Any, store: Any = None, keep: Keep | None = None
+        self, settings: Settings, lm: ModelEngine, profile: Profile, store: HistoryStore | None = None,
+        keep: Keeper | None = None,
     ) -> None:
         self.settings = settings
         self.lm = lm
@@ -131,7 +133,7 @@ class Engine:
         self.keep = keep  # persists each recorded turn; None keeps turns in memory only
         self.thresholds = TierThresholds()
         # turns in the model at once: one per sequence slot of the model engine
-        self.model_turns = ModelTurns(getattr(lm, "slots", 1))
+        self.model_turns = ModelTurns(lm.slots)
         self.prompts = Prompts(settings, lm)  # validation, token counts, the history window
 
     @classmethod
@@ -166,7 +168,7 @@ class Engine:
 
             store = HistoryStore(settings.resolved_database_url)
         engine = cls(settings, lm, profile, store)
-        engine.keep = default_keeper(engine, store)
+        engine.keep = default_keeper(lambda: engine.frame, store, model_id=engine.lm.model_id)
         return engine
 
     @property
@@ -454,11 +456,10 @@ class Engine:
         """Persist a session just opened from a file under a new id (its own file, and every turn
         into the history store) with the engine's keeper, before any new turn; returns its notice
         (None: all kept, or nothing to keep). Never raises, as :meth:`_record`."""
-        adopted = getattr(self.keep, "adopted", None)
-        if not callable(adopted) or not session.turns:
+        if self.keep is None or not session.turns:
             return None
         try:
-            return adopted(session)
+            return self.keep.adopted(session)
         except Exception as exc:  # the session stays open in memory; its next turn saves it again
             log.exception("could not persist the loaded session %s", session.id)
             return not_saved_notice(f"an unexpected error, {type(exc).__name__}")

@@ -22,7 +22,7 @@ app calls every few seconds), or from the file at the next start. A turn whose
 file cannot be written stays in the live session, which the next save writes
 whole; its history rows wait until then. The keeper remembers such a session
 (:meth:`TurnKeeper.unsaved`), and the web app saves it again every few seconds
-(:meth:`app.sessions.SessionRegistry.retry_saves`), so a turn is kept only in
+(:meth:`isagi.session.registry.SessionRegistry.retry_saves`), so a turn is kept only in
 memory no longer than the disk stays full. Either way the keeper returns a
 plain notice saying so (:func:`isagi.errors.not_saved_notice`: the file was not
 written, the next message saves it again), and never raises for it, whatever
@@ -40,19 +40,42 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cause
 
 if TYPE_CHECKING:
+    from isagi.session.files import SessionFrame
     from isagi.session.state import Session
     from isagi.session.turn import Turn
+    from storage.history import HistoryStore
 
 log = logging.getLogger(__name__)
 
 SaveFile = Callable[["Session", Path], None]
 MAX_TRACKED = 4096  # sessions whose history count the keeper remembers (a bound for a long-running server)
 FLUSH_BATCH = 500  # appended exchanges written per transaction (a loaded session may bring thousands)
+
+
+class Keeper(Protocol):
+    """What keeps a session's turns: the seam between the turn pipeline (which calls it for
+    each recorded turn) and the files and history store (which it writes). :class:`TurnKeeper`
+    is the one implementation; the engine and the session registry know only this."""
+
+    def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> str | None:
+        """Persist ``turn``, just recorded in ``session``; a notice for the user when part waits."""
+
+    def adopted(self, session: Session) -> str | None:
+        """Persist a session just opened from a file under a new id, every turn of it."""
+
+    def saved(self, session: Session) -> str | None:
+        """The session's file was written by someone else: bring the history up to it."""
+
+    def unsaved(self, session: Session) -> bool:
+        """Whether the session's last save failed (it is kept only in memory until saved)."""
+
+    def retry(self) -> int:
+        """Write the history rows that wait; how many still wait."""
 
 
 @dataclass
@@ -75,7 +98,7 @@ class TurnKeeper:
     user (no server path or URL in it) that says what waits and until when.
     """
 
-    def __init__(self, store: Any = None, save: SaveFile | None = None, *, model_id: str = "") -> None:
+    def __init__(self, store: HistoryStore | None = None, save: SaveFile | None = None, *, model_id: str = "") -> None:
         self.store = store
         self.save = save
         self.model_id = model_id
@@ -263,11 +286,12 @@ class TurnKeeper:
             self._told[key] = path
 
 
-def default_keeper(engine: Any, store: Any) -> TurnKeeper:
-    """The keeper an engine started by :meth:`isagi.pipeline.engine.Engine.start` uses."""
+def default_keeper(frame: Callable[[], SessionFrame], store: HistoryStore | None, *, model_id: str) -> TurnKeeper:
+    """The keeper an engine started by :meth:`isagi.pipeline.engine.Engine.start` uses: files
+    written with :func:`isagi.session.files.save_session` under the engine's ``frame()``."""
     from isagi.session.files import save_session
 
-    return TurnKeeper(store, lambda session, path: save_session(engine.frame, session, path), model_id=engine.lm.model_id)
+    return TurnKeeper(store, lambda session, path: save_session(frame(), session, path), model_id=model_id)
 
 
 # --------------------------------------------------------------------------- the start-up repair

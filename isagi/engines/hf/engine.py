@@ -23,6 +23,7 @@ class TransformersEngine:
     """A :class:`~isagi.engines.hf.model.LoadedModel` (or a stand-in with the same attributes) as a ModelEngine."""
 
     backend = "transformers"
+    slots = 1  # one turn at a time: a generation holds the model's one KV cache
 
     def __init__(self, loaded: Any, backend_reason: str = "") -> None:
         self.loaded = loaded

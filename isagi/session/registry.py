@@ -1,4 +1,4 @@
-"""The per-browser session registry of the web app.
+"""The live sessions of a server: which session each id names, who owns it, who uses it now.
 
 Owns the mapping *session id → live Session* (docs/architecture.md, Layout: the model and the
 per-model profile are shared, a Session never is). Gradio's ``gr.State`` holds
@@ -51,12 +51,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from isagi.errors import IsagiError
+from isagi.errors import IsagiError, SessionBusy, SessionLimit
 from isagi.ids import new_session_id
 from isagi.session.folder import SessionFiles
+from isagi.session.state import Session
 from storage.owners import LOCAL_OWNER
+
+if TYPE_CHECKING:
+    from isagi.pipeline.engine import Engine
+    from isagi.session.files import SessionFrame
+
+SaveFn = Callable[["SessionFrame", Session, Path], None]
+LoadFn = Callable[..., Session]
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +74,17 @@ DEFAULT_IDLE_S = 30 * 60.0
 SAVE_RETRY_S = 5.0
 SAVED_AGAIN = "Saved: this chat's file and history are written now (there was room on the disk again)."
 MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotten beyond it)
+MAX_PARKABLE = 1024  # ids of parkable sessions remembered before those gone are forgotten
+
+__all__ = ["SAVED_AGAIN", "SAVE_RETRY_S", "Entry", "SessionBusy", "SessionLimit", "SessionRegistry",
+           "give_back_memory"]
 
 
 @dataclass
 class Entry:
     """One live session and what the app keeps beside it."""
 
-    session: Any
+    session: Session
     owner: str = LOCAL_OWNER
     client: str | None = None  # the client address that opened it (None: unknown)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,14 +124,6 @@ def _malloc_trim() -> Any:
     return None
 
 
-class SessionBusy(RuntimeError):
-    """The session is in use by another event of the same browser (e.g. a turn)."""
-
-
-class SessionLimit(IsagiError):
-    """Too many live sessions for this client, this user, or the server."""
-
-
 class SessionRegistry:
     """Live sessions by id, with owners, caps and idle eviction.
 
@@ -133,11 +137,11 @@ class SessionRegistry:
 
     def __init__(
         self,
-        get_engine: Callable[[], Any],
+        get_engine: Callable[[], Engine],
         *,
         idle_s: float = DEFAULT_IDLE_S,
-        save: Callable[[Any, Any, Path], None] | None = None,
-        load: Callable[..., Any] | None = None,
+        save: SaveFn | None = None,
+        load: LoadFn | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_per_client: int = 32,
         max_total: int = 256,
@@ -152,6 +156,8 @@ class SessionRegistry:
         self._entries: dict[str, Entry] = {}
         self._parked: dict[str, tuple[Path | None, str]] = {}  # id -> (file, owner)
         self._pages: dict[str, str] = {}  # a browser page (Gradio session hash) -> the session id it shows
+        # sessions made live for a stateless client's request (the API): parked to make room at a cap
+        self._parkable: dict[str, None] = {}
         self._guard = threading.Lock()  # protects the two dicts, never held during I/O
         self._reaper: threading.Thread | None = None
         self._reaper_stop = threading.Event()
@@ -160,17 +166,17 @@ class SessionRegistry:
 
     # -- helpers ---------------------------------------------------------------
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         return self._get_engine()
 
-    def _save_fn(self) -> Callable[[Any, Any, Path], None]:
+    def _save_fn(self) -> SaveFn:
         if self._save is None:
             from isagi.session.files import save_session
 
             self._save = save_session
         return self._save
 
-    def _load_fn(self) -> Callable[..., Any]:
+    def _load_fn(self) -> LoadFn:
         if self._load is None:
             from isagi.session.files import load_session
 
@@ -283,7 +289,7 @@ class SessionRegistry:
                                               claimed=claimed)
         return session.id
 
-    def adopt(self, session: Any, *, fresh_id: bool = False, owner: str = LOCAL_OWNER,
+    def adopt(self, session: Session, *, fresh_id: bool = False, owner: str = LOCAL_OWNER,
               client: str | None = None) -> str:
         """Make a loaded or resumed session live as ``owner``'s; returns its id.
 
@@ -305,7 +311,7 @@ class SessionRegistry:
             self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
         return session.id
 
-    def reopen(self, session: Any, *, owner: str = LOCAL_OWNER, client: str | None = None) -> str:
+    def reopen(self, session: Session, *, owner: str = LOCAL_OWNER, client: str | None = None) -> str:
         """Make ``owner``'s saved ``session`` live again under its own id (a page reload,
         a Resume); returns that id, never a fork.
 
@@ -319,7 +325,8 @@ class SessionRegistry:
             entry = self._entries.get(sid)
             parked = self._parked.get(sid)
             if entry is not None or parked is not None:
-                if (entry.owner if entry is not None else parked[1]) != owner:  # type: ignore[index]
+                holder = entry.owner if entry is not None else parked[1] if parked is not None else None
+                if holder != owner:
                     raise KeyError(sid)
             else:
                 self._admit(owner, client)
@@ -329,6 +336,29 @@ class SessionRegistry:
                 return sid
         self.entry(sid, owner)  # live: touch it; parked: resume it from its file
         return sid
+
+    # -- parking to make room ----------------------------------------------------------
+    def mark_parkable(self, sid: str) -> None:
+        """``sid`` was made live (or named) by a stateless client's request: at a cap it may be
+        parked to make room for that client's next conversation (:meth:`park_one_parkable`)."""
+        with self._guard:
+            self._parkable[sid] = None
+            if len(self._parkable) > MAX_PARKABLE:  # forget the ids no longer live or parked
+                self._parkable = {m: None for m in self._parkable if m in self._entries or m in self._parked}
+
+    def park_one_parkable(self, owner: str, client: str | None) -> bool:
+        """Park ``owner``'s least recently used idle parkable session (``client``'s first); whether
+        one was. One whose file cannot be written stays live (logged)."""
+        with self._guard:
+            idle = sorted((e.client != client, e.last_used, sid) for sid, e in self._entries.items()
+                          if sid in self._parkable and e.owner == owner and not e.lock.locked())
+        for *_, sid in idle:
+            try:
+                if self.release(sid, park=True, owner=owner):
+                    return True
+            except IsagiError as exc:  # its file could not be written: it stays live
+                log.warning("could not park session %s to make room: %s", sid, exc)
+        return False
 
     # -- using -------------------------------------------------------------------
     def entry(self, sid: str | None, owner: str = LOCAL_OWNER) -> Entry:
@@ -370,11 +400,11 @@ class SessionRegistry:
     def ensure(self, sid: str | None, owner: str = LOCAL_OWNER, client: str | None = None) -> tuple[str, Entry]:
         """``owner``'s entry for ``sid``, or a brand-new session when ``sid`` is unknown
         (or another owner's)."""
-        try:
-            return sid, self.entry(sid, owner)  # type: ignore[return-value]
-        except KeyError:
-            new = self.create(owner, client)
-            return new, self.entry(new, owner)
+        if sid:
+            with contextlib.suppress(KeyError):
+                return sid, self.entry(sid, owner)
+        new = self.create(owner, client)
+        return new, self.entry(new, owner)
 
     @contextmanager
     def using(self, sid: str, *, timeout: float = 30.0, owner: str = LOCAL_OWNER) -> Iterator[Entry]:
@@ -459,20 +489,20 @@ class SessionRegistry:
         path = session.miku_path or self._autosave_path(session.id)
         engine = self.engine
         self._save_fn()(engine.frame, session, Path(path))
-        saved = getattr(getattr(engine, "keep", None), "saved", None)
-        if callable(saved):
-            saved(session)  # a history that still cannot take them keeps them waiting (and logs it)
+        if engine.keep is not None:
+            engine.keep.saved(session)  # a history that still cannot take them keeps them waiting (and logs it)
         return Path(path)
 
     def retry_saves(self) -> list[str]:
         """Save again every live session whose last save failed (the engine's keeper remembers
         them), each under its lock (one in use is tried at the next round); the ids written."""
         try:
-            unsaved = getattr(getattr(self.engine, "keep", None), "unsaved", None)
+            keep = self.engine.keep
         except Exception:  # still loading
             return []
-        if not callable(unsaved):
+        if keep is None:
             return []
+        unsaved = keep.unsaved
         with self._guard:
             entries = [e for e in self._entries.values() if unsaved(e.session)]
         done: list[str] = []
@@ -498,10 +528,10 @@ class SessionRegistry:
         """Ask the engine's keeper to write the history rows a full disk held back; returns how
         many still wait (0 also while the engine loads or when it keeps no backlog)."""
         try:
-            retry = getattr(getattr(self.engine, "keep", None), "retry", None)
+            keep = self.engine.keep
         except Exception:  # still loading
             return 0
-        return int(retry()) if callable(retry) else 0
+        return keep.retry() if keep is not None else 0
 
     def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER) -> bool:
         """Save (if it has turns) and drop ``owner``'s ``sid`` now.
