@@ -25,6 +25,7 @@ from app.views import (
     pending_html,
     turn_markdown,
 )
+from isagi.manifold.memory import TrajectoryMemory
 
 HOSTILE = [
     '"><script>alert(1)</script>',
@@ -177,11 +178,11 @@ def test_code_keeps_its_text_exactly() -> None:
 
 
 def test_summary_shows_a_bad_session_id_escaped() -> None:
-    session = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=[],
+    session = SimpleNamespace(memory=TrajectoryMemory(4), metric=SimpleNamespace(growth=0.0), turns=[],
                               id='`<img src=x onerror="y">`')
     out = manifold_summary(session)
     _no_markup(out)
-    good = SimpleNamespace(memory=[], metric=SimpleNamespace(growth=0.0), turns=[], id="0123456789ab")
+    good = SimpleNamespace(memory=TrajectoryMemory(4), metric=SimpleNamespace(growth=0.0), turns=[], id="0123456789ab")
     assert "`0123456789ab`" in manifold_summary(good)
 
 
