@@ -13,14 +13,15 @@ import msgpack
 import numpy as np
 
 from storage import miku
+from storage.miku.frame import _PREFIX, _Hasher
 
 
 def frame(payload: bytes, minor: int = 1, algo: str = "crc32") -> bytes:
     """A file around ``payload`` (the bytes after the checksum record), checksum correct."""
-    hasher = miku._Hasher(algo)
+    hasher = _Hasher(algo)
     hasher.update(payload)
     record = msgpack.packb({"algo": algo, "digest": hasher.digest()})
-    return miku._PREFIX.pack(miku.MAGIC, 2, minor, len(record)) + record + payload
+    return _PREFIX.pack(miku.MAGIC, 2, minor, len(record)) + record + payload
 
 
 def v21(meta: bytes | dict, area: bytes = b"") -> bytes:
@@ -32,8 +33,8 @@ def v21(meta: bytes | dict, area: bytes = b"") -> bytes:
 
 def split(data: bytes) -> tuple[dict, bytes]:
     """(meta, data area) of a v2.1 file."""
-    rec_len = miku._PREFIX.unpack_from(data)[3]
-    start = miku._PREFIX.size + rec_len
+    rec_len = _PREFIX.unpack_from(data)[3]
+    start = _PREFIX.size + rec_len
     meta_len = struct.unpack_from("<I", data, start)[0]
     return msgpack.unpackb(data[start + 4 : start + 4 + meta_len]), data[start + 4 + meta_len :]
 

@@ -12,13 +12,13 @@ import torch
 
 from isagi.errors import MikuError, StorageError
 from isagi.session.files import import_legacy
-from storage.legacy import read_legacy, tensor_path, write_legacy
 from storage.miku import read_miku
+from storage.miku.legacy import read_legacy, tensor_path, write_legacy
 from tests.test_miku import make_state
 
 
 def v1_pair(tmp_path: Path, n: int = 3, k: int = 4, d: int = 8) -> tuple[Path, dict, dict]:
-    """A v1 pair written by hand from the layout documented in storage/legacy.py."""
+    """A v1 pair written by hand from the layout documented in storage/miku/legacy.py."""
     g = torch.Generator().manual_seed(0)
     tensors = {
         "metric": torch.eye(k, dtype=torch.float64) + 0.01,

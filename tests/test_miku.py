@@ -22,6 +22,7 @@ from storage.miku import (
     MikuState,
     encode_miku,
     inspect_miku,
+    limits,
     new_header,
     read_miku,
     write_miku,
@@ -253,7 +254,7 @@ def test_file_size_bound_is_checked_before_reading(
 ) -> None:
     path = tmp_path / "s.miku"
     write_miku(path, make_state())
-    monkeypatch.setattr(miku, "MAX_MIKU_BYTES", path.stat().st_size - 1)
+    monkeypatch.setattr(limits, "MAX_MIKU_BYTES", path.stat().st_size - 1)
     with pytest.raises(MikuError, match="larger than the limit"):
         read_miku(path)
 
@@ -354,6 +355,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from tests.test_miku import make_state
     from storage import miku
+    from storage.miku import writer
     path, mode = sys.argv[1], sys.argv[2]
     state = make_state(n=int(sys.argv[3]), k=32, d=64, seed=7)
     if mode == "pause":
@@ -364,7 +366,7 @@ _CHILD = textwrap.dedent(
             print("MID", flush=True)
             time.sleep(3600)
             return n
-        miku._WRITE_CHUNK = 1 << 16
+        writer._WRITE_CHUNK = 1 << 16
         os.write = write_then_pause
         miku.write_miku(path, state)
     else:

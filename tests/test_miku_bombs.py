@@ -1,6 +1,6 @@
 """Hostile ``.miku`` files stay bounded: one-line MikuError, fast, and little memory.
 
-The bounds (stated in storage/miku.py): reading a file of S bytes peaks below
+The bounds (stated in docs/miku-format.md): reading a file of S bytes peaks below
 8 * S + 32 MiB of traced memory (tracemalloc sees Python objects, numpy
 arrays and msgpack's allocations); what it returns holds at most
 MAX_TURNS turns and at most MAX_TEXT_CHARS characters of texts, each

@@ -20,6 +20,8 @@ import pytest
 from isagi.errors import MikuError
 from storage import miku
 from storage.miku import decode_miku, encode_miku, file_version, inspect_miku, read_miku, write_miku
+from storage.miku.decode import _Loaded
+from storage.miku.frame import _PREFIX, _SEPARATORS, _Hasher
 from tests.test_miku import assert_same, make_state
 
 V20_CREATED = "2026-11-22T08:00:00+00:00"
@@ -71,10 +73,10 @@ def v20_state() -> miku.MikuState:
 
 def split_v21(data: bytes) -> tuple[dict, dict, bytes]:
     """(checksum record, meta, data area) of a v2.1 file."""
-    _, major, minor, rec_len = miku._PREFIX.unpack_from(data)
+    _, major, minor, rec_len = _PREFIX.unpack_from(data)
     assert (major, minor) == (2, 1)
-    start = miku._PREFIX.size + rec_len
-    record = msgpack.unpackb(data[miku._PREFIX.size : start])
+    start = _PREFIX.size + rec_len
+    record = msgpack.unpackb(data[_PREFIX.size : start])
     meta_len = struct.unpack_from("<I", data, start)[0]
     meta = msgpack.unpackb(data[start + 4 : start + 4 + meta_len])
     return record, meta, data[start + 4 + meta_len :]
@@ -84,10 +86,10 @@ def frame_v21(meta: dict, area: bytes, algo: str = "crc32") -> bytes:
     """A v2.1 file around ``meta`` and ``area`` with a correct checksum."""
     packed = msgpack.packb(meta, use_bin_type=True)
     payload = struct.pack("<I", len(packed)) + packed + area
-    hasher = miku._Hasher(algo)
+    hasher = _Hasher(algo)
     hasher.update(payload)
     record = msgpack.packb({"algo": algo, "digest": hasher.digest()})
-    return miku._PREFIX.pack(miku.MAGIC, 2, 1, len(record)) + record + payload
+    return _PREFIX.pack(miku.MAGIC, 2, 1, len(record)) + record + payload
 
 
 # --------------------------------------------------------------------------- v2.0
@@ -150,7 +152,7 @@ def test_texts_are_grouped_by_width_and_round_trip() -> None:
 
 
 def test_texts_holding_every_separator_are_cut_by_length() -> None:
-    every = "".join(miku._SEPARATORS)
+    every = "".join(_SEPARATORS)
     texts = [every, "a" + every, "", "é" + every, "plain", "意" + every]
     state = make_state()
     state.trajectories["query_text"] = texts
@@ -235,9 +237,9 @@ def test_checksum_is_verified_before_any_text_is_decoded(monkeypatch: pytest.Mon
     bad = bytearray(good)
     bad[len(good) - len(area) + group["data"]["offset"] + 1] = 0xFF  # invalid UTF-8, bad checksum
     calls = []
-    real = miku._Loaded.strings
+    real = _Loaded.strings
     monkeypatch.setattr(
-        miku._Loaded, "strings", lambda self, obj: calls.append(1) or real(self, obj)
+        _Loaded, "strings", lambda self, obj: calls.append(1) or real(self, obj)
     )
     with pytest.raises(MikuError, match="checksum does not match"):
         decode_miku(bytes(bad))

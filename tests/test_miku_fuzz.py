@@ -39,6 +39,8 @@ import pytest
 from isagi.errors import MikuError
 from storage import miku
 from storage.miku import decode_miku, encode_miku, read_miku
+from storage.miku.frame import _PREFIX, _SEPARATORS
+from storage.miku.validate import _HEADER_REQUIRED
 from tests.test_miku import make_state
 from tests.test_miku_compat import V20_FILE, frame_v21, split_v21
 
@@ -75,7 +77,7 @@ def _frame21(meta_bytes: bytes, area: bytes) -> bytes:
     """A v2.1 file around already-packed meta bytes, with a correct crc32."""
     payload = struct.pack("<I", len(meta_bytes)) + meta_bytes + area
     record = msgpack.packb({"algo": "crc32", "digest": zlib.crc32(payload).to_bytes(4, "big")})
-    return miku._PREFIX.pack(miku.MAGIC, 2, 1, len(record)) + record + payload
+    return _PREFIX.pack(miku.MAGIC, 2, 1, len(record)) + record + payload
 
 
 def _constrained_paths(node: Any, path: tuple = ()) -> list[tuple]:
@@ -83,7 +85,7 @@ def _constrained_paths(node: Any, path: tuple = ()) -> list[tuple]:
     out = [path]
     if path[:1] == ("extra",) and len(path) >= 2:
         return []  # anything JSON-like is allowed inside extra
-    if path[:1] == ("header",) and len(path) == 2 and path[1] not in miku._HEADER_REQUIRED:
+    if path[:1] == ("header",) and len(path) == 2 and path[1] not in _HEADER_REQUIRED:
         return []  # optional header scalars may be any scalar
     if (
         len(path) == 5
@@ -378,7 +380,7 @@ def test_damaged_v20_files_all_raise_mikuerror(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_damaged_files_whose_texts_are_cut_by_length_all_raise_mikuerror(tmp_path: Path) -> None:
-    every = "".join(miku._SEPARATORS)  # no free separator: texts are cut by their lengths
+    every = "".join(_SEPARATORS)  # no free separator: texts are cut by their lengths
     state = make_state(n=6, k=4, d=8)
     state.trajectories["query_text"] = [every, "a" + every, "", "é" + every, "plain", "意" + every]
     good = encode_miku(state)

@@ -1,6 +1,6 @@
 """The writer writes nothing its reader refuses: each limit, both sides, one check.
 
-For every limit of ``storage.miku`` a session just over it is refused by
+For every limit of ``storage.miku`` (set in ``storage.miku.limits``) a session just over it is refused by
 ``write_miku`` with the reader's own reason, and nothing is written (a file
 already there is unchanged, no temporary file is left). The same session,
 written with that limit lifted, is refused by ``read_miku`` with the limit
@@ -19,7 +19,7 @@ import pytest
 
 from isagi.errors import MikuError
 from storage import miku
-from storage.miku import MikuState, read_miku, write_miku
+from storage.miku import MikuState, limits, read_miku, write_miku
 from tests.test_miku import make_state
 
 MIB = 1024**2
@@ -126,7 +126,7 @@ def test_the_writer_refuses_each_limit_as_the_reader_does_and_writes_nothing(
     write_miku(path, make_state())
     before = path.read_bytes()
     for key, value in lower.items():
-        monkeypatch.setattr(miku, key, value)
+        monkeypatch.setattr(limits, key, value)
     state = make_state()
     change(state)
     with pytest.raises(MikuError) as written:
@@ -138,7 +138,7 @@ def test_the_writer_refuses_each_limit_as_the_reader_does_and_writes_nothing(
     other = tmp_path / "lifted" / "s.miku"
     with monkeypatch.context() as m:
         for key, value in lift.items():
-            m.setattr(miku, key, value)
+            m.setattr(limits, key, value)
         write_miku(other, state)
     with pytest.raises(MikuError) as read:
         read_miku(other)
@@ -148,10 +148,10 @@ def test_the_writer_refuses_each_limit_as_the_reader_does_and_writes_nothing(
 def test_the_writer_counts_the_size_of_the_file_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The size limit (and the memory budget, which grows with the size) apply to the same number of bytes."""
     size = len(miku.encode_miku(make_state()))
-    monkeypatch.setattr(miku, "MAX_MIKU_BYTES", size)
+    monkeypatch.setattr(limits, "MAX_MIKU_BYTES", size)
     write_miku(tmp_path / "fits.miku", make_state())
     assert (tmp_path / "fits.miku").stat().st_size == size
-    monkeypatch.setattr(miku, "MAX_MIKU_BYTES", size - 1)
+    monkeypatch.setattr(limits, "MAX_MIKU_BYTES", size - 1)
     with pytest.raises(MikuError, match=f"it is {size} bytes, larger than the limit of {size - 1} bytes"):
         write_miku(tmp_path / "over.miku", make_state())
     assert not (tmp_path / "over.miku").exists()

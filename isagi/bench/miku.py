@@ -157,8 +157,8 @@ def run(turns: int = 5_000, k: int = 64, d: int = 576, repeats: int = 3) -> dict
     the peak memory of one load as traced by tracemalloc (and per byte of the
     file), and the upload limit ``MAX_MIKU_BYTES`` over that size.
     """
-    from storage.legacy import read_legacy, tensor_path, write_legacy
     from storage.miku import MAX_MIKU_BYTES, raw_size, read_miku, write_miku
+    from storage.miku.legacy import read_legacy, tensor_path, write_legacy
 
     state = synthetic_state(turns, k, d)
     with tempfile.TemporaryDirectory(prefix="isagi-bench-miku-") as tmp:

@@ -16,7 +16,7 @@ server's pattern (:func:`isagi.ids.is_session_id`) is replaced by a fresh one.
 What a file records of the engine it was made with, and must match to load,
 is a :class:`SessionFrame` (``Engine.frame``), not the engine: this module
 sits below the turn pipeline. Also the import of a research-code miku-v1 pair
-(:func:`import_legacy`): ``storage.legacy`` reads it, this module completes it
+(:func:`import_legacy`): ``storage.miku.legacy`` reads it, this module completes it
 with ISAGI's defaults into a session that resumes.
 """
 
@@ -354,8 +354,8 @@ def import_legacy(
     Refuses to overwrite the v1 JSON itself (``new_path == old_path``), since
     the v1 pair would then be lost if anything went wrong.
     """
-    from storage.legacy import read_legacy
     from storage.miku import write_miku
+    from storage.miku.legacy import read_legacy
 
     old, new = Path(old_path), Path(new_path)
     if old.resolve() == new.resolve():
