@@ -136,12 +136,12 @@ class ChatHandlers:
         try:
             engine = p.engine
             checked = engine.check(message)  # validated once, here: the turn takes it as it is
-            sid = p.sessions.ensure(sid, owner, client)
         except (EngineLoading, IsagiError) as exc:
             yield PageUpdate(state=sid, alert=p.warn(str(exc)))
             return
         options = self._options(max_tokens, sample, temperature)
-        yield from self._turn(sid, checked, options, colour_by, owner=owner, clear_box=True)
+        yield from self._turn(sid, checked, options, colour_by, owner=owner, clear_box=True,
+                              new_if_unknown=True, client=client)
 
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
@@ -169,26 +169,30 @@ class ChatHandlers:
         yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
 
     def _turn(
-        self, sid: str, message: Any, options: Any, colour_by: str, *,
+        self, sid: str | None, message: Any, options: Any, colour_by: str, *,
         regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
+        new_if_unknown: bool = False, client: str | None = None,
     ) -> Iterator[PageUpdate]:
         """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
         ``regenerate``: the engine's Regenerate of the last question (``message`` is not used);
         the new turn replaces the last one, or, if it fails, the old one stays. ``clear_box``
-        empties the message box once the message is shown.
+        empties the message box once the message is shown. ``new_if_unknown``: a new session of
+        ``owner`` from ``client`` when ``sid`` is unknown or another owner's (a first message).
         """
         p = self.page
         with contextlib.ExitStack() as held:
             try:
                 run = held.enter_context(p.sessions.turn(sid, owner, message, options, regenerate=regenerate,
-                                                         if_left="keep", timeout=STOP_WAIT_S))
-            except SessionBusy as exc:
+                                                         if_left="keep", timeout=STOP_WAIT_S,
+                                                         new_if_unknown=new_if_unknown, client=client))
+            except (SessionBusy, SessionLimit) as exc:
                 yield PageUpdate(state=sid, alert=p.warn(str(exc)))
                 return
             except KeyError:  # dropped meanwhile (e.g. reclaimed while empty): the next message makes one
                 yield PageUpdate(state=None, alert=p.warn("This chat was closed; send your message again."))
                 return
+            sid = run.sid
             session = run.session
             failure = yield from self._stream(sid, run, message, regenerate=regenerate, clear_box=clear_box)
             if failure is not None:  # the engine has put the session back as it was

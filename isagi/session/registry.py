@@ -409,10 +409,20 @@ class SessionRegistry:
     @contextmanager
     def using(self, sid: str, *, timeout: float = 30.0, owner: str = LOCAL_OWNER) -> Iterator[Entry]:
         """Hold ``owner``'s session's lock (one event at a time); raise :class:`SessionBusy` on timeout."""
-        entry = self.entry(sid, owner)
+        with self.holding(self.entry(sid, owner), timeout=timeout) as entry:
+            yield entry
+
+    @contextmanager
+    def holding(self, entry: Entry, *, timeout: float = 30.0) -> Iterator[Entry]:
+        """Hold the lock of ``entry`` (looked up already); :class:`SessionBusy` on timeout, and
+        :class:`KeyError` when it was dropped meanwhile (an empty one reclaimed at a cap)."""
         if not entry.lock.acquire(timeout=timeout):
             raise SessionBusy("This chat is busy with another request; try again in a moment.")
         try:
+            with self._guard:
+                current = self._entries.get(entry.session.id) is entry
+            if not current:
+                raise KeyError(entry.session.id)
             entry.last_used = self._clock()
             entry.claimed = False
             yield entry

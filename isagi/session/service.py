@@ -104,6 +104,7 @@ class TurnRun:
     page's Stop, a lost browser) or *dropped*, rolled back (an API client gone).
     """
 
+    sid: str
     entry: Entry
     _open: Callable[[], Iterator[TurnEvent]]
     _events: Iterator[TurnEvent] | None = None
@@ -224,10 +225,6 @@ class SessionService:
         if for_request:
             self.registry.mark_parkable(sid)
         return sid
-
-    def ensure(self, sid: str | None, owner: str, client: str | None) -> str:
-        """``owner``'s session ``sid``, or a new one when it is unknown (or another's)."""
-        return self.registry.ensure(sid, owner, client)[0]
 
     def release(self, sid: str | None, owner: str | None) -> bool:
         """Save and park the session a page leaves (New chat, Resume of another, a load).
@@ -404,21 +401,27 @@ class SessionService:
     # -- a turn ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def turn(
-        self, sid: str, owner: str, message: Message | None, options: GenerationOptions, *,
+        self, sid: str | None, owner: str, message: Message | None, options: GenerationOptions, *,
         regenerate: bool = False, if_left: Literal["keep", "drop"] = "keep", timeout: float = BUSY_WAIT_S,
-        expect: list[Exchange] | None = None,
+        expect: list[Exchange] | None = None, new_if_unknown: bool = False, client: str | None = None,
     ) -> Iterator[TurnRun]:
         """Hold ``owner``'s session ``sid`` for one turn of ``message`` (or Regenerate of its last
-        question) and give its :class:`TurnRun`.
+        question) and give its :class:`TurnRun` (its ``sid`` is the session's).
 
         :class:`~isagi.errors.SessionBusy` when another event holds it past ``timeout``,
-        :class:`KeyError` when it is unknown (closed meanwhile). ``expect``: the exchanges the
-        session was found by (:meth:`find`); another request that continued it meanwhile raises
+        :class:`KeyError` when it is unknown (closed meanwhile), unless ``new_if_unknown``: then
+        a new session of ``owner`` from ``client`` is made (the page's first message; a
+        :class:`SessionLimit` at a cap). ``expect``: the exchanges the session was found by
+        (:meth:`find`); another request that continued it meanwhile raises
         :class:`~isagi.errors.ConversationChanged`. A run left before its end is ended as
         ``if_left`` says (:meth:`TurnRun.end`).
         """
         engine = self.engine
-        with self.registry.using(sid, timeout=timeout, owner=owner) as entry:
+        if new_if_unknown:
+            sid, found = self.registry.ensure(sid, owner, client)
+        else:
+            found = self.registry.entry(sid, owner)
+        with self.registry.holding(found, timeout=timeout) as entry:
             if expect is not None and not same_exchanges(_exchanges(entry.session), expect):
                 raise ConversationChanged("Another request continued this conversation first; send the "
                                           "conversation again with that request's reply.")
@@ -432,7 +435,7 @@ class SessionService:
                 assert message is not None
                 return engine.stream_turn(entry.session, message, options=options, stop=entry.stop)
 
-            run = TurnRun(entry, open_events)
+            run = TurnRun(entry.session.id, entry, open_events)
             try:
                 yield run
             finally:
