@@ -1,0 +1,6 @@
+"""The llama.cpp engine (:mod:`.engine`): a GGUF on the CPU through llama-cpp-python's
+low-level API. Importers take its public names from the package."""
+
+from isagi.engines.llamacpp.engine import FLASH_ATTN, LlamaCppDecoding, LlamaCppEngine
+
+__all__ = ["FLASH_ATTN", "LlamaCppDecoding", "LlamaCppEngine"]
