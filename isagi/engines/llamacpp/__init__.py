@@ -1,6 +1,7 @@
 """The llama.cpp engine (:mod:`.engine`): a GGUF on the CPU through llama-cpp-python's
 low-level API. Importers take its public names from the package."""
 
-from isagi.engines.llamacpp.engine import FLASH_ATTN, LlamaCppDecoding, LlamaCppEngine
+from isagi.engines.llamacpp.decoding import LlamaCppDecoding
+from isagi.engines.llamacpp.engine import FLASH_ATTN, LlamaCppEngine
 
 __all__ = ["FLASH_ATTN", "LlamaCppDecoding", "LlamaCppEngine"]
