@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import heapq
 import math
 import os
 import threading
@@ -84,9 +83,10 @@ from typing import Any
 import numpy as np
 
 from isagi.engines.base import GenerationOptions, check_layer
-from isagi.engines.kv_prefix import PrefixStore, Shift
-from isagi.engines.llama_thread import on_llama_thread
+from isagi.engines.kv_prefix import PrefixStore
 from isagi.engines.llamacpp.decoding import LlamaCppDecoding
+from isagi.engines.llamacpp.forward import ForwardPasses
+from isagi.engines.llamacpp.sequences import Sequences
 from isagi.engines.llamacpp.text import ChatText
 from isagi.errors import ModelLoadError
 
@@ -102,7 +102,7 @@ def _silence_llama_log(llama_cpp: Any) -> None:
         llama_cpp.llama_log_set(_LOG_SILENCER, None)
 
 
-class LlamaCppEngine(ChatText):
+class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
     """A GGUF model in one llama.cpp context (see the module docstring for the design)."""
 
     backend = "llamacpp"
@@ -253,196 +253,6 @@ class LlamaCppEngine(ChatText):
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         with contextlib.suppress(Exception):
             self.close()
-
-    # -- compute --------------------------------------------------------------
-    def _clear(self, owner: object | None) -> None:
-        # metadata only: zeroing the KV buffers (data=True) cost ~1 ms a call and nothing reads them
-        self._ll.llama_memory_clear(self._mem, False)
-        self.owner = owner
-
-    # -- slots (several sequences: isagi.engines.llamacpp_steps) -------------------
-    def _take_slot(self, owner: object, *, all_of_them: bool = False) -> int:
-        """A free sequence for ``owner`` (waits until one is free), emptied; ``all_of_them``: every
-        sequence (a steered decoding: the control vector acts on the whole context)."""
-        with self._slots_cv:
-            if all_of_them:
-                # while it waits, no reply starts: the replies running end and it goes next
-                # (else a steady flow of chat turns would keep it waiting for ever)
-                self._wanting_all += 1
-                try:
-                    self._slots_cv.wait_for(lambda: len(self._free) == self.slots)
-                finally:
-                    self._wanting_all -= 1
-                taken = list(self._free)
-                self._free.clear()
-            else:
-                self._slots_cv.wait_for(lambda: bool(self._free) and not self._wanting_all)
-                taken = [heapq.heappop(self._free)]
-        for seq in taken:
-            self._slot_owner[seq] = owner
-        seq = min(taken)
-        with self.lock:
-            self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        return seq
-
-    def _slot_eval(self, ids: list[int], *, capture: dict[bytes, int] | None, truncate: bool = False,
-                   logits: str = "none") -> Any:
-        """Evaluate ``ids`` from position 0 in a free sequence, then empty and free it (several slots)."""
-        from isagi.engines.llamacpp_steps import Step
-
-        owner = object()
-        seq = self._take_slot(owner)
-        try:
-            step = self.steps.run(Step(seq, ids, 0, logits=logits, capture=capture, truncate=truncate))
-            return step
-        finally:
-            with self.lock:
-                self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            self._give_slot(owner)
-
-    def _give_slot(self, owner: object) -> None:
-        """Every sequence ``owner`` holds, free again."""
-        with self._slots_cv:
-            for seq, held in list(self._slot_owner.items()):
-                if held is owner:
-                    del self._slot_owner[seq]
-                    heapq.heappush(self._free, seq)
-            self._slots_cv.notify_all()
-
-    def _save_prefix(self, tokens: list[int], seq: int = 0) -> None:
-        """Keep the KV cache of sequence ``seq``, which holds exactly ``tokens``, in :attr:`prefixes`."""
-        ll = self._ll
-        with self.lock:  # the store too: one engine may be used from several threads
-            size = int(ll.llama_state_seq_get_size(self._ctx, seq))
-            buf = np.empty(size, dtype=np.uint8)  # kept as it is: no second copy into bytes
-            got = int(ll.llama_state_seq_get_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                                  size, seq))
-            if got:
-                self.prefixes.put(tokens, buf[:got])
-
-    def _restore_prefix(self, ids: list[int], limit: int, *, shift: bool = False, seq: int = 0) -> int:
-        """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
-        sequence 0, cut to that prefix or ``limit`` tokens; returns how many leading tokens
-        need no evaluation (never all of them: the last prompt token is evaluated for its logits).
-
-        ``shift``: a saved cache that holds more of ``ids`` once a gap is cut out of it
-        (:meth:`~isagi.engines.kv_prefix.PrefixStore.best_shift`) is taken instead, and the
-        gap is cut out with the positions after it moved down (a context shift)."""
-        ll = self._ll
-        with self.lock:
-            found = self.prefixes.best(ids[:limit])
-            moved = self.prefixes.best_shift(ids[:limit]) if shift and self.can_shift else None
-            if moved is not None and (found is None or moved.reused > found[2]):
-                data, shared = moved.data, moved.reused
-            elif found is not None:
-                moved, (_tokens, data, shared) = None, found
-            else:
-                return 0
-            buf = np.frombuffer(data, dtype=np.uint8)  # llama.cpp copies from it, no copy here
-            if not int(ll.llama_state_seq_set_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                                   len(buf), seq)):
-                ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                return 0
-            if moved is not None and not self._cut(moved, seq):
-                ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                return 0
-            start = min(shared, len(ids) - 1)
-            ll.llama_memory_seq_rm(self._mem, seq, start, -1)
-        return start
-
-    def _cut(self, moved: Shift, seq: int = 0) -> bool:
-        """Cut the gap of ``moved`` out of sequence ``seq`` and move the run after it down to follow
-        the head (llama.cpp re-rotates the moved keys at the next decode); False if refused."""
-        ll, mem = self._ll, self._mem
-        if not (ll.llama_memory_seq_rm(mem, seq, moved.cut + moved.run, -1)
-                and ll.llama_memory_seq_rm(mem, seq, moved.head, moved.cut)):
-            return False
-        ll.llama_memory_seq_add(mem, seq, moved.cut, -1, moved.head - moved.cut)
-        self.context_shifts += 1
-        return True
-
-    def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
-                truncate: bool = False) -> dict[int, np.ndarray]:
-        """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
-
-        ``truncate``: stop computing once the captured layers are read; the KV cache
-        above them and the logits are then left unwritten, so only for states alone.
-        """
-        with self.lock:
-            return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate)
-
-    def _decode_token(self, token: int, capture: dict[bytes, int] | None) -> dict[int, np.ndarray]:
-        """:meth:`_decode` of one token at the sequence's next position (a fed-back reply token),
-        without the batching: the per-token path of every reply, kept lean."""
-        ll, cap = self._ll, self._capture
-        with self.lock:
-            if capture:
-                cap.start(capture, 1)
-            self._one_id[0] = token
-            try:
-                status = int(on_llama_thread(ll.llama_decode, self._ctx, self._one_batch))
-            finally:
-                cap.stop()
-            self._check(status, capture)
-            self._evaluated += 1
-            return cap.rows() if capture else {}
-
-    def _check(self, status: int, capture: dict[bytes, int] | None) -> None:
-        if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status} (context {self._n_ctx} tokens)")
-        if capture and not self._capture.complete():  # pragma: no cover - a graph without these nodes
-            raise RuntimeError(f"llama.cpp's graph gave no whole {sorted(capture)} outputs")
-
-    def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
-                       truncate: bool = False) -> dict[int, np.ndarray]:
-        rows: dict[int, list[np.ndarray]] = {layer: [] for layer in (capture or {}).values()}
-        n_batch = 512
-        for off in range(0, len(ids), n_batch):
-            chunk = ids[off : off + n_batch]
-            if capture:
-                self._capture.start(capture, len(chunk), truncate=truncate)
-            try:
-                status = self._run_batch(chunk, start + off, all_logits=all_logits, last=off + len(chunk) == len(ids))
-            finally:
-                self._capture.stop()
-            self._check(status, capture)
-            self._evaluated += len(chunk)
-            for layer, got in (self._capture.rows().items() if capture else ()):
-                rows[layer].append(got)
-        return {layer: np.concatenate(parts) if len(parts) > 1 else parts[0] for layer, parts in rows.items() if parts}
-
-    def _run_batch(self, chunk: list[int], pos: int, *, all_logits: bool, last: bool) -> int:
-        ll = self._ll
-        if not all_logits:  # positions follow the sequence; logits for the last token only
-            arr = (ll.llama_token * len(chunk))(*chunk)
-            return int(on_llama_thread(ll.llama_decode, self._ctx, ll.llama_batch_get_one(arr, len(chunk))))
-        batch = ll.llama_batch_init(len(chunk), 0, 1)
-        try:
-            for i, tok in enumerate(chunk):
-                batch.token[i] = tok
-                batch.pos[i] = pos + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = True
-            batch.n_tokens = len(chunk)
-            return int(on_llama_thread(ll.llama_decode, self._ctx, batch))
-        finally:
-            ll.llama_batch_free(batch)
-
-    @staticmethod
-    def _names(layers: list[int]) -> dict[bytes, int]:
-        return {f"l_out-{layer - 1}".encode(): layer for layer in layers}
-
-    def _logits(self, i: int = -1) -> np.ndarray:
-        """A view (no copy) of the logits of output ``i``, valid until the next decode."""
-        ptr = self._ll.llama_get_logits_ith(self._ctx, i)
-        address = ctypes.cast(ptr, ctypes.c_void_p).value
-        view = self._logit_views.get(address)
-        if view is None:  # the context's logits buffer stays put: one view per output slot
-            if len(self._logit_views) > 64:
-                self._logit_views.clear()
-            view = self._logit_views[address] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-        return view
 
     def generation(
         self,
