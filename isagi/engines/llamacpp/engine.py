@@ -72,13 +72,11 @@ engine's capture hook sees (before its steering hook).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -86,20 +84,9 @@ from isagi.engines.base import GenerationOptions, check_layer
 from isagi.engines.kv_prefix import PrefixStore
 from isagi.engines.llamacpp.decoding import LlamaCppDecoding
 from isagi.engines.llamacpp.forward import ForwardPasses
+from isagi.engines.llamacpp.load import load_model, model_quant, open_context, start_backend
 from isagi.engines.llamacpp.sequences import Sequences
 from isagi.engines.llamacpp.text import ChatText
-from isagi.errors import ModelLoadError
-
-FLASH_ATTN = 0  # llama_flash_attn_type: -1 AUTO (llama.cpp's default: on for the CPU), 0 disabled, 1 enabled
-_LOG_SILENCER: Any = None
-
-
-def _silence_llama_log(llama_cpp: Any) -> None:
-    """llama.cpp logs every load step to stderr; ISAGI reports its own errors."""
-    global _LOG_SILENCER
-    if _LOG_SILENCER is None:
-        _LOG_SILENCER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda *_a: None)
-        llama_cpp.llama_log_set(_LOG_SILENCER, None)
 
 
 class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
@@ -122,49 +109,26 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         import llama_cpp
 
         self._ll = ll = llama_cpp
-        _silence_llama_log(ll)
-        ll.llama_backend_init()
+        start_backend(ll)
         self.model_id, self.source, self.fingerprint = model_id, str(path), fingerprint
         self.backend_reason = backend_reason
         self.n_threads = int(n_threads or os.cpu_count() or 1)
         self.device_reason = f"llama.cpp runs GGUF models on the CPU ({self.n_threads} threads)"
-        params = ll.llama_model_default_params()
-        self._model = ll.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise ModelLoadError(
-                f"llama.cpp could not load {path}: is it a complete GGUF file? Re-download it, or "
-                "use --backend transformers with a Hugging Face model directory."
-            )
+        self._model = load_model(ll, path)
         self._vocab = ll.llama_model_get_vocab(self._model)
         self._n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
         self._n_embd = int(ll.llama_model_n_embd(self._model))
         self._n_layer = int(ll.llama_model_n_layer(self._model))
         self._n_ctx_train = int(ll.llama_model_n_ctx_train(self._model))
-        desc = ctypes.create_string_buffer(256)
-        ll.llama_model_desc(self._model, desc, len(desc))
-        # e.g. "llama ?B Q4_1": the GGUF's own quantisation, part of the profile key
-        self.quant = "gguf-" + (desc.value.decode("utf-8", "replace").split() or ["unknown"])[-1]
+        self.quant = model_quant(ll, self._model)
         from isagi.engines.layer_capture import LayerCapture
 
         self._capture = LayerCapture(self._n_embd)
         self._cb = ll.ggml_backend_sched_eval_callback(self._capture.pointer)  # kept alive with the engine
-        cparams = ll.llama_context_default_params()
         self._n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
         self.slots = max(1, int(slots))
-        # several sequences: one KV stream each (kv_unified off), so each decodes as in a context
-        # of its own (isagi.engines.llamacpp_steps); n_ctx is then the sum of the slots' contexts
-        cparams.n_ctx = self._n_ctx * self.slots
-        cparams.n_seq_max = self.slots
-        cparams.kv_unified = self.slots == 1
-        cparams.n_batch = cparams.n_ubatch = 512
-        cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.cb_eval = self._cb
-        cparams.cb_eval_user_data = self._capture.user_data
-        # plain attention (see FLASH_ATTN); the benches' plain baseline uses the same kernel
-        cparams.flash_attn_type = FLASH_ATTN
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            raise ModelLoadError(f"llama.cpp could not create a context of {self._n_ctx} tokens for {path}.")
+        self._ctx = open_context(ll, self._model, n_ctx=self._n_ctx, slots=self.slots, n_threads=self.n_threads,
+                                 cb_eval=self._cb, cb_eval_user_data=self._capture.user_data, path=path)
         self._mem = ll.llama_get_memory(self._ctx)
         from isagi.engines.llamacpp_steps import StepRunner
 
