@@ -1,72 +1,24 @@
-"""The llama.cpp engine: a GGUF on the CPU through llama-cpp-python's low-level API.
+"""The llama.cpp engine: a GGUF on the CPU behind the ModelEngine protocol.
 
-Owns loading a GGUF (the embedded default is read as it is, no conversion),
-the chat template (the GGUF's own Jinja template, rendered as transformers
-renders it, then tokenised by llama.cpp), reading layer outputs, decoding
-(greedy: the argmax of the logits; sampling: llama.cpp's sampler chain),
-steering through the control-vector API, and cancelling between tokens. The
-context uses llama.cpp's plain attention kernel, not flash attention: on the
-CPU, flash attention decodes slower once a chat's history fills the KV cache
-(``isagi bench attention`` measures both; docs/measurements.md has the figures).
+Owns :class:`LlamaCppEngine`, what the rest of ISAGI holds: it loads the model
+and opens its one context (:mod:`isagi.engines.llamacpp.load`), states the
+model's facts (layers, width, context, stop tokens, memory), opens decodings
+(:mod:`isagi.engines.llamacpp.decoding`) and runs the batched passes that
+calibration and the evaluations ask for: prompt states, greedy replies with
+their states, a reply's mean negative log-likelihood. The engine's other
+methods come from mixins that each own one part of the engine: its text
+(:mod:`isagi.engines.llamacpp.text`), its forward passes with layer capture
+(:mod:`isagi.engines.llamacpp.forward`) and the KV cache's sequences, slots
+and saved prefixes (:mod:`isagi.engines.llamacpp.sequences`). An engine may
+be used from several threads; ``lock`` keeps llama.cpp to one
+``llama_decode`` (or KV cache change) at a time, and with several slots the
+step runner (:mod:`isagi.engines.llamacpp_steps`) batches the replies' tokens.
 
-Layer outputs. llama.cpp names the residual stream after block ``il``
-(0-based) ``l_out-<il>``; that is transformers' ``hidden_states[il + 1]``,
-so ISAGI's layer ``L`` is ``l_out-<L-1>`` (checked numerically by the
-model-tier test against transformers fp32 on the dequantised GGUF). They are
-read in the scheduler's eval callback (``llama_context_params.cb_eval``):
-on the ``ask`` call the callback says which nodes it wants; the scheduler
-then splits the graph after each wanted node and calls back with the data,
-which on the CPU backend is host memory. The callback is compiled machine
-code (:mod:`isagi.engines.layer_capture`), so the ~936 asks per decoded token
-cost no Python call each.
-
-What reading reply states costs is what ``isagi bench generate`` reports as
-``capture_ratio`` (against llama-cpp-python's own ``Llama`` with the same
-attention kernel: ``llamacpp_vs_plain``); the figures, for a Python (ctypes)
-callback and the compiled one, are in docs/measurements.md. The alternative
-with no callback on the decode context at all -- a second context holding the
-KV cache that re-evaluates each guard window of 8 reply tokens as one batch
-to capture them -- was slower still (an 8-token batch costs several
-single-token steps on two cores). So ISAGI uses ONE context with the callback
-installed; the prefill is evaluated exactly once
-and every reply token once, with its states at the layers asked for.
-
-Prompt states alone (calibration, and a turn's lookup prompt when the reply
-is decoded from another prompt: ``states_only``) go one step further: once
-the last wanted layer is copied the callback answers ``False`` on the data
-call, which ends the graph's compute, so the later blocks and the output head
-(a third of SmolLM2's weights) are skipped; 621 of 936 nodes run for layers
-18 and 20. Such a context's KV cache above those layers is left unwritten, so
-it is cleared before any other use and never saved as a prefix.
-
-Prompts that extend an earlier one. A decoding's KV cache (its prompt and
-the reply tokens fed back) is saved when it closes (:mod:`isagi.engines.kv_prefix`);
-a later decoding allowed to (``reuse_prefix``) loads the saved cache that
-shares the longest prefix with its prompt and evaluates only the rest. A
-chat turn's prompt is the previous turn's prompt, reply and the new message,
-so a turn evaluates its new tokens only, whichever sessions ran in between.
-Once a session's history passes the prompt budget, the history window drops
-a block of the oldest exchanges (:mod:`isagi.manifold.window`) and the prompt no
-longer starts as the previous one did. A decoding opened with
-``context_shift`` then loads the previous turn's cache anyway, cuts the
-dropped exchanges out of it (``llama_memory_seq_rm``) and moves the rest down
-to follow the system prompt (``llama_memory_seq_add``; llama.cpp re-rotates
-the moved keys at the next decode), as llama.cpp's own server does when a
-chat outgrows its context, so that turn too evaluates only its new tokens.
-The moved tokens' cache was computed after the exchanges now cut out, so it
-is not exactly what a fresh evaluation of the new prompt gives
-(``tests/test_window_model.py`` compares the replies and their states).
-
-Under CPU contention (several processes on two cores) llama.cpp's threads
-wait on each other at every node; ``ISAGI_THREADS=1`` then runs faster than
-two threads. Benchmarks in this repository are rough for that reason.
-
-Steering: ``llama_set_adapter_cvec`` adds a vector to ``l_out-<il>`` for
-``il_start <= il <= il_end``; its buffer starts at ``il = 1`` (block 0 has no
-control tensor), so ISAGI's layer ``L`` (>= 2) is slot ``L - 2`` of the
-buffer. The captured state at a steered layer is read after the vector is
-added; the engine subtracts it again, so states mean what the transformers
-engine's capture hook sees (before its steering hook).
+Prompt states for calibration (:meth:`LlamaCppEngine.iter_prompt_states`)
+keep, with one sequence, the KV cache of each prompt's leading tokens shared
+with the previous prompt (the system prompt at least): a causal model's state
+at a position depends only on the tokens up to it, so only the rest is
+evaluated.
 """
 
 from __future__ import annotations
@@ -90,7 +42,8 @@ from isagi.engines.llamacpp.text import ChatText
 
 
 class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
-    """A GGUF model in one llama.cpp context (see the module docstring for the design)."""
+    """A GGUF model in one llama.cpp context (the design: the docstrings of the modules of
+    :mod:`isagi.engines.llamacpp`)."""
 
     backend = "llamacpp"
     device = "cpu"
@@ -218,6 +171,7 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         with contextlib.suppress(Exception):
             self.close()
 
+    # -- decodings and batched passes -----------------------------------------
     def generation(
         self,
         messages: list[dict[str, str]],
