@@ -138,9 +138,11 @@ def _one_turn(events: Any, stop: threading.Event, *, interactive: bool, out: Any
 
     Returns the turn and what of it could not be saved yet (the "done" event's notice)."""
     turn, notice = None, None
-    if interactive:
-        out.print("isagi> ", end="")
+    # Ctrl-C means Stop from the moment the reply's prompt shows: "isagi> " is printed with the
+    # handler installed (printed before it, a Ctrl-C right after it left the chat instead)
     with StopOnInterrupt(stop):
+        if interactive:
+            out.print("isagi> ", end="")
         for event in events:
             if isinstance(event, Done):
                 turn, notice = event.turn, event.notice
