@@ -209,3 +209,19 @@ def test_reaper_thread_evicts(engine):
         reg.stop_reaper()
     assert sid not in reg
     assert reg.evicted_total >= 1
+
+
+def test_the_engines_saved_states_go_when_the_last_session_is_evicted_or_closed(registry, engine, clock):
+    """Issue 37: nothing model-sized outlives the open sessions: the engine is told to forget its
+    saved states when idle eviction or a closed page leaves no session live, not before."""
+    calls: list[int] = []
+    engine.lm.forget_saved_states = lambda: calls.append(1) or 0
+    a, b = registry.create(), registry.create()
+    _turn(engine, registry.entry(a).session, "what is a manifold?")
+    clock.t += 30
+    registry.entry(b)
+    clock.t += 40
+    assert registry.evict_idle() == [a] and calls == []  # b is still live
+    registry.attach("page-1", b)
+    assert registry.detach("page-1", "local") == b  # its page closed: parked, nothing live
+    assert calls == [1]

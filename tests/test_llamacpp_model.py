@@ -373,3 +373,26 @@ def test_a_one_slot_engines_decodes_run_on_one_thread_whichever_thread_asks(defa
         t.join()
     assert len(callers) == 4
     assert len(seen) == 1 and not seen & callers, (seen, callers)
+
+
+def test_once_no_session_is_open_the_saved_kv_prefixes_are_dropped(default_llama, small_profile, settings_default,
+                                                                 tmp_path) -> None:
+    """Issue 37: a closed session keeps nothing model-sized. A turn leaves its KV cache saved as a
+    prefix for the next one; once idle eviction has parked every session, the store is empty."""
+    from isagi.pipeline.engine import Engine
+    from isagi.session.registry import SessionRegistry
+
+    engine = Engine(settings_default.with_overrides(home=tmp_path, backend="llamacpp"), default_llama, small_profile)
+    clock = [0.0]
+    registry = SessionRegistry(lambda: engine, idle_s=60, clock=lambda: clock[0])
+    a, b = registry.create(), registry.create()
+    engine.turn(registry.entry(a).session, "Name three colours of the rainbow.")
+    assert default_llama.prefixes.nbytes > 0
+    clock[0] = 30.0
+    registry.entry(b)  # b used since: only a is idle
+    clock[0] = 70.0
+    assert registry.evict_idle() == [a]
+    assert default_llama.prefixes.nbytes > 0  # b is still open: its conversation may use them
+    clock[0] = 200.0
+    assert registry.evict_idle() == [b]
+    assert default_llama.prefixes.nbytes == 0 and len(default_llama.prefixes) == 0

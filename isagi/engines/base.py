@@ -238,6 +238,11 @@ class ModelEngine(Protocol):
 
     def footprint_bytes(self) -> int: ...
 
+    def forget_saved_states(self) -> int:
+        """Drop what the engine keeps of past conversations to speed up later ones (llama.cpp's
+        saved KV prefixes); the bytes given back (0: it keeps none)."""
+        ...
+
 
 def check_layer(layer: int, num_layers: int) -> None:
     """Raise :class:`~isagi.errors.ConfigError` for a layer outside 1..num_layers."""

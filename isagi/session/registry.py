@@ -464,7 +464,11 @@ class SessionRegistry:
             if sid is None or sid in self._pages.values():
                 return None
         try:
-            return sid if self.release(sid, park=True, owner=owner) else None
+            if not self.release(sid, park=True, owner=owner):
+                return None
+            if not self._entries:  # the last open chat closed: nothing of the model's state is kept
+                self._when_idle()
+            return sid
         except Exception as exc:  # a failed save keeps it live (release says so); nobody to tell
             log.warning("could not park session %s after its page closed: %s", sid, exc)
             return None
@@ -611,8 +615,24 @@ class SessionRegistry:
                 entry.lock.release()
         self.evicted_total += len(evicted)
         if evicted:
-            give_back_memory()
+            self._when_idle()
         return evicted
+
+    def _when_idle(self) -> None:
+        """Sessions were dropped: with none live any more, the engine's saved states of past
+        conversations go too (a closed session keeps nothing model-sized), then the freed memory
+        goes back to the system."""
+        with self._guard:
+            idle = not self._entries
+        if idle:
+            try:
+                freed = self.engine.lm.forget_saved_states()
+            except Exception as exc:  # still loading, or a stand-in engine: nothing to forget
+                log.debug("could not forget the engine's saved states: %s", exc)
+            else:
+                if freed:
+                    log.info("no session is open: dropped %.0f MiB of saved model states", freed / 2**20)
+        give_back_memory()
 
     def start_reaper(self, interval_s: float = 60.0, retry_s: float = SAVE_RETRY_S) -> None:
         """In a daemon thread: :meth:`retry_saves` and :meth:`retry_history` every ``retry_s``

@@ -183,6 +183,10 @@ class TransformersEngine:
             out += [states[i, width : width + n] for i, n in enumerate(lengths)]
         return out
 
+    def forget_saved_states(self) -> int:
+        """Nothing to forget: this backend keeps no state of past conversations."""
+        return 0
+
     def reply_nll(self, messages: list[dict[str, str]], reply_ids: list[int]) -> float:
         import torch
 

@@ -121,6 +121,14 @@ class Sequences:
             self._slots_cv.notify_all()
 
     # -- saved prefixes (isagi.engines.kv_prefix) -----------------------------
+    def forget_saved_states(self) -> int:
+        """Drop every saved KV prefix (no open conversation needs one: the server is idle); the
+        bytes given back. Under the engine's lock, as every use of the store."""
+        with self.lock:
+            freed = int(self.prefixes.nbytes)
+            self.prefixes.clear()
+        return freed
+
     def _save_prefix(self, tokens: list[int], seq: int = 0) -> None:
         """Keep the KV cache of sequence ``seq``, which holds exactly ``tokens``, in :attr:`prefixes`."""
         ll = self._ll
