@@ -18,10 +18,16 @@ looks at every request to Gradio's API (``/gradio_api/...``) before Gradio does:
   cache (an app that is mounted, not launched, skips its own check), and hand
   the handler a path. The handler then gives its one neutral answer, the same
   for every path, existing or not.
-- **Files served.** Gradio's file route (``/gradio_api/file=<path>``) serves any file in its
-  cache to whoever names the URL. A download the page handed out (Save .miku, an export) and a
-  waiting upload are recorded for their owner (:meth:`app.uploads.UploadLedger.hand_out`,
-  :meth:`~app.uploads.UploadLedger.holders`): anyone else gets 404, no login 401.
+- **Files served.** Gradio's file routes (``/gradio_api/file=<path>`` and the older
+  ``/gradio_api/file/<path>``) serve any file in its cache to whoever names the URL. Here a file
+  is served only to a login it was handed to: a download the page handed out (Save .miku, an
+  export) or a waiting upload, recorded for its owner (:meth:`app.uploads.UploadLedger.hand_out`,
+  :meth:`~app.uploads.UploadLedger.holders`). Anyone else, and any file recorded for nobody
+  (one a crashed server left in the cache), gets 404; no login 401.
+- **Event calls.** The data of a call of one of the page's events (``queue/join``,
+  ``run/``, ``call/``) must fit the event's inputs (:class:`app.event_shapes.EventShapes`: how
+  many, of which kind, within a slider's range, among a radio's choices); anything else is a
+  400 with one line, before Gradio would raise on it (a 500 and a traceback in the log).
 - **Uploads.** A multipart request must state its length; room for it is
   reserved in the caller's upload quota before a byte is read (over it: 413
   with the reason), and the upload route's answer (the paths Gradio wrote) is
@@ -42,6 +48,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from app.event_shapes import EventShapes
 from app.uploads import UploadLedger
 from isagi.errors import UploadError
 from isagi.session.service import LOCAL_OWNER
@@ -158,6 +165,15 @@ async def _read_body(receive: Any, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
+def _served_file(rest: str) -> str | None:
+    """The file a request to Gradio's API names on one of its file routes (``file=<path>``,
+    ``file/<path>``), from the path after ``/gradio_api/``; None for any other route."""
+    for prefix in ("file=", "file/"):
+        if rest.startswith(prefix):
+            return rest[len(prefix):]
+    return None
+
+
 def _depth(node: Any) -> int:
     """How deep lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
     deepest, stack = 0, [(node, 1)]
@@ -220,8 +236,10 @@ class GradioGuard:
     """
 
     def __init__(self, app: Any, *, ledger: UploadLedger, user_of: UserOf, auth: bool,
-                 hashes: Bindings | None = None, events: Bindings | None = None) -> None:
+                 hashes: Bindings | None = None, events: Bindings | None = None,
+                 shapes: EventShapes | None = None) -> None:
         self.app = app
+        self.shapes = shapes  # the page's events (None: calls are not checked)
         self.ledger = ledger
         self.user_of = user_of
         self.auth = bool(auth)
@@ -237,12 +255,13 @@ class GradioGuard:
         route = path[at + len(API):].strip("/")
         user = self.user_of(scope) if self.auth else None
         owner = (user or "") if self.auth else LOCAL_OWNER
-        if route.startswith("file="):  # a download or a waiting upload is its owner's alone
-            holders = self.ledger.holders(path[at + len(API) + len("file="):])
-            if holders is not None and self.auth and user is None:
+        served = _served_file(path[at + len(API):])
+        if served is not None:  # a download or a waiting upload is its owner's alone
+            holders = self.ledger.holders(served)
+            if self.auth and user is None:
                 await _answer(send, 401, NOT_LOGGED_IN)
                 return
-            if holders is not None and owner not in holders:
+            if holders is None or owner not in holders:  # another's, or recorded for nobody
                 await _answer(send, 404, "Not Found")
                 return
         if self.auth and not self._url_admitted(route, scope, user):
@@ -267,6 +286,9 @@ class GradioGuard:
             return
         if _depth(data) > MAX_JSON_DEPTH:
             await _answer(send, 400, TOO_DEEP)
+            return
+        if self.shapes is not None and (why := self.shapes.problem(route, data)) is not None:
+            await _answer(send, 400, f"This call does not fit the page's event: {why}.")
             return
         if isinstance(data, dict):
             if self.auth and not self._body_admitted(route, data, user):

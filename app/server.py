@@ -228,6 +228,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
     import gradio as gr
     from starlette.routing import Mount
 
+    from app.event_shapes import EventShapes
     from app.guard import Bindings, GradioGuard, gradio_login
     from app.layout import CSS, build_blocks
 
@@ -255,7 +256,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
         raise RuntimeError(f"Gradio uploads to {gradio_app.uploaded_file_dir}, not {uploads.root}")
     hashes, events = Bindings(), Bindings()
     app.add_middleware(GradioGuard, ledger=uploads, user_of=gradio_login(gradio_app), auth=auth is not None,
-                       hashes=hashes, events=events)
+                       hashes=hashes, events=events, shapes=EventShapes.from_blocks(blocks))
     app.state.isagi_bindings = (hashes, events)
 
 

@@ -484,7 +484,62 @@ def test_a_download_is_served_to_its_owner_only_and_names_no_words_of_the_chat(w
         # and alice's waiting upload, by its URL
         assert bob.get(f"gradio_api/file={waiting}").status_code == 404
         assert nobody.get(f"gradio_api/file={waiting}").status_code == 401
+        # Gradio's older file route serves the same files: the same answers (before: 200 for bob)
+        for path in (miku["path"], exported["path"], waiting):
+            theirs = bob.get(f"gradio_api/file/{path}")
+            assert theirs.status_code == 404 and SECRET.encode() not in theirs.content, path
+            assert nobody.get(f"gradio_api/file/{path}").status_code == 401
     assert world["alice"].get(f"gradio_api/file={waiting}").status_code == 200
+    assert world["alice"].get(f"gradio_api/file/{waiting}").status_code == 200
+
+
+def test_a_file_in_gradios_cache_that_nobody_was_handed_is_served_to_nobody(world) -> None:
+    """A download or upload a killed server left in Gradio's cache is recorded for nobody (the
+    ledger lives in memory): it is a 404 for every login on both file routes (before: 200 for
+    any login that had the URL, for as long as the file stayed)."""
+    left = world["cache"] / ("0" * 40) / "isagi-0123456789ab-20261128.json"
+    left.parent.mkdir(parents=True, exist_ok=True)
+    left.write_text(f'{{"said": "{SECRET}"}}', encoding="utf-8")
+    with logged_in(world["url"], "bob", "b") as bob:
+        for client in (world["alice"], bob):
+            for url in (f"gradio_api/file={left}", f"gradio_api/file/{left}"):
+                r = client.get(url)
+                assert r.status_code == 404 and SECRET.encode() not in r.content, url
+
+
+def test_an_event_call_that_does_not_fit_its_inputs_is_a_400_with_no_traceback(world, caplog) -> None:
+    """Data Gradio would raise on (a 500 and 20-90 traceback lines each) is refused with one line:
+    too few values, a string for a slider, a slider past its end, a choice the radio lacks, a
+    body without data, by every route that runs an event; the page's own calls still go."""
+    raw = world["raw_alice"]
+    deps = {d.get("api_name"): d for d in raw.deps()}
+    send, explore = deps["send"], deps["explore"]
+    good = [raw.value_for(c, "") for c in send["inputs"]]
+    good[0] = "What is a manifold?"
+    names = [raw.components[c]["props"].get("elem_id") or raw.components[c]["props"].get("label")
+             for c in send["inputs"]]
+    kinds = [raw.components[c]["type"] for c in send["inputs"]]
+    bad_joins = [good[:1], [*good[:2], "abc", *good[3:]], [*good[:2], 10**6, *good[3:]],
+                 [*good[:-1], "rainbow"], [*good[:3], "yes", *good[4:]]]
+    assert names[2] == "isagi-max-tokens" and kinds[3] == "checkbox" and kinds[-1] == "radio"
+    explore_api = [v for v, c in zip(["ocean", 100, 8], explore["inputs"], strict=True)]
+    for_routes = [
+        ("queue/join", {"fn_index": send["id"], "data": d, "session_hash": "alicehash0021"}) for d in bad_joins
+    ] + [
+        ("queue/join", {"fn_index": 9999, "data": [], "session_hash": "alicehash0021"}),
+        ("run/explore", {"data": explore_api}),
+        ("run/explore", {"data": ["ocean", "abc", 8]}),
+        ("call/explore", {"data": ["ocean"]}),
+        ("call/send", {"x": 1}),
+        ("call/v2/send", {}),
+        ("call/v2/send", {"message": "hi", "nonsense": 1}),
+    ]
+    for route, body in for_routes:
+        caplog.clear()
+        r = world["alice"].post(f"gradio_api/{route}", json=body)
+        assert r.status_code == 400 and "does not fit" in r.json()["detail"], (route, body, r.text[:200])
+        assert "Traceback" not in caplog.text
+    assert raw.call(send, good, "alicehash0022")["success"]
 
 
 def test_a_handed_out_download_is_removed_after_its_time(tmp_path) -> None:
