@@ -204,6 +204,14 @@ BAD = {
         "metric is not symmetric",
     ),
     "huge metric": (_tensor("metric", lambda m: m * 1e200), "metric has an entry beyond"),
+    # finite, but every later turn's projection overflows to NaN (issue 37: loaded, then each turn failed)
+    "huge mean": (_tensor("mu", lambda m: np.full_like(m, 3e38)), "mu holds a value beyond"),
+    "huge basis": (_tensor("basis", lambda b: np.full_like(b, 3e38)), "basis holds a value beyond"),
+    "huge singular value": (_tensor("singular_values", lambda v: _poke(v, 3e38)), "singular_values holds a value"),
+    "huge query coordinates": (
+        _column("query_x", lambda x: _poke(x, 3e38)),
+        "trajectories query_x holds a value beyond",
+    ),
     "singular values of the wrong length": (
         _tensor("singular_values", lambda v: np.append(v, 1.0).astype(np.float32)),
         "singular_values has shape",

@@ -58,6 +58,11 @@ MAX_TITLE_CHARS = 1000
 # |M[i, j]| at most: M grows by at most eta (in Frobenius norm) per update, so
 # no session comes near; beyond it the metric's arithmetic would overflow.
 MAX_METRIC_ENTRY = 1e12
+# Largest magnitude of the state's other arrays. A basis has unit columns (entries at most 1),
+# a model's hidden states (mu) stay within a few thousand, coordinates within what they give;
+# values near float32's end (3e38) load but make every later turn's arithmetic overflow (NaN).
+MAX_BASIS_ENTRY = 1e3
+MAX_STATE_ENTRY = 1e9  # mu, singular values, trajectory coordinates
 # |M - M^T| <= SYMMETRY_RTOL * max|M| + SYMMETRY_ATOL (Metric keeps M exactly symmetric)
 SYMMETRY_RTOL = 1e-8
 SYMMETRY_ATOL = 1e-12
@@ -80,7 +85,8 @@ def _bad(where: str, field: str, what: str) -> MikuError:
     return MikuError(f"{where}: {field} {what}; the file is damaged or not an ISAGI session.")
 
 
-def _float_array(where: str, field: str, arr: object, shape: tuple[int, ...]) -> np.ndarray:
+def _float_array(where: str, field: str, arr: object, shape: tuple[int, ...],
+                 bound: float = MAX_STATE_ENTRY) -> np.ndarray:
     if not isinstance(arr, np.ndarray):
         raise _bad(where, field, "is missing or not an array")
     if arr.dtype.kind != "f" or arr.dtype.itemsize < 4:
@@ -89,6 +95,8 @@ def _float_array(where: str, field: str, arr: object, shape: tuple[int, ...]) ->
         raise _bad(where, field, f"has shape {list(arr.shape)}, expected {list(shape)}")
     if not np.isfinite(arr).all():
         raise _bad(where, field, "holds NaN or infinite values")
+    if arr.size and float(np.abs(arr).max()) > bound:
+        raise _bad(where, field, f"holds a value beyond {bound:g}")
     return arr
 
 
@@ -133,12 +141,12 @@ def check_session_state(state: MikuState, where: str | Path = "session") -> None
             raise MikuError(f"{where}: the session file has no {name!r} tensor; it is not an ISAGI session.")
     if k > d:
         raise _bad(where, "header k", f"= {k} is larger than d = {d}")
-    _float_array(where, "basis", tensors["basis"], (d, k))
+    _float_array(where, "basis", tensors["basis"], (d, k), MAX_BASIS_ENTRY)
     _float_array(where, "mu", tensors["mu"], (d,))
     sv = _float_array(where, "singular_values", tensors["singular_values"], (k,))
     if k and float(sv.min()) < 0:
         raise _bad(where, "singular_values", "holds a negative value")
-    m = _float_array(where, "metric", tensors["metric"], (k, k)).astype(np.float64)
+    m = _float_array(where, "metric", tensors["metric"], (k, k), math.inf).astype(np.float64)
     if float(np.abs(m).max()) > MAX_METRIC_ENTRY:
         raise _bad(where, "metric", f"has an entry beyond {MAX_METRIC_ENTRY:g}")
     if not np.allclose(m, m.T, rtol=0.0, atol=SYMMETRY_RTOL * float(np.abs(m).max()) + SYMMETRY_ATOL):
@@ -179,7 +187,7 @@ def check_session_state(state: MikuState, where: str | Path = "session") -> None
         for name in ("query_x", "reply_x"):
             _float_array(where, f"trajectories {name}", traj.get(name), (n, k))
         for name in ("created", "last_hit"):
-            arr = _float_array(where, f"trajectories {name}", traj.get(name), (n,))
+            arr = _float_array(where, f"trajectories {name}", traj.get(name), (n,), MAX_TIMESTAMP)
             if n and (float(arr.min()) < 0 or float(arr.max()) > MAX_TIMESTAMP):
                 raise _bad(where, f"trajectories {name}", "holds a time out of range")
         _int_array(where, "trajectories id", traj.get("id"), n, 0)
