@@ -179,6 +179,30 @@ def test_turns_made_while_the_database_was_full_reach_the_history(tmp_path):
         ui2.page.engine.store.close()
 
 
+def test_when_the_servers_retry_writes_history_rows_a_full_database_held_back_the_page_says_saved(tmp_path):
+    """Only the history's file system full (the session file is written): the turn's notice says
+    its rows wait; once there is room, the server's own retry (no new message) writes them and the
+    page's next sync says "Saved" (before: the warning stayed, only a file retry said Saved)."""
+    from isagi.session.registry import SAVED_AGAIN
+
+    with tmpfs(tmp_path / "db", size="1m") as db:
+        url = f"sqlite:///{db / 'history.sqlite3'}"
+        ui = make_ui(tmp_path / "home", database_url=url)
+        disk = Filler(db)
+        sid = ui.page.registry.create()
+        run(ui.chat.send("one", sid, 4))
+        disk.fill()
+        assert "history could not record" in run(ui.chat.send("two", sid, 4))[-1].alert
+        assert ui.page.registry.retry_history() == 1 and history_texts(ui, sid) == ["one"]
+        disk.free()
+        assert ui.page.registry.retry_history() == 0  # the server's round, every few seconds
+        assert history_texts(ui, sid) == ["one", "two"]
+        update = quiet(ui.chat.sync, sid, None)
+        assert update.alert == SAVED_AGAIN
+        assert quiet(ui.chat.sync, sid, None).alert != SAVED_AGAIN  # said once
+        ui.page.engine.store.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

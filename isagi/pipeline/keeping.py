@@ -77,6 +77,9 @@ class Keeper(Protocol):
     def retry(self) -> int:
         """Write the history rows that wait; how many still wait."""
 
+    def waiting(self, session: Session) -> int:
+        """How many of the session's exchanges the history does not hold yet."""
+
 
 @dataclass
 class _Backlog:

@@ -545,7 +545,16 @@ class SessionRegistry:
             keep = self.engine.keep
         except Exception:  # still loading
             return 0
-        return keep.retry() if keep is not None else 0
+        if keep is None:
+            return 0
+        left = keep.retry()
+        # a turn whose notice said its history rows wait, now written: the page and the API say so
+        with self._guard:
+            told = [e for e in self._entries.values() if e.notice and not e.resaved]
+        for entry in told:
+            if not keep.unsaved(entry.session) and keep.waiting(entry.session) == 0:
+                entry.notice, entry.resaved = None, True
+        return left
 
     def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER) -> bool:
         """Save (if it has turns) and drop ``owner``'s ``sid`` now.
