@@ -86,7 +86,7 @@ class PageUpdate:
 
 # Each event's outputs, in the order the layout wires them.
 VIEW = ("chat", "turn", "summary", "map", "growth", "teh")  # what the page draws of its session
-LOAD = ("state", "status", *VIEW, "timer")  # the timer runs only while the model loads
+LOAD = ("state", "status", *VIEW, "timer", "alert")  # the timer runs only while the model loads
 TICK = LOAD
 SYNC = ("seen", "alert", *VIEW)
 TURN = ("state", "chat", "textbox", "alert", *VIEW[1:], "status", "seen")  # Send, Enter, Regenerate

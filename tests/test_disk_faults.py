@@ -325,3 +325,21 @@ def test_the_api_says_saved_once_the_server_has_written_what_a_full_disk_held_ba
                           {"role": "user", "content": "and another"}], sid)
             assert second["isagi"]["notice"] == SAVED_AGAIN
         engine.store.close()
+
+
+def test_a_reload_while_the_disk_is_still_full_says_again_that_the_chat_is_not_saved(tmp_path):
+    """The page reloaded before space returned shows the unsaved chat with its warning again
+    (before: an empty alert, as if all were saved)."""
+    with tmpfs(tmp_path / "home", size="3m") as home:
+        ui = make_ui(home)
+        disk = Filler(home)
+        sid = ui.page.registry.create()
+        run(ui.chat.send("one", sid, 4))
+        disk.fill()
+        assert "the disk is full" in run(ui.chat.send("two", sid, 4))[-1].alert
+        again = quiet(ui.chat.on_load, sid)
+        assert again.state == sid and "the disk is full" in (again.alert or "")
+        disk.free()
+        ui.page.registry.retry_saves()
+        assert not quiet(ui.chat.on_load, sid).alert  # saved now: nothing to warn about
+        ui.page.engine.store.close()

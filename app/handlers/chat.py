@@ -85,8 +85,11 @@ class ChatHandlers:
             except SessionLimit as exc:
                 return p.view(None, colour_by, owner).but(state=None, status=f"**{exc}**")
         loading = not (p.holder.ready or p.holder.failed)  # the banner's timer, only while loading
-        return p.view(sid, colour_by, owner).but(
+        update = p.view(sid, colour_by, owner).but(
             state=sid, status=p.status_line(owner), timer=gr.Timer(active=loading))
+        waiting = p.sessions.waiting_notice(sid, owner) if p.holder.ready else None
+        # still unsaved (a full disk): a reloaded page says so again
+        return update.but(alert=p.warn(waiting) if waiting else "")
 
     def _reattach(self, sid: Any, owner: str, client: str | None) -> str | None:
         """``owner``'s session ``sid`` made live under its own id, or None (unknown,

@@ -201,6 +201,12 @@ class SessionService:
         entry = self.registry.live_entry(sid, owner)
         return None if entry is None or entry.lock.locked() else entry
 
+    def waiting_notice(self, sid: str | None, owner: str) -> str | None:
+        """What ``owner``'s live session ``sid`` still has to save (its last turn's notice, a
+        full disk), for a page that shows it again (a reload); None when all is saved."""
+        entry = self.registry.live_entry(sid, owner)
+        return entry.notice if entry is not None else None
+
     def holds(self, sid: str | None, owner: str | None) -> bool:
         """Whether ``owner`` has ``sid`` live or parked."""
         return owner is not None and bool(sid) and self.registry.holds(sid, owner)
