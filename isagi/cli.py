@@ -417,6 +417,7 @@ def sessions_prune(older_than: Annotated[float, typer.Option(
                    home: HomeOpt = None, as_json: JsonOpt = False) -> None:
     """Delete every session (of every owner) last updated more than --older-than days ago: its
     history rows and its autosaved .miku. What ISAGI_SESSION_RETENTION has a server do daily."""
+    from isagi.datadir import no_other_process
     from isagi.session.folder import SessionFiles
     from isagi.session.retention import prune_sessions
 
@@ -424,7 +425,8 @@ def sessions_prune(older_than: Annotated[float, typer.Option(
         raise InputError(f"--older-than {older_than:g}: give a number of days above 0, e.g. 30.")
     settings = _settings(home=home)
     store = _store(home)
-    pruned = prune_sessions(store, SessionFiles(settings.sessions_dir), older_than, dry_run=dry_run)
+    with no_other_process(settings, "removing sessions"):  # a server would save its open ones again
+        pruned = prune_sessions(store, SessionFiles(settings.sessions_dir), older_than, dry_run=dry_run)
     if as_json:
         _print_json({"dry_run": dry_run, "older_than_days": older_than, "sessions": pruned.sessions,
                      "files": [str(p) for p in pruned.files]})

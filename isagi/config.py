@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -186,7 +187,7 @@ def _validated(s: Settings) -> Settings:
         raise ConfigError(f"ISAGI_IDLE_MINUTES={s.web_idle_minutes:g}: use a number of minutes from 0 to 10080 (a week).")
     if s.session_retention_days is not None and not (0 < s.session_retention_days <= 36_500):
         raise ConfigError(f"ISAGI_SESSION_RETENTION={s.session_retention_days:g}: use a number of days from "
-                          "0 to 36500 (e.g. 30), or leave it unset to keep every session.")
+                          "above 0 up to 36500 (e.g. 30), or leave it unset to keep every session.")
     return s
 
 
@@ -224,7 +225,13 @@ def _switch(name: str, value: str) -> bool:
     raise ConfigError(f"{name}={value!r} is not a switch; set it to 1 (on) or 0 (off).")
 
 
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
 def _float(name: str, value: str) -> float:
+    # a plain decimal number only: Python's float() also takes "1_0", Arabic digits and "infinity"
+    if not _PLAIN_NUMBER.fullmatch(value.strip()):
+        raise ConfigError(f"{name}={value!r} is not a number; set it to e.g. 30.")
     try:
         f = float(value)
     except ValueError:

@@ -25,6 +25,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -120,6 +121,27 @@ def _lock(path: Path) -> tuple[IO[bytes] | None, bool]:
                 log.warning("the data directory's lock stayed taken for %.0f s; going on without it", SHARED_WAIT_S)
                 return f, False
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def no_other_process(settings: Settings, doing: str) -> Iterator[None]:
+    """Hold the data directory's lock exclusively while ``doing`` (a command that must not run
+    beside a server, e.g. removing sessions it may have open); a :class:`DataDirError` saying
+    to stop the other process when one holds it."""
+    if fcntl is None:
+        yield
+        return
+    settings.home.mkdir(parents=True, exist_ok=True)
+    with open(settings.home / LOCK_NAME, "ab") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise DataDirError(f"another ISAGI process (a server or a chat) is using {settings.home}; stop it "
+                               f"before {doing}, or let the server do it (ISAGI_SESSION_RETENTION).") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def open_data_dir(settings: Settings, *, repair: bool = True) -> DataDir:

@@ -87,6 +87,28 @@ def test_the_cli_prunes_by_hand_and_refuses_a_bad_age(sessions) -> None:
     assert made["new"] in engine.store.session_times()
 
 
+def test_prune_by_hand_refuses_while_a_server_uses_the_data_directory(sessions) -> None:
+    """A server saves the sessions it has open again at shutdown (and the next start puts them
+    back in the history): pruning beside it deleted sessions that came back. It is refused while
+    another process holds the data directory, and runs once it has let go."""
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+    from isagi.datadir import open_data_dir
+
+    engine, made = sessions
+    home = str(engine.settings.home)
+    server = open_data_dir(engine.settings, repair=False)  # what isagi web holds while it runs
+    try:
+        refused = CliRunner().invoke(app, ["sessions", "prune", "--older-than", "30", "--home", home])
+        assert refused.exit_code == 2 and "another ISAGI process" in refused.output, refused.output
+        assert made["old"] in engine.store.session_times(), "nothing was removed"
+    finally:
+        server.close()
+    done = CliRunner().invoke(app, ["sessions", "prune", "--older-than", "30", "--home", home])
+    assert done.exit_code == 0 and made["old"] not in engine.store.session_times()
+
+
 def test_the_timer_runs_at_start_after_the_server_is_ready_and_survives_a_failed_pass() -> None:
     calls: list[str] = []
     ready_called = []
@@ -117,7 +139,7 @@ def test_the_retention_setting_reads_days_or_keep(tmp_path: Path, value: str, da
     assert s.session_retention_days == days
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "abc", "nan"])
+@pytest.mark.parametrize("value", ["0", "-3", "abc", "nan", "1_0", "\u0663", "infinity", "0x10"])
 def test_a_bad_retention_setting_says_what_to_set(tmp_path: Path, value: str) -> None:
     with pytest.raises(ConfigError, match="ISAGI_SESSION_RETENTION"):
         load_settings(environ={"ISAGI_SESSION_RETENTION": value}, home=tmp_path)

@@ -128,8 +128,8 @@ class RetentionTimer:
             try:
                 pruned = self._run()
                 if pruned.sessions:
-                    log.info("retention: removed %d sessions (%d files) past their retention",
-                             len(pruned.sessions), len(pruned.files))
+                    log.warning("retention: removed %d sessions (%d files) past their retention",
+                                len(pruned.sessions), len(pruned.files))
             except Exception as exc:  # a full disk, a database away: try again next time
                 log.warning("retention: this pass failed (%s); it runs again in %.0f s", exc, self._interval)
             self._stop.wait(self._interval)
