@@ -33,6 +33,7 @@ import logging
 import math
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,6 +235,10 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
 
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)
+    # A handler's warning (gr.Warning) in an event called outside the queue (/gradio_api/run/...)
+    # has no page to pop up on and falls back to Python's warnings: two log lines per refusal,
+    # carrying whatever id the caller sent. Its text is in the event's own outputs already.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"gradio\.helpers")
     gr.mount_gradio_app(
         app, blocks, path="/", auth=auth,
         auth_message=(

@@ -461,18 +461,29 @@ def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOC
 
 @app.command()
 @friendly
-def inspect(path: Path, as_json: JsonOpt = False) -> None:
+def inspect(
+    path: Path, as_json: JsonOpt = False, model: ModelOpt = None, home: HomeOpt = None,
+    any_model: Annotated[bool, typer.Option("--any-model", help="judge the file alone, whatever model saved it")] = False,
+) -> None:
     """Header, sizes, trajectories, metric growth and checksum status of a .miku file.
 
     Exits 1, saying why, if loading the file would be refused (a damaged
-    checksum, impossible values); 2 if it cannot be read at all.
+    checksum, impossible values, another model than the configured one: ISAGI_MODEL
+    or --model, unless --any-model); 2 if it cannot be read at all.
     """
     from isagi.console.tables import inspect_tables
+    from isagi.engines import model_fingerprint
     from isagi.session.files import session_from_state
     from storage.miku import inspect_miku
 
     # the loader's own judgement (what chat --load and the page would say), without a model
     data = inspect_miku(path, check=lambda state: session_from_state(state, "the session"))
+    expected = None if any_model else model_fingerprint(_settings(model=model, home=home))
+    got = str((data.get("header") or {}).get("model_fingerprint", ""))
+    if not data["refused"] and expected is not None and got != expected:
+        data["refused"] = (f"it was saved with model {str(data['header'].get('model_id'))[:80]!r} (fingerprint "
+                           f"{got[:16]}), not the configured model (fingerprint {expected[:16]}); chat --load "
+                           "and the page refuse it (chat --load --allow-other-model takes it anyway)")
     if as_json:
         _print_json(data)
     else:

@@ -117,10 +117,11 @@ def test_sessions_export_json_and_markdown_match_the_store(chatted: dict[str, An
 
 def test_inspect_reads_the_autosaved_file(chatted: dict[str, Any]) -> None:
     path = chatted["summary"].miku_path
-    data = json.loads(invoke("inspect", path, "--json").stdout)
+    # saved by the tests' tiny model: judged alone (the configured default model would refuse it)
+    data = json.loads(invoke("inspect", "--any-model", path, "--json").stdout)
     assert (data["turns"], data["messages"], data["trajectories"]) == (3, 6, 2)
     assert data["verdicts"] == {"ok": 3} and data["checksum"]["status"] == "ok"
-    table = invoke("inspect", path)
+    table = invoke("inspect", "--any-model", path)
     assert table.exit_code == 0 and re.search(r"turns\s+│\s+3\s", table.output)
     assert "3 answered" in table.output and "a new topic" in table.output  # plain words, not enum names
     missing = invoke("inspect", str(Path(path).with_name("nope.miku")))

@@ -518,7 +518,7 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
     path = tmp_path / "s.miku"
     write_miku(path, loadable(make_state()))
     runner = CliRunner()
-    shown = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "120"})
+    shown = runner.invoke(app, ["inspect", "--any-model", str(path)], env={"COLUMNS": "120"})
     assert shown.exit_code == 0, shown.output
     assert "refused" not in shown.output
     for heading in ("File", "Header", "Contents", "Tensors", "field", "value"):
@@ -526,7 +526,7 @@ def test_cli_inspect_prints_tables_in_plain_words_and_json_on_request(tmp_path: 
     assert "2 answered from memory" in shown.output  # tiers in plain words
     assert "crc32: ok" in shown.output
     assert "{'" not in shown.output  # no raw Python dicts
-    as_json = runner.invoke(app, ["inspect", str(path), "--json"])
+    as_json = runner.invoke(app, ["inspect", "--any-model", str(path), "--json"])
     assert as_json.exit_code == 0
     data = json.loads(as_json.output)
     assert data["tiers"]["RETRIEVE"] == 2 and data["checksum"]["status"] == "ok"
@@ -547,7 +547,7 @@ def _inspect(*args: str):  # noqa: ANN202 - click's Result
 
     from isagi.cli import app
 
-    return CliRunner().invoke(app, ["inspect", *args], env={"COLUMNS": "120"})
+    return CliRunner().invoke(app, ["inspect", "--any-model", *args], env={"COLUMNS": "120"})
 
 
 def test_cli_inspect_says_why_a_file_would_not_load_and_exits_1(tmp_path: Path) -> None:
@@ -626,3 +626,30 @@ def test_cli_inspect_refuses_exactly_what_the_loader_refuses(tmp_path: Path) -> 
         assert shown.exit_code == 1, (name, shown.output)
         reason = str(refused.value).split(": ", 1)[1]  # the loader's words after the file's name
         assert reason in shown.stderr.replace("\n", ""), (reason, shown.stderr)
+
+
+def test_cli_inspect_refuses_a_file_of_another_model_as_chat_load_does(tmp_path: Path) -> None:
+    """A sound file saved with another model: chat --load and the page refuse it (its geometry does
+    not apply), so inspect exits 1 and says so (before: exit 0); --any-model judges the file alone."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+    from isagi.config import load_settings
+    from isagi.engines import model_fingerprint
+
+    mine = model_fingerprint(load_settings(environ={}, home=tmp_path))
+    assert mine and mine.startswith("gguf-sha256:")
+    state = loadable(make_state())
+    path = tmp_path / "other.miku"
+    state.header["model_fingerprint"] = "0" * 64
+    write_miku(path, state)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect", str(path), "--home", str(tmp_path)], env={"COLUMNS": "120"})
+    assert shown.exit_code == 1 and "not the configured model" in shown.stderr, shown.output
+    assert runner.invoke(app, ["inspect", "--any-model", str(path)]).exit_code == 0
+    state.header["model_fingerprint"] = mine
+    write_miku(path, state)
+    same = runner.invoke(app, ["inspect", str(path), "--home", str(tmp_path), "--json"])
+    assert same.exit_code == 0 and json.loads(same.stdout)["refused"] is None

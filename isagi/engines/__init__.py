@@ -82,6 +82,21 @@ def choose_backend(settings: Settings) -> tuple[str, str]:
     return "llamacpp", f"auto: {what} on the CPU runs fastest with llama.cpp"
 
 
+def model_fingerprint(settings: Settings) -> str | None:
+    """The fingerprint the configured model's engine will have (what a session file must record
+    to load), without loading it; None when it cannot be known offline (a hub id)."""
+    from isagi.engines.hf.model import default_gguf_path, dir_fingerprint, gguf_fingerprint
+
+    if settings.model == "default":
+        return gguf_fingerprint(default_gguf_path())
+    path = Path(settings.model).expanduser()
+    if path.is_file():
+        return gguf_fingerprint(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return f"dir-sha256:{dir_fingerprint(path)}"
+    return None
+
+
 def load_engine(settings: Settings) -> ModelEngine:
     """The configured model behind the chosen backend; ISAGI's own BLAS then keeps to one
     thread, so it leaves the cores to the model (:mod:`isagi.engines.cpu_share`)."""

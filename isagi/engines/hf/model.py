@@ -241,7 +241,7 @@ def convert_default(models_dir: Path) -> tuple[Path, str]:
     return target, digest
 
 
-def _dir_fingerprint(path: Path) -> str:
+def dir_fingerprint(path: Path) -> str:
     """A cheap fingerprint of a model directory: config plus weight file names and sizes."""
     h = hashlib.sha256()
     for name in sorted(os.listdir(path)):
@@ -266,7 +266,7 @@ def resolve_source(settings: Settings) -> tuple[str, str, str]:
                 f"{local} is a directory but has no config.json: point --model at a "
                 "Hugging Face model directory (config.json + weights)."
             )
-        return spec, str(local), f"dir-sha256:{_dir_fingerprint(local)}"
+        return spec, str(local), f"dir-sha256:{dir_fingerprint(local)}"
     if local.exists() or spec.startswith((".", "/", "~")):
         raise ModelLoadError(f"Model path {spec!r} does not exist or is not a directory.")
     return spec, spec, ""  # a hub id: the fingerprint comes from the resolved snapshot
