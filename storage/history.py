@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from sqlalchemy import (
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -41,6 +42,7 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    inspect,
     select,
     update,
 )
@@ -56,6 +58,13 @@ from storage.titles import make_title
 T = TypeVar("T")
 ROLES = ("user", "assistant")
 OWNER_MAX = 64
+# The rows of an exchange that store a figure of its record (a column's ``info``): the user row
+# the query side's, the assistant row the reply side's, both the turn's tier and verdict.
+_USER_ROW: dict[str, object] = {"rows": ("user",)}
+_REPLY_ROW: dict[str, object] = {"rows": ("assistant",)}
+_BOTH_ROWS: dict[str, object] = {"rows": ROLES}
+# The record's field each row's ``text`` holds.
+TEXT_OF = {"user": "user_text", "assistant": "reply_text"}
 
 
 # --------------------------------------------------------------------------- models
@@ -93,20 +102,32 @@ class TurnModel(Base):
     seq: Mapped[int] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(16))
     text: Mapped[str] = mapped_column(Text)
-    tier: Mapped[str | None] = mapped_column(String(16))
-    distance: Mapped[float | None] = mapped_column(Float)
-    nearest_query: Mapped[str | None] = mapped_column(Text)
-    zone: Mapped[str | None] = mapped_column(String(32))
-    teh_prompt: Mapped[float | None] = mapped_column(Float)
-    teh_reply: Mapped[float | None] = mapped_column(Float)
-    verdict: Mapped[str] = mapped_column(String(16), default="ok")
-    latency_s: Mapped[float | None] = mapped_column(Float)
-    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
-    new_tokens: Mapped[int | None] = mapped_column(Integer)
-    metric_growth: Mapped[float | None] = mapped_column(Float)
+    # The exchange's figures: each a field of the record under the same name (TurnRecord), on
+    # the rows its ``info`` names.
+    tier: Mapped[str | None] = mapped_column(String(16), info=_BOTH_ROWS)
+    distance: Mapped[float | None] = mapped_column(Float, info=_USER_ROW)
+    nearest_query: Mapped[str | None] = mapped_column(Text, info=_USER_ROW)
+    zone: Mapped[str | None] = mapped_column(String(32), info=_USER_ROW)
+    teh_prompt: Mapped[float | None] = mapped_column(Float, info=_USER_ROW)
+    teh_reply: Mapped[float | None] = mapped_column(Float, info=_REPLY_ROW)
+    verdict: Mapped[str] = mapped_column(String(16), default="ok", info=_BOTH_ROWS)
+    latency_s: Mapped[float | None] = mapped_column(Float, info=_REPLY_ROW)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, info=_USER_ROW)
+    new_tokens: Mapped[int | None] = mapped_column(Integer, info=_REPLY_ROW)
+    metric_growth: Mapped[float | None] = mapped_column(Float, info=_REPLY_ROW)
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
     # The session's owner again, so that a search filters the rows it reads.
     owner: Mapped[str] = mapped_column(String(OWNER_MAX), server_default=LOCAL_OWNER)
+
+
+def _figure_columns() -> list[Column[object]]:
+    return [c for c in inspect(TurnModel).columns if "rows" in c.info]
+
+
+# The record's figures, in column order, and those each row of an exchange stores: the one list,
+# read from the model above.
+FIGURES = tuple(c.key for c in _figure_columns())
+ROW_FIGURES = {role: tuple(c.key for c in _figure_columns() if role in c.info["rows"]) for role in ROLES}
 
 
 # --------------------------------------------------------------------------- value types
@@ -116,6 +137,7 @@ class TurnRecord(Protocol):
     """One exchange as the store reads it: the fields it writes, plain numbers and texts.
 
     :class:`isagi.session.turn.Turn` (the one turn record) is one; the store needs no more of it.
+    Its fields are :data:`TEXT_OF`'s and the :data:`FIGURES` (tests/test_history.py checks it).
     """
 
     user_text: str
@@ -147,7 +169,8 @@ class SessionSummary:
 
 @dataclass(frozen=True)
 class TurnRow:
-    """One stored message (a user or an assistant row) with its figures."""
+    """One stored message (a user or an assistant row) with its figures (:data:`FIGURES`, in
+    order; :func:`_from_row` makes it)."""
 
     seq: int
     role: str
@@ -210,24 +233,22 @@ def _fold(s: str | None) -> str | None:
     return None if s is None else s.casefold()
 
 
-def _row(t: TurnModel) -> TurnRow:
-    return TurnRow(
-        seq=t.seq,
-        role=t.role,
-        text=t.text,
-        tier=t.tier,
-        distance=t.distance,
-        nearest_query=t.nearest_query,
-        zone=t.zone,
-        teh_prompt=t.teh_prompt,
-        teh_reply=t.teh_reply,
-        verdict=t.verdict,
-        latency_s=t.latency_s,
-        prompt_tokens=t.prompt_tokens,
-        new_tokens=t.new_tokens,
-        metric_growth=t.metric_growth,
-        created_at=_utc(t.created_at),
-    )
+# The one mapping between a record and its rows: _to_rows writes an exchange, _from_row reads a message.
+
+
+def _to_rows(session_id: str, seq: int, r: TurnRecord, owner: str, now: _dt.datetime) -> list[TurnModel]:
+    """One exchange's user row (at ``seq``, even) and assistant row."""
+    return [
+        TurnModel(session_id=session_id, seq=seq + i, role=role, text=getattr(r, TEXT_OF[role]), created_at=now,
+                  owner=owner, **{name: getattr(r, name) for name in ROW_FIGURES[role]})
+        for i, role in enumerate(ROLES)
+    ]
+
+
+def _from_row(t: TurnModel) -> TurnRow:
+    """One stored message as the store answers it."""
+    return TurnRow(seq=t.seq, role=t.role, text=t.text, created_at=_utc(t.created_at),
+                   **{name: getattr(t, name) for name in FIGURES})
 
 
 def _engine_for(url: URL) -> Engine:
@@ -459,50 +480,13 @@ class HistoryStore:
         now = _now()
         rows = []
         for r in records:
-            rows += self._exchange_rows(session_id, seq, r, owner, now)
+            rows += _to_rows(session_id, seq, r, owner, now)
             seq += 2
         db.add_all(rows)
         s.updated_at = now
         if not s.title:
             s.title = make_title(records[0].user_text)
         return seq // 2
-
-    @staticmethod
-    def _exchange_rows(session_id: str, seq: int, r: TurnRecord, owner: str, now: Any) -> list[TurnModel]:
-        """One exchange's user row (at ``seq``, even) and assistant row."""
-        return (
-            [
-                TurnModel(
-                    session_id=session_id,
-                    seq=seq,
-                    role="user",
-                    text=r.user_text,
-                    tier=r.tier,
-                    distance=r.distance,
-                    nearest_query=r.nearest_query,
-                    zone=r.zone,
-                    teh_prompt=r.teh_prompt,
-                    verdict=r.verdict,
-                    prompt_tokens=r.prompt_tokens,
-                    created_at=now,
-                    owner=owner,
-                ),
-                TurnModel(
-                    session_id=session_id,
-                    seq=seq + 1,
-                    role="assistant",
-                    text=r.reply_text,
-                    tier=r.tier,
-                    teh_reply=r.teh_reply,
-                    verdict=r.verdict,
-                    latency_s=r.latency_s,
-                    new_tokens=r.new_tokens,
-                    metric_growth=r.metric_growth,
-                    created_at=now,
-                    owner=owner,
-                ),
-            ]
-        )
 
     def replace_last_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Replace the last exchange of ``owner``'s session by ``record`` (Regenerate), in one transaction.
@@ -673,7 +657,7 @@ class HistoryStore:
                 .where(TurnModel.session_id == session_id, TurnModel.owner == owner)
                 .order_by(TurnModel.seq)
             ).scalars()
-            return [_row(t) for t in rows]
+            return [_from_row(t) for t in rows]
 
     def search(self, text: str, limit: int = 50, *, owner: str) -> list[SearchHit]:
         """``owner``'s messages containing ``text`` (case-insensitive substring), newest first."""
