@@ -53,7 +53,7 @@ from sqlalchemy.pool import StaticPool
 
 from isagi.errors import StorageError, storage_cause
 from storage.owners import LOCAL_OWNER
-from storage.titles import make_title
+from storage.titles import session_title
 
 T = TypeVar("T")
 ROLES = ("user", "assistant")
@@ -251,6 +251,13 @@ def _from_row(t: TurnModel) -> TurnRow:
                    **{name: getattr(t, name) for name in FIGURES})
 
 
+def _entitle(s: SessionModel, title: str | None, first_message: str | None = None) -> None:
+    """An untitled session gets its title (:func:`storage.titles.session_title`), if it has one yet."""
+    new = session_title(title, first_message)
+    if new and not s.title:
+        s.title = new
+
+
 def _engine_for(url: URL) -> Engine:
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, future=True)
@@ -403,13 +410,13 @@ class HistoryStore:
                     created = s is None
                     if s is None:
                         now = _now()
-                        db.add(SessionModel(id=session_id, title=make_title(title) if title else None,
+                        db.add(SessionModel(id=session_id, title=session_title(title),
                                             model_id=model_id, created_at=now, updated_at=now, owner=owner))
                         db.flush()
                     elif s.owner != owner:
                         raise not_found(session_id)
-                    elif title and not s.title:
-                        s.title = make_title(title)
+                    else:
+                        _entitle(s, title)
                     return then(db, created)
             except StorageError as exc:
                 # A concurrent writer created it between our read and insert.
@@ -484,8 +491,7 @@ class HistoryStore:
             seq += 2
         db.add_all(rows)
         s.updated_at = now
-        if not s.title:
-            s.title = make_title(records[0].user_text)
+        _entitle(s, None, records[0].user_text)
         return seq // 2
 
     def replace_last_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:

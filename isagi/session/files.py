@@ -41,7 +41,7 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.state import Session
 from isagi.session.turn import turns_from_messages, turns_to_messages
-from storage.titles import make_title
+from storage.titles import session_title
 
 if TYPE_CHECKING:
     from storage.miku import MikuState
@@ -396,6 +396,6 @@ def resumable(state: MikuState, where: str | os.PathLike[str] = "legacy session"
     }
     state.extra.setdefault("basis_explained", 0.0)
     first = next((m["text"] for m in state.conversation if m["role"] == "user"), "")
-    state.extra.setdefault("title", make_title(first) if first.strip() else "")  # none: untitled, as before
+    state.extra.setdefault("title", session_title(None, first) if first.strip() else "")  # none: untitled, as before
     check_session_state(state, where)
     return state
