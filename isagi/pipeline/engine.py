@@ -493,9 +493,8 @@ class Engine:
         d = self._decide(session, text, x, context_key)
         cluster = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
         now = time.time()
-        session.turns.append(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
-                                  cluster=cluster, asked_at=now, answered_at=now))
-        session.version += 1
+        session.add_turn(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
+                              cluster=cluster, asked_at=now, answered_at=now))
 
 
 def _learn(
