@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from sqlalchemy import (
     Column,
@@ -46,14 +46,18 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
 from isagi.errors import StorageError, storage_cause
 from storage.owners import LOCAL_OWNER
 from storage.titles import session_title
+
+if TYPE_CHECKING:
+    import sqlite3
 
 T = TypeVar("T")
 ROLES = ("user", "assistant")
@@ -261,16 +265,17 @@ def _entitle(s: SessionModel, title: str | None, first_message: str | None = Non
 def _engine_for(url: URL) -> Engine:
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, future=True)
-    memory = url.database in (None, "", ":memory:") or "mode=memory" in str(url)
+    database = url.database or ""
+    memory = database in ("", ":memory:") or "mode=memory" in str(url)
     kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
     if memory:
         kwargs["poolclass"] = StaticPool
     else:
-        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, **kwargs)
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
         # Autocommit at the driver level so that SQLAlchemy's "begin" below
         # decides how transactions start (pysqlite's own BEGIN is deferred).
         dbapi_conn.isolation_level = None
@@ -284,7 +289,7 @@ def _engine_for(url: URL) -> Engine:
         dbapi_conn.create_function("isagi_fold", 1, _fold, deterministic=True)
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
+    def _on_begin(conn: Connection) -> None:
         # Take the write lock at the start: read-then-write transactions
         # (next seq number) cannot deadlock or upgrade-fail under concurrency.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -340,7 +345,7 @@ class HistoryStore:
     # -- plumbing
 
     @contextlib.contextmanager
-    def _tx(self, what: str) -> Iterator[Any]:
+    def _tx(self, what: str) -> Iterator[OrmSession]:
         try:
             with self._sessions.begin() as db:
                 yield db
@@ -356,7 +361,7 @@ class HistoryStore:
         return self.engine.dialect.name == "sqlite"
 
     def _get_session(
-        self, db: Any, session_id: str, owner: str, *, lock: bool = False
+        self, db: OrmSession, session_id: str, owner: str, *, lock: bool = False
     ) -> SessionModel:
         """The session ``session_id`` of ``owner``; another owner's is "not found" too."""
         q = select(SessionModel).where(SessionModel.id == session_id, SessionModel.owner == owner)
@@ -394,7 +399,7 @@ class HistoryStore:
                             then=lambda db, created: None)
 
     def _write_session(self, what: str, session_id: str, *, owner: str, model_id: str, title: str | None,
-                       then: Callable[[Any, bool], T]) -> T:
+                       then: Callable[[OrmSession, bool], T]) -> T:
         """In one transaction: create ``owner``'s session if it does not exist (a given ``title``
         replaces a missing one), then ``then(db, created)``; its result is returned.
 
@@ -436,7 +441,7 @@ class HistoryStore:
         """
         owner = check_owner(owner)
 
-        def write(db: Any, created: bool) -> tuple[int, bool]:
+        def write(db: OrmSession, created: bool) -> tuple[int, bool]:
             if replace_last and not created:
                 self._drop_last_exchange(db, session_id)
             return self._add_turn(db, session_id, record, owner), created
@@ -468,11 +473,11 @@ class HistoryStore:
         with self._tx("record a turn") as db:
             return self._add_turn(db, session_id, record, owner)
 
-    def _add_turn(self, db: Any, session_id: str, record: TurnRecord, owner: str) -> int:
+    def _add_turn(self, db: OrmSession, session_id: str, record: TurnRecord, owner: str) -> int:
         """Write one exchange's two rows after the session's last row (inside a transaction)."""
         return self._add_turns(db, session_id, [record], owner)
 
-    def _add_turns(self, db: Any, session_id: str, records: Sequence[TurnRecord], owner: str) -> int:
+    def _add_turns(self, db: OrmSession, session_id: str, records: Sequence[TurnRecord], owner: str) -> int:
         """Write the exchanges' rows, two each, after the session's last row (inside a transaction);
         returns the last one's number within the session."""
         for record in records:
@@ -507,7 +512,7 @@ class HistoryStore:
             self._drop_last_exchange(db, session_id)
             return self._add_turn(db, session_id, record, owner)
 
-    def _drop_last_exchange(self, db: Any, session_id: str) -> None:
+    def _drop_last_exchange(self, db: OrmSession, session_id: str) -> None:
         """Delete the session's last exchange (its two rows), if any (inside a transaction)."""
         last = db.execute(
             select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
@@ -531,7 +536,7 @@ class HistoryStore:
         """
         owner = check_owner(owner)
 
-        def repair(db: Any, created: bool) -> tuple[str, int]:
+        def repair(db: OrmSession, created: bool) -> tuple[str, int]:
             stored = self._exchanges(db, session_id)
             want = [(t.user_text, t.reply_text, t.verdict) for t in turns]
             common = 0
@@ -555,7 +560,7 @@ class HistoryStore:
                                    title=title, then=repair)
 
     @staticmethod
-    def _exchanges(db: Any, session_id: str) -> list[tuple[str, str, str]]:
+    def _exchanges(db: OrmSession, session_id: str) -> list[tuple[str, str, str]]:
         """The session's exchanges as (user text, reply text, verdict), in order (inside a transaction)."""
         rows = db.execute(
             select(TurnModel.seq, TurnModel.role, TurnModel.text, TurnModel.verdict)
