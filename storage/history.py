@@ -521,7 +521,7 @@ class HistoryStore:
             db.execute(delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2))
 
     def repair_exchanges(
-        self, session_id: str, turns: list[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
+        self, session_id: str, turns: Sequence[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
     ) -> tuple[str, int]:
         """Bring ``owner``'s session level with ``turns`` (a session file's, the source of truth),
         in one transaction, deleting nothing but a last exchange that the file replaced.

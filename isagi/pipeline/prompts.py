@@ -15,18 +15,21 @@ prompt keeps its start (and its KV prefix) from turn to turn. A turn fits it onc
 from __future__ import annotations
 
 import unicodedata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isagi.config import Settings
 from isagi.errors import InputError
 from isagi.manifold.window import window_start
 from isagi.session.state import Session
 
+if TYPE_CHECKING:
+    from isagi.engines.base import ModelEngine
+
 
 class Prompts:
     """Validation, token accounting and prompt building for one model and its settings."""
 
-    def __init__(self, settings: Settings, lm: Any) -> None:
+    def __init__(self, settings: Settings, lm: ModelEngine) -> None:
         self.settings = settings
         self.lm = lm
         self._template_counts: dict[str, tuple[int, int]] = {}  # per system prompt (_template_tokens)
@@ -227,17 +230,17 @@ def _holds_exchange(history: list[dict[str, str]], related: dict[str, Any]) -> b
     )
 
 
-def count_tokens(lm: Any, text: str) -> int:
+def count_tokens(lm: ModelEngine, text: str) -> int:
     """Tokens of ``text`` alone under the model's tokenizer (no template, no special tokens)."""
     return int(lm.count_tokens(text))
 
 
-def prompt_tokens(lm: Any, messages: list[dict[str, str]]) -> int:
+def prompt_tokens(lm: ModelEngine, messages: list[dict[str, str]]) -> int:
     """Exact tokens of a chat in the model's template, ready to answer."""
     return len(lm.chat_tokens(messages))
 
 
-def prompt_budget(settings: Settings, lm: Any) -> int:
+def prompt_budget(settings: Settings, lm: ModelEngine) -> int:
     """Tokens a prompt may take: the setting, capped at the model's context minus the reply's tokens."""
     budget = settings.prompt_token_budget
     context = model_context(lm)
@@ -246,7 +249,7 @@ def prompt_budget(settings: Settings, lm: Any) -> int:
     return max(budget, 1)
 
 
-def model_context(lm: Any) -> int | None:
+def model_context(lm: ModelEngine) -> int | None:
     """The model's context length in tokens, when the engine knows one."""
     n = getattr(lm, "context_length", None)
     return int(n) if isinstance(n, int) and n > 0 else None

@@ -397,8 +397,8 @@ class SessionService:
                     [(q.text, a.text, a.verdict) for q, a in zip(rows[::2], rows[1::2], strict=True)], want)
             except IsagiError:
                 continue
-            if same and (sid := self.reopen(summary.id, owner, client)) is not None:
-                return sid
+            if same and (reopened := self.reopen(summary.id, owner, client)) is not None:
+                return reopened
         return None
 
     # -- a turn ------------------------------------------------------------------------------
