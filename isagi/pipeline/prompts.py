@@ -15,7 +15,7 @@ prompt keeps its start (and its KV prefix) from turn to turn. A turn fits it onc
 from __future__ import annotations
 
 import unicodedata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from isagi.config import Settings
 from isagi.errors import InputError
@@ -24,6 +24,7 @@ from isagi.session.state import Session
 
 if TYPE_CHECKING:
     from isagi.engines.base import ModelEngine
+    from isagi.manifold.memory import MemoryRecord
 
 
 class Prompts:
@@ -80,7 +81,7 @@ class Prompts:
         return prompt_tokens(self.lm, messages)
 
     def build(
-        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True,
+        self, session: Session, text: str, related: MemoryRecord | None, *, with_history: bool = True,
         history: list[dict[str, str]] | None = None,
     ) -> list[dict[str, str]]:
         """The chat for the model: system prompt, history, a related exchange (AUGMENT), message.
@@ -102,7 +103,7 @@ class Prompts:
         return self.messages(text, related, history)
 
     def messages(
-        self, text: str, related: dict[str, Any] | None, history: list[dict[str, str]]
+        self, text: str, related: MemoryRecord | None, history: list[dict[str, str]]
     ) -> list[dict[str, str]]:
         return prompt_messages(self.settings.system_prompt, text, related, history)
 
@@ -128,7 +129,7 @@ class Prompts:
         return start, exchanges
 
     def fitting_history(
-        self, session: Session, text: str, related: dict[str, Any] | None = None
+        self, session: Session, text: str, related: MemoryRecord | None = None
     ) -> list[dict[str, str]]:
         """The exchanges of the history window (:meth:`history_window`) as chat messages.
 
@@ -141,7 +142,7 @@ class Prompts:
         return self._fit([m for exchange in exchanges[start:] for m in exchange], text, related)
 
     def _fit(
-        self, history: list[dict[str, str]], text: str, related: dict[str, Any] | None
+        self, history: list[dict[str, str]], text: str, related: MemoryRecord | None
     ) -> list[dict[str, str]]:
         """``history`` (whole exchanges, oldest first) less its oldest exchanges while the prompt
         with ``related`` and ``text`` is over the budget. A prompt only grows with what it holds,
@@ -204,7 +205,7 @@ def clean_message(message: str | None) -> str:
 
 
 def prompt_messages(
-    system: str, text: str, related: dict[str, Any] | None = None, history: list[dict[str, str]] | None = None
+    system: str, text: str, related: MemoryRecord | None = None, history: list[dict[str, str]] | None = None
 ) -> list[dict[str, str]]:
     """The chat for the model: system prompt, history, a related exchange, then the message.
 
@@ -221,7 +222,7 @@ def prompt_messages(
     return msgs
 
 
-def _holds_exchange(history: list[dict[str, str]], related: dict[str, Any]) -> bool:
+def _holds_exchange(history: list[dict[str, str]], related: MemoryRecord) -> bool:
     """Whether ``history`` has the user message and reply of ``related`` as one exchange."""
     return any(
         a["role"] == "user" and a["content"] == related["query_text"]
