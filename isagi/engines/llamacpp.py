@@ -900,7 +900,7 @@ class LlamaCppDecoding:
         names = e._names(self.layers) if self.capture_reply else None
         pos = len(self.ids)
         if self._multi:
-            e.steps.open(self.seq)  # the step runner waits (a moment) for this sequence's tokens
+            e.steps.open(self.seq)  # type: ignore[arg-type]  # (_multi: seq is held) the step runner waits (a moment) for this sequence's tokens
         try:
             while True:
                 if self._stop.is_set():
@@ -927,7 +927,7 @@ class LlamaCppDecoding:
                     self._reply[layer].append(self._unsteer(layer, st))
         finally:
             if self._multi:
-                e.steps.close(self.seq)
+                e.steps.close(self.seq)  # type: ignore[arg-type]  # (_multi: seq is held)
 
     def _next_token(self, greedy: bool) -> int:
         """The next reply token: the argmax of the last logits, or the sampler chain's choice."""
@@ -947,7 +947,7 @@ class LlamaCppDecoding:
         e = self.engine
         if not self._multi:
             return e._decode_token(token, names)
-        step = e.steps.run(Step(self.seq, [token], pos, capture=names))
+        step = e.steps.run(Step(self.seq, [token], pos, capture=names))  # type: ignore[arg-type]  # (_multi: seq is held)
         assert step.out_logits is not None
         self._next_logits = step.out_logits[-1]
         return step.out_states

@@ -321,7 +321,7 @@ def file_version(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def inspect_miku(
-    path: str | os.PathLike[str], *, check: Callable[[MikuState], None] | None = None
+    path: str | os.PathLike[str], *, check: Callable[[MikuState], object] | None = None
 ) -> dict[str, Any]:
     """A summary of a ``.miku`` file for ``isagi inspect``.
 
