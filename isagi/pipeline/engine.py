@@ -56,7 +56,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
@@ -232,7 +232,7 @@ class Engine:
         record: bool = True,
         replaces_last: bool = False,
         fresh: bool = False,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         """One turn: the decision, the reply's text deltas, then the finished :class:`Turn`.
 
         The message is validated here, at the call (an :class:`InputError` before
@@ -256,7 +256,7 @@ class Engine:
         *,
         options: GenerationOptions | None = None,
         stop: threading.Event | None = None,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         """Run the session's last question again; the new turn replaces the last one everywhere.
 
         The session is put back as it was before its last turn (``session.undo``: metric,
@@ -272,7 +272,7 @@ class Engine:
 
     def _regenerate(
         self, session: Session, options: GenerationOptions | None, stop: threading.Event | None
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         undo = session.undo
         assert undo is not None
         last = session.turns[-1]
@@ -300,7 +300,7 @@ class Engine:
         record: bool,
         replaces_last: bool,
         fresh: bool = False,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         started, asked_at = time.perf_counter(), time.time()
         # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
         options = within_limits(options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens),

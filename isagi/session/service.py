@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -105,8 +105,8 @@ class TurnRun:
     """
 
     entry: Entry
-    _open: Callable[[], Iterator[TurnEvent]]
-    _events: Iterator[TurnEvent] | None = None
+    _open: Callable[[], Generator[TurnEvent, None, None]]
+    _events: Generator[TurnEvent, None, None] | None = None
     finished: bool = False
     notice: str | None = None  # the Done event's: what could not be saved yet
 
@@ -146,7 +146,7 @@ class TurnRun:
             return
         if not keep:
             try:
-                events.close()  # type: ignore[attr-defined]
+                events.close()
             except Exception as exc:  # never mask the caller's own end
                 log.warning("closing an abandoned turn failed: %s", exc)
             return
@@ -426,7 +426,7 @@ class SessionService:
             entry.stop_requested_at = entry.stop_latency_s = None
             entry.notice = None
 
-            def open_events() -> Iterator[TurnEvent]:
+            def open_events() -> Generator[TurnEvent, None, None]:
                 if regenerate:
                     return engine.regenerate(entry.session, options=options, stop=entry.stop)
                 assert message is not None
