@@ -59,8 +59,11 @@ install-dev: $(BIN)/python
 web: install
 	$(BIN)/isagi web --host $(HOST) --port $(PORT)
 
+# mypy reads its settings (the packages, strict for isagi.session, isagi.pipeline and storage)
+# from pyproject.toml's [tool.mypy]
 lint: install-dev
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	bash .ci/hadolint.sh
 
 services:

@@ -5,7 +5,7 @@ handler its request. Built inside ``create_app`` only, never at import time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from app import updates as u
 from app.handlers.chat import SYNC_S
@@ -14,6 +14,16 @@ from app.ui import WebUI
 from app.views import turn_markdown
 
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies of downloads: every minute, those older than 10 minutes
+# An event with no API endpoint (private): Gradio takes api_name=False for it (on Gradio 5 the only
+# way) but annotates the parameter ``str | None``, so its annotation is overridden here, once.
+NO_API: str = False  # type: ignore[assignment]
+
+
+class _Queue(TypedDict, total=False):
+    """How an event waits in Gradio's queue (its concurrency keywords)."""
+
+    concurrency_id: str
+    concurrency_limit: int
 
 CSS = """
 .isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
@@ -78,7 +88,7 @@ def build_blocks(ui: WebUI) -> Any:
     """The page. Call inside ``create_app`` only (never at import time).
 
     Every handler gets the request (its owner); events not meant for API use
-    are private (``api_name=False``): hidden from the API page, though still
+    are private (``api_name=False``: :data:`NO_API`): hidden from the API page, though still
     callable by ``fn_index``, so the owner check is in each handler anyway.
     """
     import gradio as gr
@@ -89,15 +99,18 @@ def build_blocks(ui: WebUI) -> Any:
     # Model work: one event per sequence slot of the model runs (ISAGI_PARALLEL), one more waits
     # at the engine with its message checked; the rest wait in Gradio's queue, which shows
     # each browser its position.
-    model_q = {"concurrency_id": "model", "concurrency_limit": s.slots + 1}
-    light_q = {"concurrency_limit": 8}
+    model_q: _Queue = {"concurrency_id": "model", "concurrency_limit": s.slots + 1}
+    light_q: _Queue = {"concurrency_limit": 8}
     with gr.Blocks(title="ISAGI — living-model chat", fill_width=True, analytics_enabled=False,
                    delete_cache=GRADIO_CACHE_DELETE) as demo:
         # A closed tab's state (Gradio drops it an hour after the tab closed): its session is saved
         # and parked, not forgotten, so a page that has reopened it since (a reload) resumes it
         # from its file under the same id.
-        state = gr.State(None, delete_callback=lambda sid: ui.page.registry.release(sid, park=True, owner=None)
-                         if sid else None)
+        def park(sid: str | None) -> None:
+            if sid:
+                ui.page.registry.release(sid, park=True, owner=None)
+
+        state = gr.State(None, delete_callback=park)
         # The same id in the browser's storage, read at page load: a reload reopens the session.
         # The storage key and "secret" are fixed so a restarted server still reads it; the secret
         # is sent to the page (Gradio's obfuscation, not a protection): the server trusts the
@@ -220,19 +233,19 @@ def build_blocks(ui: WebUI) -> Any:
         # The input opens once the load has set the page's session: a message sent before that
         # would be undone by the load's answer (its session replaced by the one the load read).
         demo.load(R(chat_h.on_load, ["sid", "colour_by"], u.LOAD), [stored, colour_by], out(u.LOAD),
-                  api_name=False, **light_q
+                  api_name=NO_API, **light_q
                   ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
-                         [msg, send], api_name=False, queue=False)
+                         [msg, send], api_name=NO_API, queue=False)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
         # registry learns which page shows it; a closed page's session is parked (unload).
-        state.change(R(chat_h.page_shows, ["sid"], u.STORED), state, out(u.STORED), api_name=False, queue=False)
+        state.change(R(chat_h.page_shows, ["sid"], u.STORED), state, out(u.STORED), api_name=NO_API, queue=False)
         demo.unload(R(chat_h.page_closed, [], None))
         # Another tab of this browser may change the session: the page redraws it when it is stale.
         sync_timer.tick(R(chat_h.sync, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
-                        out(u.SYNC), show_progress="hidden", api_name=False, **light_q)
+                        out(u.SYNC), show_progress="hidden", api_name=NO_API, **light_q)
         timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
-                   show_progress="hidden", api_name=False, **light_q)
+                   show_progress="hidden", api_name=NO_API, **light_q)
         send_fn = R(chat_h.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"], u.TURN)
         # Send and Enter are one event: a message sent while a reply streams waits in the browser
         # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
@@ -248,18 +261,18 @@ def build_blocks(ui: WebUI) -> Any:
                    queue=False)
         new_fn = R(chat_h.new_chat, ["sid", "colour_by"], u.NEW_CHAT)
         new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q)
-        chat.clear(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name=False, **light_q)
+        chat.clear(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name=NO_API, **light_q)
         colour_by.change(R(chat_h.recolour, ["sid", "colour_by"], u.RECOLOUR), [state, colour_by],
-                         out(u.RECOLOUR), api_name=False, **light_q)
+                         out(u.RECOLOUR), api_name=NO_API, **light_q)
 
         list_fn = R(history_h.list_sessions, ["query"], u.LIST)
         refresh.click(list_fn, query, out(u.LIST), api_name="list_sessions", **light_q)
-        query.submit(list_fn, query, out(u.LIST), api_name=False, **light_q)
+        query.submit(list_fn, query, out(u.LIST), api_name=NO_API, **light_q)
         def on_select(evt: Any, rows: Any) -> Any:
             return history_h.select_row(evt, rows).value(u.SELECT)
 
         on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any}
-        table.select(on_select, [table], out(u.SELECT), api_name=False, **light_q)
+        table.select(on_select, [table], out(u.SELECT), api_name=NO_API, **light_q)
         resume.click(R(history_h.resume, ["chosen", "sid", "colour_by"], u.RESUME), [chosen, state, colour_by],
                      out(u.RESUME), api_name="resume", **light_q)
         export_md.click(R(history_h.export, ["chosen", "sid"], u.FILE, "markdown"), [chosen, state], out(u.FILE),
@@ -267,22 +280,22 @@ def build_blocks(ui: WebUI) -> Any:
         export_js.click(R(history_h.export, ["chosen", "sid"], u.FILE, "json"), [chosen, state], out(u.FILE),
                         api_name="export_json", **light_q)
         delete.click(R(history_h.ask_delete, ["chosen", "sid"], u.ASK_DELETE), [chosen, state],
-                     out(u.ASK_DELETE), api_name=False, **light_q)
+                     out(u.ASK_DELETE), api_name=NO_API, **light_q)
         confirm_delete.click(R(history_h.confirm_delete, ["pending", "sid"], u.CONFIRM_DELETE),
-                             [pending_delete, state], out(u.CONFIRM_DELETE), api_name=False, **light_q)
+                             [pending_delete, state], out(u.CONFIRM_DELETE), api_name=NO_API, **light_q)
         cancel_delete.click(lambda: history_h.cancel_delete().value(u.ASK_DELETE), None, out(u.ASK_DELETE),
-                            api_name=False, queue=False)
+                            api_name=NO_API, queue=False)
         save.click(R(files_h.save_miku, ["sid"], u.FILE), state, out(u.FILE), api_name="save_miku", **light_q)
         # The box is emptied once the file is read (loaded or refused): it never shows an earlier
         # file beside a later error, and it takes the next file at once.
         upload.upload(R(files_h.load_miku, ["file", "sid", "colour_by"], u.UPLOAD), [upload, state, colour_by],
                       out(u.UPLOAD), api_name="load_miku", **light_q
-                      ).then(lambda: None, None, upload, api_name=False, queue=False)
+                      ).then(lambda: None, None, upload, api_name=NO_API, queue=False)
 
         def explore(seed: str, steps: float, tokens: float) -> tuple[Any, ...]:
             return ui.explorer.run(seed, steps, tokens).value(u.EXPLORE)
 
         run_ex.click(explore, [seed, steps, ex_tokens], out(u.EXPLORE), api_name="explore", **model_q)
         # opening the tab shows the list as it is now (wired last: earlier events keep their fn_index)
-        sessions_tab.select(list_fn, query, out(u.LIST), api_name=False, **light_q)
+        sessions_tab.select(list_fn, query, out(u.LIST), api_name=NO_API, **light_q)
     return demo

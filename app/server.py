@@ -36,13 +36,15 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from isagi.config import Settings
 from isagi.errors import ConfigError, PortInUseError
 from isagi.session.service import LOCAL_OWNER, MAX_MIKU_BYTES
 
 if TYPE_CHECKING:
+    from gradio.routes import App as GradioApp
+
     from app.loader import EngineHolder
     from isagi.session.retention import Pruned, RetentionTimer
     from isagi.session.service import SessionService
@@ -60,7 +62,7 @@ def parse_auth(spec: str | None) -> list[tuple[str, str]] | None:
     """``"user:pass,user2:pass2"`` → ``[("user", "pass"), ...]``; ``None``/empty → no login."""
     if not spec or not spec.strip():
         return None
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for item in spec.split(","):
         item = item.strip()
         if not item:
@@ -252,7 +254,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
         css=CSS, footer_links=["api", "settings"], show_error=False, ssr_mode=False,
         run_history=False, max_file_size=MAX_UPLOAD_BYTES,
     )
-    gradio_app = next(r.app for r in app.routes if isinstance(r, Mount))
+    gradio_app = cast("GradioApp", next(r.app for r in app.routes if isinstance(r, Mount)))  # the one mounted
     # What the guard reads of Gradio's app: a Gradio that changed it must stop here, not
     # run with session hashes tied to nobody or uploads recorded in the wrong place.
     if not (isinstance(getattr(gradio_app, "tokens", None), dict) and getattr(gradio_app, "cookie_id", None)):

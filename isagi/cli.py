@@ -269,7 +269,7 @@ def explore(
 
     engine = _engine(_settings(model=model, backend=backend, home=home), with_store=False)
     result = explore_on(engine, seed_concept, steps=steps, safe=not unsafe_regular)
-    data = result.to_dict() if hasattr(result, "to_dict") else result
+    data = result.to_dict()
     if as_json:
         _print_json(data)
         return

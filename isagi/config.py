@@ -11,6 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from isagi.errors import ConfigError
 
@@ -100,7 +101,7 @@ class Settings:
 
     def with_overrides(self, **overrides: object) -> Settings:
         """A copy with every override that is not ``None`` applied and checked."""
-        clean = {k: v for k, v in overrides.items() if v is not None}
+        clean: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}  # checked by _validated
         if "home" in clean:
             clean["home"] = Path(str(clean["home"])).expanduser()
         if isinstance(clean.get("trusted_proxies"), str):  # a flag's text, as the variable's

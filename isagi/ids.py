@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import TypeGuard
 
 #: 12 lowercase hexadecimal characters, as made by :func:`new_session_id`.
 SESSION_ID_PATTERN = re.compile(r"[0-9a-f]{12}")
@@ -20,6 +21,6 @@ def new_session_id() -> str:
     return secrets.token_hex(6)
 
 
-def is_session_id(value: object) -> bool:
+def is_session_id(value: object) -> TypeGuard[str]:
     """True when ``value`` is a string of exactly the session id pattern."""
     return isinstance(value, str) and SESSION_ID_PATTERN.fullmatch(value) is not None

@@ -26,9 +26,10 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from sqlalchemy import (
+    Column,
     DateTime,
     Float,
     ForeignKey,
@@ -41,21 +42,33 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    inspect,
     select,
     update,
 )
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
 from isagi.errors import StorageError, storage_cause
 from storage.owners import LOCAL_OWNER
-from storage.titles import make_title
+from storage.titles import session_title
+
+if TYPE_CHECKING:
+    import sqlite3
 
 T = TypeVar("T")
 ROLES = ("user", "assistant")
 OWNER_MAX = 64
+# The rows of an exchange that store a figure of its record (a column's ``info``): the user row
+# the query side's, the assistant row the reply side's, both the turn's tier and verdict.
+_USER_ROW: dict[str, object] = {"rows": ("user",)}
+_REPLY_ROW: dict[str, object] = {"rows": ("assistant",)}
+_BOTH_ROWS: dict[str, object] = {"rows": ROLES}
+# The record's field each row's ``text`` holds.
+TEXT_OF = {"user": "user_text", "assistant": "reply_text"}
 
 
 # --------------------------------------------------------------------------- models
@@ -93,20 +106,32 @@ class TurnModel(Base):
     seq: Mapped[int] = mapped_column(Integer)
     role: Mapped[str] = mapped_column(String(16))
     text: Mapped[str] = mapped_column(Text)
-    tier: Mapped[str | None] = mapped_column(String(16))
-    distance: Mapped[float | None] = mapped_column(Float)
-    nearest_query: Mapped[str | None] = mapped_column(Text)
-    zone: Mapped[str | None] = mapped_column(String(32))
-    teh_prompt: Mapped[float | None] = mapped_column(Float)
-    teh_reply: Mapped[float | None] = mapped_column(Float)
-    verdict: Mapped[str] = mapped_column(String(16), default="ok")
-    latency_s: Mapped[float | None] = mapped_column(Float)
-    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
-    new_tokens: Mapped[int | None] = mapped_column(Integer)
-    metric_growth: Mapped[float | None] = mapped_column(Float)
+    # The exchange's figures: each a field of the record under the same name (TurnRecord), on
+    # the rows its ``info`` names.
+    tier: Mapped[str | None] = mapped_column(String(16), info=_BOTH_ROWS)
+    distance: Mapped[float | None] = mapped_column(Float, info=_USER_ROW)
+    nearest_query: Mapped[str | None] = mapped_column(Text, info=_USER_ROW)
+    zone: Mapped[str | None] = mapped_column(String(32), info=_USER_ROW)
+    teh_prompt: Mapped[float | None] = mapped_column(Float, info=_USER_ROW)
+    teh_reply: Mapped[float | None] = mapped_column(Float, info=_REPLY_ROW)
+    verdict: Mapped[str] = mapped_column(String(16), default="ok", info=_BOTH_ROWS)
+    latency_s: Mapped[float | None] = mapped_column(Float, info=_REPLY_ROW)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer, info=_USER_ROW)
+    new_tokens: Mapped[int | None] = mapped_column(Integer, info=_REPLY_ROW)
+    metric_growth: Mapped[float | None] = mapped_column(Float, info=_REPLY_ROW)
     created_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
     # The session's owner again, so that a search filters the rows it reads.
     owner: Mapped[str] = mapped_column(String(OWNER_MAX), server_default=LOCAL_OWNER)
+
+
+def _figure_columns() -> list[Column[object]]:
+    return [c for c in inspect(TurnModel).columns if "rows" in c.info]
+
+
+# The record's figures, in column order, and those each row of an exchange stores: the one list,
+# read from the model above.
+FIGURES = tuple(c.key for c in _figure_columns())
+ROW_FIGURES = {role: tuple(c.key for c in _figure_columns() if role in c.info["rows"]) for role in ROLES}
 
 
 # --------------------------------------------------------------------------- value types
@@ -116,6 +141,7 @@ class TurnRecord(Protocol):
     """One exchange as the store reads it: the fields it writes, plain numbers and texts.
 
     :class:`isagi.session.turn.Turn` (the one turn record) is one; the store needs no more of it.
+    Its fields are :data:`TEXT_OF`'s and the :data:`FIGURES` (tests/test_history.py checks it).
     """
 
     user_text: str
@@ -147,7 +173,8 @@ class SessionSummary:
 
 @dataclass(frozen=True)
 class TurnRow:
-    """One stored message (a user or an assistant row) with its figures."""
+    """One stored message (a user or an assistant row) with its figures (:data:`FIGURES`, in
+    order; :func:`_from_row` makes it)."""
 
     seq: int
     role: str
@@ -210,39 +237,45 @@ def _fold(s: str | None) -> str | None:
     return None if s is None else s.casefold()
 
 
-def _row(t: TurnModel) -> TurnRow:
-    return TurnRow(
-        seq=t.seq,
-        role=t.role,
-        text=t.text,
-        tier=t.tier,
-        distance=t.distance,
-        nearest_query=t.nearest_query,
-        zone=t.zone,
-        teh_prompt=t.teh_prompt,
-        teh_reply=t.teh_reply,
-        verdict=t.verdict,
-        latency_s=t.latency_s,
-        prompt_tokens=t.prompt_tokens,
-        new_tokens=t.new_tokens,
-        metric_growth=t.metric_growth,
-        created_at=_utc(t.created_at),
-    )
+# The one mapping between a record and its rows: _to_rows writes an exchange, _from_row reads a message.
+
+
+def _to_rows(session_id: str, seq: int, r: TurnRecord, owner: str, now: _dt.datetime) -> list[TurnModel]:
+    """One exchange's user row (at ``seq``, even) and assistant row."""
+    return [
+        TurnModel(session_id=session_id, seq=seq + i, role=role, text=getattr(r, TEXT_OF[role]), created_at=now,
+                  owner=owner, **{name: getattr(r, name) for name in ROW_FIGURES[role]})
+        for i, role in enumerate(ROLES)
+    ]
+
+
+def _from_row(t: TurnModel) -> TurnRow:
+    """One stored message as the store answers it."""
+    return TurnRow(seq=t.seq, role=t.role, text=t.text, created_at=_utc(t.created_at),
+                   **{name: getattr(t, name) for name in FIGURES})
+
+
+def _entitle(s: SessionModel, title: str | None, first_message: str | None = None) -> None:
+    """An untitled session gets its title (:func:`storage.titles.session_title`), if it has one yet."""
+    new = session_title(title, first_message)
+    if new and not s.title:
+        s.title = new
 
 
 def _engine_for(url: URL) -> Engine:
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, future=True)
-    memory = url.database in (None, "", ":memory:") or "mode=memory" in str(url)
+    database = url.database or ""
+    memory = database in ("", ":memory:") or "mode=memory" in str(url)
     kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
     if memory:
         kwargs["poolclass"] = StaticPool
     else:
-        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, **kwargs)
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
         # Autocommit at the driver level so that SQLAlchemy's "begin" below
         # decides how transactions start (pysqlite's own BEGIN is deferred).
         dbapi_conn.isolation_level = None
@@ -256,7 +289,7 @@ def _engine_for(url: URL) -> Engine:
         dbapi_conn.create_function("isagi_fold", 1, _fold, deterministic=True)
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
+    def _on_begin(conn: Connection) -> None:
         # Take the write lock at the start: read-then-write transactions
         # (next seq number) cannot deadlock or upgrade-fail under concurrency.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -312,7 +345,7 @@ class HistoryStore:
     # -- plumbing
 
     @contextlib.contextmanager
-    def _tx(self, what: str) -> Iterator[Any]:
+    def _tx(self, what: str) -> Iterator[OrmSession]:
         try:
             with self._sessions.begin() as db:
                 yield db
@@ -328,7 +361,7 @@ class HistoryStore:
         return self.engine.dialect.name == "sqlite"
 
     def _get_session(
-        self, db: Any, session_id: str, owner: str, *, lock: bool = False
+        self, db: OrmSession, session_id: str, owner: str, *, lock: bool = False
     ) -> SessionModel:
         """The session ``session_id`` of ``owner``; another owner's is "not found" too."""
         q = select(SessionModel).where(SessionModel.id == session_id, SessionModel.owner == owner)
@@ -366,7 +399,7 @@ class HistoryStore:
                             then=lambda db, created: None)
 
     def _write_session(self, what: str, session_id: str, *, owner: str, model_id: str, title: str | None,
-                       then: Callable[[Any, bool], T]) -> T:
+                       then: Callable[[OrmSession, bool], T]) -> T:
         """In one transaction: create ``owner``'s session if it does not exist (a given ``title``
         replaces a missing one), then ``then(db, created)``; its result is returned.
 
@@ -382,13 +415,13 @@ class HistoryStore:
                     created = s is None
                     if s is None:
                         now = _now()
-                        db.add(SessionModel(id=session_id, title=make_title(title) if title else None,
+                        db.add(SessionModel(id=session_id, title=session_title(title),
                                             model_id=model_id, created_at=now, updated_at=now, owner=owner))
                         db.flush()
                     elif s.owner != owner:
                         raise not_found(session_id)
-                    elif title and not s.title:
-                        s.title = make_title(title)
+                    else:
+                        _entitle(s, title)
                     return then(db, created)
             except StorageError as exc:
                 # A concurrent writer created it between our read and insert.
@@ -408,7 +441,7 @@ class HistoryStore:
         """
         owner = check_owner(owner)
 
-        def write(db: Any, created: bool) -> tuple[int, bool]:
+        def write(db: OrmSession, created: bool) -> tuple[int, bool]:
             if replace_last and not created:
                 self._drop_last_exchange(db, session_id)
             return self._add_turn(db, session_id, record, owner), created
@@ -440,11 +473,11 @@ class HistoryStore:
         with self._tx("record a turn") as db:
             return self._add_turn(db, session_id, record, owner)
 
-    def _add_turn(self, db: Any, session_id: str, record: TurnRecord, owner: str) -> int:
+    def _add_turn(self, db: OrmSession, session_id: str, record: TurnRecord, owner: str) -> int:
         """Write one exchange's two rows after the session's last row (inside a transaction)."""
         return self._add_turns(db, session_id, [record], owner)
 
-    def _add_turns(self, db: Any, session_id: str, records: Sequence[TurnRecord], owner: str) -> int:
+    def _add_turns(self, db: OrmSession, session_id: str, records: Sequence[TurnRecord], owner: str) -> int:
         """Write the exchanges' rows, two each, after the session's last row (inside a transaction);
         returns the last one's number within the session."""
         for record in records:
@@ -459,50 +492,12 @@ class HistoryStore:
         now = _now()
         rows = []
         for r in records:
-            rows += self._exchange_rows(session_id, seq, r, owner, now)
+            rows += _to_rows(session_id, seq, r, owner, now)
             seq += 2
         db.add_all(rows)
         s.updated_at = now
-        if not s.title:
-            s.title = make_title(records[0].user_text)
+        _entitle(s, None, records[0].user_text)
         return seq // 2
-
-    @staticmethod
-    def _exchange_rows(session_id: str, seq: int, r: TurnRecord, owner: str, now: Any) -> list[TurnModel]:
-        """One exchange's user row (at ``seq``, even) and assistant row."""
-        return (
-            [
-                TurnModel(
-                    session_id=session_id,
-                    seq=seq,
-                    role="user",
-                    text=r.user_text,
-                    tier=r.tier,
-                    distance=r.distance,
-                    nearest_query=r.nearest_query,
-                    zone=r.zone,
-                    teh_prompt=r.teh_prompt,
-                    verdict=r.verdict,
-                    prompt_tokens=r.prompt_tokens,
-                    created_at=now,
-                    owner=owner,
-                ),
-                TurnModel(
-                    session_id=session_id,
-                    seq=seq + 1,
-                    role="assistant",
-                    text=r.reply_text,
-                    tier=r.tier,
-                    teh_reply=r.teh_reply,
-                    verdict=r.verdict,
-                    latency_s=r.latency_s,
-                    new_tokens=r.new_tokens,
-                    metric_growth=r.metric_growth,
-                    created_at=now,
-                    owner=owner,
-                ),
-            ]
-        )
 
     def replace_last_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Replace the last exchange of ``owner``'s session by ``record`` (Regenerate), in one transaction.
@@ -517,7 +512,7 @@ class HistoryStore:
             self._drop_last_exchange(db, session_id)
             return self._add_turn(db, session_id, record, owner)
 
-    def _drop_last_exchange(self, db: Any, session_id: str) -> None:
+    def _drop_last_exchange(self, db: OrmSession, session_id: str) -> None:
         """Delete the session's last exchange (its two rows), if any (inside a transaction)."""
         last = db.execute(
             select(func.max(TurnModel.seq)).where(TurnModel.session_id == session_id)
@@ -526,7 +521,7 @@ class HistoryStore:
             db.execute(delete(TurnModel).where(TurnModel.session_id == session_id, TurnModel.seq >= last - last % 2))
 
     def repair_exchanges(
-        self, session_id: str, turns: list[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
+        self, session_id: str, turns: Sequence[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
     ) -> tuple[str, int]:
         """Bring ``owner``'s session level with ``turns`` (a session file's, the source of truth),
         in one transaction, deleting nothing but a last exchange that the file replaced.
@@ -541,7 +536,7 @@ class HistoryStore:
         """
         owner = check_owner(owner)
 
-        def repair(db: Any, created: bool) -> tuple[str, int]:
+        def repair(db: OrmSession, created: bool) -> tuple[str, int]:
             stored = self._exchanges(db, session_id)
             want = [(t.user_text, t.reply_text, t.verdict) for t in turns]
             common = 0
@@ -565,7 +560,7 @@ class HistoryStore:
                                    title=title, then=repair)
 
     @staticmethod
-    def _exchanges(db: Any, session_id: str) -> list[tuple[str, str, str]]:
+    def _exchanges(db: OrmSession, session_id: str) -> list[tuple[str, str, str]]:
         """The session's exchanges as (user text, reply text, verdict), in order (inside a transaction)."""
         rows = db.execute(
             select(TurnModel.seq, TurnModel.role, TurnModel.text, TurnModel.verdict)
@@ -673,7 +668,7 @@ class HistoryStore:
                 .where(TurnModel.session_id == session_id, TurnModel.owner == owner)
                 .order_by(TurnModel.seq)
             ).scalars()
-            return [_row(t) for t in rows]
+            return [_from_row(t) for t in rows]
 
     def search(self, text: str, limit: int = 50, *, owner: str) -> list[SearchHit]:
         """``owner``'s messages containing ``text`` (case-insensitive substring), newest first."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import fields
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 import sqlalchemy as sa
@@ -13,7 +15,7 @@ from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
 from isagi.session.turn import Turn
-from storage.history import Base, HistoryStore
+from storage.history import FIGURES, ROW_FIGURES, TEXT_OF, Base, HistoryStore, TurnRecord, TurnRow
 from storage.migrations import head_revision, upgrade_to_head
 from storage.owners import LOCAL_OWNER
 from storage.titles import make_title
@@ -104,6 +106,17 @@ def test_sqlite_uses_wal_and_foreign_keys(tmp_path: Path) -> None:
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() >= 1000
     s.close()
+
+
+def test_the_record_its_rows_and_the_schema_name_the_same_fields() -> None:
+    # the record the store takes: the rows' texts and the figures the columns declare
+    record = get_type_hints(TurnRecord)
+    assert set(record) == {*TEXT_OF.values(), *FIGURES}
+    turn = get_type_hints(Turn)
+    assert all(turn[name] == hint for name, hint in record.items()), "Turn has TurnRecord's field types"
+    # every figure on at least one row; a stored message is its row's place, text and figures
+    assert sorted({f for names in ROW_FIGURES.values() for f in names}) == sorted(FIGURES)
+    assert [f.name for f in fields(TurnRow)] == ["seq", "role", "text", *FIGURES, "created_at"]
 
 
 # --------------------------------------------------------------------------- behaviour

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +169,8 @@ class ChatHandlers:
             yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
             return
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
-        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
+        # (can_regenerate raised KeyError for a missing session id or owner)
+        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)  # type: ignore[arg-type]
 
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,
@@ -210,7 +211,7 @@ class ChatHandlers:
 
     def _stream(
         self, sid: str, run: TurnRun, message: Any, *, regenerate: bool, clear_box: bool,
-    ) -> Iterator[PageUpdate]:
+    ) -> Generator[PageUpdate, None, _Failure | None]:
         """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
 
         A turn closed early (Stop's cancel, a lost client) is ended at once and

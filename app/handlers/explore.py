@@ -31,7 +31,7 @@ class ExploreHandlers:
             result = explore_on(self.page.engine, seed or "", steps=int(steps), max_new_tokens=int(max_tokens))
         except (IsagiError, EngineLoading, ValueError) as exc:
             return PageUpdate(ex_steps=self.page.warn(str(exc)), mcb="")
-        data = result.to_dict() if hasattr(result, "to_dict") else dict(result)
+        data = result.to_dict()
         steps_out = data.get("steps", [])
         lines = ["| step | α | TEH mean / max | coherence | text |", "|---|---|---|---|---|"]
         for i, st in enumerate(steps_out, 1):

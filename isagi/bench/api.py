@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from isagi.bench import live_server
 from isagi.bench.web import TOPICS, _drive, _figures, _server, page_token_cap, question
 from isagi.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 SESSION_HEADER = "X-Isagi-Session"  # app.api's header (the app layer is above this one)
 PARTS = ("api", "web")
@@ -56,7 +59,7 @@ def _api_session(url: str, index: int, turns: int, max_new_tokens: int, out: dic
     except Exception as exc:
         out["errors"].append(f"api session {index}: models: {type(exc).__name__}: {exc}")
         return
-    messages: list[dict[str, str]] = []
+    messages: list[ChatCompletionMessageParam] = []
     sid: str | None = None
     for t in range(turns):
         messages.append({"role": "user", "content": question(index, t, turns)})
@@ -70,7 +73,9 @@ def _api_session(url: str, index: int, turns: int, max_new_tokens: int, out: dic
                     extra_headers={SESSION_HEADER: sid} if sid else None) as response:
                 started = time.monotonic()  # the headers: the server sends them once the turn runs
                 got = response.headers.get(SESSION_HEADER)
-                for chunk in response.parse():
+                chunks = response.parse()
+                assert isinstance(chunks, openai.Stream)  # stream=True (the wrapper's type drops it)
+                for chunk in chunks:
                     for choice in chunk.choices:
                         reply.append(choice.delta.content or "")
                         finish = choice.finish_reason or finish

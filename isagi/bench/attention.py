@@ -31,8 +31,10 @@ def run(settings: Any, *, contexts: tuple[int, ...] = CONTEXTS, steps: int = 32,
     from llama_cpp import Llama
 
     from isagi.engines import load_engine
+    from isagi.engines.llamacpp import LlamaCppEngine
 
     engine = load_engine(settings.with_overrides(backend="llamacpp"))
+    assert isinstance(engine, LlamaCppEngine)  # the backend asked for
     text = " ".join(f"Exchange {i}: what did the lighthouse keeper find in the bottle on day {i}?" for i in range(400))
     ids = engine.tokenize(text)
     need = max(contexts) + steps

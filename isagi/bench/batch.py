@@ -175,7 +175,7 @@ def _stats(values: list[float]) -> dict[str, Any]:
 def run(settings: Settings, *, new_tokens: int = 48, repeats: int = 3, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
     from isagi.engines import load_engine
     from isagi.engines.llama_thread import on_llama_thread
-    from isagi.engines.llamacpp import FLASH_ATTN
+    from isagi.engines.llamacpp import FLASH_ATTN, LlamaCppEngine
     from isagi.errors import InputError
 
     widths = tuple(sorted(set(widths)))
@@ -183,6 +183,7 @@ def run(settings: Settings, *, new_tokens: int = 48, repeats: int = 3, widths: t
         raise InputError(f"--widths: give numbers of concurrent replies from 1 to {len(TOPICS)}, e.g. 1,2,4,8,16.")
     # ISAGI's engine with a sequence slot per reply of the widest width (ISAGI_PARALLEL's slots)
     engine = load_engine(settings.with_overrides(backend="llamacpp", parallel=max(widths)))
+    assert isinstance(engine, LlamaCppEngine)  # the backend asked for
     layers = (settings.layer or engine.default_layer, settings.safety_layer or engine.default_safety_layer)
     chats = prompts(settings.system_prompt, max(widths))
     prompt_ids = [engine.chat_tokens(c) for c in chats]

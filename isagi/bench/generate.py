@@ -98,9 +98,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 5) -> dict[str, Any]:
     from isagi.bench.plain_llama import PlainLlama
     from isagi.engines import load_engine
+    from isagi.engines.llamacpp import LlamaCppEngine
 
     gguf_settings = settings.with_overrides(backend="llamacpp")
     llama = load_engine(gguf_settings)
+    assert isinstance(llama, LlamaCppEngine)  # the backend asked for
     hf = load_engine(settings.with_overrides(backend="transformers", model=settings.model))
     messages = [{"role": "system", "content": settings.system_prompt}, {"role": "user", "content": PROMPT}]
     layers = (settings.layer or llama.default_layer, settings.safety_layer or llama.default_safety_layer)

@@ -7,11 +7,14 @@ human units, tiers in plain words. The commands print these unless
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from storage.owners import LOCAL_OWNER
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 #: What each tier means, in plain words (the page uses the same wording).
 TIER_WORDS = {
@@ -86,7 +89,9 @@ def inspect_tables(data: dict[str, Any]) -> list[Table]:
         ("metric growth ‖M − I‖", "–" if growth is None else f"{growth:.3f}"),
     ]
     tensors = Table(title="Tensors", title_justify="left", header_style="bold")
-    for col, justify in (("name", "left"), ("dtype", "left"), ("shape", "right"), ("size", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (("name", "left"), ("dtype", "left"), ("shape", "right"),
+                                                       ("size", "right"))
+    for col, justify in columns:
         tensors.add_column(col, justify=justify, no_wrap=True)
     for name, t in (data.get("tensors") or {}).items():
         tensors.add_row(name, str(t.get("dtype")), " × ".join(map(str, t.get("shape", []))) or "scalar",

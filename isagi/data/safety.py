@@ -158,7 +158,7 @@ def everyday_requests() -> list[dict[str, Any]]:
     texts = [r["text"] for r in load_zones()]
     texts += [t for p in load_pairs("calibration") for t in (p["first"], p["second"])]
     seen: set[str] = set()
-    rows = []
+    rows: list[dict[str, str]] = []
     for text in texts:
         key = " ".join(text.lower().split())
         if key in seen:

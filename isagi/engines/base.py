@@ -134,15 +134,36 @@ class Decoding(Protocol):
 class ModelEngine(Protocol):
     """A loaded chat model behind one backend."""
 
-    backend: str  # "llamacpp" or "transformers"
-    backend_reason: str  # why this backend was chosen (``isagi info``)
-    model_id: str
-    source: str
-    fingerprint: str
-    quant: str
-    device: str
-    device_reason: str
-    slots: int  # turns the engine can hold at once (its sequence slots; 1 without them)
+    # Read-only to whoever holds the engine (an engine may answer with a property).
+    @property
+    def backend(self) -> str:
+        """"llamacpp" or "transformers"."""
+
+    @property
+    def backend_reason(self) -> str:
+        """Why this backend was chosen (``isagi info``)."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    @property
+    def quant(self) -> str: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def device_reason(self) -> str: ...
+
+    @property
+    def slots(self) -> int:
+        """Turns the engine can hold at once (its sequence slots; 1 without them)."""
 
     @property
     def num_layers(self) -> int: ...

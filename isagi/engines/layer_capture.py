@@ -103,7 +103,9 @@ def _callback(tensor: Any, ask: bool, user: Any) -> bool:
         ctl[_MISSED] = 1  # not what was asked for: complete() says so and the engine raises
         return True
     n = width * rows
-    src = carray(_pointer(t[_DATA_WORD]), (n,), np.float32)
+    # numba's stub types an @intrinsic with its typing context as the first argument, which
+    # compiled code never passes
+    src = carray(_pointer(t[_DATA_WORD]), (n,), np.float32)  # type: ignore[call-arg]
     dst = carray(_pointer(ctl[s + _OUT]), (ctl[s + _CAP] * width,), np.float32)
     base = ctl[s + _WRITTEN] * width
     for i in range(n):
@@ -125,9 +127,10 @@ def compiled_callback() -> Any:
     if _COMPILED is None:
         signature = types.boolean(types.voidptr, types.boolean, types.voidptr)
         try:
-            _COMPILED = cfunc(signature, nopython=True, cache=True)(_callback)
+            # numba's stub of cfunc lists no nopython option; cfunc takes it (its **options)
+            _COMPILED = cfunc(signature, nopython=True, cache=True)(_callback)  # type: ignore[call-arg]
         except RuntimeError:  # numba found no writable cache directory: compile for this process only
-            _COMPILED = cfunc(signature, nopython=True)(_callback)
+            _COMPILED = cfunc(signature, nopython=True)(_callback)  # type: ignore[call-arg]
     return _COMPILED
 
 

@@ -208,7 +208,8 @@ def run_replies(
     from isagi.safety.runtime import exchange_scores
 
     sets = load_benchmark_sets(benchmarks_dir)
-    groups = {"harmful": ["advbench"], "benign": [n for n in ("xstest_safe", "alpaca_seed") if n in sets]}
+    groups: dict[str, list[str]] = {"harmful": ["advbench"],
+                                     "benign": [n for n in ("xstest_safe", "alpaca_seed") if n in sets]}
     by_set: dict[str, dict[str, Any]] = {}
     flags: dict[str, list[bool]] = {"harmful": [], "benign": []}
     prompt_flags: list[bool] = []

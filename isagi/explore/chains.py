@@ -54,14 +54,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from isagi.errors import InputError
 from isagi.explore.mcb import STOPWORDS, Constraint, MCBResult, score_mcb
 from isagi.safety.runtime import (
+    SafetyProfile,
     project_safe,
     reply_window_scores,
     steering_subspace,
@@ -74,14 +76,26 @@ DEFAULT_ALPHAS = (0.20, 0.10, 0.05)
 DIVERGENT_PREFIX = "Think of it in a completely unexpected, surprising way. "
 
 
-class SafetyLike(Protocol):
-    """What exploration needs from :class:`isagi.safety.runtime.SafetyProfile`."""
+if TYPE_CHECKING:
+    from isagi.config import Settings
+    from isagi.engines.base import ModelEngine
+    from isagi.profile import Profile
 
-    Q: np.ndarray  # (d, m) orthonormal
-    centre: np.ndarray  # (d,)
-    threshold: float  # TEH % for prompts
-    reply_threshold: float  # TEH % for reply states
-    layer: int
+
+class ExploringEngine(Protocol):
+    """What :func:`explore_on` needs of an :class:`isagi.pipeline.engine.Engine` (a layer above)."""
+
+    @property
+    def lm(self) -> ModelEngine: ...
+
+    @property
+    def profile(self) -> Profile: ...
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def model_turns(self) -> AbstractContextManager[object]: ...
 
 
 def ogd_direction(h_plain: np.ndarray, h_divergent: np.ndarray, h_prev: np.ndarray) -> np.ndarray:
@@ -185,7 +199,7 @@ def messages_for(text: str, system_prompt: str | None = None) -> list[dict[str, 
 
 
 def generate_reply(
-    lm: Any,
+    lm: ModelEngine,
     prompt: str,
     layer: int,
     max_new_tokens: int,
@@ -209,7 +223,7 @@ def generate_reply(
     return text.strip(), states, new_ids, messages
 
 
-def coherence(lm: Any, messages: list[dict[str, str]], reply_ids: Sequence[int]) -> float:
+def coherence(lm: ModelEngine, messages: list[dict[str, str]], reply_ids: Sequence[int]) -> float:
     """1 − mean NLL of the reply tokens given the prompt (unsteered model) / ln |V|, in [0, 1]."""
     if not reply_ids:
         return 0.0
@@ -218,8 +232,8 @@ def coherence(lm: Any, messages: list[dict[str, str]], reply_ids: Sequence[int])
 
 
 def explore(
-    lm: Any,
-    profile: SafetyLike,
+    lm: ModelEngine,
+    profile: SafetyProfile,
     seed: str,
     steps: int = 3,
     alphas: Sequence[float] = DEFAULT_ALPHAS,
@@ -328,7 +342,7 @@ MAX_STEPS = 6  # the most steps one exploration may take (the page's slider offe
 
 
 def explore_on(
-    engine: Any, seed: str, *, steps: int = 3, safe: bool = True, max_new_tokens: int = 40
+    engine: ExploringEngine, seed: str, *, steps: int = 3, safe: bool = True, max_new_tokens: int = 40
 ) -> ExplorationResult:
     """The one entry point of an exploration, for ``isagi explore`` and the web Explore panel
     alike: a chain (:func:`explore`) on the engine's model, read in the frame its safety profile

@@ -207,17 +207,17 @@ def score_mcb(
     """Score ``texts`` on the five MCB dimensions and combine them (module docstring)."""
     texts = [t for t in texts]
     refs = list(baselines) if baselines else ([seed] if seed else [])
+    dt = divergent_thinking(texts)
+    ab = associative_breadth(texts, embeddings)
+    no = narrative_originality(texts, refs)
+    cc = constraint_creativity(texts, constraint, refs) if constraint is not None else None
+    mt = metaphor(texts)
     dims: dict[str, float | None] = {
-        "divergent_thinking": divergent_thinking(texts),
-        "associative_breadth": associative_breadth(texts, embeddings),
-        "narrative_originality": narrative_originality(texts, refs),
-        "constraint_creativity": (
-            constraint_creativity(texts, constraint, refs) if constraint is not None else None
-        ),
-        "metaphor": metaphor(texts),
+        "divergent_thinking": dt, "associative_breadth": ab, "narrative_originality": no,
+        "constraint_creativity": cc, "metaphor": mt,
     }
     present = {k: v for k, v in dims.items() if v is not None}
     total_w = sum(WEIGHTS[k] for k in present)
     index = sum(WEIGHTS[k] * v for k, v in present.items()) / total_w
-    rounded = {k: (None if v is None else round(v, 2)) for k, v in dims.items()}
-    return MCBResult(**rounded, index=round(index, 2), tier=tier(index))
+    return MCBResult(round(dt, 2), round(ab, 2), round(no, 2), None if cc is None else round(cc, 2), round(mt, 2),
+                     index=round(index, 2), tier=tier(index))

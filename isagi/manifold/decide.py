@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from isagi.manifold.cog import Tier, TierThresholds
 from isagi.manifold.distance_scale import DistanceScale
 from isagi.manifold.sameness import content_key, depends_on_context
+
+if TYPE_CHECKING:
+    from isagi.manifold.memory import MemoryRecord  # (not at run time: it loads FAISS)
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class Candidate:
 
     id: int
     distance: float
-    record: dict[str, Any]  # TrajectoryMemory.get(): query_text, reply_text, cluster, content_key, context_key
+    record: MemoryRecord  # TrajectoryMemory.get()
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,11 @@ class Decision:
         return None if self.nearest is None else self.nearest.distance
 
     @property
-    def record(self) -> dict[str, Any] | None:
+    def record(self) -> MemoryRecord | None:
         return None if self.nearest is None else self.nearest.record
 
 
-def same_question(text: str, record: dict[str, Any], context_key: str, dependent: bool) -> bool:
+def same_question(text: str, record: MemoryRecord, context_key: str, dependent: bool) -> bool:
     """The exact check before RETRIEVE: same content words, and the same context if it matters."""
     if content_key(text) != record["content_key"]:
         return False

@@ -68,20 +68,40 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import faiss
 import numpy as np
 
 from isagi.manifold.cog import Metric
 
-__all__ = ["Hit", "TrajectoryMemory"]
+__all__ = ["Hit", "MemoryRecord", "TrajectoryMemory"]
 
 _BLOCK = 128
 _SQ_RANGE_MARGIN = 0.1  # each side, as a fraction of a dimension's trained range
 _TEXT_COLUMNS = ("query_text", "reply_text", "tier", "context_key", "content_key")
+
+
+class MemoryRecord(TypedDict):
+    """One stored exchange as :meth:`TrajectoryMemory.get` gives it: its figures and the
+    text columns (:data:`_TEXT_COLUMNS`)."""
+
+    id: int
+    index: int  # its slot
+    query_x: np.ndarray
+    reply_x: np.ndarray
+    cluster: int
+    created: float
+    last_hit: float
+    hits: int
+    query_text: str
+    reply_text: str
+    tier: str
+    context_key: str
+    content_key: str
 
 
 @contextmanager
@@ -292,7 +312,7 @@ class TrajectoryMemory:
         self._columns = None
         self._next_cluster = max(self._next_cluster, int(cluster) + 1)
         if self._index is not None:
-            z, finv = self._frame_with_norms(q[None, :], self._frame_L)
+            z, finv = self._frame_with_norms(q[None, :], self._built_L)
             self._finv[s] = finv[0]
             with _faiss_threads(1):
                 self._index.add(z)
@@ -300,10 +320,11 @@ class TrajectoryMemory:
                 self._index = None  # switch to HNSW at the next search
         return rid
 
-    def get(self, id: int) -> dict:
-        """The record with this id as a dict (KeyError if unknown or evicted)."""
+    def get(self, id: int) -> MemoryRecord:
+        """The record with this id (KeyError if unknown or evicted)."""
         s = self._id2slot[int(id)]
-        rec = {
+        texts = self._texts
+        return {
             "id": int(self._ids[s]),
             "index": s,
             "query_x": self._qx[s].copy(),
@@ -312,10 +333,12 @@ class TrajectoryMemory:
             "created": float(self._created[s]),
             "last_hit": float(self._last_hit[s]),
             "hits": int(self._hits[s]),
+            "query_text": texts["query_text"][s],
+            "reply_text": texts["reply_text"][s],
+            "tier": texts["tier"][s],
+            "context_key": texts["context_key"][s],
+            "content_key": texts["content_key"][s],
         }
-        for col in _TEXT_COLUMNS:
-            rec[col] = self._texts[col][s]
-        return rec
 
     def replace_reply(self, id: int, reply_x: np.ndarray, reply_text: str) -> None:
         """Give the record ``id`` a new reply (Regenerate of an answer from memory): its query,
@@ -404,16 +427,21 @@ class TrajectoryMemory:
         L = metric.cholesky_factor().copy()
         Z, inv = self._frame_with_norms(self._qx[: self._size], L)
         self._finv[: self._size] = inv
+        index: faiss.Index
         if self._alive_count > self.exact_below:
             ip = faiss.METRIC_INNER_PRODUCT
+            hnsw: faiss.IndexHNSW
             if self.hnsw_storage == "sq8":
-                index = faiss.IndexHNSWSQ(self.k, faiss.ScalarQuantizer.QT_8bit, self.hnsw_m, ip)
+                # faiss's stub types the second argument a ScalarQuantizer; SWIG takes its type (QT_8bit)
+                hnsw = faiss.IndexHNSWSQ(self.k, faiss.ScalarQuantizer.QT_8bit, self.hnsw_m, ip)  # type: ignore[arg-type]
                 # per-dimension ranges from the build, widened so that records
                 # added later (new regions of the sphere) are rarely clipped
-                faiss.downcast_index(index.storage).sq.rangestat_arg = _SQ_RANGE_MARGIN
+                # (downcast_index returns the concrete IndexScalarQuantizer; its stub says Index)
+                faiss.downcast_index(hnsw.storage).sq.rangestat_arg = _SQ_RANGE_MARGIN  # type: ignore[attr-defined]
             else:
-                index = faiss.IndexHNSWFlat(self.k, self.hnsw_m, ip)
-            index.hnsw.efConstruction = self.ef_construction
+                hnsw = faiss.IndexHNSWFlat(self.k, self.hnsw_m, ip)
+            hnsw.hnsw.efConstruction = self.ef_construction
+            index = hnsw
             kind = "hnsw"
         else:
             index = faiss.IndexFlatIP(self.k)
@@ -436,6 +464,18 @@ class TrajectoryMemory:
         self._cur_ef = -1
         self._qf_key = None  # the query-side factor may have been this frame's
         self.rebuilds += 1
+
+    @property
+    def _built_L(self) -> np.ndarray:
+        """The Cholesky factor L of the frame the index was built in (read only once built)."""
+        assert self._frame_L is not None
+        return self._frame_L
+
+    @property
+    def _built_Linv(self) -> np.ndarray:
+        """``L⁻¹`` of the frame the index was built in (read only once built)."""
+        assert self._frame_Linv is not None
+        return self._frame_Linv
 
     def frame_drift(self, metric: Metric) -> float:
         """Exact drift ``λ_max/λ_min − 1`` of ``R = L⁻¹ M L⁻ᵀ`` (0 before any build)."""
@@ -467,7 +507,7 @@ class TrajectoryMemory:
         g = float(np.linalg.norm(M - self._frame_M)) / self._frame_lmin
         est = g if monotone else (2.0 * g / (1.0 - g) if g < 1.0 else float("inf"))
         if est > bound:
-            Li = self._frame_Linv
+            Li = self._built_Linv
             R = Li @ M @ Li.T
             f = float(np.linalg.norm(R - np.eye(self.k)))
             est = f if monotone else (2.0 * f / (1.0 - f) if f < 1.0 else float("inf"))
@@ -517,7 +557,7 @@ class TrajectoryMemory:
             return self._qf
         current = self._frame_metric is metric and self._frame_version == metric.version
         self._qf_key = (metric, metric.version)
-        self._qf = (self._frame_L, True) if current else (metric.M, False)
+        self._qf = (self._built_L, True) if current else (metric.M, False)
         return self._qf
 
     def _stage1(self, z: np.ndarray, ks: int) -> np.ndarray:
@@ -531,9 +571,11 @@ class TrajectoryMemory:
             self._alloc_stage1(ks)
         self._qbuf[0] = z
         index = self._index
+        assert index is not None  # built by _prepare before any search
         if self._index_kind == "hnsw":
             ef = max(self.ef_search, ks)
             if ef != self._cur_ef:
+                assert isinstance(index, faiss.IndexHNSW)
                 index.hnsw.efSearch = ef
                 self._cur_ef = ef
         # One query never gains from more OpenMP threads (a per-thread setting).
@@ -541,7 +583,8 @@ class TrajectoryMemory:
         if before != 1:
             faiss.omp_set_num_threads(1)
         try:
-            index.search_c(1, self._qptr, ks, self._dptr, self._lptr)
+            # SWIG's raw-pointer search (no array conversion); faiss's stub leaves it out
+            index.search_c(1, self._qptr, ks, self._dptr, self._lptr)  # type: ignore[attr-defined]
         finally:
             if before != 1:
                 faiss.omp_set_num_threads(before)
@@ -562,7 +605,7 @@ class TrajectoryMemory:
                 )
         cand = max(self._prepare(metric), top)
         n = self._size
-        z = np.dot(x, self._frame_L)
+        z = np.dot(x, self._built_L)
         nz2 = float(z.dot(z))
         if self._alive_count <= cand or nz2 == 0.0:
             rows = np.flatnonzero(self._alive[:n])
@@ -661,7 +704,7 @@ class TrajectoryMemory:
         return cols
 
     @classmethod
-    def from_columns(cls, cols: dict, k: int, cap: int = 50_000, **kwargs) -> TrajectoryMemory:
+    def from_columns(cls, cols: Mapping[str, Any], k: int, cap: int = 50_000, **kwargs: Any) -> TrajectoryMemory:
         """Rebuild a memory from :meth:`to_columns` output (validated; index built lazily)."""
         mem = cls(k, cap=cap, **kwargs)
         try:
@@ -669,7 +712,7 @@ class TrajectoryMemory:
             n = ids.shape[0]
             qx = np.asarray(cols["query_x"], dtype=np.float32).reshape(n, k)
             rx = np.asarray(cols["reply_x"], dtype=np.float32).reshape(n, k)
-            numeric = {
+            numeric: dict[str, np.ndarray] = {
                 "cluster": np.asarray(cols["cluster"], dtype=np.int32).reshape(n),
                 "created": np.asarray(cols["created"], dtype=np.float64).reshape(n),
                 "last_hit": np.asarray(cols["last_hit"], dtype=np.float64).reshape(n),

@@ -165,8 +165,8 @@ def _expand_contractions(text: str) -> str:
 def _tokens(text: str) -> list[str]:
     out: list[str] = []
     for m in _RE_TOKEN.finditer(text):
-        kind = m.lastgroup
-        tok = m.group(kind)
+        kind = m.lastgroup  # each alternative is one named group, the whole match
+        tok = m.group(kind or 0)
         if kind == "word":
             tok = tok.replace("'", "")
             if not tok:

@@ -56,9 +56,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -84,7 +84,8 @@ from isagi.session.turn import Message, Turn
 if TYPE_CHECKING:
     from isagi.engines.base import ModelEngine
     from isagi.pipeline.keeping import Keeper
-    from isagi.profile import Profile
+    from isagi.profile import Profile, Progress
+    from isagi.safety.runtime import ReplyGuard
     from storage.history import HistoryStore
 
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
@@ -119,6 +120,15 @@ class Generated:
     new_tokens: int
 
 
+class Classification(TypedDict):
+    """The tier a message would get (:meth:`Engine.classify`)."""
+
+    tier: str
+    distance: float | None
+    nearest_query: str | None
+    context_dependent: bool
+
+
 class Engine:
     """What all sessions share: settings, model, profile, history store, turn persistence."""
 
@@ -142,9 +152,9 @@ class Engine:
         settings: Settings,
         *,
         with_store: bool = True,
-        progress: Any = None,
-        lm: Any = None,
-        profile: Any = None,
+        progress: Progress | None = None,
+        lm: ModelEngine | None = None,
+        profile: Profile | None = None,
     ) -> Engine:
         """Load the model engine and its profile (calibrating on first use) and open the history store.
 
@@ -199,10 +209,14 @@ class Engine:
 
     # -- the turn ---------------------------------------------------------------
 
-    def turn(self, session: Session, message: str | Message, **kwargs: Any) -> Turn:
-        """Run a whole turn and return it (no streaming)."""
+    def turn(
+        self, session: Session, message: str | Message, *, options: GenerationOptions | None = None,
+        stop: threading.Event | None = None, record: bool = True, replaces_last: bool = False, fresh: bool = False,
+    ) -> Turn:
+        """Run a whole turn and return it (no streaming); the arguments are :meth:`stream_turn`'s."""
         turn = None
-        for event in self.stream_turn(session, message, **kwargs):
+        for event in self.stream_turn(session, message, options=options, stop=stop, record=record,
+                                      replaces_last=replaces_last, fresh=fresh):
             if isinstance(event, Done):
                 turn = event.turn
         assert turn is not None
@@ -218,7 +232,7 @@ class Engine:
         record: bool = True,
         replaces_last: bool = False,
         fresh: bool = False,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         """One turn: the decision, the reply's text deltas, then the finished :class:`Turn`.
 
         The message is validated here, at the call (an :class:`InputError` before
@@ -242,7 +256,7 @@ class Engine:
         *,
         options: GenerationOptions | None = None,
         stop: threading.Event | None = None,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         """Run the session's last question again; the new turn replaces the last one everywhere.
 
         The session is put back as it was before its last turn (``session.undo``: metric,
@@ -258,7 +272,7 @@ class Engine:
 
     def _regenerate(
         self, session: Session, options: GenerationOptions | None, stop: threading.Event | None
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         undo = session.undo
         assert undo is not None
         last = session.turns[-1]
@@ -286,7 +300,7 @@ class Engine:
         record: bool,
         replaces_last: bool,
         fresh: bool = False,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, None]:
         started, asked_at = time.perf_counter(), time.time()
         # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
         options = within_limits(options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens),
@@ -308,7 +322,7 @@ class Engine:
     def _turn_locked(
         self, session: Session, text: str, options: GenerationOptions, stop: threading.Event | None,
         *, fresh: bool = False,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, Turn]:
         """Prepare, guard, decide, generate and learn, as one of the model turns (``model_turns``); returns the Turn."""
         safety = self.profile.safety
         # At most one Generation of this turn is open at a time (so it holds at most one slot).
@@ -370,12 +384,10 @@ class Engine:
         # With history the reply is decoded from another prompt (or AUGMENT's), never from this one:
         # its prefill only has to reach the captured layers. (An exact repeat prefills nothing here.)
         history = self.prompts.fitting_history(session, text) if cached is None else None
-        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.read_layers, cached is None,
+        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.read_layers, cached,
                                          states_only=bool(history))
         if cached is None:
             session.cache_states(key, h, h_safety)
-        else:  # an exact repeat: same prompt, same states; a generation prefills on demand
-            h, h_safety = cached
         x = project(session.basis, h)
         # Zones live in the profile's coordinates; a session may carry its own basis
         # (an imported research session with another k), so route in the profile's.
@@ -416,7 +428,7 @@ class Engine:
     def _generate(
         self, session: Session, text: str, d: Decision, slot: _OpenGeneration, stop: threading.Event | None,
         h_safety: np.ndarray, history: list[dict[str, str]] | None,
-    ) -> Iterator[TurnEvent]:
+    ) -> Generator[TurnEvent, None, Generated]:
         """Decode the reply with the reply guard (which judges it with the message's safety state
         ``h_safety``), from the lookup prefill whenever the prompt is the same (no ``history``)."""
         from isagi.safety.runtime import ReplyGuard
@@ -473,7 +485,7 @@ class Engine:
             H = prompt_hidden_states(self.lm, [messages], self.layer, batch_size=1)
         return project(basis, H[0])
 
-    def classify(self, session: Session, message: str) -> dict[str, Any]:
+    def classify(self, session: Session, message: str) -> Classification:
         """The tier a message would get, without generating or changing the session."""
         text = self.prompts.validate(message)
         x = self._coords(self.prompts.build(session, text, None, with_history=False), session.basis)
@@ -493,9 +505,8 @@ class Engine:
         d = self._decide(session, text, x, context_key)
         cluster = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
         now = time.time()
-        session.turns.append(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
-                                  cluster=cluster, asked_at=now, answered_at=now))
-        session.version += 1
+        session.add_turn(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
+                              cluster=cluster, asked_at=now, answered_at=now))
 
 
 def _learn(
@@ -523,15 +534,16 @@ def _prompt_key(messages: list[dict[str, str]]) -> str:
 
 
 def _prefill(
-    slot: _OpenGeneration, lm: Any, messages: list[dict[str, str]], safety_layers: list[int], compute: bool,
-    *, states_only: bool = False,
-) -> tuple[Any, Any, int]:
-    """Open the lookup prompt; with ``compute``, prefill it: (h at layer L, safety state, prompt tokens).
+    slot: _OpenGeneration, lm: ModelEngine, messages: list[dict[str, str]], safety_layers: list[int],
+    known: tuple[np.ndarray, np.ndarray] | None, *, states_only: bool = False,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Open the lookup prompt and prefill it unless its states are ``known``: (h at layer L,
+    safety state, prompt tokens).
 
     The safety state is the read-out at each of ``safety_layers``, side by side (the profile's
     :attr:`~isagi.safety.runtime.SafetyProfile.read_layers`).
 
-    Without ``compute`` (the states are known) nothing runs yet: a later
+    With ``known`` states (an exact repeat: same prompt, same states) nothing runs yet: a later
     generation from this prompt prefills on demand. ``states_only``: no reply will be
     decoded from this prompt (the engine may stop after the captured layers).
     """
@@ -539,9 +551,9 @@ def _prefill(
     # The tokens before the message (system prompt, template) may come from a saved KV cache:
     # the safety state is read over the message's own tokens and the template's tokens after it
     # (isagi.manifold.pooling), h at the last one.
-    gen = slot.open(messages, reuse_prefix=span[0], states_only=states_only and compute)
-    if not compute:
-        return None, None, gen.prompt_tokens
+    gen = slot.open(messages, reuse_prefix=span[0], states_only=states_only and known is None)
+    if known is not None:
+        return known[0], known[1], gen.prompt_tokens
     from isagi.safety.runtime import SAFETY_POOL
 
     h = gen.prefill()
@@ -552,11 +564,11 @@ def _prefill(
 def _generate(
     slot: _OpenGeneration,
     messages: list[dict[str, str]] | None,
-    guard: Any,
+    guard: ReplyGuard,
     stop: threading.Event | None,
     *,
     context_shift: bool = False,
-) -> Iterator[TurnEvent]:
+) -> Generator[TurnEvent, None, Generated]:
     """Decode a reply (from ``messages``, or the prompt already open), yielding its text deltas.
 
     ``context_shift``: the prompt's history may come from a saved KV cache with the exchanges the
@@ -599,7 +611,8 @@ def _generate(
 class _OpenGeneration:
     """Holds the one open :class:`~isagi.engines.base.Decoding` of a turn; opening another closes the previous."""
 
-    def __init__(self, lm: Any, layer: int, options: GenerationOptions, also_capture: tuple[int, ...] = ()) -> None:
+    def __init__(self, lm: ModelEngine, layer: int, options: GenerationOptions,
+                 also_capture: tuple[int, ...] = ()) -> None:
         self.lm, self.layer, self.options = lm, layer, options
         self.also_capture = also_capture
         self.current: Decoding | None = None

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cause
 
@@ -233,21 +233,23 @@ class TurnKeeper:
 
     def _flush(self, b: _Backlog) -> StorageError | None:
         """Write ``b``'s waiting exchanges in order; the first failure stops it and is returned."""
-        session = b.session
+        session, store = b.session, self.store
+        if store is None:  # (a keeper without a store has no backlogs)
+            return None
         with b.lock:
             try:
                 if not b.counted:
                     # A session new to this keeper: the store may lack more than this turn
                     # (a loaded file's earlier turns under a fresh id), so the whole
                     # conversation is what the store must end up holding.
-                    n = self.store.exchange_count(session.id, owner=session.owner)
+                    n = store.exchange_count(session.id, owner=session.owner)
                     appended = sum(1 for _, replaces in b.ops if not replaces)
                     earlier = session.turns[n:max(n, len(session.turns) - appended)]
                     b.ops[:0] = [(t, False) for t in earlier]
                     b.counted = True
                 while b.ops:
                     if b.ops[0][1]:  # Regenerate: the last exchange replaced, alone
-                        _n, created = self.store.record_exchange(
+                        _n, created = store.record_exchange(
                             session.id, b.ops[0][0], owner=session.owner, model_id=self.model_id,
                             title=session.title, replace_last=True)
                         done = 1
@@ -257,7 +259,7 @@ class TurnKeeper:
                             if replaces:
                                 break
                             run.append(turn)
-                        _n, created = self.store.record_exchanges(
+                        _n, created = store.record_exchanges(
                             session.id, run, owner=session.owner, model_id=self.model_id, title=session.title)
                         done = len(run)
                     del b.ops[:done]
@@ -338,7 +340,7 @@ class Reconciled:
         return out
 
 
-def reconcile_history(store: Any, sessions_dir: str | Path) -> Reconciled:
+def reconcile_history(store: HistoryStore, sessions_dir: str | Path) -> Reconciled:
     """Bring the history store level with the autosaved ``.miku`` files (the source of truth).
 
     Reads only the files written after their session's last history record

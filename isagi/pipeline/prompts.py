@@ -15,18 +15,22 @@ prompt keeps its start (and its KV prefix) from turn to turn. A turn fits it onc
 from __future__ import annotations
 
 import unicodedata
-from typing import Any
+from typing import TYPE_CHECKING
 
 from isagi.config import Settings
 from isagi.errors import InputError
 from isagi.manifold.window import window_start
 from isagi.session.state import Session
 
+if TYPE_CHECKING:
+    from isagi.engines.base import ModelEngine
+    from isagi.manifold.memory import MemoryRecord
+
 
 class Prompts:
     """Validation, token accounting and prompt building for one model and its settings."""
 
-    def __init__(self, settings: Settings, lm: Any) -> None:
+    def __init__(self, settings: Settings, lm: ModelEngine) -> None:
         self.settings = settings
         self.lm = lm
         self._template_counts: dict[str, tuple[int, int]] = {}  # per system prompt (_template_tokens)
@@ -77,7 +81,7 @@ class Prompts:
         return prompt_tokens(self.lm, messages)
 
     def build(
-        self, session: Session, text: str, related: dict[str, Any] | None, *, with_history: bool = True,
+        self, session: Session, text: str, related: MemoryRecord | None, *, with_history: bool = True,
         history: list[dict[str, str]] | None = None,
     ) -> list[dict[str, str]]:
         """The chat for the model: system prompt, history, a related exchange (AUGMENT), message.
@@ -99,7 +103,7 @@ class Prompts:
         return self.messages(text, related, history)
 
     def messages(
-        self, text: str, related: dict[str, Any] | None, history: list[dict[str, str]]
+        self, text: str, related: MemoryRecord | None, history: list[dict[str, str]]
     ) -> list[dict[str, str]]:
         return prompt_messages(self.settings.system_prompt, text, related, history)
 
@@ -125,7 +129,7 @@ class Prompts:
         return start, exchanges
 
     def fitting_history(
-        self, session: Session, text: str, related: dict[str, Any] | None = None
+        self, session: Session, text: str, related: MemoryRecord | None = None
     ) -> list[dict[str, str]]:
         """The exchanges of the history window (:meth:`history_window`) as chat messages.
 
@@ -138,7 +142,7 @@ class Prompts:
         return self._fit([m for exchange in exchanges[start:] for m in exchange], text, related)
 
     def _fit(
-        self, history: list[dict[str, str]], text: str, related: dict[str, Any] | None
+        self, history: list[dict[str, str]], text: str, related: MemoryRecord | None
     ) -> list[dict[str, str]]:
         """``history`` (whole exchanges, oldest first) less its oldest exchanges while the prompt
         with ``related`` and ``text`` is over the budget. A prompt only grows with what it holds,
@@ -201,7 +205,7 @@ def clean_message(message: str | None) -> str:
 
 
 def prompt_messages(
-    system: str, text: str, related: dict[str, Any] | None = None, history: list[dict[str, str]] | None = None
+    system: str, text: str, related: MemoryRecord | None = None, history: list[dict[str, str]] | None = None
 ) -> list[dict[str, str]]:
     """The chat for the model: system prompt, history, a related exchange, then the message.
 
@@ -218,7 +222,7 @@ def prompt_messages(
     return msgs
 
 
-def _holds_exchange(history: list[dict[str, str]], related: dict[str, Any]) -> bool:
+def _holds_exchange(history: list[dict[str, str]], related: MemoryRecord) -> bool:
     """Whether ``history`` has the user message and reply of ``related`` as one exchange."""
     return any(
         a["role"] == "user" and a["content"] == related["query_text"]
@@ -227,17 +231,17 @@ def _holds_exchange(history: list[dict[str, str]], related: dict[str, Any]) -> b
     )
 
 
-def count_tokens(lm: Any, text: str) -> int:
+def count_tokens(lm: ModelEngine, text: str) -> int:
     """Tokens of ``text`` alone under the model's tokenizer (no template, no special tokens)."""
     return int(lm.count_tokens(text))
 
 
-def prompt_tokens(lm: Any, messages: list[dict[str, str]]) -> int:
+def prompt_tokens(lm: ModelEngine, messages: list[dict[str, str]]) -> int:
     """Exact tokens of a chat in the model's template, ready to answer."""
     return len(lm.chat_tokens(messages))
 
 
-def prompt_budget(settings: Settings, lm: Any) -> int:
+def prompt_budget(settings: Settings, lm: ModelEngine) -> int:
     """Tokens a prompt may take: the setting, capped at the model's context minus the reply's tokens."""
     budget = settings.prompt_token_budget
     context = model_context(lm)
@@ -246,7 +250,7 @@ def prompt_budget(settings: Settings, lm: Any) -> int:
     return max(budget, 1)
 
 
-def model_context(lm: Any) -> int | None:
+def model_context(lm: ModelEngine) -> int | None:
     """The model's context length in tokens, when the engine knows one."""
     n = getattr(lm, "context_length", None)
     return int(n) if isinstance(n, int) and n > 0 else None

@@ -220,7 +220,8 @@ def snipe(
             if energy > benign_budget:
                 continue
             Qs, c = _signed_centre(Qn, mu_b, Hh_all, Hb_all, offset)
-            auc = roc_auc(teh((Qs, c), Hh_all), teh((Qs, c), Hb_all))
+            # teh of rows is an array (its annotation also allows one row's float; a digested module (isagi.profile.DIGESTED_MODULES): its code, annotations too, keys the shipped profiles)
+            auc = roc_auc(teh((Qs, c), Hh_all), teh((Qs, c), Hb_all))  # type: ignore[arg-type]
             if best is None or auc > best[0]:
                 best = (auc, i, Qn, energy)
         if best is None or (Q.shape[1] > 0 and best[0] <= current_auc + 1e-4):
@@ -293,8 +294,9 @@ def _held_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, test: np.ndar
     training rows' ``counted`` benign scores."""
     train = np.setdiff1d(np.arange(len(H)), test)
     Q, c, _ = snipe(*split_by_category(H[train], labels[train], cats[train]), **params)
-    threshold = budget_threshold(teh((Q, c), H[train][counted[train]]), budget)
-    return teh((Q, c), H[test]), threshold
+    # teh of rows is an array (its annotation also allows one row's float; a digested module (isagi.profile.DIGESTED_MODULES): its code, annotations too, keys the shipped profiles)
+    threshold = budget_threshold(teh((Q, c), H[train][counted[train]]), budget)  # type: ignore[arg-type]
+    return teh((Q, c), H[test]), threshold  # type: ignore[return-value]
 
 
 def _pooled_report(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, folds: list[np.ndarray],
@@ -374,8 +376,9 @@ def leave_one_category_out(H: np.ndarray, labels: np.ndarray, cats: np.ndarray, 
         s_h, s_b = oof[test][harm[test]], oof[test][counted[test]]
         per[c] = {"auc": roc_auc(s_h, s_b), "tpr": float((s_h > threshold).mean()),
                   "fpr": float((s_b > threshold).mean()) if len(s_b) else None}
-    aucs = [v["auc"] for v in per.values() if not np.isnan(v["auc"])]
-    return {**report, "pooled_auc": report["auc"], "auc": float(np.mean(aucs)), "per_category": per}
+    # an "auc" is always a float (only "fpr" may be None; a digested module (isagi.profile.DIGESTED_MODULES): its code, annotations too, keys the shipped profiles)
+    aucs = [v["auc"] for v in per.values() if not np.isnan(v["auc"])]  # type: ignore[arg-type]
+    return {**report, "pooled_auc": report["auc"], "auc": float(np.mean(aucs)), "per_category": per}  # type: ignore[arg-type]
 
 
 def split_by_category(H: np.ndarray, labels: np.ndarray, cats: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -258,7 +258,8 @@ def two_budget_threshold(scores: np.ndarray, kinds: BenignKinds, *, ordinary_bud
     threshold = max(parts.values())
     cost = {f"{name}_fpr": float((scores[mask] > threshold).mean())
             for name, mask in (("ordinary", kinds.ordinary), ("lookalike", kinds.lookalike)) if mask.any()}
-    return threshold, {**cost, "bound_by": max(parts, key=lambda n: parts[n])}
+    # "bound_by" names a budget among the float figures; the annotation is left as it is (a digested module (isagi.profile.DIGESTED_MODULES): its code, annotations too, keys the shipped profiles)
+    return threshold, {**cost, "bound_by": max(parts, key=lambda n: parts[n])}  # type: ignore[dict-item]
 
 
 def logit_to_teh(z: float) -> float:

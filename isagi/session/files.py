@@ -41,7 +41,7 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.state import Session
 from isagi.session.turn import turns_from_messages, turns_to_messages
-from storage.titles import make_title
+from storage.titles import session_title
 
 if TYPE_CHECKING:
     from storage.miku import MikuState
@@ -111,21 +111,22 @@ def _int_array(where: str, field: str, arr: object, n: int, lo: int) -> np.ndarr
 
 
 def _number(where: str, field: str, v: object, lo: float, hi: float, *, whole: bool) -> float:
-    ok = isinstance(v, int | float) and not isinstance(v, bool)
-    if ok and whole:
-        ok = isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v == int(v))
-    if ok:
-        try:
-            ok = math.isfinite(float(v)) and lo <= v <= hi  # type: ignore[operator]
-        except OverflowError:
-            ok = False
-    if not ok:
-        kind = "a whole number" if whole else "a finite number"
-        raise _bad(where, field, f"= {str(v)[:40]} is not {kind} in [{lo:g}, {hi:g}]")
-    return float(v)  # type: ignore[arg-type]
+    if isinstance(v, int | float) and not isinstance(v, bool) and _within(v, lo, hi, whole=whole):
+        return float(v)
+    kind = "a whole number" if whole else "a finite number"
+    raise _bad(where, field, f"= {str(v)[:40]} is not {kind} in [{lo:g}, {hi:g}]")
 
 
-def check_session_state(state: MikuState, where: str | Path = "session") -> None:
+def _within(v: int | float, lo: float, hi: float, *, whole: bool) -> bool:
+    if whole and not (isinstance(v, int) or (math.isfinite(v) and v == int(v))):
+        return False
+    try:
+        return math.isfinite(float(v)) and lo <= v <= hi
+    except OverflowError:
+        return False
+
+
+def check_session_state(state: MikuState, where: str | os.PathLike[str] = "session") -> None:
     """Raise :class:`MikuError` naming the field unless ``state`` is a loadable session.
 
     Checks the session tensors (present, float32/64, finite, shapes agreeing
@@ -208,13 +209,13 @@ def _created(header: dict[str, Any], extra: dict[str, Any]) -> float:
     return t.timestamp()
 
 
-def session_state(frame: SessionFrame, session: Session) -> Any:
+def session_state(frame: SessionFrame, session: Session) -> MikuState:
     """The session as a :class:`storage.miku.MikuState`."""
     from storage.miku import MikuState
 
     b = session.basis
     metric_state = session.metric.to_state()
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "metric": np.asarray(session.metric.M, dtype=np.float64),
         "basis": np.asarray(b.B, dtype=np.float32),
         "mu": np.asarray(b.mu, dtype=np.float32),
@@ -335,9 +336,11 @@ def session_from_state(
     except (KeyError, ValueError, TypeError, OverflowError, AttributeError) as exc:
         raise MikuError(f"{where}: the session's contents are inconsistent ({exc}); "
                         "it cannot be loaded, keep it only as a record.") from None
-    sid = session_id if session_id is not None else extra.get("session_id")
-    if session_id is None and (not is_session_id(sid) or (id_taken is not None and id_taken(sid))):
-        sid = new_session_id()
+    if session_id is not None:
+        sid = session_id
+    else:
+        found = extra.get("session_id")
+        sid = found if is_session_id(found) and not (id_taken is not None and id_taken(found)) else new_session_id()
     title = extra.get("title") or None
     return Session(
         id=sid,
@@ -404,6 +407,6 @@ def resumable(state: MikuState, where: str | os.PathLike[str] = "legacy session"
     }
     state.extra.setdefault("basis_explained", 0.0)
     first = next((m["text"] for m in state.conversation if m["role"] == "user"), "")
-    state.extra.setdefault("title", make_title(first) if first.strip() else "")  # none: untitled, as before
+    state.extra.setdefault("title", session_title(None, first) if first.strip() else "")  # none: untitled, as before
     check_session_state(state, where)
     return state

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from isagi.errors import IsagiError, SessionBusy, SessionLimit
 from isagi.ids import new_session_id
@@ -113,7 +113,7 @@ def give_back_memory() -> None:
 
 
 @functools.cache
-def _malloc_trim() -> Any:
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``); None elsewhere."""
     import ctypes
     import ctypes.util

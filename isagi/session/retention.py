@@ -20,9 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from isagi.session.folder import SessionFiles
+
+if TYPE_CHECKING:
+    from storage.history import HistoryStore
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class Pruned:
 
 
 def prune_sessions(
-    store: Any,
+    store: HistoryStore | None,
     files: SessionFiles,
     older_than_days: float,
     *,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -106,8 +106,8 @@ class TurnRun:
 
     sid: str
     entry: Entry
-    _open: Callable[[], Iterator[TurnEvent]]
-    _events: Iterator[TurnEvent] | None = None
+    _open: Callable[[], Generator[TurnEvent, None, None]]
+    _events: Generator[TurnEvent, None, None] | None = None
     finished: bool = False
     notice: str | None = None  # the Done event's: what could not be saved yet
 
@@ -147,7 +147,7 @@ class TurnRun:
             return
         if not keep:
             try:
-                events.close()  # type: ignore[attr-defined]
+                events.close()
             except Exception as exc:  # never mask the caller's own end
                 log.warning("closing an abandoned turn failed: %s", exc)
             return
@@ -400,8 +400,8 @@ class SessionService:
                     [(q.text, a.text, a.verdict) for q, a in zip(rows[::2], rows[1::2], strict=True)], want)
             except IsagiError:
                 continue
-            if same and (sid := self.reopen(summary.id, owner, client)) is not None:
-                return sid
+            if same and (reopened := self.reopen(summary.id, owner, client)) is not None:
+                return reopened
         return None
 
     # -- a turn ------------------------------------------------------------------------------
@@ -435,7 +435,7 @@ class SessionService:
             entry.stop_requested_at = entry.stop_latency_s = None
             entry.notice = None
 
-            def open_events() -> Iterator[TurnEvent]:
+            def open_events() -> Generator[TurnEvent, None, None]:
                 if regenerate:
                     return engine.regenerate(entry.session, options=options, stop=entry.stop)
                 assert message is not None

@@ -32,7 +32,7 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.turn import Turn, turns_to_messages
 from storage.owners import LOCAL_OWNER
-from storage.titles import make_title
+from storage.titles import session_title
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 
@@ -107,7 +107,7 @@ class Session:
         """The turn joins the session (its first message names an untitled session)."""
         self.turns.append(turn)
         if self.title is None:
-            self.title = make_title(turn.user_text)
+            self.title = session_title(None, turn.user_text)
         self.version += 1
 
     @property

@@ -21,20 +21,11 @@ every text again when it renders it.
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 VERDICTS = ("ok", "refused", "withheld", "cancelled")
-
-# Turn fields stored on the assistant message of the file, under the same names.
-_REPLY_FIELDS = (
-    "tier", "distance", "nearest_query", "zone", "teh_prompt", "teh_reply", "verdict", "category",
-    "latency_s", "prompt_tokens", "new_tokens", "metric_growth", "context_dependent", "cluster", "generated",
-)
-_FLOATS = frozenset({"distance", "teh_prompt", "teh_reply", "latency_s", "metric_growth"})
-_INTS = frozenset({"prompt_tokens", "new_tokens", "cluster"})
-_BOOLS = frozenset({"context_dependent", "generated"})
-_TEXTS = frozenset({"tier", "nearest_query", "zone", "verdict", "category"})
 
 
 @dataclass(frozen=True)
@@ -121,7 +112,7 @@ class Turn:
         ``cancelled`` turn with an empty reply, so it never enters a prompt.
         """
         user = user or {}
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {}  # field -> a value of its type (checked by _typed)
         if reply is None:
             values["verdict"] = "cancelled"
         else:
@@ -169,6 +160,29 @@ def turns_from_messages(messages: list[dict[str, Any]]) -> list[Turn]:
 
 
 TURN_FIELDS = tuple(f.name for f in fields(Turn))
+# Fields the file keeps elsewhere than under their own names on the assistant message: the two
+# texts (each message's "text") and the two times (each message's "time").
+_MESSAGE_FIELDS = frozenset({"user_text", "reply_text", "asked_at", "answered_at"})
+# Turn fields stored on the assistant message of the file, under the same names, in field order.
+_REPLY_FIELDS = tuple(name for name in TURN_FIELDS if name not in _MESSAGE_FIELDS)
+
+
+def _field_kinds() -> dict[str, type]:
+    """Each field's type of value, without its ``None`` (``float | None``: float)."""
+    hints = get_type_hints(Turn)
+    kinds: dict[str, type] = {}
+    for name in TURN_FIELDS:
+        hint = hints[name]
+        kinds[name] = next(a for a in get_args(hint) if a is not type(None)) if isinstance(hint, types.UnionType) \
+            else hint
+    return kinds
+
+
+_KINDS = _field_kinds()
+_FLOATS = frozenset(n for n in _REPLY_FIELDS if _KINDS[n] is float)
+_INTS = frozenset(n for n in _REPLY_FIELDS if _KINDS[n] is int)
+_BOOLS = frozenset(n for n in _REPLY_FIELDS if _KINDS[n] is bool)
+_TEXTS = frozenset(n for n in _REPLY_FIELDS if _KINDS[n] is str)
 
 
 def _text(v: object) -> str:
@@ -177,13 +191,23 @@ def _text(v: object) -> str:
 
 def _time(m: dict[str, Any]) -> float | None:
     for key in ("time", "created"):  # "created": messages imported from miku v1
-        v = _typed("latency_s", m.get(key))
+        v = _float(m.get(key))
         if v is not None:
             return v
     return None
 
 
-def _typed(name: str, v: object) -> Any:
+def _float(v: object) -> float | None:
+    """``v`` as a float if it is a finite number (not a bool), else None."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        return float(v) if math.isfinite(float(v)) else None
+    except OverflowError:  # an integer too large for a float
+        return None
+
+
+def _typed(name: str, v: object) -> str | int | float | bool | None:
     """``v`` if it has the type of field ``name`` (finite numbers only), else None."""
     if v is None:
         return None
@@ -198,10 +222,7 @@ def _typed(name: str, v: object) -> Any:
             return int(v)
         return None
     if name in _FLOATS:
-        try:
-            return float(v) if isinstance(v, int | float) and math.isfinite(float(v)) else None
-        except OverflowError:  # an integer too large for a float
-            return None
+        return _float(v)
     if name in _TEXTS:
         return v if isinstance(v, str) else None
     return None

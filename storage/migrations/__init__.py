@@ -10,12 +10,16 @@ developers running the ``alembic`` command from the repository root.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from sqlalchemy.engine import Connection
 
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 
 
-def alembic_config(url: str | None = None, connection: Any = None) -> Any:
+def alembic_config(url: str | None = None, connection: Connection | None = None) -> Config:
     """A programmatic Alembic ``Config`` pointing at these revisions."""
     from alembic.config import Config
 
@@ -28,7 +32,7 @@ def alembic_config(url: str | None = None, connection: Any = None) -> Any:
     return cfg
 
 
-def upgrade_to_head(connection: Any) -> None:
+def upgrade_to_head(connection: Connection) -> None:
     """Apply every missing revision on ``connection`` (inside its transaction)."""
     from alembic import command
 

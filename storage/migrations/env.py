@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import Connection, create_engine, pool
 
 from storage.history import Base
 
@@ -11,7 +11,7 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def _run(connection) -> None:
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
@@ -38,7 +38,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    engine = create_engine(config.get_main_option("sqlalchemy.url", ""), poolclass=pool.NullPool)
     with engine.connect() as conn:
         _run(conn)
         conn.commit()

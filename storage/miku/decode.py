@@ -117,7 +117,8 @@ class _Loaded:
         if data.dtype != np.uint8 or data.ndim != 1:
             raise _fail(where, "data must be a uint8 vector")
         try:
-            text = str(data, encoding)
+            # numpy's stubs give ndarray the buffer protocol (__buffer__) from Python 3.12 only
+            text: str = str(data, encoding)  # type: ignore[call-overload]
         except UnicodeDecodeError as exc:
             raise _fail(where, f"texts are not valid {encoding} ({exc.reason})") from None
         if sep is not None:
@@ -196,7 +197,8 @@ def _decode_payload(payload: object, dec: _Decoder) -> MikuState:
 
 
 def _decode_texts(where: str, obj: object, strings: _Texts, n: int, dec: _Decoder) -> list[str]:
-    return _text_array(where, obj, strings, n, dec).tolist()
+    texts: list[str] = _text_array(where, obj, strings, n, dec).tolist()  # an object array of str
+    return texts
 
 
 def _text_array(where: str, obj: object, strings: _Texts, n: int, dec: _Decoder) -> np.ndarray:
@@ -215,7 +217,8 @@ def _text_array(where: str, obj: object, strings: _Texts, n: int, dec: _Decoder)
             f"index must be an integer vector of {n} rows, found {idx.dtype} {list(idx.shape)}",
         )
     strings.count(where, idx)
-    return strings.objects[idx]
+    column: np.ndarray = strings.objects[idx]
+    return column
 
 
 def _decode_conversation(obj: object, strings: _Texts, dec: _Decoder) -> list[dict[str, Any]]:
@@ -227,7 +230,7 @@ def _decode_conversation(obj: object, strings: _Texts, dec: _Decoder) -> list[di
         raise _fail("conversation", f"message count {str(n)[:40]} is invalid")
     roles = _text_array("conversation.role", obj["role"], strings, n, dec)
     texts = _text_array("conversation.text", obj["text"], strings, n, dec)
-    columns: list[tuple[str, list[int] | None, list[Any]]] = []
+    columns: list[tuple[str, np.ndarray | None, list[Any]]] = []  # (field, its rows (None: all), values)
     fields = _check_map("conversation.fields", obj["fields"])
     if len(fields) > limits.MAX_MESSAGE_FIELDS:  # checked by _check_declared
         raise _fail("conversation", f"{len(fields)} message fields, more than {limits.MAX_MESSAGE_FIELDS}")
@@ -267,7 +270,7 @@ def _decode_conversation(obj: object, strings: _Texts, dec: _Decoder) -> list[di
         ]
     for key, rows, values in columns:
         if rows is None:
-            if key == full[0]:  # type: ignore[index]
+            if full is not None and key == full[0]:  # (rows is None: full is not None)
                 continue
             targets = conv
         elif rows.size > 1 and bool((np.diff(rows) == rows[1] - rows[0]).all()):
@@ -298,5 +301,6 @@ def _decode_values(
             where,
             f"values must be a float64/int64/bool vector of {count}, found {arr.dtype} {list(arr.shape)}",
         )
-    return arr.tolist()
+    values: list[Any] = arr.tolist()
+    return values
 

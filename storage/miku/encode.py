@@ -10,6 +10,7 @@ is :mod:`storage.miku.writer`'s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -164,7 +165,7 @@ def _encode_payload(state: MikuState, area: _DataArea) -> tuple[dict[str, Any], 
     return meta, refs
 
 
-def _intern(table: dict[str, int], texts: list[str]) -> np.ndarray:
+def _intern(table: dict[str, int], texts: Sequence[str]) -> np.ndarray:
     setdefault = table.setdefault
     return np.fromiter((setdefault(t, len(table)) for t in texts), dtype=np.int64, count=len(texts))
 

@@ -13,7 +13,6 @@ import hashlib
 import struct
 import sys
 import zlib
-from typing import Any
 
 import numpy as np
 
@@ -56,7 +55,7 @@ class _Hasher:
         self._crc = 0
         self._h = None if algo == "crc32" else hashlib.new(algo)
 
-    def update(self, data: Any) -> None:
+    def update(self, data: bytes | memoryview) -> None:
         if self._h is None:
             self._crc = zlib.crc32(data, self._crc)
         else:

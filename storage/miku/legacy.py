@@ -268,7 +268,7 @@ def read_legacy(
             f"basis {list(basis.shape)} and metric {list(metric.shape)} do not fit (d,k)/(k,k)",
         )
     d, k = basis.shape
-    out_tensors = {"metric": metric.astype(np.float64), "basis": basis.astype(np.float32)}
+    out_tensors: dict[str, np.ndarray] = {"metric": metric.astype(np.float64), "basis": basis.astype(np.float32)}
     if "mu" in tensors:
         if tensors["mu"].shape != (d,):
             raise _bad(path, f"mu has shape {list(tensors['mu'].shape)}, expected [{d}]")
@@ -281,7 +281,9 @@ def read_legacy(
     q_x = tensors["trajectory_coords"]
     if q_x.shape != (n, k):
         raise _bad(path, f"trajectory_coords has shape {list(q_x.shape)}, expected [{n}, {k}]")
-    query_text, reply_text, tier = [], [], []
+    query_text: list[str] = []
+    reply_text: list[str] = []
+    tier: list[str] = []
     created_t = np.empty(n, np.float64)
     last_hit = np.empty(n, np.float64)
     hits = np.empty(n, np.int32)
@@ -375,7 +377,7 @@ def write_legacy(path: str | os.PathLike[str], state: MikuState) -> None:
     tr = state.trajectories
     n = state.n_trajectories
 
-    def col(name: str, default: Any) -> list:
+    def col(name: str, default: Any) -> list[Any]:
         c = tr.get(name)
         if c is None:
             return [default] * n

@@ -19,7 +19,7 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -46,14 +46,22 @@ from storage.miku.validate import _check_descriptor, _check_map, _is_int
 _HASH_CHUNK = 512 * 1024  # read and hash in pieces that fit in L2
 
 
-def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+class _Source(Protocol):
+    """What a file is read from: the file itself (:func:`_open`) or its bytes (:func:`decode_miku`)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+
+def _read_exact(f: _Source, n: int, what: str) -> bytes:
     data = f.read(n) if n else b""
     if len(data) != n:
         raise MikuError(f"is truncated ({what} ends after {len(data)} of {n} bytes)")
     return data
 
 
-def _read_into(f: BinaryIO, buf: memoryview) -> None:
+def _read_into(f: _Source, buf: memoryview) -> None:
     """Fill ``buf`` from ``f``."""
     got, size = 0, len(buf)
     while got < size:
@@ -63,7 +71,7 @@ def _read_into(f: BinaryIO, buf: memoryview) -> None:
         got += n
 
 
-def _hash_rest(f: BinaryIO, hasher: _Hasher) -> int:
+def _hash_rest(f: _Source, hasher: _Hasher) -> int:
     """Hash ``f`` from where it is to its end, one cache-sized piece at a time; return the bytes read."""
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
@@ -77,7 +85,7 @@ def _hash_rest(f: BinaryIO, hasher: _Hasher) -> int:
 class _Span(NamedTuple):
     offset: int
     nbytes: int
-    desc: dict
+    desc: dict[str, Any]
     dtype: np.dtype
     shape: list[int]
 
@@ -131,13 +139,14 @@ def _plan(meta: object, data_len: int) -> list[_Span]:
     return spans
 
 
-def _read_spans(f: BinaryIO, spans: list[_Span]) -> dict[int, np.ndarray]:
+def _read_spans(f: _Source, spans: list[_Span]) -> dict[int, np.ndarray]:
     """Read each tensor of the data area straight into its own (writable) array."""
     arrays: dict[int, np.ndarray] = {}
     for span in spans:
         arr = np.empty(span.shape, dtype=span.dtype)
         if span.nbytes:
-            _read_into(f, memoryview(arr.reshape(-1).view(np.uint8)))
+            # numpy's stubs give ndarray the buffer protocol (__buffer__) from Python 3.12 only
+            _read_into(f, memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
         if not _NATIVE_LE and span.dtype.itemsize > 1:  # pragma: no cover - big-endian hosts
             arr = arr.astype(span.dtype.newbyteorder("="))
         arrays[id(span.desc)] = arr
@@ -149,7 +158,7 @@ def _version_text(major: int, minor: int) -> str:
 
 
 def _load(
-    f: BinaryIO, size: int, path: Path, *, verify: bool = True
+    f: _Source, size: int, path: Path, *, verify: bool = True
 ) -> tuple[MikuState, str, bool]:
     """Read a whole .miku from ``f`` (``size`` bytes): (state, checksum algo, checksum ok).
 
@@ -237,7 +246,7 @@ def _load(
     return state, algo, ok
 
 
-def _open(path: Path) -> tuple[BinaryIO, int]:
+def _open(path: Path) -> tuple[io.FileIO, int]:
     try:
         f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
     except FileNotFoundError:
@@ -312,7 +321,7 @@ def file_version(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 
 def inspect_miku(
-    path: str | os.PathLike[str], *, check: Callable[[MikuState], None] | None = None
+    path: str | os.PathLike[str], *, check: Callable[[MikuState], object] | None = None
 ) -> dict[str, Any]:
     """A summary of a ``.miku`` file for ``isagi inspect``.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -34,7 +34,7 @@ _SCALARS = (str, int, float, bool, type(None))
 _SCALAR_TYPES = frozenset(_SCALARS)
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -47,7 +47,7 @@ def _check_name(where: str, name: object) -> str:
     return name
 
 
-def _check_map(where: str, obj: object) -> dict:
+def _check_map(where: str, obj: object) -> dict[Any, Any]:
     if not isinstance(obj, dict):
         raise _fail(where, f"expected a map, found {type(obj).__name__}")
     if len(obj) > limits.MAX_MAP_LEN:
@@ -134,7 +134,7 @@ def _check_conversation(conv: object) -> list[dict[str, Any]]:
     return conv
 
 
-def _check_shape_against_header(name: str, arr: np.ndarray, header: dict, n: int | None) -> None:
+def _check_shape_against_header(name: str, arr: np.ndarray, header: dict[str, Any], n: int | None) -> None:
     d, k = header["d"], header["k"]
     expected = {"metric": (k, k), "basis": (d, k), "mu": (d,)}.get(name)
     if n is not None and name in ("query_x", "reply_x"):
@@ -146,7 +146,7 @@ def _check_shape_against_header(name: str, arr: np.ndarray, header: dict, n: int
         )
 
 
-def _check_descriptor(where: str, obj: object, keys: frozenset) -> tuple[np.dtype, list[int]]:
+def _check_descriptor(where: str, obj: object, keys: frozenset[str]) -> tuple[np.dtype, list[int]]:
     """Validate a tensor's dtype and shape (and its key set); return (dtype, shape)."""
     obj = _check_map(where, obj)
     if obj.keys() != keys:

@@ -213,7 +213,8 @@ class Generation:
                 self.finish_reason = "length"
                 return
             with torch.inference_mode():
-                token = self._next_token(procs, all_ids, logits, generator)
+                # the prefill above set the logits (a digested module (isagi.profile.DIGESTED_MODULES): its code, annotations too, keys the shipped profiles)
+                token = self._next_token(procs, all_ids, logits, generator)  # type: ignore[arg-type]
             token_id = int(token)
             if token_id in stop_ids:
                 self.finish_reason = "stop"

@@ -314,7 +314,9 @@ def load_model(settings: Settings) -> LoadedModel:
             "the local cache)."
         ) from exc
     if quant_config is None:
-        model.to(device)
+        # transformers wraps PreTrainedModel.to with functools.wraps, which its types read as
+        # taking the model again
+        model.to(device)  # type: ignore[arg-type]
     model.eval()
     if tokenizer.chat_template is None:
         raise ModelLoadError(
