@@ -17,6 +17,7 @@ value per input, states included (sent as null); ``run/<api>``, ``api/<api>`` an
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -161,9 +162,9 @@ def _parameter_names(blocks: Any, index: int, n: int) -> list[str]:
     import inspect
 
     fn = blocks.fns[index].fn if index in blocks.fns else None
-    try:
-        params = [p.name for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "request"]
-    except (TypeError, ValueError):
-        params = []
+    params: list[str] = []
+    if fn is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            params = [p.name for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "request"]
     return params[:n] if len(params) >= n else [f"input_{k}" for k in range(n)]

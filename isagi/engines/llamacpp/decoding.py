@@ -338,6 +338,7 @@ class LlamaCppDecoding:
         e = self.engine
         if not self._multi:
             return e._decode_token(token, names)
+        assert self.seq is not None  # several slots: a decoding that feeds tokens holds one
         step = e.steps.run(Step(self.seq, [token], pos, capture=names))
         assert step.out_logits is not None
         self._next_logits = step.out_logits[-1]
