@@ -68,15 +68,15 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from app.api_request import ApiError, ChatRequest, parse_api_keys, parse_request
-from app.loader import EngineHolder, EngineLoading
+from isagi.app.api_request import ApiError, ChatRequest, parse_api_keys, parse_request
+from isagi.app.loader import EngineHolder, EngineLoading
 from isagi.errors import ConversationChanged, IsagiError, SessionBusy, SessionLimit
 from isagi.ids import is_session_id
 from isagi.pipeline.events import Done, TurnEvent, shown_text
 from isagi.session.service import LOCAL_OWNER, SessionService
 
 if TYPE_CHECKING:
-    from app.login import Backoff
+    from isagi.app.login import Backoff
     from isagi.config import Settings
     from isagi.engines.base import GenerationOptions
     from isagi.pipeline.engine import Engine

@@ -48,8 +48,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from app.event_shapes import EventShapes
-from app.uploads import UploadLedger
+from isagi.app.event_shapes import EventShapes
+from isagi.app.uploads import UploadLedger
 from isagi.errors import UploadError
 from isagi.session.service import LOCAL_OWNER
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from app import updates as u
-from app.handlers.chat import SYNC_S
-from app.help_text import help_markdown
-from app.ui import WebUI
-from app.views import turn_markdown
+from isagi.app import updates as u
+from isagi.app.handlers.chat import SYNC_S
+from isagi.app.help_text import help_markdown
+from isagi.app.ui import WebUI
+from isagi.app.views import turn_markdown
 
 GRADIO_CACHE_DELETE = (60, 600)  # Gradio's copies of downloads: every minute, those older than 10 minutes
 # An event with no API endpoint (private): Gradio takes api_name=False for it (on Gradio 5 the only

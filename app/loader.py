@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.public import public_text
+from isagi.app.public import public_text
 
 log = logging.getLogger(__name__)
 

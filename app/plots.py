@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from app.render_safe import hover_text
+from isagi.app.render_safe import hover_text
 
 TIER_COLOURS = {
     "RETRIEVE": "#1a9850",

@@ -45,7 +45,7 @@ from isagi.session.service import LOCAL_OWNER, MAX_MIKU_BYTES
 if TYPE_CHECKING:
     from gradio.routes import App as GradioApp
 
-    from app.loader import EngineHolder
+    from isagi.app.loader import EngineHolder
     from isagi.session.retention import Pruned, RetentionTimer
     from isagi.session.service import SessionService
 
@@ -139,9 +139,9 @@ def create_app(
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    from app.api import mount_api
-    from app.loader import EngineHolder
-    from app.login import Backoff, Logins, LoginThrottleMiddleware
+    from isagi.app.api import mount_api
+    from isagi.app.loader import EngineHolder
+    from isagi.app.login import Backoff, Logins, LoginThrottleMiddleware
     from isagi.datadir import open_data_dir
     from isagi.session.service import SessionService
 
@@ -159,8 +159,8 @@ def create_app(
     if page:
         from gradio.utils import get_upload_folder
 
-        from app.ui import WebUI
-        from app.uploads import MIB, UploadLedger
+        from isagi.app.ui import WebUI
+        from isagi.app.uploads import MIB, UploadLedger
 
         uploads = UploadLedger(get_upload_folder(), settings.upload_quota_mb * MIB)
         ui = WebUI(holder, sessions, settings, uploads=uploads)
@@ -231,9 +231,9 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
     import gradio as gr
     from starlette.routing import Mount
 
-    from app.event_shapes import EventShapes
-    from app.guard import Bindings, GradioGuard, gradio_login
-    from app.layout import CSS, build_blocks
+    from isagi.app.event_shapes import EventShapes
+    from isagi.app.guard import Bindings, GradioGuard, gradio_login
+    from isagi.app.layout import CSS, build_blocks
 
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)

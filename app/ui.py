@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.handlers.chat import ChatHandlers
-from app.handlers.explore import ExploreHandlers
-from app.handlers.files import FileHandlers
-from app.handlers.history import HistoryHandlers
-from app.handlers.page import Page
-from app.loader import EngineHolder
-from app.uploads import UploadLedger
+from isagi.app.handlers.chat import ChatHandlers
+from isagi.app.handlers.explore import ExploreHandlers
+from isagi.app.handlers.files import FileHandlers
+from isagi.app.handlers.history import HistoryHandlers
+from isagi.app.handlers.page import Page
+from isagi.app.loader import EngineHolder
+from isagi.app.uploads import UploadLedger
 from isagi.session.service import SessionService
 
 

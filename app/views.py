@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from app.help_text import BADGE_HELP, FIGURE_HELP
-from app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
+from isagi.app.help_text import BADGE_HELP, FIGURE_HELP
+from isagi.app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
 from isagi.ids import is_session_id
 from isagi.session.turn import turns_to_messages
 

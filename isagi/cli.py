@@ -24,7 +24,7 @@ from rich.console import Console
 from isagi import __version__
 from isagi.config import Settings, load_settings
 from isagi.errors import InputError, IsagiError
-from storage.owners import LOCAL_OWNER
+from isagi.storage.owners import LOCAL_OWNER
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ISAGI: chat with a living model.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (speed, memory, size).")
@@ -234,7 +234,7 @@ def web(
     home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None, parallel: ParallelOpt = None,
 ) -> None:
     """Open the browser app on http://HOST:PORT."""
-    from app.server import serve
+    from isagi.app.server import serve
 
     serve(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
                     trusted_proxies=trusted_proxies, parallel=parallel), host=host, port=port)
@@ -248,7 +248,7 @@ def serve(
     home: HomeOpt = None, trusted_proxies: TrustedProxiesOpt = None, parallel: ParallelOpt = None,
 ) -> None:
     """Serve the OpenAI-compatible API alone (no page) on http://HOST:PORT/v1."""
-    from app.server import serve as serve_app
+    from isagi.app.server import serve as serve_app
 
     serve_app(_settings(model=model, backend=backend, quant=quant, device=device, home=home,
                         trusted_proxies=trusted_proxies, parallel=parallel), host=host, port=port, page=False)
@@ -357,7 +357,7 @@ OwnerOpt = Annotated[str, typer.Option(
 
 
 def _store(home: Path | None) -> Any:
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
     return HistoryStore(_settings(home=home).resolved_database_url)
 
@@ -474,7 +474,7 @@ def inspect(
     from isagi.console.tables import inspect_tables
     from isagi.engines import model_fingerprint
     from isagi.session.files import session_from_state
-    from storage.miku import inspect_miku
+    from isagi.storage.miku import inspect_miku
 
     # the loader's own judgement (what chat --load and the page would say), without a model
     data = inspect_miku(path, check=lambda state: session_from_state(state, "the session"))

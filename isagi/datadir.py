@@ -151,7 +151,7 @@ def open_data_dir(settings: Settings, *, repair: bool = True) -> DataDir:
     opens the history store of ``settings``). Raises :class:`DataDirError` when
     the directory cannot be written. The caller logs or prints :meth:`DataDir.lines`.
     """
-    from storage.miku import remove_stale_temp_files
+    from isagi.storage.miku import remove_stale_temp_files
 
     check_writable(settings)
     f, alone = _lock(settings.home / LOCK_NAME)
@@ -176,7 +176,7 @@ def _reconcile(settings: Settings) -> Any:
     reported (the engine's own start reports it too) and skipped."""
     from isagi.pipeline.keeping import Reconciled, reconcile_history
     from isagi.session.folder import SessionFiles
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
     if not SessionFiles(settings.sessions_dir).all():
         return None

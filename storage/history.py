@@ -53,8 +53,8 @@ from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
 from isagi.errors import StorageError, storage_cause
-from storage.owners import LOCAL_OWNER
-from storage.titles import session_title
+from isagi.storage.owners import LOCAL_OWNER
+from isagi.storage.titles import session_title
 
 if TYPE_CHECKING:
     import sqlite3
@@ -322,7 +322,7 @@ class HistoryStore:
             ) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         try:
-            from storage.migrations import upgrade_to_head
+            from isagi.storage.migrations import upgrade_to_head
 
             with self.engine.begin() as conn:
                 upgrade_to_head(conn)

@@ -77,7 +77,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path):
 @pytest.fixture
 def store(db_url: str):
     """A HistoryStore on ``db_url``, closed after the test."""
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
     s = HistoryStore(db_url)
     try:

@@ -12,8 +12,8 @@ import struct
 import msgpack
 import numpy as np
 
-from storage import miku
-from storage.miku.frame import _PREFIX, _Hasher
+from isagi.storage import miku
+from isagi.storage.miku.frame import _PREFIX, _Hasher
 
 
 def frame(payload: bytes, minor: int = 1, algo: str = "crc32") -> bytes:

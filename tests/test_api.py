@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from app.api import ApiError, parse_api_keys, parse_request
-from app.server import create_app
+from isagi.app.api import ApiError, parse_api_keys, parse_request
+from isagi.app.server import create_app
 from isagi.errors import ConfigError
 from isagi.pipeline.prompts import prompt_messages
-from storage.owners import LOCAL_OWNER
+from isagi.storage.owners import LOCAL_OWNER
 
 openai = pytest.importorskip("openai")
 
@@ -54,7 +54,7 @@ def _free_port() -> int:
 def serve(engine: Any) -> Iterator[Served]:
     import uvicorn
 
-    from app.server import uvicorn_options
+    from isagi.app.server import uvicorn_options
 
     app = create_app(engine, engine.settings)
     port = _free_port()
@@ -403,7 +403,7 @@ def test_bad_requests_get_openai_errors(served, body, status, param):
 
 
 def test_an_oversized_body_is_a_413(served):
-    from app.api import MAX_BODY_BYTES
+    from isagi.app.api import MAX_BODY_BYTES
 
     _assert_openai_error(_raw(served, b"x" * (MAX_BODY_BYTES + 1)), 413)
 
@@ -478,7 +478,7 @@ def test_other_v1_addresses_are_openai_404s(served, method, path):
 
 
 def test_too_many_messages_is_a_400(served):
-    from app.api_request import MAX_MESSAGES
+    from isagi.app.api_request import MAX_MESSAGES
 
     body = {"model": served.model, "messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)}
     assert _assert_openai_error(_raw(served, body), 400)["code"] == "too_many_messages"
@@ -492,8 +492,8 @@ def test_deeply_nested_json_is_a_400(served):
 def test_without_auth_only_loopback_clients(tmp_path):
     from types import SimpleNamespace
 
-    from app.api import Api
-    from app.login import Backoff
+    from isagi.app.api import Api
+    from isagi.app.login import Backoff
 
     settings = SimpleNamespace(api_keys=None, auth=None, max_new_tokens=12)
     api = Api(None, None, settings, Backoff(5, 30))
@@ -530,8 +530,8 @@ def test_a_spoofed_forwarded_address_escapes_no_throttle(served):
 def test_failed_keys_are_throttled(tmp_path):
     from types import SimpleNamespace
 
-    from app.api import Api
-    from app.login import Backoff
+    from isagi.app.api import Api
+    from isagi.app.login import Backoff
 
     settings = SimpleNamespace(api_keys="alice:good", auth=None, max_new_tokens=12)
     api = Api(None, None, settings, Backoff(3, 30))

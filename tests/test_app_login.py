@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from app.login import Backoff, Logins
-from app.server import MAX_UPLOAD_BYTES, create_app, parse_auth
+from isagi.app.login import Backoff, Logins
+from isagi.app.server import MAX_UPLOAD_BYTES, create_app, parse_auth
 from isagi.config import load_settings
 from isagi.errors import ConfigError
-from storage.miku import MAX_MIKU_BYTES
+from isagi.storage.miku import MAX_MIKU_BYTES
 from tests.tiny_engine import engine_for
 
 

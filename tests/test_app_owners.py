@@ -17,15 +17,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.loader import EngineHolder
-from app.ui import WebUI
-from app.uploads import NOT_YOUR_UPLOAD
+from isagi.app.loader import EngineHolder
+from isagi.app.ui import WebUI
+from isagi.app.uploads import NOT_YOUR_UPLOAD
 from isagi.config import load_settings
 from isagi.ids import new_session_id
 from isagi.pipeline.engine import Engine
 from isagi.session.registry import SessionLimit, SessionRegistry
 from isagi.session.service import SessionService
-from storage.history import HistoryStore
+from isagi.storage.history import HistoryStore
 from tests.tiny_engine import engine_for
 from tests.uploads import upload
 
@@ -288,7 +288,7 @@ def test_through_gradio_routes_bob_calling_every_event_by_fn_index_gets_nothing(
     nothing of hers comes back and her session, history and file are intact."""
     from fastapi.testclient import TestClient
 
-    from app.server import create_app
+    from isagi.app.server import create_app
     from tests.gradio_raw import RawGradio, component_id
 
     settings = load_settings(environ={}, home=tmp_path, auth="alice:a,bob:b", max_new_tokens=8)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.server import create_app, uvicorn_options
+from isagi.app.server import create_app, uvicorn_options
 from isagi.config import load_settings
 from isagi.errors import ConfigError
 from tests.gradio_raw import RawGradio

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from app.public import public_text
+from isagi.app.public import public_text
 from isagi.config import load_settings
 from isagi.errors import StorageError, storage_cause
 from isagi.session.turn import Turn
-from storage.history import HistoryStore
+from isagi.storage.history import HistoryStore
 
 
 def _history_full_error(tmp_path: Path) -> StorageError:
@@ -38,7 +38,7 @@ def test_real_storage_errors_lose_their_paths_and_urls_but_keep_their_cause(tmp_
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     from isagi.session.files import session_state
-    from storage.miku import write_miku
+    from isagi.storage.miku import write_miku
     from tests.test_persist import _Engine, _real_session
 
     with pytest.raises(StorageError) as info:  # a real OSError from the writer: its folder is a file
@@ -62,7 +62,7 @@ def test_public_text(message, expected):
 def test_a_failed_load_shows_no_server_path_on_the_page_or_health(tmp_path):
     from fastapi.testclient import TestClient
 
-    from app.server import create_app
+    from isagi.app.server import create_app
 
     settings = load_settings(environ={}, home=tmp_path)
     secret = tmp_path / "models" / "weights.gguf"

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from app.loader import EngineHolder
-from app.ui import WebUI
+from isagi.app.loader import EngineHolder
+from isagi.app.ui import WebUI
 from isagi.ids import new_session_id
 from isagi.session.registry import SessionRegistry
 from isagi.session.service import SessionService
@@ -191,7 +191,7 @@ def test_a_closed_tabs_state_parks_its_session(tmp_path):
     then a reload may use the session: it is parked (resumable under its id), not forgotten."""
     import gradio as gr
 
-    from app.server import create_app
+    from isagi.app.server import create_app
 
     engine = tiny_engine(tmp_path, max_new_tokens=4)
     app = create_app(engine, engine.settings)

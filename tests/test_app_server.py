@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from app.server import create_app, parse_auth
+from isagi.app.server import create_app, parse_auth
 from isagi.config import load_settings
 from isagi.errors import ConfigError
 from tests.tiny_engine import tiny_engine
@@ -97,7 +97,7 @@ def test_login_required_when_auth_is_set(tmp_path):
 
 def test_importing_the_app_builds_nothing():
     code = (
-        "import sys; import app.server, app.ui, isagi.session.registry, app.plots, app.loader; "
+        "import sys; import isagi.app.server, isagi.app.ui, isagi.session.registry, isagi.app.plots, isagi.app.loader; "
         "print('gradio' in sys.modules, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -113,8 +113,7 @@ def test_serve_on_a_non_loopback_host_without_a_login_warns(tmp_path, monkeypatc
     require a login; with a login or on loopback it does not (nothing is loaded or bound)."""
     import uvicorn
 
-    import app.server as server
-
+    import isagi.app.server as server
     ran: list[str] = []
     monkeypatch.setattr(server, "check_port_free", lambda h, p: None)
     monkeypatch.setattr(server, "create_app", lambda *a, **k: "the app")

@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.guard import OTHER_LOGIN, Bindings
-from app.server import create_app
-from app.uploads import MIB, NOT_YOUR_UPLOAD
+from isagi.app.guard import OTHER_LOGIN, Bindings
+from isagi.app.server import create_app
+from isagi.app.uploads import MIB, NOT_YOUR_UPLOAD
 from tests.gradio_raw import RawGradio, component_id
 from tests.tiny_engine import tiny_engine
 
@@ -543,7 +543,7 @@ def test_an_event_call_that_does_not_fit_its_inputs_is_a_400_with_no_traceback(w
 
 
 def test_a_handed_out_download_is_removed_after_its_time(tmp_path) -> None:
-    from app.uploads import DOWNLOAD_TTL_S, UploadLedger
+    from isagi.app.uploads import DOWNLOAD_TTL_S, UploadLedger
 
     now = [0.0]
     ledger = UploadLedger(tmp_path, 1 << 20, clock=lambda: now[0])

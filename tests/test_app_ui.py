@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import app.handlers.chat
-import app.handlers.page
-import app.views
-from app import plots
-from app.loader import EngineHolder
-from app.render_safe import render_text
-from app.ui import WebUI
-from app.updates import KEEP
-from app.views import chat_messages, info_html
+import isagi.app.handlers.chat
+import isagi.app.handlers.page
+import isagi.app.views
+from isagi.app import plots
+from isagi.app.loader import EngineHolder
+from isagi.app.render_safe import render_text
+from isagi.app.ui import WebUI
+from isagi.app.updates import KEEP
+from isagi.app.views import chat_messages, info_html
 from isagi.pipeline.engine import Engine
 from isagi.session.files import load_session
 from isagi.session.registry import SessionRegistry
@@ -67,7 +67,7 @@ def ui(tmp_path):
 
 
 def test_reply_streams_and_gets_a_badge(ui, monkeypatch):
-    monkeypatch.setattr(app.handlers.chat, "STREAM_INTERVAL_S", 0.0)  # every token is a display update
+    monkeypatch.setattr(isagi.app.handlers.chat, "STREAM_INTERVAL_S", 0.0)  # every token is a display update
     sid = ui.page.registry.create()
     outs = run(ui.chat.send("tell me something", sid, 8))
     chats = [o.chat for o in outs if isinstance(o.chat, list)]
@@ -360,8 +360,8 @@ def test_a_long_sessions_page_updates_stay_bounded(ui, monkeypatch):
     """Every update of a turn in a session longer than the windows renders the chat's newest
     CHAT_WINDOW_TURNS turns (and a line counting the others) and plots the newest
     PLOT_WINDOW_TURNS turns under their own numbers, not the whole session."""
-    monkeypatch.setattr(app.handlers.page, "PLOT_WINDOW_TURNS", 20)
-    window = app.views.CHAT_WINDOW_TURNS
+    monkeypatch.setattr(isagi.app.handlers.page, "PLOT_WINDOW_TURNS", 20)
+    window = isagi.app.views.CHAT_WINDOW_TURNS
     sid = ui.page.registry.create()
     run(ui.chat.send("What is the boiling point of water?", sid, 4))
     session = ui.page.registry.entry(sid).session

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.uploads import MIB, UploadLedger, normalise
+from isagi.app.uploads import MIB, UploadLedger, normalise
 from isagi.errors import UploadError
 
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from isagi.bench.api import first, order, run
-from storage.owners import LOCAL_OWNER
+from isagi.storage.owners import LOCAL_OWNER
 from tests.test_api import Served, serve
 
 pytest.importorskip("gradio_client")

@@ -21,7 +21,7 @@ import isagi.cli as cli
 from isagi.config import load_settings
 from isagi.pipeline.engine import Engine
 from isagi.session.files import load_session
-from storage.history import HistoryStore
+from isagi.storage.history import HistoryStore
 from tests.tiny_engine import tiny_lm, tiny_profile
 
 WATER = "What is the boiling point of water?"
@@ -170,10 +170,9 @@ def test_import_legacy_then_chat_with_the_imported_session(tmp_path: Path, monke
 def test_web_takes_host_and_port_from_the_environment_and_flags_override_them(monkeypatch) -> None:
     """``ISAGI_HOST``/``ISAGI_PORT`` choose where ``isagi web`` listens (the Docker images set
     them; a container on the host's network is given a free port this way); a flag wins."""
-    import app.server
-
+    import isagi.app.server
     calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(app.server, "serve", lambda settings, host, port: calls.append((host, port)))
+    monkeypatch.setattr(isagi.app.server, "serve", lambda settings, host, port: calls.append((host, port)))
     monkeypatch.setenv("ISAGI_HOST", "0.0.0.0")
     monkeypatch.setenv("ISAGI_PORT", "7999")
     assert invoke("web").exit_code == 0
@@ -186,10 +185,9 @@ def test_web_takes_host_and_port_from_the_environment_and_flags_override_them(mo
 
 def test_serve_runs_the_api_without_the_page(monkeypatch) -> None:
     """``isagi serve`` is ``isagi web`` without the page (the same host and port settings)."""
-    import app.server
-
+    import isagi.app.server
     calls: list[tuple[str, int, bool]] = []
-    monkeypatch.setattr(app.server, "serve", lambda settings, host, port, page=True: calls.append((host, port, page)))
+    monkeypatch.setattr(isagi.app.server, "serve", lambda settings, host, port, page=True: calls.append((host, port, page)))
     assert invoke("serve", "--port", "8002").exit_code == 0
     assert invoke("web").exit_code == 0
     assert calls == [("127.0.0.1", 8002, False), ("127.0.0.1", 7860, True)]

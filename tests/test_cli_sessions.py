@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from isagi.cli import app
 from isagi.session.turn import Turn
-from storage.history import HistoryStore
+from isagi.storage.history import HistoryStore
 
 
 def _seed(home: Path) -> tuple[Path, Path]:

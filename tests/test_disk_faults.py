@@ -27,13 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from app.loader import EngineHolder
-from app.ui import WebUI
+from isagi.app.loader import EngineHolder
+from isagi.app.ui import WebUI
 from isagi.datadir import open_data_dir
 from isagi.session.registry import SessionRegistry
 from isagi.session.service import SessionService
 from isagi.session.turn import turns_from_messages
-from storage.miku import read_miku
+from isagi.storage.miku import read_miku
 from tests.tiny_engine import tiny_engine, tiny_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def test_the_server_saves_what_a_full_disk_held_back_within_seconds_of_space_ret
         # the page's next periodic check replaces the "not saved" notice
         shown = quiet(ui.chat.sync, old, None)
         assert shown.alert == SAVED_AGAIN
-        from app.updates import KEEP
+        from isagi.app.updates import KEEP
 
         assert quiet(ui.chat.sync, old, shown.seen).alert is KEEP, "said once"
         ui.page.engine.store.close()
@@ -295,7 +295,7 @@ def test_the_server_saves_what_a_full_disk_held_back_within_seconds_of_space_ret
 def test_the_api_says_saved_once_the_server_has_written_what_a_full_disk_held_back(tmp_path):
     from fastapi.testclient import TestClient
 
-    from app.server import create_app
+    from isagi.app.server import create_app
     from isagi.session.registry import SAVED_AGAIN
 
     with tmpfs(tmp_path / "home") as home:

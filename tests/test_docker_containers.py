@@ -206,7 +206,7 @@ def test_the_history_store_on_the_tests_postgresql_server(cpu_image: str) -> Non
     url = os.environ.get("ISAGI_TEST_POSTGRES_URL")
     if not url:
         pytest.skip("ISAGI_TEST_POSTGRES_URL is not set (make services starts PostgreSQL and writes .isagi/postgres.env)")
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
     store = HistoryStore(url)  # the tests' database: other tests' sessions may be there too
     before = {s.id for s in store.list_sessions(limit=100_000, owner="local")}

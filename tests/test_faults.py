@@ -25,8 +25,8 @@ import pytest
 
 from isagi.datadir import open_data_dir
 from isagi.session.turn import turns_from_messages
-from storage.history import HistoryStore
-from storage.miku import read_miku
+from isagi.storage.history import HistoryStore
+from isagi.storage.miku import read_miku
 from tests.tiny_engine import tiny_settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,10 +15,18 @@ from alembic.migration import MigrationContext
 
 from isagi.errors import StorageError
 from isagi.session.turn import Turn
-from storage.history import FIGURES, ROW_FIGURES, TEXT_OF, Base, HistoryStore, TurnRecord, TurnRow
-from storage.migrations import head_revision, upgrade_to_head
-from storage.owners import LOCAL_OWNER
-from storage.titles import make_title
+from isagi.storage.history import (
+    FIGURES,
+    ROW_FIGURES,
+    TEXT_OF,
+    Base,
+    HistoryStore,
+    TurnRecord,
+    TurnRow,
+)
+from isagi.storage.migrations import head_revision, upgrade_to_head
+from isagi.storage.owners import LOCAL_OWNER
+from isagi.storage.titles import make_title
 
 
 def rec(i: int, **kw) -> Turn:

@@ -14,9 +14,9 @@ from alembic import command
 
 from isagi.errors import StorageError
 from isagi.session.turn import Turn
-from storage.history import HistoryStore
-from storage.migrations import alembic_config, head_revision
-from storage.owners import LOCAL_OWNER
+from isagi.storage.history import HistoryStore
+from isagi.storage.migrations import alembic_config, head_revision
+from isagi.storage.owners import LOCAL_OWNER
 
 
 def _two_owners(store: HistoryStore) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("isagi", "storage", "app")
+# folder -> the package it installs as (pyproject.toml maps app/ and storage/ under isagi)
+PACKAGES = {"isagi": "isagi", "storage": "isagi.storage", "app": "isagi.app"}
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
@@ -39,10 +40,10 @@ def declared_layers() -> list[tuple[str, list[str]]]:
 def project_modules() -> dict[str, Path]:
     """module name -> file, for every module of the three packages (Alembic's scripts too)."""
     found: dict[str, Path] = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            rel = path.relative_to(ROOT)
-            parts = list(rel.with_suffix("").parts)
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder)
+            parts = [*package.split("."), *rel.with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
@@ -71,7 +72,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 source = node.module or ""
             targets = [f"{source}.{alias.name}" for alias in node.names]
         for target in targets:
-            if target.split(".")[0] in PACKAGES:
+            if target.split(".")[0] == "isagi":
                 hit = _deepest(target, modules)
                 if hit is not None and hit != module:
                     out.add(hit)
@@ -143,8 +144,8 @@ def test_there_is_no_import_cycle(graph):
 
 def test_storage_imports_nothing_from_isagi_but_errors_and_the_version(graph):
     allowed = {"isagi", "isagi.errors"}
-    wrong = {m: sorted(t for t in ts if t.split(".")[0] == "isagi" and t not in allowed)
-             for m, ts in graph.items() if m.split(".")[0] == "storage"}
+    wrong = {m: sorted(t for t in ts if not t.startswith("isagi.storage") and t not in allowed)
+             for m, ts in graph.items() if m.startswith("isagi.storage")}
     wrong = {m: ts for m, ts in wrong.items() if ts}
     assert not wrong, f"storage imports more of isagi than its errors and version: {wrong}"
 
@@ -165,11 +166,11 @@ def test_the_owner_of_work_without_a_login_is_named_once():
     """One owner constant: ``storage.owners.LOCAL_OWNER``; no other module spells its value
     (a second spelling drifts: a renamed owner would leave sessions nobody can open).
     Migrations keep the value they were written with, frozen as migrations must be."""
-    from storage.owners import LOCAL_OWNER
+    from isagi.storage.owners import LOCAL_OWNER
 
     spelled = []
     for module, path in project_modules().items():
-        if module == "storage.owners" or module.startswith("storage.migrations"):
+        if module == "isagi.storage.owners" or module.startswith("isagi.storage.migrations"):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and node.value == LOCAL_OWNER:
@@ -183,8 +184,8 @@ def test_the_front_ends_reach_sessions_only_through_the_service(graph):
     (:mod:`isagi.session.files`, the folder) nor anything of storage/ (the ``.miku`` format, the
     history store); a second way in would drift from the first (issue 38)."""
     banned = ("isagi.session.files", "isagi.session.folder")
-    wrong = {m: sorted(t for t in ts if t in banned or t.split(".")[0] == "storage")
-             for m, ts in graph.items() if m.split(".")[0] == "app"}
+    wrong = {m: sorted(t for t in ts if t in banned or t.startswith("isagi.storage"))
+             for m, ts in graph.items() if m.startswith("isagi.app")}
     wrong = {m: ts for m, ts in wrong.items() if ts}
     assert not wrong, f"app/ reaches past the session service: {wrong}"
 
@@ -198,7 +199,7 @@ def test_the_front_ends_use_typed_seams_not_getattr():
     silent default (issue 38). ``getattr`` stays for what app/ does not own (requests, files)."""
     found = []
     for module, path in project_modules().items():
-        if module.split(".")[0] != "app":
+        if not module.startswith("isagi.app"):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:

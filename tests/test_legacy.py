@@ -12,8 +12,8 @@ import torch
 
 from isagi.errors import MikuError, StorageError
 from isagi.session.files import import_legacy
-from storage.miku import read_miku
-from storage.miku.legacy import read_legacy, tensor_path, write_legacy
+from isagi.storage.miku import read_miku
+from isagi.storage.miku.legacy import read_legacy, tensor_path, write_legacy
 from tests.test_miku import make_state
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from isagi.errors import MikuError, StorageError
-from storage import miku
-from storage.miku import (
+from isagi.storage import miku
+from isagi.storage.miku import (
     MikuState,
     encode_miku,
     inspect_miku,
@@ -354,8 +354,8 @@ _CHILD = textwrap.dedent(
     import os, sys, time
     sys.path.insert(0, {root!r})
     from tests.test_miku import make_state
-    from storage import miku
-    from storage.miku import writer
+    from isagi.storage import miku
+    from isagi.storage.miku import writer
     path, mode = sys.argv[1], sys.argv[2]
     state = make_state(n=int(sys.argv[3]), k=32, d=64, seed=7)
     if mode == "pause":

@@ -23,8 +23,8 @@ import pytest
 
 from isagi.errors import MikuError
 from isagi.session.files import SessionFrame
-from storage import miku
-from storage.miku import encode_miku, inspect_miku, read_miku
+from isagi.storage import miku
+from isagi.storage.miku import encode_miku, inspect_miku, read_miku
 from tests import miku_bombs as B
 
 MIB = 1024**2

@@ -18,10 +18,17 @@ import numpy as np
 import pytest
 
 from isagi.errors import MikuError
-from storage import miku
-from storage.miku import decode_miku, encode_miku, file_version, inspect_miku, read_miku, write_miku
-from storage.miku.decode import _Loaded
-from storage.miku.frame import _PREFIX, _SEPARATORS, _Hasher
+from isagi.storage import miku
+from isagi.storage.miku import (
+    decode_miku,
+    encode_miku,
+    file_version,
+    inspect_miku,
+    read_miku,
+    write_miku,
+)
+from isagi.storage.miku.decode import _Loaded
+from isagi.storage.miku.frame import _PREFIX, _SEPARATORS, _Hasher
 from tests.test_miku import assert_same, make_state
 
 V20_CREATED = "2026-11-22T08:00:00+00:00"

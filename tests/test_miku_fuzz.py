@@ -37,10 +37,10 @@ import numpy as np
 import pytest
 
 from isagi.errors import MikuError
-from storage import miku
-from storage.miku import decode_miku, encode_miku, read_miku
-from storage.miku.frame import _PREFIX, _SEPARATORS
-from storage.miku.validate import _HEADER_REQUIRED
+from isagi.storage import miku
+from isagi.storage.miku import decode_miku, encode_miku, read_miku
+from isagi.storage.miku.frame import _PREFIX, _SEPARATORS
+from isagi.storage.miku.validate import _HEADER_REQUIRED
 from tests.test_miku import make_state
 from tests.test_miku_compat import V20_FILE, frame_v21, split_v21
 

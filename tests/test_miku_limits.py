@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from isagi.errors import MikuError
-from storage import miku
-from storage.miku import MikuState, limits, read_miku, write_miku
+from isagi.storage import miku
+from isagi.storage.miku import MikuState, limits, read_miku, write_miku
 from tests.test_miku import make_state
 
 MIB = 1024**2

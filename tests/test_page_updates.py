@@ -8,8 +8,8 @@ from dataclasses import fields
 import gradio as gr
 import pytest
 
-from app import updates as u
-from app.updates import KEEP, PageUpdate
+from isagi.app import updates as u
+from isagi.app.updates import KEEP, PageUpdate
 
 OUTPUT_LISTS = {name: v for name, v in vars(u).items() if name.isupper() and isinstance(v, tuple)}
 

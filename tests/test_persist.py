@@ -10,7 +10,7 @@ import numpy as np
 from isagi.pipeline.keeping import TurnKeeper
 from isagi.session.state import Session
 from isagi.session.turn import Turn
-from storage.history import HistoryStore
+from isagi.storage.history import HistoryStore
 
 
 def _session(tmp_path: Path) -> Session:
@@ -71,7 +71,7 @@ def _real_session(sessions: Path, owner: str = "local") -> Session:
 
 def _file_turns(path: Path) -> list[tuple[str, str]]:
     from isagi.session.turn import turns_from_messages
-    from storage.miku import read_miku
+    from isagi.storage.miku import read_miku
 
     return [(t.user_text, t.reply_text) for t in turns_from_messages(read_miku(path).conversation)]
 

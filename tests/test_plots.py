@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.plots import growth_figure, map_figure, teh_figure
+from isagi.app.plots import growth_figure, map_figure, teh_figure
 
 
 def _msgs(n: int, teh: float = 3.0, growth: float = 0.012) -> list[dict]:
@@ -51,8 +51,8 @@ def test_map_with_one_or_two_points_has_a_fixed_frame():
 def test_every_badge_and_figure_of_a_reply_explains_itself_on_hover():
     import re
 
-    from app.help_text import BADGE_HELP, help_markdown
-    from app.views import info_html
+    from isagi.app.help_text import BADGE_HELP, help_markdown
+    from isagi.app.views import info_html
 
     m = {"role": "assistant", "tier": "AUGMENT", "verdict": "ok", "distance": 0.12, "nearest_query": "q",
          "zone": "science", "teh_prompt": 2.0, "teh_reply": 1.0, "latency_s": 0.5, "new_tokens": 5,

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app import plots
-from app.render_safe import esc, hover_text, md_cell, render_text
-from app.views import (
+from isagi.app import plots
+from isagi.app.render_safe import esc, hover_text, md_cell, render_text
+from isagi.app.views import (
     badge_label,
     chat_messages,
     info_html,
@@ -52,7 +52,7 @@ class _Tags(HTMLParser):
 def _no_markup(out: str, allowed: set[str] = frozenset()) -> None:
     """As a browser parses it: only the app's own tags (each with a class, or the app's own
     hover help as its title), no image."""
-    from app.help_text import BADGE_HELP, FIGURE_HELP
+    from isagi.app.help_text import BADGE_HELP, FIGURE_HELP
 
     app_titles = set(BADGE_HELP.values()) | set(FIGURE_HELP.values())
     parser = _Tags()

@@ -17,7 +17,7 @@ from isagi.config import load_settings
 from isagi.errors import ConfigError
 from isagi.session.folder import SessionFiles
 from isagi.session.retention import DAY_S, RetentionTimer, prune_sessions
-from storage.history import SessionModel
+from isagi.storage.history import SessionModel
 from tests.tiny_engine import tiny_engine
 
 
@@ -148,7 +148,7 @@ def test_a_bad_retention_setting_says_what_to_set(tmp_path: Path, value: str) ->
 def test_a_server_with_a_retention_removes_old_sessions_when_it_starts(sessions) -> None:
     from fastapi.testclient import TestClient
 
-    from app.server import create_app
+    from isagi.app.server import create_app
 
     engine, made = sessions
     settings = engine.settings.with_overrides(session_retention_days=30)
@@ -164,7 +164,7 @@ def test_a_server_with_a_retention_removes_old_sessions_when_it_starts(sessions)
 
 
 def test_the_idle_time_is_a_setting(tmp_path: Path) -> None:
-    from app.server import create_app
+    from isagi.app.server import create_app
     from tests.tiny_engine import tiny_engine
 
     assert load_settings(environ={}, home=tmp_path).web_idle_minutes == 30.0

@@ -15,7 +15,7 @@ from isagi.manifold.ugt import fit_basis
 from isagi.session.files import SessionFrame, load_session, save_session
 from isagi.session.state import Session
 from isagi.session.turn import TURN_FIELDS, Turn
-from storage.miku import read_miku, write_miku
+from isagi.storage.miku import read_miku, write_miku
 
 
 def _frame(fingerprint: str = "fp-1", d: int = 32) -> SessionFrame:

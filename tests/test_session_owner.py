@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from app.loader import EngineHolder
-from app.ui import WebUI
+from isagi.app.loader import EngineHolder
+from isagi.app.ui import WebUI
 from isagi.console.terminal import chat_loop
 from isagi.engines.base import GenerationOptions
 from isagi.errors import InputError, StorageError
@@ -172,18 +172,17 @@ def test_the_terminal_regenerates_the_last_reply(tmp_path):
     RuntimeError("a bug in the writer"),  # anything else
 ])
 def test_a_failed_autosave_keeps_the_turn_and_says_the_file_was_not_written(tmp_path, monkeypatch, failure):
-    import storage.miku
-
+    import isagi.storage.miku
     ui = make_ui(tmp_path)
     sid = ui.page.registry.create()
     run(ui.chat.send(QUESTION, sid, 6))
     session = ui.page.registry.entry(sid).session
-    real = storage.miku.write_miku
+    real = isagi.storage.miku.write_miku
 
     def broken(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(storage.miku, "write_miku", broken)
+    monkeypatch.setattr(isagi.storage.miku, "write_miku", broken)
     final = run(ui.chat.send("Name three primary colours.", sid, 6))[-1]
     alert = final.alert
     assert "file was not written" in alert and "next message" in alert, alert
@@ -193,7 +192,7 @@ def test_a_failed_autosave_keeps_the_turn_and_says_the_file_was_not_written(tmp_
     assert [q for q, _ in in_file(ui, session.miku_path)] == [QUESTION]
     assert [q for q, _ in history(ui, sid)] == [QUESTION]  # the history never gets ahead of the file
     assert ui.page.registry.retry_history() == 1  # it waits for the file, not lost
-    monkeypatch.setattr(storage.miku, "write_miku", real)
+    monkeypatch.setattr(isagi.storage.miku, "write_miku", real)
     final = run(ui.chat.send("How do plants make food?", sid, 6))[-1]  # the next autosave writes it all
     assert "not written" not in final.alert
     expected = [(t.user_text, t.reply_text) for t in session.turns]

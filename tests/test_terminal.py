@@ -209,7 +209,7 @@ def test_isagi_chat_in_a_terminal_ctrl_c_stops_the_reply_then_leaves(tmp_path: P
     import time
 
     from isagi.config import load_settings
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
     home = tmp_path / "home"
     pid, fd = pty.fork()

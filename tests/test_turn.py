@@ -167,7 +167,7 @@ def test_replacing_the_last_turn_in_the_store_keeps_the_counts(tmp_path: Path) -
 def test_agent_and_session_io_do_not_import_each_other() -> None:
     code = (
         "import sys, isagi.session.files; a = 'isagi.pipeline.engine' in sys.modules; "
-        "import isagi.pipeline.engine; b = any(m in sys.modules for m in ('storage.history', 'isagi.pipeline.keeping')); "
+        "import isagi.pipeline.engine; b = any(m in sys.modules for m in ('isagi.storage.history', 'isagi.pipeline.keeping')); "
         "print(a, b)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -270,7 +270,7 @@ def test_a_session_as_long_as_its_file_can_hold_refuses_the_next_turn_before_any
     """At storage.miku.MAX_TURNS turns the next message is refused with one line that says
     what to do; nothing runs, the session is unchanged. Regenerate (which replaces the
     last turn) still works there."""
-    from storage.miku import MAX_TURNS
+    from isagi.storage.miku import MAX_TURNS
     from tests.tiny_engine import tiny_engine
 
     engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4)

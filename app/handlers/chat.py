@@ -30,12 +30,12 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from app import plots
-from app.handlers.page import NOT_LOGGED_IN, Page
-from app.loader import EngineLoading
-from app.render_safe import render_text
-from app.updates import KEEP, PageUpdate
-from app.views import (
+from isagi.app import plots
+from isagi.app.handlers.page import NOT_LOGGED_IN, Page
+from isagi.app.loader import EngineLoading
+from isagi.app.render_safe import render_text
+from isagi.app.updates import KEEP, PageUpdate
+from isagi.app.views import (
     chat_window,
     manifold_summary,
     pending_html,

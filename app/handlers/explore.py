@@ -4,12 +4,12 @@ and the MIKU creativity index, through the same entry point as ``isagi explore``
 
 from __future__ import annotations
 
-from app import plots
-from app.handlers.page import Page
-from app.loader import EngineLoading
-from app.render_safe import md_cell
-from app.updates import PageUpdate
-from app.views import fmt, short
+from isagi.app import plots
+from isagi.app.handlers.page import Page
+from isagi.app.loader import EngineLoading
+from isagi.app.render_safe import md_cell
+from isagi.app.updates import PageUpdate
+from isagi.app.views import fmt, short
 
 
 class ExploreHandlers:

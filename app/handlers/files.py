@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from app.handlers.page import NOT_LOGGED_IN, Page
-from app.loader import EngineLoading
-from app.render_safe import md_cell
-from app.updates import PageUpdate
-from app.uploads import NOT_YOUR_UPLOAD
-from app.views import counted, download_name
+from isagi.app.handlers.page import NOT_LOGGED_IN, Page
+from isagi.app.loader import EngineLoading
+from isagi.app.render_safe import md_cell
+from isagi.app.updates import PageUpdate
+from isagi.app.uploads import NOT_YOUR_UPLOAD
+from isagi.app.views import counted, download_name
 from isagi.errors import SessionLimit
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.handlers.page import NOT_LOGGED_IN, Page
-from app.loader import EngineLoading
-from app.render_safe import md_cell
-from app.updates import PageUpdate
-from app.views import counted, download_name, short
+from isagi.app.handlers.page import NOT_LOGGED_IN, Page
+from isagi.app.loader import EngineLoading
+from isagi.app.render_safe import md_cell
+from isagi.app.updates import PageUpdate
+from isagi.app.views import counted, download_name, short
 from isagi.errors import IsagiError, SessionLimit, SessionNotFound
 from isagi.ids import is_session_id
 

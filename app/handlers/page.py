@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app import plots
-from app.loader import EngineHolder, EngineLoading
-from app.render_safe import esc, md_cell
-from app.updates import PageUpdate
-from app.uploads import MIB, UploadLedger
-from app.views import (
+from isagi.app import plots
+from isagi.app.loader import EngineHolder, EngineLoading
+from isagi.app.render_safe import esc, md_cell
+from isagi.app.updates import PageUpdate
+from isagi.app.uploads import MIB, UploadLedger
+from isagi.app.views import (
     chat_window,
     highlight_row,
     manifold_summary,
@@ -222,7 +222,7 @@ class Page:
 
     def public(self, msg: str) -> str:
         """``msg`` without the server's data directory or database URL."""
-        from app.public import public_text
+        from isagi.app.public import public_text
 
         s = self.settings
         home = Path(s.home)

@@ -50,7 +50,7 @@ def synthetic_state(
     Without, only what the legacy v1 pair can also hold (the timing comparison).
     """
     from isagi.session.turn import Turn
-    from storage.miku import MikuState, new_header
+    from isagi.storage.miku import MikuState, new_header
 
     rng = np.random.default_rng(seed)
     queries = [_text(rng) for _ in range(turns)]
@@ -157,8 +157,8 @@ def run(turns: int = 5_000, k: int = 64, d: int = 576, repeats: int = 3) -> dict
     the peak memory of one load as traced by tracemalloc (and per byte of the
     file), and the upload limit ``MAX_MIKU_BYTES`` over that size.
     """
-    from storage.miku import MAX_MIKU_BYTES, raw_size, read_miku, write_miku
-    from storage.miku.legacy import read_legacy, tensor_path, write_legacy
+    from isagi.storage.miku import MAX_MIKU_BYTES, raw_size, read_miku, write_miku
+    from isagi.storage.miku.legacy import read_legacy, tensor_path, write_legacy
 
     state = synthetic_state(turns, k, d)
     with tempfile.TemporaryDirectory(prefix="isagi-bench-miku-") as tmp:

@@ -69,7 +69,7 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[s
 
     with tempfile.TemporaryDirectory(prefix="isagi-bench-") as tmp:
         engine = Engine.start(settings, with_store=False)
-        from storage.history import HistoryStore
+        from isagi.storage.history import HistoryStore
 
         engine.store = HistoryStore(f"sqlite:///{Path(tmp) / 'history.sqlite3'}")
         from isagi.pipeline.keeping import default_keeper
@@ -215,7 +215,7 @@ def run_history(
     from isagi.pipeline.engine import Engine
     from isagi.pipeline.keeping import default_keeper
     from isagi.session.turn import Turn
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
     histories = sorted(set(histories))
     if not histories or histories[0] < 0:

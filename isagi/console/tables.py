@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from storage.owners import LOCAL_OWNER
+from isagi.storage.owners import LOCAL_OWNER
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod

@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     from isagi.pipeline.keeping import Keeper
     from isagi.profile import Profile, Progress
     from isagi.safety.runtime import ReplyGuard
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
 __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
@@ -174,7 +174,7 @@ class Engine:
             profile = load_or_build_profile(lm, settings, progress=progress)
         store = None
         if with_store:
-            from storage.history import HistoryStore
+            from isagi.storage.history import HistoryStore
 
             store = HistoryStore(settings.resolved_database_url)
         engine = cls(settings, lm, profile, store)
@@ -644,7 +644,7 @@ def _check_room(session: Session) -> None:
     """Refuse a turn its session's file could not hold (before any work): the
     ``.miku`` format keeps at most :data:`storage.miku.MAX_TURNS` turns, and a turn
     past them would be answered and recorded but never autosaved."""
-    from storage.miku import MAX_TURNS
+    from isagi.storage.miku import MAX_TURNS
 
     if len(session.turns) >= MAX_TURNS:
         raise InputError(

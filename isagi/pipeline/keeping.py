@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from isagi.session.files import SessionFrame
     from isagi.session.state import Session
     from isagi.session.turn import Turn
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
 log = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ def reconcile_history(store: HistoryStore, sessions_dir: str | Path) -> Reconcil
     """
     from isagi.session.folder import SessionFiles
     from isagi.session.turn import turns_from_messages
-    from storage.miku import read_miku
+    from isagi.storage.miku import read_miku
 
     report = Reconciled()
     root = Path(sessions_dir)

@@ -41,10 +41,10 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.state import Session
 from isagi.session.turn import turns_from_messages, turns_to_messages
-from storage.titles import session_title
+from isagi.storage.titles import session_title
 
 if TYPE_CHECKING:
-    from storage.miku import MikuState
+    from isagi.storage.miku import MikuState
 
 FORMAT_VERSION = 2
 SESSION_TENSORS = ("metric", "basis", "mu", "singular_values")
@@ -211,7 +211,7 @@ def _created(header: dict[str, Any], extra: dict[str, Any]) -> float:
 
 def session_state(frame: SessionFrame, session: Session) -> MikuState:
     """The session as a :class:`storage.miku.MikuState`."""
-    from storage.miku import MikuState
+    from isagi.storage.miku import MikuState
 
     b = session.basis
     metric_state = session.metric.to_state()
@@ -260,7 +260,7 @@ def save_session(frame: SessionFrame, session: Session, path: Path) -> None:
     same :func:`check_session_state` first (the format's own limits are the
     writer's, :func:`storage.miku.write_miku`), and the file already there stays.
     """
-    from storage.miku import write_miku
+    from isagi.storage.miku import write_miku
 
     state = session_state(frame, session)
     check_session_state(state, "the session")
@@ -286,7 +286,7 @@ def load_session(
     is then kept nowhere. ``session_id``: open it as that session instead (the
     caller knows the file as that session's autosave, e.g. from the history).
     """
-    from storage.miku import read_miku
+    from isagi.storage.miku import read_miku
 
     state = read_miku(
         path, expected_fingerprint=frame.model_fingerprint, allow_other_model=allow_other_model
@@ -365,8 +365,8 @@ def import_legacy(
     Refuses to overwrite the v1 JSON itself (``new_path == old_path``), since
     the v1 pair would then be lost if anything went wrong.
     """
-    from storage.miku import write_miku
-    from storage.miku.legacy import read_legacy
+    from isagi.storage.miku import write_miku
+    from isagi.storage.miku.legacy import read_legacy
 
     old, new = Path(old_path), Path(new_path)
     if old.resolve() == new.resolve():

@@ -57,7 +57,7 @@ from isagi.errors import IsagiError, SessionBusy, SessionLimit
 from isagi.ids import new_session_id
 from isagi.session.folder import SessionFiles
 from isagi.session.state import Session
-from storage.owners import LOCAL_OWNER
+from isagi.storage.owners import LOCAL_OWNER
 
 if TYPE_CHECKING:
     from isagi.pipeline.engine import Engine

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from isagi.session.folder import SessionFiles
 
 if TYPE_CHECKING:
-    from storage.history import HistoryStore
+    from isagi.storage.history import HistoryStore
 
 log = logging.getLogger(__name__)
 

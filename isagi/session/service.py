@@ -30,8 +30,8 @@ from isagi.errors import ConversationChanged, IsagiError, SessionLimit, SessionN
 from isagi.session.folder import SessionFiles
 from isagi.session.registry import SAVED_AGAIN, Entry, SessionRegistry
 from isagi.session.state import Session
-from storage.miku import MAX_MIKU_BYTES, MAX_TURNS
-from storage.owners import LOCAL_OWNER
+from isagi.storage.miku import MAX_MIKU_BYTES, MAX_TURNS
+from isagi.storage.owners import LOCAL_OWNER
 
 if TYPE_CHECKING:
     from isagi.engines.base import GenerationOptions
@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     from isagi.pipeline.events import Done, TurnEvent
     from isagi.session.retention import Pruned
     from isagi.session.turn import Message
-    from storage.history import HistoryStore
-    from storage.history import SessionSummary as SessionSummary  # the front ends' name for it
+    from isagi.storage.history import HistoryStore
+    from isagi.storage.history import (
+        SessionSummary as SessionSummary,  # the front ends' name for it
+    )
 
 # The names a front end needs of the layers below it (it imports neither the files nor the store):
 # the owner of work without a login, and the most a session file holds (bytes, turns).

@@ -31,8 +31,8 @@ from isagi.manifold.memory import TrajectoryMemory
 from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.turn import Turn, turns_to_messages
-from storage.owners import LOCAL_OWNER
-from storage.titles import session_title
+from isagi.storage.owners import LOCAL_OWNER
+from isagi.storage.titles import session_title
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 

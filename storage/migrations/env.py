@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine, pool
 
-from storage.history import Base
+from isagi.storage.history import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -32,8 +32,8 @@ where the reader and the writer look it up.
 
 from __future__ import annotations
 
-from storage.miku.encode import encode_miku
-from storage.miku.frame import (
+from isagi.storage.miku.encode import encode_miku
+from isagi.storage.miku.frame import (
     CHECKSUM_ALGOS,
     DEFAULT_CHECKSUM,
     DTYPES,
@@ -41,7 +41,7 @@ from storage.miku.frame import (
     FORMAT_VERSION,
     MAGIC,
 )
-from storage.miku.limits import (
+from isagi.storage.miku.limits import (
     MAX_EXTRA_DEPTH,
     MAX_LIST_LEN,
     MAX_MAP_LEN,
@@ -62,9 +62,9 @@ from storage.miku.limits import (
     OBJECT_BUDGET_BYTES,
     OBJECT_BUDGET_PER_FILE_BYTE,
 )
-from storage.miku.reader import decode_miku, file_version, inspect_miku, read_miku
-from storage.miku.state import MikuState, new_header, raw_size
-from storage.miku.writer import remove_stale_temp_files, write_miku
+from isagi.storage.miku.reader import decode_miku, file_version, inspect_miku, read_miku
+from isagi.storage.miku.state import MikuState, new_header, raw_size
+from isagi.storage.miku.writer import remove_stale_temp_files, write_miku
 
 __all__ = [
     "CHECKSUM_ALGOS",

@@ -16,9 +16,9 @@ from typing import NamedTuple
 import numpy as np
 
 from isagi.errors import MikuError
-from storage.miku import limits
-from storage.miku.limits import _fail
-from storage.miku.validate import _is_int
+from isagi.storage.miku import limits
+from isagi.storage.miku.limits import _fail
+from isagi.storage.miku.validate import _is_int
 
 
 def _object_budget(size: int) -> int:

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from storage.miku import limits
-from storage.miku.budget import _Texts
-from storage.miku.frame import _ENCODINGS, _TENSOR_KEYS
-from storage.miku.limits import _fail
-from storage.miku.state import MikuState
-from storage.miku.validate import (
+from isagi.storage.miku import limits
+from isagi.storage.miku.budget import _Texts
+from isagi.storage.miku.frame import _ENCODINGS, _TENSOR_KEYS
+from isagi.storage.miku.limits import _fail
+from isagi.storage.miku.state import MikuState
+from isagi.storage.miku.validate import (
     _SCALAR_TYPES,
     _check_bool,
     _check_descriptor,

@@ -17,9 +17,9 @@ import msgpack
 import numpy as np
 
 from isagi.errors import MikuError
-from storage.miku import limits
-from storage.miku.budget import _check_declared, _check_items, _Texts
-from storage.miku.frame import (
+from isagi.storage.miku import limits
+from isagi.storage.miku.budget import _check_declared, _check_items, _Texts
+from isagi.storage.miku.frame import (
     _META_LEN,
     _PREFIX,
     _SEPARATORS,
@@ -33,10 +33,10 @@ from storage.miku.frame import (
     MAGIC,
     _Hasher,
 )
-from storage.miku.limits import _fail, _too_large
-from storage.miku.scanner import _scan
-from storage.miku.state import MikuState
-from storage.miku.validate import (
+from isagi.storage.miku.limits import _fail, _too_large
+from isagi.storage.miku.scanner import _scan
+from isagi.storage.miku.state import MikuState
+from isagi.storage.miku.validate import (
     _check_conversation,
     _check_descriptor,
     _check_extra,

@@ -62,9 +62,9 @@ from typing import Any
 import numpy as np
 
 from isagi.errors import MikuError, StorageError
-from storage.miku.limits import MAX_MIKU_BYTES
-from storage.miku.state import MikuState, new_header
-from storage.miku.validate import _check_extra
+from isagi.storage.miku.limits import MAX_MIKU_BYTES
+from isagi.storage.miku.state import MikuState, new_header
+from isagi.storage.miku.validate import _check_extra
 
 LEGACY_UNKNOWN_FINGERPRINT = "legacy-v1-unknown"
 # Each file of the pair: a 10,000-turn session's pair is ~16 MB in all.

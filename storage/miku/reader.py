@@ -24,10 +24,10 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from isagi.errors import MikuError
-from storage.miku import limits
-from storage.miku.budget import _check_declared, _check_items
-from storage.miku.decode import _decode_payload, _Decoder, _Inline, _Loaded
-from storage.miku.frame import (
+from isagi.storage.miku import limits
+from isagi.storage.miku.budget import _check_declared, _check_items
+from isagi.storage.miku.decode import _decode_payload, _Decoder, _Inline, _Loaded
+from isagi.storage.miku.frame import (
     _META_LEN,
     _NATIVE_LE,
     _PREFIX,
@@ -38,10 +38,10 @@ from storage.miku.frame import (
     MAGIC,
     _Hasher,
 )
-from storage.miku.limits import _fail, _too_large
-from storage.miku.scanner import _build, _scan, _unpack
-from storage.miku.state import MikuState
-from storage.miku.validate import _check_descriptor, _check_map, _is_int
+from isagi.storage.miku.limits import _fail, _too_large
+from isagi.storage.miku.scanner import _build, _scan, _unpack
+from isagi.storage.miku.state import MikuState
+from isagi.storage.miku.validate import _check_descriptor, _check_map, _is_int
 
 _HASH_CHUNK = 512 * 1024  # read and hash in pieces that fit in L2
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgpack
 
-from storage.miku import limits
-from storage.miku.limits import _fail
+from isagi.storage.miku import limits
+from isagi.storage.miku.limits import _fail
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.miku.frame import FORMAT_VERSION
+from isagi.storage.miku.frame import FORMAT_VERSION
 
 
 @dataclass

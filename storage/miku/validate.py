@@ -16,9 +16,9 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from storage.miku import limits
-from storage.miku.frame import DTYPES, FORMAT_VERSION
-from storage.miku.limits import _fail
+from isagi.storage.miku import limits
+from isagi.storage.miku.frame import DTYPES, FORMAT_VERSION
+from isagi.storage.miku.limits import _fail
 
 _HEADER_REQUIRED: dict[str, type] = {
     "format_version": int,

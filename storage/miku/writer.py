@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from isagi.errors import StorageError
-from storage.miku.encode import _encode_parts
-from storage.miku.frame import DEFAULT_CHECKSUM
-from storage.miku.state import MikuState
+from isagi.storage.miku.encode import _encode_parts
+from isagi.storage.miku.frame import DEFAULT_CHECKSUM
+from isagi.storage.miku.state import MikuState
 
 _WRITE_CHUNK = 8 * 1024**2
 

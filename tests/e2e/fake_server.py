@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from app.server import create_app, uvicorn_options
+    from isagi.app.server import create_app, uvicorn_options
     from isagi.config import load_settings
     from tests.tiny_engine import tiny_engine
 
@@ -126,7 +126,7 @@ def _slow_down_page_load(seconds: float) -> None:
     """Make every page load take ``seconds`` longer, as a loaded 2-core server does."""
     import time
 
-    from app.handlers.chat import ChatHandlers
+    from isagi.app.handlers.chat import ChatHandlers
 
     on_load = ChatHandlers.on_load
 

@@ -52,7 +52,7 @@ def _alert(out: Any) -> str:
 def two_million_messages(real: Path, out: Path, n: int = 2_000_000) -> int:
     """A structurally valid .miku with ``n`` messages and the server's own model header
     (taken from a session it saved), so the refusal is about the messages."""
-    from storage import miku
+    from isagi.storage import miku
     from tests import miku_bombs
 
     header = miku.read_miku(real, allow_other_model=True).header

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from app.guard import OTHER_LOGIN
-from app.uploads import NOT_YOUR_UPLOAD
+from isagi.app.guard import OTHER_LOGIN
+from isagi.app.uploads import NOT_YOUR_UPLOAD
 from tests.e2e.test_web_e2e import open_tab, send_and_wait, wait_text
 
 pytestmark = pytest.mark.browser

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from app.uploads import NOT_YOUR_UPLOAD
+from isagi.app.uploads import NOT_YOUR_UPLOAD
 from tests.e2e.conftest import shown_rows
 from tests.gradio_raw import RawGradio, component_id
 
