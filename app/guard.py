@@ -63,6 +63,7 @@ MAX_BINDINGS = 100_000
 BINDING_TTL_S = 24 * 3600.0
 OTHER_LOGIN = "This page's session belongs to another login. Reload the page and log in again."
 NOT_LOGGED_IN = "Log in first: this file belongs to a login."
+NO_FILE = "This upload holds no file: send a multipart body with a complete 'files' part."
 
 Scope = dict[str, Any]
 UserOf = Callable[[Scope], "str | None"]
@@ -202,9 +203,10 @@ def _replay(body: bytes, receive: Any) -> Any:
 
 class _Held:
     """A ``send`` that holds a small response back until it is complete, then lets
-    ``on_body(status, body)`` look at it before the client gets it."""
+    ``on_body(status, body)`` look at it before the client gets it; ``on_body`` may return a
+    (status, detail) that replaces it (a JSON ``{"detail": ...}``)."""
 
-    def __init__(self, send: Any, on_body: Callable[[int, bytes], None]) -> None:
+    def __init__(self, send: Any, on_body: Callable[[int, bytes], tuple[int, str] | None]) -> None:
         self.send, self.on_body = send, on_body
         self.start: dict[str, Any] | None = None
         self.chunks: list[bytes] = []
@@ -218,10 +220,16 @@ class _Held:
             if message.get("more_body", False):
                 return
             body = b"".join(self.chunks)
+            start = self.start
             try:
-                self.on_body(int(self.start.get("status", 0)), body)
+                replaced = self.on_body(int(start.get("status", 0)), body)
+                if replaced is not None:
+                    body = json.dumps({"detail": replaced[1]}).encode()
+                    start = {"type": "http.response.start", "status": replaced[0],
+                             "headers": [(b"content-type", b"application/json"),
+                                         (b"content-length", str(len(body)).encode())]}
             finally:
-                await self.send(self.start)
+                await self.send(start)
                 await self.send({"type": "http.response.body", "body": body})
             return
         await self.send(message)
@@ -376,16 +384,19 @@ class GradioGuard:
             return
         try:
             if route == "upload":
-                def record(status: int, body: bytes) -> None:
+                def record(status: int, body: bytes) -> tuple[int, str] | None:
                     self.ledger.release(reservation)  # arrived: counted as waiting from now on
                     if status != 200:
-                        return
+                        return None
                     try:
                         paths = json.loads(body)
                     except (ValueError, UnicodeDecodeError):
-                        return
+                        return None
+                    if paths == []:  # a malformed multipart body: Gradio read no file from it
+                        return 400, NO_FILE
                     if isinstance(paths, list):
                         self.ledger.record(owner, quota_key, paths)
+                    return None
 
                 await self.app(_without_headers(scope, b"accept-encoding"), receive, _Held(send, record))
             else:

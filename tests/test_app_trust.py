@@ -559,3 +559,16 @@ def test_a_handed_out_download_is_removed_after_its_time(tmp_path) -> None:
     now[0] = DOWNLOAD_TTL_S + 1
     ledger.sweep()
     assert not f.exists() and not folder.exists() and ledger.holders(str(f)) is None
+
+
+def test_an_upload_that_holds_no_file_is_a_400(world) -> None:
+    """A multipart body without a 'files' part, or with a part cut off, gave 200 and [] (nothing
+    was uploaded, nothing said why); now a 400 saying what to send. A real upload still goes."""
+    alice = world["alice"]
+    no_files = alice.post("gradio_api/upload", files=[("other", ("x.miku", b"abc"))])
+    assert no_files.status_code == 400 and "no file" in no_files.json()["detail"], no_files.text
+    cut = b'--XyZ\r\nContent-Disposition: form-data; name="files"; filename="a.miku"\r\n\r\nabc'
+    r = alice.post("gradio_api/upload", content=cut,
+                   headers={"content-type": "multipart/form-data; boundary=XyZ", "content-length": str(len(cut))})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
+    assert upload_file(alice, world["session_file"], "alice-again.miku")
