@@ -34,7 +34,10 @@ def table_turns(page, sid: str) -> int:
 
 
 # Regenerate's "generating…" line can last less than a poll on a fast machine: an observer
-# on the chat records it, and a changed "Latest turn" panel (its latency to the ms) counts too.
+# on the chat records it, and a changed latency in the "Latest turn" panel (to the ms) counts
+# too. Only the latency: the panel's whole text also changes while the event is pending (Gradio
+# draws its "0.0s" progress over the event's outputs), before the new turn has even started.
+_LATENCY = "((document.querySelector('#isagi-turn').innerText.match(/Latency\\s+([0-9.]+ s)/) || [])[1] || '')"
 _WATCH = """() => {
   window.__isagiSaw = false;
   const chat = document.querySelector('#isagi-chat');
@@ -42,10 +45,10 @@ _WATCH = """() => {
     if (chat.innerText.includes('generating')) window.__isagiSaw = true;
   });
   window.__isagiObs.observe(chat, {childList: true, subtree: true, characterData: true});
-  return document.querySelector('#isagi-turn').innerText;
-}"""
-_ENDED = """before => (window.__isagiSaw || document.querySelector('#isagi-turn').innerText !== before)
-  && !document.querySelector('#isagi-chat').innerText.includes('generating')"""
+  return %s;
+}""" % _LATENCY
+_ENDED = """before => (window.__isagiSaw || %s !== before)
+  && !document.querySelector('#isagi-chat').innerText.includes('generating')""" % _LATENCY
 
 
 def regenerate_and_wait(page) -> None:
