@@ -321,7 +321,7 @@ class Api:
     def finish_reason(turn: Turn, options: GenerationOptions) -> str:
         if turn.verdict in ("refused", "withheld"):
             return "content_filter"
-        if turn.generated and turn.new_tokens >= options.max_new_tokens:  # type: ignore[operator]  # (generated: counted)
+        if turn.generated and (turn.new_tokens or 0) >= options.max_new_tokens:
             return "length"
         return "stop"
 
@@ -335,8 +335,8 @@ class Api:
         """Tokens of the prompt the model read and of the reply sent (the model's tokenizer's count)."""
         out = engine.prompts.count_tokens(content) if content else 0
         # (a turn the engine ran counts its prompt's tokens; only a turn read from a file may not)
-        return {"prompt_tokens": int(turn.prompt_tokens), "completion_tokens": out,  # type: ignore[arg-type]
-                "total_tokens": int(turn.prompt_tokens) + out}  # type: ignore[arg-type]
+        prompt = turn.prompt_tokens or 0
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
 
 def _client(request: Request) -> str | None:

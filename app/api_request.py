@@ -192,7 +192,7 @@ def parse_request(raw: bytes, max_new_tokens: int) -> ChatRequest:
     sample = temperature is not None and temperature > 0  # none or 0: greedy, as the page's default
     options = GenerationOptions(
         max_new_tokens=limit or max_new_tokens, do_sample=sample,
-        temperature=temperature if sample else 0.7,  # type: ignore[arg-type]  # (sample: a number above 0)
+        temperature=temperature if temperature is not None and sample else 0.7,
         top_p=1.0 if top_p is None else top_p,
         seed=None if seed is None else seed % 2**32,
     )

@@ -159,6 +159,9 @@ class ChatHandlers:
         """
         p = self.page
         owner, _ = p.who(request)
+        if owner is None:
+            yield PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
+            return
         try:
             can = p.sessions.can_regenerate(sid, owner)
         except (KeyError, EngineLoading) as exc:
@@ -169,8 +172,7 @@ class ChatHandlers:
             yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
             return
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
-        # (can_regenerate raised KeyError for a missing session id or owner)
-        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)  # type: ignore[arg-type]
+        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
 
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,

@@ -45,10 +45,10 @@ _WATCH = """() => {
     if (chat.innerText.includes('generating')) window.__isagiSaw = true;
   });
   window.__isagiObs.observe(chat, {childList: true, subtree: true, characterData: true});
-  return %s;
-}""" % _LATENCY
-_ENDED = """before => (window.__isagiSaw || %s !== before)
-  && !document.querySelector('#isagi-chat').innerText.includes('generating')""" % _LATENCY
+  return LATENCY;
+}""".replace("LATENCY", _LATENCY)
+_ENDED = """before => (window.__isagiSaw || LATENCY !== before)
+  && !document.querySelector('#isagi-chat').innerText.includes('generating')""".replace("LATENCY", _LATENCY)
 
 
 def regenerate_and_wait(page) -> None:
