@@ -147,10 +147,11 @@ def test_a_full_disk_loses_nothing_and_tells_the_browser_plainly(tmp_path):
         ui.page.engine.store.close()
 
 
-def test_turns_made_while_the_database_was_full_reach_the_history(tmp_path):
-    """The history on its own full file system (the sessions have room): the file has every
-    turn at once, the history gets them at the next turn once there is room, or, after a
-    crash, at the next start."""
+@contextlib.contextmanager
+def history_filled_at_the_second_turn(tmp_path: Path) -> Iterator[tuple[WebUI, Filler, str, str, str]]:
+    """The history on a 1 MiB tmpfs of its own (the sessions have room): a turn "one", then the
+    history's disk filled and a turn "two"; yields (ui, the filler, the session id, the second
+    turn's alert, the database URL)."""
     with tmpfs(tmp_path / "db", size="1m") as db:
         url = f"sqlite:///{db / 'history.sqlite3'}"
         ui = make_ui(tmp_path / "home", database_url=url)
@@ -158,8 +159,15 @@ def test_turns_made_while_the_database_was_full_reach_the_history(tmp_path):
         sid = ui.page.registry.create()
         run(ui.chat.send("one", sid, 4))
         disk.fill()
-        alert = run(ui.chat.send("two", sid, 4))[-1].alert
-        assert_public_line(alert, url, str(db))
+        yield ui, disk, sid, run(ui.chat.send("two", sid, 4))[-1].alert, url
+
+
+def test_turns_made_while_the_database_was_full_reach_the_history(tmp_path):
+    """The history on its own full file system (the sessions have room): the file has every
+    turn at once, the history gets them at the next turn once there is room, or, after a
+    crash, at the next start."""
+    with history_filled_at_the_second_turn(tmp_path) as (ui, disk, sid, alert, url):
+        assert_public_line(alert, url, str(disk.path.parent))
         assert "history could not record" in alert
         path = ui.page.registry.entry(sid).session.miku_path
         assert file_texts(path) == ["one", "two"] and history_texts(ui, sid) == ["one"]
@@ -185,14 +193,8 @@ def test_when_the_servers_retry_writes_history_rows_a_full_database_held_back_th
     page's next sync says "Saved" (before: the warning stayed, only a file retry said Saved)."""
     from isagi.session.registry import SAVED_AGAIN
 
-    with tmpfs(tmp_path / "db", size="1m") as db:
-        url = f"sqlite:///{db / 'history.sqlite3'}"
-        ui = make_ui(tmp_path / "home", database_url=url)
-        disk = Filler(db)
-        sid = ui.page.registry.create()
-        run(ui.chat.send("one", sid, 4))
-        disk.fill()
-        assert "history could not record" in run(ui.chat.send("two", sid, 4))[-1].alert
+    with history_filled_at_the_second_turn(tmp_path) as (ui, disk, sid, alert, _url):
+        assert "history could not record" in alert
         assert ui.page.registry.retry_history() == 1 and history_texts(ui, sid) == ["one"]
         disk.free()
         assert ui.page.registry.retry_history() == 0  # the server's round, every few seconds
