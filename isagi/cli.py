@@ -186,6 +186,7 @@ def chat(
     system: Annotated[str | None, typer.Option("--system", help="system prompt (ISAGI_SYSTEM_PROMPT)")] = None,
     allow_other_model: Annotated[bool, typer.Option("--allow-other-model", help="load a .miku made with another model")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show tier, distance and TEH per turn")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="leave out the line saying what each turn was")] = False,
 ) -> None:
     """Chat in the terminal. With a pipe, reads one message per line and prints one reply per line.
 
@@ -221,7 +222,7 @@ def chat(
         err.print(f"[dim]ISAGI {__version__} · {engine.lm.model_id} · {engine.lm.quant} on {engine.lm.device} · "
                   f"session {session.id} · Ctrl-C stops a reply · Ctrl-C at the prompt or Ctrl-D quits · "
                   f"{REGENERATE_HELP}[/]")
-    chat_loop(engine, session, options, interactive=interactive, out=out, err=err, verbose=verbose)
+    chat_loop(engine, session, options, interactive=interactive, out=out, err=err, verbose=verbose, quiet=quiet)
     if save is not None:
         err.print(f"[dim]session saved to {save}[/]")
 

@@ -242,3 +242,21 @@ def test_isagi_chat_in_a_terminal_ctrl_c_stops_the_reply_then_leaves(tmp_path: P
     rows = store.get_turns(summary.id, owner="local")
     assert summary.turns == 2 and [r.verdict for r in rows] == ["cancelled"] * 2 + ["ok"] * 2
     assert 0 < rows[1].new_tokens < 1500 and rows[2].text == QUESTION
+
+
+def test_each_reply_is_followed_by_what_the_turn_was_in_plain_words_unless_quiet(tmp_path: Path) -> None:
+    """Issue 39: the terminal says after each reply what the turn was, in the README's words
+    ("a new topic", "answered from memory"), not only with -v; -q leaves it out."""
+    engine = tiny_engine(tmp_path)
+    session = engine.new_session()
+    out, _, _ = consoles()
+    said = io.StringIO()
+    err = Console(file=said, width=200)
+    chat_loop(engine, session, GenerationOptions(max_new_tokens=6), interactive=False, out=out, err=err,
+              read_line=lines(QUESTION, QUESTION))
+    assert [t.tier for t in session.turns] == ["EXPLORE", "RETRIEVE"]
+    assert said.getvalue().splitlines() == ["(a new topic)", "(answered from memory)"]
+    quiet = io.StringIO()
+    chat_loop(engine, engine.new_session(), GenerationOptions(max_new_tokens=6), interactive=False, out=out,
+              err=Console(file=quiet, width=200), quiet=True, read_line=lines(QUESTION))
+    assert quiet.getvalue() == ""

@@ -78,11 +78,14 @@ def chat_loop(
     out: Any,
     err: Any,
     verbose: bool = False,
+    quiet: bool = False,
     read_line: Callable[[str], str] = input,
 ) -> int:
     """Chat until end of input or Ctrl-C at the prompt; returns the number of turns run.
 
-    ``out`` and ``err`` are rich consoles (stdout and stderr).
+    ``out`` and ``err`` are rich consoles (stdout and stderr). After each reply, what the
+    turn was in plain words goes to stderr (:func:`what_it_was`; ``quiet`` leaves it out,
+    ``verbose`` adds its figures).
     """
     turns = 0
     while True:
@@ -117,11 +120,23 @@ def chat_loop(
             err.print(notice, style="yellow", markup=False, highlight=False, soft_wrap=True)
         if turn.verdict == "cancelled" and interactive:
             err.print("[dim](stopped; Ctrl-C again at the prompt leaves)[/]")
+        if not quiet:
+            err.print(f"[dim]({what_it_was(turn.tier, turn.verdict)})[/]", highlight=False)
         if verbose:
             teh = f"{turn.teh_prompt:.1f}%" if turn.teh_prompt is not None else "-"
             err.print(f"[dim]tier={turn.tier} d={turn.distance} zone={turn.zone} "
                       f"TEH={teh} verdict={turn.verdict} {turn.latency_s:.2f}s[/]")
     return turns
+
+
+def what_it_was(tier: str | None, verdict: str) -> str:
+    """A turn in the words the page and the README use: its tier for an answer ("answered from
+    memory", "a new topic", ...), else what happened to it ("refused by the safety layer")."""
+    from isagi.console.tables import TIER_WORDS, VERDICT_WORDS
+
+    if verdict != "ok":
+        return VERDICT_WORDS.get(verdict, verdict)
+    return TIER_WORDS.get(tier or "", "answered")
 
 
 def _sampling(options: Any) -> Any:
