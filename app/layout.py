@@ -43,6 +43,17 @@ CSS = """
 """
 
 
+# Esc stops the reply, as in the chat pages people know: a click on Stop (the same event, the
+# same wait), from anywhere on the page, unless something else (a dialog, a dropdown) took the key.
+HEAD = """<script>
+document.addEventListener('keydown', (e) => {
+  if (e.key !== 'Escape' || e.defaultPrevented) return;
+  const stop = document.querySelector('#isagi-stop');
+  if (stop && !stop.disabled) stop.click();
+});
+</script>"""
+
+
 def _low_end(usual: int, cap: int) -> int:
     """A token slider's low end: ``usual``, below the server's cap ``cap`` (Gradio needs low < high)."""
     return max(0, min(usual, cap - 1))

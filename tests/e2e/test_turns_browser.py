@@ -131,3 +131,22 @@ def test_regenerate_of_an_answer_from_memory_gives_a_new_one(fake_url, browser, 
         assert page.evaluate(LAST_REPLY) == regenerated, "memory still holds the old reply"
     finally:
         ctx.close()
+
+
+def test_esc_stops_a_reply_as_the_stop_button_does(fake_url, browser, screenshot_dir):
+    """Issue 39: Esc, pressed anywhere on the page while a reply streams, stops it as Stop does
+    (the turn is kept as stopped, the chat goes on)."""
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        page = open_page(ctx, fake_url)
+        send_and_wait(page, "Say hello.")
+        set_max_tokens(page, 2048)
+        send(page, "Write a very long story about a lighthouse keeper.")
+        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.length > 400",
+                               timeout=120_000)
+        page.keyboard.press("Escape")
+        page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
+        assert send_and_wait(page, "Say hello again.") != "CANCELLED"
+        page.screenshot(path=str(screenshot_dir / "esc-stops.png"), full_page=True)
+    finally:
+        ctx.close()
