@@ -259,10 +259,9 @@ class Api:
         """:meth:`isagi.session.service.SessionService.with_room`, a full cap answered as a 429."""
         try:
             return self._service().with_room(make, owner, client)
-        except SessionLimit:
-            raise ApiError(429, "Too many open chats for this client or user (ISAGI_MAX_SESSIONS_PER_CLIENT), all "
-                           "of them busy or open in a page; try again shortly.", type="rate_limit_error",
-                           code="session_limit", headers={"Retry-After": "5"}) from None
+        except SessionLimit as exc:  # the service's words: which cap, what to do
+            raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit",
+                           headers={"Retry-After": "5"}) from None
 
     # -- a turn --------------------------------------------------------------------
     def run_turn(self, p: PreparedRequest, emit: Callable[[TurnEvent], bool],

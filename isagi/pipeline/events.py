@@ -60,13 +60,10 @@ class Done:
 TurnEvent = Decided | Token | Refused | Withheld | Done
 """Everything a turn streams."""
 
-TextEvent = Token | Refused | Withheld
-"""The events that add text to the reply as the user sees it."""
-
 
 def shown_text(event: TurnEvent) -> str:
     """The text ``event`` adds to the reply as shown ('' for a decision or the end)."""
     return event.text if isinstance(event, Token | Refused | Withheld) else ""
 
 
-__all__ = ["Decided", "Done", "Refused", "TextEvent", "Token", "TurnEvent", "Withheld", "shown_text"]
+__all__ = ["Decided", "Done", "Refused", "Token", "TurnEvent", "Withheld", "shown_text"]

@@ -271,15 +271,18 @@ class SessionService:
         """The session's ``.miku`` inside the sessions directory (a recorded path elsewhere is ignored)."""
         return self._files().find(summary.id, summary.miku_path)
 
-    def _read(self, sid: str, owner: str) -> Session | None:
-        """``owner``'s saved session ``sid`` read from its file, or None (no such session in their
-        history, no file); a file the loader refuses raises its :class:`~isagi.errors.IsagiError`."""
+    def _read(self, sid: str, owner: str) -> Session:
+        """``owner``'s saved session ``sid`` read from its file; :class:`SessionNotFound` saying why
+        when there is none (not in their history, or no file), and a file the loader refuses
+        raises its :class:`~isagi.errors.IsagiError`."""
         from isagi.session.files import load_session
 
         summary = self.summary(sid, owner)
-        path = self.saved_file(summary) if summary is not None else None
+        if summary is None:
+            raise SessionNotFound(f"No session {sid[:64]} in your history.")
+        path = self.saved_file(summary)
         if path is None:
-            return None
+            raise SessionNotFound(f"Session {sid} has no saved living state; export its history instead.")
         return load_session(self.engine.frame, path, session_id=sid)
 
     def reopen(self, sid: str | None, owner: str, client: str | None) -> str | None:
@@ -294,12 +297,11 @@ class SessionService:
         if self.registry.holds(sid, owner):
             return sid
         try:
-            session = self._read(sid, owner)
-            if session is None:
-                return None
-            return self.registry.reopen(session, owner=owner, client=client)
+            return self.registry.reopen(self._read(sid, owner), owner=owner, client=client)
         except SessionLimit:
             raise
+        except SessionNotFound:  # unknown, another's, or no file: nothing to reopen
+            return None
         except (IsagiError, KeyError, OSError) as exc:  # unreadable, or live for another owner
             log.warning("could not reopen session %s: %s", sid, exc)
             return None
@@ -316,15 +318,7 @@ class SessionService:
             opened = Opened(sid, self.registry.entry(sid, owner).session)
             opened.left_unsaved = self._leave(leaving, owner)
             return opened
-        summary = self.summary(sid, owner)
-        if summary is None:
-            raise SessionNotFound(f"No session {sid[:64]} in your history.")
-        path = self.saved_file(summary)
-        if path is None:
-            raise SessionNotFound(f"Session {sid} has no saved living state; export its history instead.")
-        from isagi.session.files import load_session
-
-        session = load_session(self.engine.frame, path, session_id=sid)
+        session = self._read(sid, owner)
         left = self._leave(leaving, owner)
         new = self.registry.adopt(session, owner=owner, client=client)
         return Opened(new, session, forked=new != sid, left_unsaved=left)
@@ -371,7 +365,7 @@ class SessionService:
             except SessionLimit:
                 if self.registry.park_one_parkable(owner, client):
                     continue
-                raise
+                break
             if sid is not None:
                 self.registry.mark_parkable(sid)
             return sid
