@@ -119,7 +119,7 @@ def build_blocks(ui: WebUI) -> Any:
         # from its file under the same id.
         def park(sid: str | None) -> None:
             if sid:
-                ui.page.registry.release(sid, park=True, owner=None)
+                ui.page.sessions.release(sid, None)  # the server's own: a failed save is logged, kept live
 
         state = gr.State(None, delete_callback=park)
         # The same id in the browser's storage, read at page load: a reload reopens the session.
