@@ -53,6 +53,8 @@ class Input:
             return None if value is None or isinstance(value, str) else f"{self.name} must be text"
         if kind in ("radio", "dropdown") and self.choices is not None:
             return None if value in self.choices else f"{self.name} must be one of the offered choices"
+        if kind in ("radio", "dropdown"):  # choices set per page (the chat list): an id, checked by its handler
+            return None if value is None or isinstance(value, str) else f"{self.name} must be text"
         if kind in ("file", "uploadbutton"):
             return None if value is None or isinstance(value, dict) else f"{self.name} must be a file"
         return None
@@ -124,7 +126,7 @@ class EventShapes:
                     name=name, kind=str(comp.get("type", "")),
                     minimum=props.get("minimum"), maximum=props.get("maximum"),
                     choices=tuple(c[1] if isinstance(c, list | tuple) else c for c in choices)
-                    if isinstance(choices, list) else None,
+                    if isinstance(choices, list) and choices else None,  # none at build: set per page
                 ))
             events.append(Event(int(dep["id"]), dep.get("api_name") or None, tuple(inputs)))
         return cls(events)

@@ -42,6 +42,14 @@ CSS = """
 #isagi-status p { font-size: 0.95em; }
 """
 
+# The chat list (the sidebar): its radio drawn as a list of rows, one chat a row, the open one marked.
+CHATS_CSS = """
+#isagi-chats .wrap { display: flex; flex-direction: column; gap: 2px; }
+#isagi-chats label { width: 100%; box-sizing: border-box; margin: 0; cursor: pointer; }
+#isagi-chats label span { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+#isagi-chats input[type=radio] { display: none; }
+"""
+
 
 # Esc stops the reply, as in the chat pages people know: a click on Stop (the same event, the
 # same wait), from anywhere on the page, unless something else (a dialog, a dropdown) took the key.
@@ -105,7 +113,7 @@ def build_blocks(ui: WebUI) -> Any:
     import gradio as gr
 
     s = ui.page.settings
-    chat_h, history_h, files_h = ui.chat, ui.history, ui.files
+    chat_h, history_h, files_h, chats_h = ui.chat, ui.history, ui.files, ui.chats
     R = with_request  # noqa: N806 - a short local alias for the wiring below
     # Model work: one event per sequence slot of the model runs (ISAGI_PARALLEL), one more waits
     # at the engine with its message checked; the rest wait in Gradio's queue, which shows
@@ -129,6 +137,19 @@ def build_blocks(ui: WebUI) -> Any:
         stored = gr.BrowserState(None, storage_key="isagi-session-id", secret="isagi-session-id-v1")
         seen = gr.State(None)  # what the page has drawn of its session (Page.seen), for its sync
         pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
+        # The chat list: the caller's chats, newest first; one click opens one (app.handlers.chats).
+        with gr.Sidebar(open=True, label="Chats", elem_id="isagi-sidebar"):
+            side_new = gr.Button("New chat", variant="primary", elem_id="isagi-sidebar-new")
+            chats_query = gr.Textbox(label="Search chats", placeholder="Words in a title or a message",
+                                     elem_id="isagi-chats-search", max_lines=1)
+            chat_title = gr.Textbox(label="This chat's title (Enter renames it)", max_lines=1,
+                                    elem_id="isagi-chat-title")
+            delete_chat = gr.Button("Delete this chat", variant="stop", size="sm", elem_id="isagi-chat-delete")
+            with gr.Row():
+                chat_confirm = gr.Button("Yes, delete", variant="stop", size="sm", visible=False,
+                                         elem_id="isagi-chat-delete-confirm")
+                chat_cancel = gr.Button("Cancel", size="sm", visible=False, elem_id="isagi-chat-delete-cancel")
+            chats = gr.Radio(choices=[], label="Your chats", elem_id="isagi-chats")
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
         status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
         # The loading banner's timer starts stopped: a page's load starts it while the model
@@ -234,19 +255,27 @@ def build_blocks(ui: WebUI) -> Any:
             "pending": pending_delete, "confirm": confirm_delete, "cancel": cancel_delete,
             "download": download, "files_note": files_note, "tabs": tabs,
             "ex_steps": ex_steps, "ex_plot": ex_plot, "mcb": mcb_md,
+            "chats": chats, "chat_title": chat_title, "chat_confirm": chat_confirm, "chat_cancel": chat_cancel,
         }
 
         def out(names: tuple[str, ...]) -> list[Any]:
             return [components[n] for n in names]
 
         gen_in = [max_tokens, sample, temperature, colour_by]
+        # the chat list as it is now: redrawn after whatever may change it (a turn, a switch, a load)
+        list_chats = R(chats_h.list_chats, ["sid", "query"], u.CHATS)
+
+        def relist(event: Any) -> None:
+            event.then(list_chats, [state, chats_query], out(u.CHATS), api_name=NO_API, show_progress="hidden",
+                       **light_q)
 
         # The input opens once the load has set the page's session: a message sent before that
         # would be undone by the load's answer (its session replaced by the one the load read).
         demo.load(R(chat_h.on_load, ["sid", "colour_by"], u.LOAD), [stored, colour_by], out(u.LOAD),
                   api_name=NO_API, **light_q
                   ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
-                         [msg, send], api_name=NO_API, queue=False)
+                         [msg, send], api_name=NO_API, queue=False
+                  ).then(list_chats, [state, chats_query], out(u.CHATS), api_name=NO_API, **light_q)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
         # registry learns which page shows it; a closed page's session is parked (unload).
@@ -255,24 +284,41 @@ def build_blocks(ui: WebUI) -> Any:
         # Another tab of this browser may change the session: the page redraws it when it is stale.
         sync_timer.tick(R(chat_h.sync, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
                         out(u.SYNC), show_progress="hidden", api_name=NO_API, **light_q)
-        timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
-                   show_progress="hidden", api_name=NO_API, **light_q)
+        relist(timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
+                          show_progress="hidden", api_name=NO_API, **light_q))
         send_fn = R(chat_h.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"], u.TURN)
         # Send and Enter are one event: a message sent while a reply streams waits in the browser
         # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
         # dropped.
         ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], out(u.TURN),
                         show_progress="minimal", api_name="send", trigger_mode="always_last", **model_q)
+        relist(ev_send)
         ev_regen = regen.click(R(chat_h.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
                                  u.TURN),
                                [state, *gen_in], out(u.TURN), show_progress="minimal",
                                api_name="regenerate", **model_q)
+        relist(ev_regen)
         stop.click(R(chat_h.stop, ["sid", "colour_by"], u.STOP), [state, colour_by], out(u.STOP),
                    cancels=[ev_send, ev_regen], show_progress="hidden", api_name="stop",
                    queue=False)
         new_fn = R(chat_h.new_chat, ["sid", "colour_by"], u.NEW_CHAT)
-        new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q)
-        chat.clear(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name=NO_API, **light_q)
+        relist(new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q))
+        relist(side_new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name=NO_API, **light_q))
+        relist(chat.clear(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name=NO_API, **light_q))
+        # the sidebar: open a chat by its row, search, rename the open one, delete it (asked first)
+        chats.input(R(chats_h.open_chat, ["chosen", "sid", "query", "colour_by"], u.OPEN_CHAT),
+                    [chats, state, chats_query, colour_by], out(u.OPEN_CHAT), api_name=NO_API, **light_q)
+        chats_query.change(list_chats, [state, chats_query], out(u.CHATS), api_name=NO_API,
+                          show_progress="hidden", trigger_mode="always_last", **light_q)
+        rename_fn = R(chats_h.rename, ["title", "sid", "query"], u.RENAME)
+        gr.on([chat_title.submit, chat_title.blur], rename_fn, [chat_title, state, chats_query], out(u.RENAME),
+              api_name=NO_API, **light_q)
+        delete_chat.click(R(chats_h.ask_delete, ["sid"], u.ASK_DELETE_CHAT), [state], out(u.ASK_DELETE_CHAT),
+                          api_name=NO_API, **light_q)
+        chat_confirm.click(R(chats_h.delete, ["sid", "query", "colour_by"], u.DELETE_CHAT),
+                           [state, chats_query, colour_by], out(u.DELETE_CHAT), api_name=NO_API, **light_q)
+        chat_cancel.click(R(chats_h.cancel_delete, [], u.ASK_DELETE_CHAT), None, out(u.ASK_DELETE_CHAT),
+                          api_name=NO_API, queue=False)
         colour_by.change(R(chat_h.recolour, ["sid", "colour_by"], u.RECOLOUR), [state, colour_by],
                          out(u.RECOLOUR), api_name=NO_API, **light_q)
 
@@ -284,8 +330,8 @@ def build_blocks(ui: WebUI) -> Any:
 
         on_select.__annotations__ = {"evt": gr.SelectData, "rows": Any}
         table.select(on_select, [table], out(u.SELECT), api_name=NO_API, **light_q)
-        resume.click(R(history_h.resume, ["chosen", "sid", "colour_by"], u.RESUME), [chosen, state, colour_by],
-                     out(u.RESUME), api_name="resume", **light_q)
+        relist(resume.click(R(history_h.resume, ["chosen", "sid", "colour_by"], u.RESUME),
+                            [chosen, state, colour_by], out(u.RESUME), api_name="resume", **light_q))
         export_md.click(R(history_h.export, ["chosen", "sid"], u.FILE, "markdown"), [chosen, state], out(u.FILE),
                         api_name="export_markdown", **light_q)
         export_js.click(R(history_h.export, ["chosen", "sid"], u.FILE, "json"), [chosen, state], out(u.FILE),
@@ -301,7 +347,8 @@ def build_blocks(ui: WebUI) -> Any:
         # file beside a later error, and it takes the next file at once.
         upload.upload(R(files_h.load_miku, ["file", "sid", "colour_by"], u.UPLOAD), [upload, state, colour_by],
                       out(u.UPLOAD), api_name="load_miku", **light_q
-                      ).then(lambda: None, None, upload, api_name=NO_API, queue=False)
+                      ).then(lambda: None, None, upload, api_name=NO_API, queue=False
+                      ).then(list_chats, [state, chats_query], out(u.CHATS), api_name=NO_API, **light_q)
 
         def explore(seed: str, steps: float, tokens: float) -> tuple[Any, ...]:
             return ui.explorer.run(seed, steps, tokens).value(u.EXPLORE)

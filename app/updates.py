@@ -26,7 +26,9 @@ class PageUpdate:
     ``teh``. Sessions tab: ``table``, ``chosen``, ``sessions_note``, ``pending`` (the id a
     Delete waits to have confirmed), ``confirm`` and ``cancel`` (its two buttons),
     ``download``, ``files_note``, ``tabs`` (which tab is shown). The browser's storage:
-    ``stored``. Explorer: ``ex_steps``, ``ex_plot``, ``mcb``.
+    ``stored``. Explorer: ``ex_steps``, ``ex_plot``, ``mcb``. The chat list (sidebar):
+    ``chats`` (the list, its value the open chat), ``chat_title`` (the open chat's title, where
+    it is renamed), ``chat_confirm`` and ``chat_cancel`` (Delete's two buttons).
     """
 
     state: Any = KEEP
@@ -54,6 +56,10 @@ class PageUpdate:
     ex_steps: Any = KEEP
     ex_plot: Any = KEEP
     mcb: Any = KEEP
+    chats: Any = KEEP
+    chat_title: Any = KEEP
+    chat_confirm: Any = KEEP
+    chat_cancel: Any = KEEP
 
     def but(self, **changes: Any) -> PageUpdate:
         """This update with ``changes`` too (e.g. a view with the session id and a note)."""
@@ -102,3 +108,8 @@ ASK_DELETE = ("pending", "sessions_note", "confirm", "cancel")
 CONFIRM_DELETE = ("table", "sessions_note", "pending", "confirm", "cancel")
 UPLOAD = ("state", "files_note", *VIEW, "table", "tabs", "alert")
 EXPLORE = ("ex_steps", "ex_plot", "mcb")
+CHATS = ("chats", "chat_title")  # the sidebar's list of chats, and the open one's title
+OPEN_CHAT = ("state", "alert", *VIEW, *CHATS)
+RENAME = (*CHATS, "alert")
+ASK_DELETE_CHAT = ("chat_confirm", "chat_cancel", "alert")
+DELETE_CHAT = ("state", "alert", *VIEW, *CHATS, "chat_confirm", "chat_cancel")

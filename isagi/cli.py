@@ -439,6 +439,37 @@ def sessions_prune(older_than: Annotated[float, typer.Option(
         out.print(f"  {sid}", highlight=False, markup=False)
 
 
+@sessions_app.command("rename")
+@friendly
+def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
+    """Give a session a new TITLE: in the history store and in its saved .miku (the page's chat
+    list shows it). Refused while a server uses the data directory: rename in its page instead."""
+    from isagi.datadir import no_other_process
+    from isagi.session.files import retitle_file
+    from isagi.session.folder import SessionFiles
+    from isagi.storage.titles import make_title
+
+    if not title.strip():
+        raise InputError("Give a title with at least one character that is not a space.")
+    settings = _settings(home=home)
+    store = _store(home)
+    try:
+        summary = store.get_session(session_id, owner=owner)
+    except IsagiError:
+        summary = None
+    if summary is None:
+        err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
+                  highlight=False, markup=False)
+        raise typer.Exit(1)
+    new = make_title(title)
+    with no_other_process(settings, "renaming a session", "rename it in the server's page"):  # a server's open copy would save its old title
+        path = SessionFiles(settings.sessions_dir).find(session_id, summary.miku_path)
+        if path is not None:
+            retitle_file(path, new)
+        store.rename_session(session_id, new, owner=owner)
+    out.print(f"Session {session_id} is now titled {new!r}.", highlight=False, markup=False)
+
+
 @sessions_app.command("delete")
 @friendly
 def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:

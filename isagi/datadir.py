@@ -124,10 +124,11 @@ def _lock(path: Path) -> tuple[IO[bytes] | None, bool]:
 
 
 @contextlib.contextmanager
-def no_other_process(settings: Settings, doing: str) -> Iterator[None]:
+def no_other_process(settings: Settings, doing: str,
+                     instead: str = "let the server do it (ISAGI_SESSION_RETENTION)") -> Iterator[None]:
     """Hold the data directory's lock exclusively while ``doing`` (a command that must not run
     beside a server, e.g. removing sessions it may have open); a :class:`DataDirError` saying
-    to stop the other process when one holds it."""
+    to stop the other process, or to do ``instead``, when one holds it."""
     if fcntl is None:
         yield
         return
@@ -137,7 +138,7 @@ def no_other_process(settings: Settings, doing: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise DataDirError(f"another ISAGI process (a server or a chat) is using {settings.home}; stop it "
-                               f"before {doing}, or let the server do it (ISAGI_SESSION_RETENTION).") from None
+                               f"before {doing}, or {instead}.") from None
         try:
             yield
         finally:

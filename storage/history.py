@@ -54,7 +54,7 @@ from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
 from isagi.errors import StorageError, storage_cause
 from isagi.storage.owners import LOCAL_OWNER
-from isagi.storage.titles import session_title
+from isagi.storage.titles import make_title, session_title
 
 if TYPE_CHECKING:
     import sqlite3
@@ -604,6 +604,18 @@ class HistoryStore:
                     SessionModel.id == session_id, SessionModel.owner == owner
                 )
             )
+        return True
+
+    def rename_session(self, session_id: str, title: str, *, owner: str) -> bool:
+        """Give ``owner``'s session the title ``title`` (one line, at most
+        :data:`~isagi.storage.titles.TITLE_MAX` characters, as :func:`~isagi.storage.titles.make_title`
+        writes it); False when ``owner`` has no such session (another owner's answers the same)."""
+        owner = check_owner(owner)
+        with self._tx("rename a session") as db:
+            s = db.get(SessionModel, session_id)
+            if s is None or s.owner != owner:
+                return False
+            s.title = make_title(title)
         return True
 
     # -- reading

@@ -268,6 +268,18 @@ def save_session(frame: SessionFrame, session: Session, path: Path) -> None:
     write_miku(path, state)
 
 
+def retitle_file(path: Path, title: str) -> None:
+    """Give the session saved at ``path`` the title ``title`` (its settings' ``title``), rewriting
+    the file atomically; the rest of the file is kept as it is. Needs no model: a renamed
+    session's file is read and written as the format's state, not as a living session."""
+    from isagi.storage.miku import read_miku, write_miku
+
+    state = read_miku(path, allow_other_model=True)
+    state.extra["title"] = title
+    check_session_state(state, path)
+    write_miku(path, state)
+
+
 def load_session(
     frame: SessionFrame,
     path: Path,

@@ -213,6 +213,24 @@ class SessionRegistry:
         with self._guard:
             return (sid or "") in self._entries or (sid or "") in self._parked
 
+    def discard(self, sid: str, owner: str, *, timeout: float = 10.0) -> bool:
+        """Drop ``owner``'s live ``sid`` without saving it (its session is being deleted), once no
+        event holds it; whether it was live. :class:`SessionBusy` while a turn still runs."""
+        with self._guard:
+            entry = self._entries.get(sid)
+        if entry is None or entry.owner != owner:
+            return False
+        if not entry.lock.acquire(timeout=timeout):
+            raise SessionBusy("This chat is busy with a reply; stop it first, then delete it.")
+        try:
+            with self._guard:
+                if self._entries.get(sid) is entry:
+                    del self._entries[sid]
+                self._parkable.pop(sid, None)
+        finally:
+            entry.lock.release()
+        return True
+
     def forget(self, sid: str, owner: str) -> bool:
         """Drop ``owner``'s parked (evicted) id, e.g. after its session was deleted."""
         with self._guard:
@@ -494,6 +512,11 @@ class SessionRegistry:
         return False
 
     # -- saving and dropping -----------------------------------------------------
+    def persist(self, entry: Entry) -> Path | None:
+        """Write a held entry's session to its file now (a change outside a turn, e.g. a rename);
+        the caller holds its lock (:meth:`using`). Raises when the file cannot be written."""
+        return self._persist(entry)
+
     def _persist(self, entry: Entry) -> Path | None:
         """Write the session's file (if it has turns), then let the engine's keeper bring the
         history up to it (turns a full disk held back); raises when the file cannot be written."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from isagi.errors import ConversationChanged, IsagiError, SessionLimit, SessionNotFound
+from isagi.errors import ConversationChanged, InputError, IsagiError, SessionLimit, SessionNotFound
 from isagi.session.folder import SessionFiles
 from isagi.session.registry import SAVED_AGAIN, Entry, SessionRegistry
 from isagi.session.state import Session
@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock before it is refused as busy
 MATCH_SCAN = 50  # a caller's most recently updated sessions looked at for a replayed conversation
 PARK_TRIES = 4  # sessions parked at most to make room for one (the client's, the user's, the server's cap)
+TITLE_SCAN = 500  # a caller's most recently updated sessions whose titles a search looks at
 
 Exchange = tuple[str, str]  # (question, reply) as a client sends it back
 
@@ -464,17 +465,56 @@ class SessionService:
 
     # -- the history -------------------------------------------------------------------------
     def summaries(self, owner: str, query: str = "", limit: int = 100) -> list[SessionSummary]:
-        """``owner``'s sessions, the newest ``limit``, or those with a message containing ``query``."""
+        """``owner``'s sessions, the newest ``limit``, or those whose title or a message contains
+        ``query`` (titles first, then messages; case does not matter)."""
         store = self.store
         if store is None:
             return []
         if not query.strip():
             return store.list_sessions(limit=limit, owner=owner)
-        found: list[str] = []
-        for hit in store.search(query.strip(), limit=2 * limit, owner=owner):
+        q = query.strip()
+        found: list[str] = [s.id for s in store.list_sessions(limit=TITLE_SCAN, owner=owner)
+                            if q.casefold() in (s.title or "").casefold()]
+        for hit in store.search(q, limit=2 * limit, owner=owner):
             if hit.session_id not in found:
                 found.append(hit.session_id)
         return [store.get_session(i, owner=owner) for i in found[:limit]]
+
+    def title(self, sid: str | None, owner: str | None) -> str | None:
+        """The title of ``owner``'s chat ``sid`` ("" while untitled), None when it has no message
+        yet or is not theirs: the live session's own, else its history's."""
+        if not sid or owner is None:
+            return None
+        entry = self.registry.live_entry(sid, owner)
+        if entry is not None:
+            return (entry.session.title or "") if entry.session.turns else None
+        summary = self.summary(sid, owner)
+        return None if summary is None else (summary.title or "")
+
+    def rename(self, sid: str, owner: str, title: str) -> str:
+        """Give ``owner``'s session ``sid`` the title ``title``, everywhere it is kept: the live
+        session (the page's list and a later autosave), its saved file and its history row.
+        Returns the title as stored (one line, cut at :data:`~isagi.storage.titles.TITLE_MAX`).
+        :class:`SessionNotFound` when it is not theirs; :class:`~isagi.errors.InputError` for an empty title."""
+        from isagi.session.files import retitle_file
+        from isagi.storage.titles import make_title
+
+        if not isinstance(title, str) or not title.strip():
+            raise InputError("A chat's title needs at least one character that is not a space.")
+        new = make_title(title)
+        summary = self.summary(sid, owner)
+        store = self.store
+        if summary is None or store is None:
+            raise SessionNotFound(f"No session {sid[:64]} in your history.")
+        if self.registry.holds(sid, owner):
+            with self.registry.using(sid, owner=owner) as entry:
+                entry.session.title = new
+                entry.session.version += 1  # a page showing it redraws its list
+                self.registry.persist(entry)
+        elif (path := self.saved_file(summary)) is not None:
+            retitle_file(path, new)
+        store.rename_session(sid, new, owner=owner)
+        return new
 
     def export(self, sid: str, owner: str, fmt: Literal["markdown", "json"]) -> str:
         """``owner``'s session ``sid``'s history as Markdown or JSON (:class:`SessionNotFound`)."""
@@ -486,12 +526,14 @@ class SessionService:
         return store.export(sid, fmt, owner=owner)
 
     def delete(self, sid: str, owner: str) -> list[Path]:
-        """Delete ``owner``'s session ``sid``: its history rows and its saved file (not one that is
-        live). Returns the files removed; :class:`SessionNotFound` when it is not theirs."""
+        """Delete ``owner``'s session ``sid``: its history rows, its saved file, and its live copy
+        if a page has it open (dropped unsaved; :class:`~isagi.errors.SessionBusy` while a turn
+        runs in it). Returns the files removed; :class:`SessionNotFound` when it is not theirs."""
         summary = self.summary(sid, owner)
         store = self.store
         if summary is None or store is None or not store.delete_session(sid, owner=owner):
             raise SessionNotFound(f"No session {sid[:64]} in your history.")
+        self.registry.discard(sid, owner)  # open in a page (the chat list deletes the open chat)
         self.registry.forget(sid, owner)
         return self._files().remove(sid, summary.miku_path)
 
