@@ -28,10 +28,17 @@ class _Queue(TypedDict, total=False):
 
 # Every colour of the page's own is either a theme variable (it follows light and dark) or
 # white text on a badge colour dark enough for 4.5:1 in both themes (WCAG AA, checked by
-# tests/e2e/test_look_browser.py). Gradio's bundled "Source Sans Pro" semibold (600) file holds a
+# tests/e2e/test_look_browser.py). Gradio's own subdued text, orange accent and button colours
+# fall short of 4.5:1 (light grey on white, white on orange-500): they are set one step darker. Gradio's bundled "Source Sans Pro" semibold (600) file holds a
 # handful of glyphs only: a semibold word was drawn in the system's bold with a few letters of the
 # real font among them (the small "A" of "ISAGI"); 600 is served from the complete bold file.
 CSS = """
+:root { --body-text-color-subdued: #52525b; --color-accent: #c2410c;
+  --button-primary-background-fill: #c2410c; --button-primary-background-fill-hover: #9a3412;
+  --button-cancel-background-fill: #b91c1c; --button-cancel-background-fill-hover: #991b1b; }
+.dark { --body-text-color-subdued: #a1a1aa;
+  --button-primary-background-fill: #c2410c; --button-primary-background-fill-hover: #9a3412;
+  --button-cancel-background-fill: #b91c1c; --button-cancel-background-fill-hover: #991b1b; }
 @font-face { font-family: 'Source Sans Pro'; font-weight: 600; font-style: normal;
   src: url('static/fonts/SourceSansPro/SourceSansPro-Bold.woff2') format('woff2'); }
 .isagi-info { font-size: 0.85em; color: var(--body-text-color-subdued); line-height: 1.6; }

@@ -86,7 +86,7 @@ _LANGUAGE = re.compile(r"[A-Za-z0-9_+#.-]{1,32}")
 HIGHLIGHT_MAX_CHARS = 20_000  # a longer block is shown plain: colouring it on every streamed token costs too much
 CODE_CLASS = "isagi-code"
 TOKEN_PREFIX = "hl-"  # Pygments' short token classes ("k", "s") prefixed: no clash with the page's own classes
-LIGHT_STYLE, DARK_STYLE = "default", "github-dark"
+LIGHT_STYLE, DARK_STYLE = "xcode", "github-dark"  # every token colour at 4.5:1 on the code background
 # The Chatbot's latex_delimiters: only the ones render_text writes around the maths it found.
 LATEX_DELIMITERS = [{"left": "\\(", "right": "\\)", "display": False},
                     {"left": "\\[", "right": "\\]", "display": True}]
