@@ -88,8 +88,8 @@ CODE_CLASS = "isagi-code"
 TOKEN_PREFIX = "hl-"  # Pygments' short token classes ("k", "s") prefixed: no clash with the page's own classes
 LIGHT_STYLE, DARK_STYLE = "xcode", "github-dark"  # every token colour at 4.5:1 on the code background
 # The Chatbot's latex_delimiters: only the ones render_text writes around the maths it found.
-LATEX_DELIMITERS = [{"left": "\\(", "right": "\\)", "display": False},
-                    {"left": "\\[", "right": "\\]", "display": True}]
+LATEX_DELIMITERS: list[dict[str, str | bool]] = [{"left": "\\(", "right": "\\)", "display": False},
+                                                 {"left": "\\[", "right": "\\]", "display": True}]
 
 
 @functools.cache
