@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 from isagi.app import updates as u
 from isagi.app.handlers.chat import SYNC_S
 from isagi.app.help_text import help_markdown
+from isagi.app.render_safe import LATEX_DELIMITERS
 from isagi.app.ui import WebUI
 from isagi.app.views import turn_markdown
 
@@ -25,21 +26,42 @@ class _Queue(TypedDict, total=False):
     concurrency_id: str
     concurrency_limit: int
 
+# Every colour of the page's own is either a theme variable (it follows light and dark) or
+# white text on a badge colour dark enough for 4.5:1 in both themes (WCAG AA, checked by
+# tests/e2e/test_look_browser.py). Gradio's own subdued text, orange accent and button colours
+# fall short of 4.5:1 (light grey on white, white on orange-500): they are set one step darker. Gradio's bundled "Source Sans Pro" semibold (600) file holds a
+# handful of glyphs only: a semibold word was drawn in the system's bold with a few letters of the
+# real font among them (the small "A" of "ISAGI"); 600 is served from the complete bold file.
 CSS = """
-.isagi-info { font-size: 0.85em; color: #444; line-height: 1.6; }
+:root { --body-text-color-subdued: #52525b; --color-accent: #c2410c;
+  --button-primary-background-fill: #c2410c; --button-primary-background-fill-hover: #9a3412;
+  --button-cancel-background-fill: #b91c1c; --button-cancel-background-fill-hover: #991b1b; }
+.dark { --body-text-color-subdued: #a1a1aa;
+  --button-primary-background-fill: #c2410c; --button-primary-background-fill-hover: #9a3412;
+  --button-cancel-background-fill: #b91c1c; --button-cancel-background-fill-hover: #991b1b; }
+@font-face { font-family: 'Source Sans Pro'; font-weight: 600; font-style: normal;
+  src: url('static/fonts/SourceSansPro/SourceSansPro-Bold.woff2') format('woff2'); }
+.isagi-info { font-size: 0.85em; color: var(--body-text-color-subdued); line-height: 1.6; }
 .isagi-tier { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff;
   font-weight: 600; font-size: 0.85em; letter-spacing: 0.03em; margin-right: 4px; }
-.isagi-tier-retrieve { background: #1a9850; }
-.isagi-tier-augment { background: #2c7fb8; }
+.isagi-tier-retrieve { background: #187a3f; }
+.isagi-tier-augment { background: #1f6aa0; }
 .isagi-tier-expand { background: #7b3294; }
-.isagi-tier-explore { background: #e66101; }
+.isagi-tier-explore { background: #b34d00; }
 .isagi-tier-refused, .isagi-tier-withheld { background: #b2182b; }
-.isagi-tier-cancelled { background: #777; }
-.isagi-tier-pending { background: #999; }
+.isagi-tier-cancelled { background: #666; }
+.isagi-tier-pending { background: #5f6b7a; }
 .isagi-info [title], .isagi-tier[title] { cursor: help; }
 #isagi-sessions th, #isagi-sessions th * { white-space: nowrap; word-break: keep-all; overflow-wrap: normal; }
 #isagi-alert p { color: #b2182b; font-weight: 600; }
+.dark #isagi-alert p { color: #ff8a8a; }
 #isagi-status p { font-size: 0.95em; }
+.isagi-math { overflow-x: auto; max-width: 100%; }
+div.isagi-math { margin: 0.5em 0; }
+/* the figures are transparent (app.plots): in dark mode their texts and grid follow the page */
+.dark .js-plotly-plot .main-svg text:not(.hoverlayer *) { fill: var(--body-text-color) !important; }
+.dark .js-plotly-plot .gridlayer path, .dark .js-plotly-plot .zerolinelayer path { stroke: #3a4250 !important; }
+.dark .js-plotly-plot .legend .bg { fill: transparent !important; }
 """
 
 # The chat list (the sidebar): its radio drawn as a list of rows, one chat a row, the open one marked.
@@ -51,14 +73,43 @@ CHATS_CSS = """
 """
 
 
+def page_css() -> str:
+    """The page's CSS: :data:`CSS` and the code colours of both themes (made here, not at import)."""
+    from isagi.app.render_safe import code_css
+
+    return CSS + CHATS_CSS + code_css()
+
+
 # Esc stops the reply, as in the chat pages people know: a click on Stop (the same event, the
 # same wait), from anywhere on the page, unless something else (a dialog, a dropdown) took the key.
+# A chat message's accessible name: Gradio labels each message with its raw content, here the HTML
+# rendered on the server; a screen reader would read the tags. The label is set to the text the
+# message shows, again whenever Gradio sets it (a streamed reply, a redrawn chat).
 HEAD = """<script>
 document.addEventListener('keydown', (e) => {
   if (e.key !== 'Escape' || e.defaultPrevented) return;
   const stop = document.querySelector('#isagi-stop');
   if (stop && !stop.disabled) stop.click();
 });
+(() => {
+  const who = { user: 'Your message', bot: 'Reply' };
+  const label = (el) => {
+    const role = el.getAttribute('data-testid');
+    const body = el.querySelector('.message-content') || el;
+    const copy = body.cloneNode(true);
+    copy.querySelectorAll('.katex-mathml, button, svg').forEach((n) => n.remove());
+    const text = (copy.textContent || '').replace(/\\s+/g, ' ').trim();
+    const want = (who[role] || 'Message') + ': ' + text;
+    if (el.getAttribute('aria-label') !== want) el.setAttribute('aria-label', want);
+  };
+  const fix = () => document.querySelectorAll('#isagi-chat [data-testid=user][aria-label], '
+    + '#isagi-chat [data-testid=bot][aria-label]').forEach(label);
+  let queued = false;
+  const later = () => { if (!queued) { queued = true; requestAnimationFrame(() => { queued = false; fix(); }); } };
+  const start = () => new MutationObserver(later).observe(document.body,
+    { subtree: true, childList: true, characterData: true, attributes: true, attributeFilter: ['aria-label'] });
+  if (document.body) start(); else document.addEventListener('DOMContentLoaded', start);
+})();
 </script>"""
 
 
@@ -166,6 +217,8 @@ def build_blocks(ui: WebUI) -> Any:
                         # texts arrive as HTML rendered on the server (render_text); a message's own
                         # copy button would copy that HTML, so code blocks carry their own instead
                         render_markdown=False, sanitize_html=True, buttons=[],
+                        # maths: only the delimiters render_text writes around the $…$ it found
+                        latex_delimiters=LATEX_DELIMITERS,
                         feedback_options=None, layout="bubble",
                         placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
                     )
@@ -173,7 +226,7 @@ def build_blocks(ui: WebUI) -> Any:
                     with gr.Row():
                         msg = gr.Textbox(
                             placeholder=f"Message (up to {s.max_message_chars:,} characters) — Enter sends",
-                            show_label=False, lines=1, max_lines=8, scale=8, elem_id="isagi-input",
+                            label="Message", show_label=False, lines=1, max_lines=8, scale=8, elem_id="isagi-input",
                             autofocus=True, interactive=False,
                         )
                         send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send",
@@ -205,7 +258,8 @@ def build_blocks(ui: WebUI) -> Any:
                             "only their own). Every session autosaves its living state; resume one to "
                             "continue it with its memory and metric.")
                 with gr.Row():
-                    query = gr.Textbox(placeholder="Search message text…", show_label=False, scale=6,
+                    query = gr.Textbox(placeholder="Search message text…", label="Search sessions", show_label=False,
+                                       scale=6,
                                        elem_id="isagi-search")
                     refresh = gr.Button("Search / refresh", scale=1, elem_id="isagi-refresh")
                 table = gr.Dataframe(headers=["id", "title", "turns", "updated (UTC)", "state"],

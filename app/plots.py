@@ -18,17 +18,21 @@ import numpy as np
 from isagi.app.render_safe import hover_text
 
 TIER_COLOURS = {
-    "RETRIEVE": "#1a9850",
-    "AUGMENT": "#2c7fb8",
+    "RETRIEVE": "#187a3f",
+    "AUGMENT": "#1f6aa0",
     "EXPAND": "#7b3294",
-    "EXPLORE": "#e66101",
-}
+    "EXPLORE": "#b34d00",
+}  # the badges' colours (app.layout CSS)
+CLEAR = "rgba(0,0,0,0)"
+MID_GREY = "#808080"  # lines and rings drawn over both themes: at least 3:1 against white and near-black
 HEIGHT = 300
 
 
 @functools.cache
 def _white() -> Any:
-    """plotly's ``plotly_white`` look, its layout part only, as a template made once.
+    """plotly's ``plotly_white`` look, its layout part only, as a template made once, on a
+    transparent paper and plot: the figure shows on the page's own background, light or dark
+    (in dark mode the page's CSS gives its texts and grid the page's colours).
 
     Setting ``template="plotly_white"`` validates the whole template (defaults
     for two dozen trace types) again for every figure, three figures per turn,
@@ -45,7 +49,7 @@ def _white() -> Any:
             "colorway": ["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880",
                          "#FF97FF", "#FECB52"],
             "font": {"color": "#2a3f5f"}, "hovermode": "closest", "hoverlabel": {"align": "left"},
-            "paper_bgcolor": "white", "plot_bgcolor": "white", "xaxis": axis, "yaxis": axis, "title": {"x": 0.05},
+            "paper_bgcolor": CLEAR, "plot_bgcolor": CLEAR, "xaxis": axis, "yaxis": axis, "title": {"x": 0.05},
         },
         data={"bar": [{"marker": {"line": {"color": "white", "width": 0.5}}}]},
     )
@@ -148,7 +152,7 @@ def teh_figure(messages: list[dict[str, Any]], threshold: float | None = None, f
         )
     if threshold is not None:
         fig.add_hline(
-            y=float(threshold), line_dash="dash", line_color="#555",
+            y=float(threshold), line_dash="dash", line_color=MID_GREY,
             annotation_text=f"threshold {float(threshold):.1f}%", annotation_position="top left",
         )
     _layout(fig, "TEH over turns", "turn", "TEH (%)")
@@ -228,7 +232,7 @@ def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: i
         fig.add_trace(
             go.Scatter(
                 x=[Y[highlight, 0]], y=[Y[highlight, 1]], mode="markers", name="current query",
-                marker={"size": 20, "symbol": "circle-open", "color": "#111", "line": {"width": 3}},
+                marker={"size": 20, "symbol": "circle-open", "color": MID_GREY, "line": {"width": 3}},
                 text=[texts[highlight]], hovertemplate="current: %{text}<extra></extra>",
             )
         )
@@ -261,7 +265,7 @@ def explore_figure(steps: list[dict[str, Any]], threshold: float | None = None) 
         )
         fig.update_layout(yaxis2={"title": "α", "overlaying": "y", "side": "right", "rangemode": "tozero"})
     if threshold is not None:
-        fig.add_hline(y=float(threshold), line_dash="dash", line_color="#555",
+        fig.add_hline(y=float(threshold), line_dash="dash", line_color=MID_GREY,
                       annotation_text=f"threshold {float(threshold):.1f}%")
     _layout(fig, "Exploration: TEH per step", "step", "TEH (%)")
     return fig

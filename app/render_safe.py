@@ -12,7 +12,9 @@ these functions:
   (markdown-it-py) with raw HTML off and images off, so the page inserts
   finished HTML and no markdown, HTML, mermaid or image syntax in the text can
   make the browser fetch anything; links stay links (fetched only when
-  clicked), code keeps its text exactly;
+  clicked), code keeps its text exactly (coloured by Pygments into class-only
+  spans when its fence names a language Pygments knows, plain text otherwise),
+  and ``$…$`` / ``$$…$$`` maths is marked for the page's KaTeX (:data:`LATEX_DELIMITERS`);
 * :func:`esc` for interpolation into HTML (text and attribute values) and for
   a line of outside text in the app's own markdown (notes, alerts, toasts);
 * :func:`enum_label` for values that are enums (tiers, verdicts): an unknown
@@ -27,6 +29,14 @@ draws mermaid diagrams (whose labels may hold images); rewriting markdown
 source so that a second parser in the browser reads it safely depends on both
 parsers agreeing on every edge case of code spans and fences, which they do
 not. One parser producing the final HTML has no second reading.
+
+Maths: the server decides what is maths (markdown-it's dollarmath rule: no space
+inside the dollars, no digit after the closing one, so ``$5 and $10`` stays
+prose) and writes it, escaped, between ``\\(…\\)`` or ``\\[…\\]``; the Chatbot's
+KaTeX (bundled with Gradio's page, run even with ``render_markdown=False``) typesets
+only those delimiters, skipping code, with KaTeX's ``trust`` off (no ``\\href``,
+no ``\\includegraphics``). Code colours: :func:`code_css` for the page's light and
+dark themes.
 """
 
 from __future__ import annotations
@@ -73,6 +83,48 @@ _COPY_BUTTON = (
     'stroke-width="1.3"><path d="m13.813 4.781 -7.438 7.438 -3.188 -3.188"/></svg></span></button>'
 )
 _LANGUAGE = re.compile(r"[A-Za-z0-9_+#.-]{1,32}")
+HIGHLIGHT_MAX_CHARS = 20_000  # a longer block is shown plain: colouring it on every streamed token costs too much
+CODE_CLASS = "isagi-code"
+TOKEN_PREFIX = "hl-"  # Pygments' short token classes ("k", "s") prefixed: no clash with the page's own classes
+LIGHT_STYLE, DARK_STYLE = "xcode", "github-dark"  # every token colour at 4.5:1 on the code background
+# The Chatbot's latex_delimiters: only the ones render_text writes around the maths it found.
+LATEX_DELIMITERS: list[dict[str, str | bool]] = [{"left": "\\(", "right": "\\)", "display": False},
+                                                 {"left": "\\[", "right": "\\]", "display": True}]
+
+
+@functools.cache
+def _formatter() -> Any:
+    from pygments.formatters import HtmlFormatter
+
+    return HtmlFormatter(nowrap=True, classprefix=TOKEN_PREFIX)
+
+
+def _highlighted(code: str, lang: str) -> str:
+    """``code`` as escaped HTML, its tokens in ``<span class="hl-…">`` when Pygments knows
+    ``lang`` (by name or alias; never guessed from the text), else plain escaped text."""
+    plain = html.escape(code, quote=False)
+    if not lang or len(code) > HIGHLIGHT_MAX_CHARS:
+        return plain
+    from pygments import highlight
+    from pygments.lexers import get_lexer_by_name
+    from pygments.util import ClassNotFound
+
+    try:
+        lexer = get_lexer_by_name(lang.lower(), stripnl=False, ensurenl=False)
+    except ClassNotFound:
+        return plain
+    return highlight(code, lexer, _formatter())
+
+
+def code_css() -> str:
+    """The code colours for the page's CSS: Pygments' :data:`LIGHT_STYLE` on the light page,
+    :data:`DARK_STYLE` under Gradio's ``.dark`` class, on the page's own code background."""
+    from pygments.formatters import HtmlFormatter
+
+    light = HtmlFormatter(style=LIGHT_STYLE, classprefix=TOKEN_PREFIX)
+    dark = HtmlFormatter(style=DARK_STYLE, classprefix=TOKEN_PREFIX)
+    return "\n".join([*light.get_token_style_defs(f"body:not(.dark) .{CODE_CLASS}"),
+                      *dark.get_token_style_defs(f".dark .{CODE_CLASS}")])
 
 
 def _code_block(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
@@ -80,9 +132,22 @@ def _code_block(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) ->
     token = tokens[idx]
     info = (token.info or "").split()
     lang = info[0] if info and _LANGUAGE.fullmatch(info[0]) else ""
-    cls = f' class="language-{lang}"' if lang else ""
-    return (f'<div class="code_wrap">{_COPY_BUTTON}<pre><code{cls}>{html.escape(token.content, quote=False)}'
+    cls = f"{CODE_CLASS} language-{lang}" if lang else CODE_CLASS
+    return (f'<div class="code_wrap">{_COPY_BUTTON}<pre><code class="{cls}">{_highlighted(token.content, lang)}'
             "</code></pre></div>\n")
+
+
+def _math(display: bool, block: bool = False) -> Any:
+    """A render rule for one kind of dollarmath token: its TeX escaped between the delimiters
+    the page's KaTeX reads (inline ``\\(…\\)``, display ``\\[…\\]``)."""
+    left, right = ("\\[", "\\]") if display else ("\\(", "\\)")
+    tag = "div" if block else "span"
+
+    def rule(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+        tex = html.escape(tokens[idx].content.strip(), quote=False)
+        return f'<{tag} class="isagi-math">{left}{tex}{right}</{tag}>' + ("\n" if block else "")
+
+    return rule
 
 
 def _link_open(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
@@ -97,11 +162,16 @@ def _link_open(renderer: Any, tokens: Any, idx: int, options: Any, env: Any) -> 
 def _parser() -> Any:
     """The one markdown parser of the page (built on first use): CommonMark with tables and
     strikethrough, raw HTML shown as text, no image rule (``![a](u)`` is "!" and a link),
-    single newlines kept as line breaks (as the Chatbot showed them)."""
+    single newlines kept as line breaks (as the Chatbot showed them), ``$…$`` and ``$$…$$`` maths."""
     from markdown_it import MarkdownIt
+    from mdit_py_plugins.dollarmath import dollarmath_plugin
 
     md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False, "breaks": True})
     md.enable(["table", "strikethrough"]).disable("image")
+    dollarmath_plugin(md, allow_labels=False, allow_space=False, allow_digits=False, double_inline=True)
+    md.add_render_rule("math_inline", _math(False))
+    md.add_render_rule("math_inline_double", _math(True))
+    md.add_render_rule("math_block", _math(True, block=True))
     md.add_render_rule("fence", _code_block)
     md.add_render_rule("code_block", _code_block)
     md.add_render_rule("link_open", _link_open)

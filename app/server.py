@@ -233,7 +233,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
 
     from isagi.app.event_shapes import EventShapes
     from isagi.app.guard import Bindings, GradioGuard, gradio_login
-    from isagi.app.layout import CHATS_CSS, CSS, HEAD, build_blocks
+    from isagi.app.layout import HEAD, build_blocks, page_css
 
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)
@@ -251,7 +251,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
         ) if auth else None,
         # show_error=False: an exception no handler caught shows as a bare "Error", never its
         # text (which may name a server path); every expected failure is a handler's own warning.
-        css=CSS + CHATS_CSS, head=HEAD, footer_links=["api", "settings"], show_error=False, ssr_mode=False,
+        css=page_css(), head=HEAD, footer_links=["api", "settings"], show_error=False, ssr_mode=False,
         run_history=False, max_file_size=MAX_UPLOAD_BYTES,
     )
     gradio_app = cast("GradioApp", next(r.app for r in app.routes if isinstance(r, Mount)))  # the one mounted

@@ -65,3 +65,17 @@ def test_every_badge_and_figure_of_a_reply_explains_itself_on_hover():
     panel = help_markdown()
     for tier in ("RETRIEVE", "AUGMENT", "EXPAND", "EXPLORE", "REFUSED", "WITHHELD"):
         assert f"**{tier}**" in panel and tier in BADGE_HELP
+
+
+def test_figures_are_see_through_so_they_follow_the_page_theme():
+    """Paper and plot are transparent (the page's light or dark background shows), and the
+    lines drawn over them are a grey visible on both."""
+    from isagi.app.plots import CLEAR, MID_GREY
+
+    cols = {"query_x": np.eye(3, 8), "query_text": ["q"] * 3, "tier": ["EXPAND"] * 3}
+    for fig in (growth_figure(_msgs(2)), teh_figure(_msgs(2), threshold=5.0), map_figure(cols, highlight=0)):
+        bg = {fig.layout.paper_bgcolor, fig.layout.plot_bgcolor} - {None}  # none set over the template's
+        template = fig.layout.template.layout
+        assert {template.paper_bgcolor, template.plot_bgcolor} == {CLEAR} and bg <= {CLEAR}
+    shapes = teh_figure(_msgs(2), threshold=5.0).layout.shapes
+    assert shapes and all(s.line.color == MID_GREY for s in shapes)

@@ -162,19 +162,131 @@ def test_images_become_links_with_their_text_kept() -> None:
     assert render_text("") == render_text(None) == render_text("  \n ") == ""
 
 
-def test_code_keeps_its_text_exactly() -> None:
+def _code_text(out: str) -> list[str]:
+    """The text of each code block of ``out`` as the browser shows it (token spans taken off)."""
     import html as html_
 
+    blocks = re.findall(r'<pre><code class="isagi-code[^"]*">(.*?)</code></pre>', out, re.S)
+    return [html_.unescape(re.sub(r'</?span(?: class="hl-[A-Za-z0-9]+")?>', "", b)) for b in blocks]
+
+
+class _CodeTags(HTMLParser):
+    """Every tag inside a ``<code>`` element, with its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth, self.inside = 0, []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if self.depth:
+            self.inside.append((tag, attrs))
+        self.depth += tag == "code"
+
+    def handle_endtag(self, tag: str) -> None:
+        self.depth -= tag == "code" and self.depth > 0
+
+
+def _only_token_spans(out: str) -> None:
+    """Inside code: nothing but ``<span class="hl-…">`` (no other tag, no other attribute)."""
+    parser = _CodeTags()
+    parser.feed(out)
+    parser.close()
+    for tag, attrs in parser.inside:
+        assert tag == "span" and len(attrs) == 1 and attrs[0][0] == "class", (tag, attrs)
+        assert re.fullmatch(r"hl-[A-Za-z0-9]+", attrs[0][1] or ""), attrs
+
+
+def test_code_keeps_its_text_exactly() -> None:
     fenced = "Use this:\n```html\n<img src=a.png> ![x](y)\n```\nand <b>not</b> this"
     out = render_text(fenced)
-    code = re.search(r'<pre><code class="language-html">(.*?)</code></pre>', out, re.S).group(1)
-    assert html_.unescape(code) == "<img src=a.png> ![x](y)\n", "code is shown as written"
+    assert _code_text(out) == ["<img src=a.png> ![x](y)\n"], "code is shown as written"
     assert 'class="copy_code_button"' in out, "a code block keeps a copy button"
     assert out.endswith("<p>and &lt;b&gt;not&lt;/b&gt; this</p>\n")
     assert "<code>a&lt;b&gt;()</code>" in render_text("call `a<b>()` then <i>x</i>")
     unclosed = render_text("```\n<script>x</script>")  # an unclosed fence runs to the end: still code
-    assert "<pre><code>&lt;script&gt;x&lt;/script&gt;</code></pre>" in unclosed
-    assert 'class="language-' not in render_text('```x" onclick="y\ncode\n```'), "no attribute from the info"
+    assert '<pre><code class="isagi-code">&lt;script&gt;x&lt;/script&gt;</code></pre>' in unclosed
+    assert "language-" not in render_text('```x" onclick="y\ncode\n```'), "no attribute from the info"
+
+
+CODE = 'def f(x):\n    """<img src=x onerror=y>"""\n    return "</code></pre><script>1</script>"  # $x$ ![a](b)\n\n\n'
+
+
+@pytest.mark.parametrize("lang", ["python", "Python", "py", "html", "js", "bash", "json", "latex", "markdown",
+                                  "sql", "c++", "xml", "diff", "mermaid", "nosuchlanguage"])
+def test_coloured_code_has_only_class_spans_and_its_exact_text(lang: str) -> None:
+    out = render_text(f"```{lang}\n{CODE}```\nafter")
+    _only_token_spans(out)
+    assert _code_text(out) == [CODE], "blank lines, quotes and markup inside code are kept as written"
+    assert "<script" not in out.lower() and "<img" not in out.lower() and "isagi-math" not in out
+    assert out.count('class="copy_code_button"') == 1 and out.endswith("<p>after</p>\n")
+
+
+def test_code_is_coloured_only_for_a_named_known_language() -> None:
+    python = render_text("```python\ndef f(): return 1\n```")
+    assert '<span class="hl-k">def</span>' in python and 'class="isagi-code language-python"' in python
+    for plain in ("```\ndef f(): return 1\n```", "    def f(): return 1",  # no language named: none guessed
+                  "```nosuchlanguage\ndef f(): return 1\n```"):
+        out = render_text(plain)
+        assert "<span" not in out.split("</button>", 1)[1] and _code_text(out) == ["def f(): return 1\n"], plain
+
+
+@pytest.mark.parametrize("info", ['python" onload="alert(1)', "python' onmouseover='x", "python><img src=x>",
+                                  'py"><script>alert(1)</script>', "javascript:alert(1)", "a" * 200])
+def test_a_hostile_fence_info_string_reaches_no_attribute(info: str) -> None:
+    out = render_text(f"```{info}\nprint(1)\n```")
+    _only_token_spans(out)
+    parser = _Tags()
+    parser.feed(out)
+    for tag, attrs in parser.tags:
+        assert all(not name.startswith("on") for name, _ in attrs), (tag, attrs)
+        if tag == "code":
+            assert attrs == [("class", "isagi-code")], attrs  # the hostile info names no language
+    assert "<img" not in out and "<script" not in out and _code_text(out) == ["print(1)\n"]
+
+
+def test_huge_code_is_shown_plain_and_whole() -> None:
+    from isagi.app.render_safe import HIGHLIGHT_MAX_CHARS
+
+    huge = "x = '<b>' + 1\n" * (HIGHLIGHT_MAX_CHARS // 10)
+    out = render_text(f"```python\n{huge}```")
+    assert _code_text(out) == [huge] and "<span" not in out.split("</button>", 1)[1]
+    small = render_text("```python\nx = 1\n```")
+    assert "hl-" in small
+
+
+def test_dollar_maths_is_marked_for_katex_and_prices_stay_prose() -> None:
+    from isagi.app.render_safe import LATEX_DELIMITERS
+
+    assert render_text("It costs $5 and $10.") == "<p>It costs $5 and $10.</p>\n"
+    assert render_text("between $5 and $10, or $ 3 $") == "<p>between $5 and $10, or $ 3 $</p>\n"
+    assert render_text("Euler: $e^{i\\pi} + 1 = 0$ here") == (
+        '<p>Euler: <span class="isagi-math">\\(e^{i\\pi} + 1 = 0\\)</span> here</p>\n')
+    assert render_text("so $$\\int_0^1 x\\,dx$$ inline") == (
+        '<p>so <span class="isagi-math">\\[\\int_0^1 x\\,dx\\]</span> inline</p>\n')
+    assert render_text("$$\na < b\n$$") == '<div class="isagi-math">\\[a &lt; b\\]</div>\n'
+    # maths is not read in code, and markdown is not read in maths
+    assert "isagi-math" not in render_text("`$x$` and\n```\n$y$\n```")
+    assert render_text("$a*b*c$") == '<p><span class="isagi-math">\\(a*b*c\\)</span></p>\n'
+    hostile = render_text('$<img src=x onerror="y">$ and $$</span><script>1</script>$$')
+    parser = _Tags()
+    parser.feed(hostile)
+    assert parser.tags == [("p", []), ("span", [("class", "isagi-math")]), ("span", [("class", "isagi-math")])]
+    # the page's KaTeX reads only the delimiters written here: a $ of the text is never maths
+    assert {d["left"] for d in LATEX_DELIMITERS} == {"\\(", "\\["} and "$" not in str(LATEX_DELIMITERS)
+
+
+def test_code_colours_are_scoped_to_code_in_each_theme_and_fetch_nothing() -> None:
+    from isagi.app.layout import page_css
+    from isagi.app.render_safe import code_css
+
+    css = code_css()
+    rules = [line for line in css.splitlines() if line.strip()]
+    assert len(rules) > 50
+    light = [r for r in rules if r.startswith("body:not(.dark) .isagi-code .hl-")]
+    dark = [r for r in rules if r.startswith(".dark .isagi-code .hl-")]
+    assert len(light) + len(dark) == len(rules) and light and dark, "every rule is a token of one theme"
+    assert "url(" not in css and "@import" not in css
+    assert css in page_css() and "SourceSansPro-Bold.woff2" in page_css()
 
 
 def test_summary_shows_a_bad_session_id_escaped() -> None:
