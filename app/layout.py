@@ -146,7 +146,7 @@ def build_blocks(ui: WebUI) -> Any:
                         # copy button would copy that HTML, so code blocks carry their own instead
                         render_markdown=False, sanitize_html=True, buttons=[],
                         feedback_options=None, layout="bubble",
-                        placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
+                        placeholder="Ask anything. Ask the same question again and it is answered from memory.",
                     )
                     alert = gr.Markdown("", elem_id="isagi-alert")
                     with gr.Row():
@@ -241,22 +241,23 @@ def build_blocks(ui: WebUI) -> Any:
 
         gen_in = [max_tokens, sample, temperature, colour_by]
 
-        # The input opens once the load has set the page's session: a message sent before that
-        # would be undone by the load's answer (its session replaced by the one the load read).
+        # The input opens once the load has set the page's session (a message sent before that
+        # would be undone by the load's answer), and only when the model can answer (input_open):
+        # while it loads, the banner's timer's tick opens it once it is ready.
         demo.load(R(chat_h.on_load, ["sid", "colour_by"], u.LOAD), [stored, colour_by], out(u.LOAD),
                   api_name=NO_API, **light_q
-                  ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
-                         [msg, send], api_name=NO_API, queue=False)
+                  ).then(ui.page.input_open, None, [msg, send], api_name=NO_API, queue=False)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
         # registry learns which page shows it; a closed page's session is parked (unload).
         state.change(R(chat_h.page_shows, ["sid"], u.STORED), state, out(u.STORED), api_name=NO_API, queue=False)
         demo.unload(R(chat_h.page_closed, [], None))
         # Another tab of this browser may change the session: the page redraws it when it is stale.
-        sync_timer.tick(R(chat_h.sync, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
+        sync_timer.tick(R(chat_h.sync_with_status, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
                         out(u.SYNC), show_progress="hidden", api_name=NO_API, **light_q)
         timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
-                   show_progress="hidden", api_name=NO_API, **light_q)
+                   show_progress="hidden", api_name=NO_API, **light_q
+                   ).then(ui.page.input_open, None, [msg, send], api_name=NO_API, queue=False)
         send_fn = R(chat_h.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"], u.TURN)
         # Send and Enter are one event: a message sent while a reply streams waits in the browser
         # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
