@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 
 from isagi.app import updates as u
 from isagi.app.handlers.chat import SYNC_S
+from isagi.app.handlers.page import LOGOUT
 from isagi.app.help_text import help_markdown
 from isagi.app.ui import WebUI
 from isagi.app.views import turn_markdown
@@ -130,7 +131,12 @@ def build_blocks(ui: WebUI) -> Any:
         seen = gr.State(None)  # what the page has drawn of its session (Page.seen), for its sync
         pending_delete = gr.State(None)  # the session id a Delete waits to have confirmed
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
-        status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
+        with gr.Row(equal_height=True):
+            status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
+            # with a login: Gradio's /logout for this browser only, in this tab (a link in the
+            # markdown would open a new one); the banner says who is signed in (Page.signed_in)
+            gr.Button("Log out", link=LOGOUT, link_target="_self", size="sm", scale=0, min_width=90,
+                      visible=bool(s.auth), elem_id="isagi-logout")
         # The loading banner's timer starts stopped: a page's load starts it while the model
         # still loads. Started in the page's config, a page opened long after the model was ready
         # would still tick once, and that late tick (queued behind other events) reopened the

@@ -46,7 +46,10 @@ if TYPE_CHECKING:
 
 PLOT_WINDOW_TURNS = 1000
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
-NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
+NOT_LOGGED_IN = "Sign in first: this server requires a login. Reload the page to get the sign-in form."
+# Gradio's logout route (relative: it works under a proxy's path too), for this browser only
+# (all_session=false: the user's other browsers stay signed in); Gradio then shows its login page.
+LOGOUT = "logout?all_session=false"
 
 
 class Page:
@@ -212,13 +215,11 @@ class Page:
                 f"answer.{signed}")
 
     def signed_in(self, owner: str | None) -> str:
-        """'' without a login; with one, " · Signed in as NAME · Log out": the link is Gradio's
-        ``/logout`` (relative, so it works under a proxy's path too) for this browser only
-        (``all_session=false``: the user's other browsers stay signed in); Gradio then shows
-        its login page again."""
+        """'' without a login; with one, " · Signed in as NAME" (the page's Log out button, beside
+        the banner, goes to :data:`LOGOUT`)."""
         if not self.settings.auth or not owner:
             return ""
-        return f" · Signed in as **{md_cell(owner)}** · [Log out](logout?all_session=false)"
+        return f" · Signed in as **{md_cell(owner)}**"
 
     def input_open(self) -> tuple[Any, Any]:
         """The message box and Send as the page should have them now: open when, and only when,
