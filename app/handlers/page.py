@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 PLOT_WINDOW_TURNS = 1000
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
-NOT_LOGGED_IN = "Sign in first: this server requires a login. Reload the page to get the sign-in form."
+NOT_LOGGED_IN = "Log in first: this server requires a login. Reload the page to get the login form."
 # Gradio's logout route (relative: it works under a proxy's path too), for this browser only
 # (all_session=false: the user's other browsers stay signed in); Gradio then shows its login page.
 LOGOUT = "logout?all_session=false"
