@@ -1,8 +1,10 @@
 """Plain-language explanations of what the page shows, in one place.
 
-Owns the one-line texts behind the hover titles of the tier badges and the
-figures beside each reply, and the help panel of the Chat tab. A newcomer
-reads these; the definitions they summarise are in docs/architecture.md.
+Owns the plain names the page shows for the tiers and verdicts (:data:`PLAIN_NAMES`, the
+README's words; the technical names, RETRIEVE and the others, stay in the tooltips and the
+Turn panel beside them), the one-line texts behind the hover titles of the badges and the
+figures beside each reply, and the help panel of the Chat tab. A newcomer reads these; the
+definitions they summarise are in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -12,6 +14,26 @@ from __future__ import annotations
 GUARD_RATES = ("on public sets it refused 95 % of AdvBench's harmful requests and 59 % of XSTest's unsafe "
                "prompts, and 13 % of XSTest's safe prompts and 4 % of ordinary Alpaca tasks "
                "(isagi eval safety --benchmarks DIR).")
+
+# What a badge says, by its technical name: the README's words for the four tiers
+# ("Answered from memory", "Related", "New", "New topic") and plain words for the verdicts.
+PLAIN_NAMES = {
+    "RETRIEVE": "Answered from memory",
+    "AUGMENT": "Related",
+    "EXPAND": "New",
+    "EXPLORE": "New topic",
+    "REFUSED": "Refused",
+    "WITHHELD": "Withheld",
+    "CANCELLED": "Stopped",
+    "OK": "Answered",
+    "PENDING": "Pending",
+}
+
+
+def plain_name(label: str) -> str:
+    """The plain name the page shows for a badge's technical ``label`` (itself when it has none)."""
+    return PLAIN_NAMES.get(label, label)
+
 
 BADGE_HELP = {
     "RETRIEVE": "Answered from memory: you asked this before, so the stored answer came back without running the model.",
@@ -27,8 +49,10 @@ BADGE_HELP = {
 }
 
 FIGURE_HELP = {
-    "d": "d: how far this question lies from the nearest one in memory (0 = the same, 1 = unrelated), "
-         "measured in the model's hidden states under the session's metric.",
+    "d": "d: how far this question lies from the nearest one in memory, measured in the model's hidden "
+         "states under the session's metric: a cosine distance, 0 = the same direction, about 1 = unrelated, "
+         "up to 2 = opposite. Where it falls between this model's calibrated boundaries (shown in the "
+         "Turn panel) gives the badge.",
     "zone": "Zone: the broad area of knowledge the question falls in.",
     "teh": "TEH: how strongly a small probe (tiny neural networks) on the model's hidden states (three layers) reads the "
            "question (and the reply with it) as harmful, in %; it learned from labelled harmful and harmless "
@@ -43,7 +67,7 @@ FIGURE_HELP = {
 
 def help_markdown() -> str:
     """The help panel: each badge and each figure in one plain line."""
-    badges = "\n".join(f"- **{name}**: {text.split(': ', 1)[-1]}" for name, text in BADGE_HELP.items()
-                       if name not in ("OK", "PENDING"))
+    badges = "\n".join(f"- **{plain_name(name)}** ({name}): {text.split(': ', 1)[-1]}"
+                       for name, text in BADGE_HELP.items() if name not in ("OK", "PENDING"))
     figures = "\n".join(f"- {text}" for key, text in FIGURE_HELP.items())
     return f"**The badge beside each reply**\n\n{badges}\n\n**The figures**\n\n{figures}"

@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 
 from isagi.app import updates as u
 from isagi.app.handlers.chat import SYNC_S
+from isagi.app.handlers.page import LOGOUT
 from isagi.app.help_text import help_markdown
 from isagi.app.render_safe import LATEX_DELIMITERS
 from isagi.app.ui import WebUI
@@ -202,7 +203,12 @@ def build_blocks(ui: WebUI) -> Any:
                 chat_cancel = gr.Button("Cancel", size="sm", visible=False, elem_id="isagi-chat-delete-cancel")
             chats = gr.Radio(choices=[], label="Your chats", elem_id="isagi-chats")
         gr.Markdown("## ISAGI — a chat model whose memory lives on a manifold")
-        status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
+        with gr.Row(equal_height=True):
+            status = gr.Markdown(ui.page.status_line(), elem_id="isagi-status")
+            # with a login: Gradio's /logout for this browser only, in this tab (a link in the
+            # markdown would open a new one); the banner says who is signed in (Page.signed_in)
+            gr.Button("Log out", link=LOGOUT, link_target="_self", size="sm", scale=0, min_width=90,
+                      visible=bool(s.auth), elem_id="isagi-logout")
         # The loading banner's timer starts stopped: a page's load starts it while the model
         # still loads. Started in the page's config, a page opened long after the model was ready
         # would still tick once, and that late tick (queued behind other events) reopened the
@@ -220,7 +226,7 @@ def build_blocks(ui: WebUI) -> Any:
                         # maths: only the delimiters render_text writes around the $…$ it found
                         latex_delimiters=LATEX_DELIMITERS,
                         feedback_options=None, layout="bubble",
-                        placeholder="Ask anything. Repeat a question and it is answered from memory (RETRIEVE).",
+                        placeholder="Ask anything. Ask the same question again and it is answered from memory.",
                     )
                     alert = gr.Markdown("", elem_id="isagi-alert")
                     with gr.Row():
@@ -323,12 +329,12 @@ def build_blocks(ui: WebUI) -> Any:
             event.then(list_chats, [state, chats_query], out(u.CHATS), api_name=NO_API, show_progress="hidden",
                        **light_q)
 
-        # The input opens once the load has set the page's session: a message sent before that
-        # would be undone by the load's answer (its session replaced by the one the load read).
+        # The input opens once the load has set the page's session (a message sent before that
+        # would be undone by the load's answer), and only when the model can answer (input_open):
+        # while it loads, the banner's timer's tick opens it once it is ready.
         demo.load(R(chat_h.on_load, ["sid", "colour_by"], u.LOAD), [stored, colour_by], out(u.LOAD),
                   api_name=NO_API, **light_q
-                  ).then(lambda: (gr.Textbox(interactive=True), gr.Button(interactive=True)), None,
-                         [msg, send], api_name=NO_API, queue=False
+                  ).then(ui.page.input_open, None, [msg, send], api_name=NO_API, queue=False
                   ).then(list_chats, [state, chats_query], out(u.CHATS), api_name=NO_API, **light_q)
         # Whatever sets the page's session (load, a message, New chat, Resume, an upload) keeps it
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
@@ -336,10 +342,12 @@ def build_blocks(ui: WebUI) -> Any:
         state.change(R(chat_h.page_shows, ["sid"], u.STORED), state, out(u.STORED), api_name=NO_API, queue=False)
         demo.unload(R(chat_h.page_closed, [], None))
         # Another tab of this browser may change the session: the page redraws it when it is stale.
-        sync_timer.tick(R(chat_h.sync, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
+        sync_timer.tick(R(chat_h.sync_with_status, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
                         out(u.SYNC), show_progress="hidden", api_name=NO_API, **light_q)
-        relist(timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
-                          show_progress="hidden", api_name=NO_API, **light_q))
+        tick = timer.tick(R(chat_h.on_tick, ["sid", "colour_by"], u.TICK), [state, colour_by], out(u.TICK),
+                          show_progress="hidden", api_name=NO_API, **light_q)
+        tick.then(ui.page.input_open, None, [msg, send], api_name=NO_API, queue=False)
+        relist(tick)
         send_fn = R(chat_h.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"], u.TURN)
         # Send and Enter are one event: a message sent while a reply streams waits in the browser
         # and is sent (as the box then holds it) once that reply has ended ("always_last"), never

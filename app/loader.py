@@ -3,8 +3,14 @@
 Owns the life cycle *loading → ready | failed* of the one :class:`Engine` the
 web app shares. The server binds at once, so ``/health`` can answer
 ``503 {"status": "loading", "stage": ...}`` and the page can show what is
-happening while the first start converts the default model and calibrates its
-profile (minutes on a small CPU); progress is also printed to the terminal.
+happening; progress is also printed to the terminal.
+
+What the banner says is what the loader does for the model in use
+(:func:`first_stage`, :func:`calibrating`): it loads the model; it says it converts
+only when it does (the embedded model on the transformers backend, not yet converted),
+and that it calibrates only when no cached or shipped profile fits (the profile's own
+stages then report, each prefixed :data:`CALIBRATING`). The embedded model on llama.cpp
+ships its profile: its start only loads.
 """
 
 from __future__ import annotations
@@ -20,6 +26,32 @@ from isagi.app.public import public_text
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
+
+LOADING = "Loading the model"
+CONVERTING = "Converting the embedded model for the transformers backend (once; later starts reuse it)"
+CALIBRATING = "Calibrating the model for these settings (once, minutes on a CPU; later starts reuse it)"
+_OWN_STAGES = (LOADING, CONVERTING, CALIBRATING)
+
+
+def first_stage(settings: Any) -> str:
+    """What loading ``settings``' model does first: :data:`CONVERTING` when the embedded model
+    goes to the transformers backend and has no converted copy yet, else :data:`LOADING`."""
+    if getattr(settings, "model", None) != "default":
+        return LOADING
+    try:
+        from isagi.engines import choose_backend
+
+        backend, _ = choose_backend(settings)
+    except Exception:  # an impossible setting: loading says why
+        return LOADING
+    models = getattr(settings, "models_dir", None)
+    converted = models is not None and any(models.glob("smollm2-135m-instruct-*/model.safetensors"))
+    return CONVERTING if backend == "transformers" and not converted else LOADING
+
+
+def calibrating(progress: ProgressFn) -> ProgressFn:
+    """``progress`` for the profile's stages, which report only when it calibrates (none fits)."""
+    return lambda stage, done, total: progress(f"{CALIBRATING}: {stage}", done, total)
 
 
 class EngineLoading(RuntimeError):
@@ -41,7 +73,7 @@ class EngineHolder:
         self._engine: Any = None
         self._factory: Callable[[ProgressFn], Any] | None = None
         self.error: str | None = None
-        self.stage = "starting"
+        self.stage = "starting"  # /health's word until the loader reports
         self.done = 0
         self.total = 0
         self.started_at = time.monotonic()
@@ -96,16 +128,20 @@ class EngineHolder:
         if st["status"] == "ready":
             return "ready"
         counts = f" ({st['done']}/{st['total']})" if "total" in st else ""
-        return f"Loading the model: {st['stage']}{counts}, {st['elapsed_s']:.0f} s so far"
+        stage = str(st["stage"])
+        if stage == "starting":
+            what = LOADING
+        elif stage.startswith(_OWN_STAGES):
+            what = stage
+        else:
+            what = f"{LOADING}: {stage}"
+        return f"{what}{counts}, {st['elapsed_s']:.0f} s so far"
 
     @property
     def engine(self) -> Any:
         """The engine; raises :class:`EngineLoading` (with what is happening) until ready."""
         if self._engine is None:
-            raise EngineLoading(
-                self.describe()
-                + ". The first start converts the model and calibrates it; this page works once it is done."
-            )
+            raise EngineLoading(self.describe() + ". Try again once the model is ready.")
         return self._engine
 
     # -- loading -----------------------------------------------------------

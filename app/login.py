@@ -158,3 +158,18 @@ class LoginThrottleMiddleware:
             self.backoff.failure(key)
         elif status and 200 <= status[0] < 400:
             self.backoff.success(key)
+
+
+def login_message(max_failures: int, backoff_s: float) -> str:
+    """The login page's words for the people who sign in (HTML: Gradio puts it in a paragraph
+    under its "Login" heading): what the page is, what to type, and what happens after
+    repeated failures. How to set the logins up (``ISAGI_AUTH``) is the operator's, in the
+    README, never on this page."""
+    return (
+        "<strong style=\"font-size: 1.25em\">ISAGI chat</strong><br>"
+        "Sign in with the user name and password you were given; each user sees only their "
+        "own conversations.<br>"
+        f"<small>After {int(max_failures)} failed attempts in a row, sign-ins are refused for "
+        f"{backoff_s:g} s, even with the right password, and the wait doubles at each further "
+        "failure: wait, then try again. Ask whoever runs this server if you forgot your password.</small>"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from isagi.app.help_text import PLAIN_NAMES, plain_name
 from isagi.app.render_safe import hover_text
 
 TIER_COLOURS = {
@@ -115,7 +116,7 @@ def growth_figure(messages: list[dict[str, Any]], first_turn: int = 1) -> Any:
     rows = turn_rows(messages, first_turn)
     x = [r["turn"] for r in rows]
     y = [_num(r.get("metric_growth"), 0.0) for r in rows]
-    tiers = [hover_text(_short(r.get("tier") or r.get("verdict") or "", 20)) for r in rows]
+    tiers = [hover_text(_short(_plain(r.get("tier") or r.get("verdict") or ""), 24)) for r in rows]
     if first_turn == 1:  # the whole session: from the identity metric at turn 0
         x0, y0, t0 = [0], [0.0], ["start"]
     else:
@@ -183,6 +184,12 @@ def pca_2d(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return Y, explained
 
 
+def _plain(label: Any) -> str:
+    """A turn's tier or verdict as the page names it (the badge's plain name), else as it is."""
+    text = str(label)
+    return plain_name(text.upper()) if text.upper() in PLAIN_NAMES else text
+
+
 def _short(text: Any, n: int = 60) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= n else text[: n - 1] + "…"
@@ -221,11 +228,14 @@ def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: i
     groups_arr = np.asarray(groups)
     for g in keys:
         idx = np.flatnonzero(groups_arr == g)
+        # a tier's legend entry is its plain name; its hover adds the technical one
+        name = plain_name(g) if g in TIER_COLOURS else g
+        extra = f"{name} ({g})" if name != g else g
         fig.add_trace(
             go.Scatter(
-                x=Y[idx, 0], y=Y[idx, 1], mode="markers", name=g,
+                x=Y[idx, 0], y=Y[idx, 1], mode="markers", name=name,
                 marker={"size": 10, "color": colours[g], "line": {"width": 1, "color": "white"}},
-                text=[texts[i] for i in idx], hovertemplate="%{text}<extra>" + g + "</extra>",
+                text=[texts[i] for i in idx], hovertemplate="%{text}<extra>" + extra + "</extra>",
             )
         )
     if highlight is not None and 0 <= highlight < n:
@@ -252,7 +262,9 @@ def map_figure(columns: dict[str, Any], *, colour_by: str = "tier", highlight: i
 
 
 def explore_figure(steps: list[dict[str, Any]], threshold: float | None = None) -> Any:
-    """TEH of each exploration step (bars) with the step size α (line, right axis)."""
+    """TEH of each exploration step (bars: the share of its reply's state in the forbidden
+    directions) with the step size α (line, right axis) and ``threshold``, the profile's window
+    limit on that share (above every ordinary calibration reply; not the chat's refusal threshold)."""
     import plotly.graph_objects as go
 
     x = [int(s.get("step", i + 1)) for i, s in enumerate(steps)]
@@ -266,6 +278,6 @@ def explore_figure(steps: list[dict[str, Any]], threshold: float | None = None) 
         fig.update_layout(yaxis2={"title": "α", "overlaying": "y", "side": "right", "rangemode": "tozero"})
     if threshold is not None:
         fig.add_hline(y=float(threshold), line_dash="dash", line_color=MID_GREY,
-                      annotation_text=f"threshold {float(threshold):.1f}%")
+                      annotation_text=f"steering limit {float(threshold):.1f}% (above every ordinary reply)")
     _layout(fig, "Exploration: TEH per step", "step", "TEH (%)")
     return fig

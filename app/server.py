@@ -91,10 +91,11 @@ def default_factory(settings: Settings) -> Callable[[Callable[[str, int, int], N
     """A factory that loads the real engine (model, profile, history store), reporting progress."""
 
     def factory(progress: Callable[[str, int, int], None]) -> Any:
+        from isagi.app.loader import calibrating, first_stage
         from isagi.pipeline.engine import Engine
 
-        progress("Loading the model (a model without a shipped profile is calibrated once: minutes)", 0, 1)
-        return Engine.start(settings, with_store=True, progress=progress)
+        progress(first_stage(settings), 0, 1)  # the profile's stages report only when it calibrates
+        return Engine.start(settings, with_store=True, progress=calibrating(progress))
 
     return factory
 
@@ -234,6 +235,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
     from isagi.app.event_shapes import EventShapes
     from isagi.app.guard import Bindings, GradioGuard, gradio_login
     from isagi.app.layout import HEAD, build_blocks, page_css
+    from isagi.app.login import login_message
 
     blocks = build_blocks(ui)
     blocks.queue(default_concurrency_limit=8)
@@ -243,12 +245,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
     warnings.filterwarnings("ignore", category=UserWarning, module=r"gradio\.helpers")
     gr.mount_gradio_app(
         app, blocks, path="/", auth=auth,
-        auth_message=(
-            "ISAGI: log in with a user of ISAGI_AUTH. After "
-            f"{settings.login_max_failures} failed logins, further ones are refused for "
-            f"{settings.login_backoff_s:g} s, doubling at each failure (the page then still says "
-            "\"Incorrect Credentials\")."
-        ) if auth else None,
+        auth_message=login_message(settings.login_max_failures, settings.login_backoff_s) if auth else None,
         # show_error=False: an exception no handler caught shows as a bare "Error", never its
         # text (which may name a server path); every expected failure is a handler's own warning.
         css=page_css(), head=HEAD, footer_links=["api", "settings"], show_error=False, ssr_mode=False,

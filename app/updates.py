@@ -94,7 +94,7 @@ class PageUpdate:
 VIEW = ("chat", "turn", "summary", "map", "growth", "teh")  # what the page draws of its session
 LOAD = ("state", "status", *VIEW, "timer", "alert")  # the timer runs only while the model loads
 TICK = LOAD
-SYNC = ("seen", "alert", *VIEW)
+SYNC = ("seen", "alert", *VIEW, "status")
 TURN = ("state", "chat", "textbox", "alert", *VIEW[1:], "status", "seen")  # Send, Enter, Regenerate
 STOP = ("chat", "alert", *VIEW[1:])
 NEW_CHAT = ("state", "alert", *VIEW)

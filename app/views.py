@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from isagi.app.help_text import BADGE_HELP, FIGURE_HELP
+from isagi.app.help_text import BADGE_HELP, FIGURE_HELP, plain_name
 from isagi.app.render_safe import TIERS, UNKNOWN, VERDICTS, enum_label, esc, md_cell, render_text
 from isagi.ids import is_session_id
 from isagi.session.turn import turns_to_messages
@@ -72,10 +72,21 @@ def badge_label(m: dict[str, Any]) -> str:
     return enum_label(label.upper() if isinstance(label, str) else label, BADGES)
 
 
+def badge_title(label: str) -> str:
+    """A badge's hover text: what it means in plain words, then its technical name."""
+    if label not in BADGE_HELP:
+        return ""
+    kind = "tier" if label in TIERS else "verdict"
+    return f"{BADGE_HELP[label]} (Technical name: {kind} {label}.)"
+
+
 def _badge(label: str) -> str:
+    """The badge of technical ``label``: its plain name (:func:`app.help_text.plain_name`) on the
+    page, the technical name in its hover title; the class keeps the technical name."""
     cls = label.lower() if label in BADGES else "unknown"
-    tip = f' title="{esc(BADGE_HELP[label])}"' if label in BADGE_HELP else ""
-    return f'<span class="isagi-tier isagi-tier-{cls}"{tip}>{esc(label)}</span>'
+    title = badge_title(label)
+    tip = f' title="{esc(title)}"' if title else ""
+    return f'<span class="isagi-tier isagi-tier-{cls}"{tip}>{esc(plain_name(label))}</span>'
 
 
 def _tip(key: str, html_text: str) -> str:
@@ -90,7 +101,7 @@ def info_html(m: dict[str, Any]) -> str:
     """
     parts = [_badge(badge_label(m))]
     if m.get("verdict") == "cancelled":
-        parts.append('<span class="isagi-tier isagi-tier-cancelled">STOPPED</span>')
+        parts.append(_badge("CANCELLED"))
     if m.get("distance") is not None:
         near = m.get("nearest_query")
         near_txt = f" to “{esc(short(near, 60))}”" if near else ""
@@ -150,8 +161,21 @@ def chat_window(session: Any, *, drop_last: bool = False) -> list[dict[str, str]
     return [{"role": "assistant", "content": render_text(note)}, *shown]
 
 
-def turn_markdown(m: dict[str, Any] | None, safety: SafetyProfile | None = None) -> str:
-    """The Turn panel: every figure of the latest turn (file fields escaped for markdown)."""
+def distance_cell(d: Any, bounds: tuple[float, float] | None = None) -> str:
+    """The Turn panel's distance: d, and with ``bounds`` (this model's calibrated d where
+    Related ends and where New topic starts) the tier each range of d gives."""
+    shown = fmt(d, 4)
+    if bounds is None or d is None:
+        return shown
+    related, topic = bounds
+    return (f"{shown} (0 = the same, 2 = opposite; on this model {plain_name('AUGMENT')} below "
+            f"{related:.3f}, {plain_name('EXPAND')} below {topic:.3f}, {plain_name('EXPLORE')} above)")
+
+
+def turn_markdown(m: dict[str, Any] | None, safety: SafetyProfile | None = None,
+                  bounds: tuple[float, float] | None = None) -> str:
+    """The Turn panel: every figure of the latest turn (file fields escaped for markdown);
+    ``bounds``: the model's tier boundaries of d (:func:`distance_cell`)."""
     if m is None:
         return "*No turn yet. Ask something: the panel shows what the manifold did with it.*"
     thr = safety.threshold if safety is not None else None
@@ -159,9 +183,10 @@ def turn_markdown(m: dict[str, Any] | None, safety: SafetyProfile | None = None)
     category = m.get("category")
     verdict = m.get("verdict") or "ok"
     rows = [
-        ("Tier", f"**{badge_label(m)}**" + (f" ({md_cell(short(category, 60))})" if category else "")),
+        ("Tier", f"**{plain_name(badge_label(m))}** ({badge_label(m)})"
+                 + (f" · {md_cell(short(category, 60))}" if category else "")),
         ("Verdict", verdict if verdict in VERDICTS else UNKNOWN),
-        ("Distance", fmt(m.get("distance"), 4)),
+        ("Distance d", distance_cell(m.get("distance"), bounds)),
         ("Nearest stored query", md_cell(short(m.get("nearest_query"), 90)) or "–"),
         ("Zone", md_cell(short(m.get("zone"), 40)) or "–"),
         ("TEH prompt", fmt(m.get("teh_prompt"), 2, "%") + (f" (threshold {thr:.2f}%)" if thr is not None else "")),

@@ -63,8 +63,9 @@ def test_every_badge_and_figure_of_a_reply_explains_itself_on_hover():
     assert "Related" in titles[0]
     assert info_html({**m, "verdict": "refused"}).count("Refused:") == 1
     panel = help_markdown()
-    for tier in ("RETRIEVE", "AUGMENT", "EXPAND", "EXPLORE", "REFUSED", "WITHHELD"):
-        assert f"**{tier}**" in panel and tier in BADGE_HELP
+    for tier, plain in (("RETRIEVE", "Answered from memory"), ("AUGMENT", "Related"), ("EXPAND", "New"),
+                        ("EXPLORE", "New topic"), ("REFUSED", "Refused"), ("WITHHELD", "Withheld")):
+        assert f"**{plain}** ({tier})" in panel and tier in BADGE_HELP  # the README's word, then the tier's
 
 
 def test_figures_are_see_through_so_they_follow_the_page_theme():

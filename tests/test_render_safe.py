@@ -334,4 +334,4 @@ def test_plot_hover_texts_and_legends_are_escaped(text: str) -> None:
             assert "<" not in re.sub(r"</?extra>", "", s), s
             assert not IMAGE_MD.search(s)
     names = {t["name"] for t in json.loads(figs[0].to_json())["data"]}
-    assert names <= {"EXPLORE", "?", "current query"}, "unknown tiers are grouped as ?"
+    assert names <= {"New topic", "?", "current query"}, "unknown tiers are grouped as ?; tiers by their plain name"

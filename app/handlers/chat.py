@@ -106,7 +106,7 @@ class ChatHandlers:
 
         p = self.page
         if not (p.holder.ready or p.holder.failed):
-            return PageUpdate(state=sid, status=p.status_line(), timer=gr.Timer(active=True))
+            return PageUpdate(state=sid, status=p.status_line(p.who(request)[0]), timer=gr.Timer(active=True))
         return self.on_load(sid, colour_by, request).but(timer=gr.Timer(active=False))
 
     # -- a turn ----------------------------------------------------------------
@@ -310,6 +310,14 @@ class ChatHandlers:
         if now == seen:
             return PageUpdate()
         return p.view_of(session, colour_by).but(seen=now)
+
+    def sync_with_status(self, sid: str | None, seen: str | None, colour_by: str = "tier",
+                         request: Any = None) -> PageUpdate:
+        """:meth:`sync`, with the banner as it is now: its live-session count moves as other pages
+        open and close sessions, so the page's periodic check redraws it too."""
+        owner, _ = self.page.who(request)
+        update = self.sync(sid, seen, colour_by, request)
+        return update.but(status=self.page.status_line(owner)) if owner is not None else update
 
     def page_shows(self, sid: str | None, request: Any = None) -> PageUpdate:
         """The page's session id changed (load, a first message, New chat, Resume, a load): the

@@ -46,7 +46,10 @@ if TYPE_CHECKING:
 
 PLOT_WINDOW_TURNS = 1000
 DOWNLOAD_TTL_S = 60.0  # our copy of a download; Gradio has copied it to its cache by then
-NOT_LOGGED_IN = "Log in first: this server requires a login (ISAGI_AUTH)."
+NOT_LOGGED_IN = "Log in first: this server requires a login. Reload the page to get the login form."
+# Gradio's logout route (relative: it works under a proxy's path too), for this browser only
+# (all_session=false: the user's other browsers stay signed in); Gradio then shows its login page.
+LOGOUT = "logout?all_session=false"
 
 
 class Page:
@@ -76,6 +79,16 @@ class Page:
         """The loaded profile's safety layer, or None (still loading, or none)."""
         try:
             return self.engine.profile.safety
+        except Exception:
+            return None
+
+    def tier_bounds(self) -> tuple[float, float] | None:
+        """The d (as the page shows it) where Related ends and where New topic starts on the loaded
+        model: its calibrated distance scale's knots (the tiers read d rescaled onto the seed
+        thresholds, :mod:`isagi.manifold.distance_scale`); None while loading or without a scale."""
+        try:
+            scale = self.engine.profile.distance_scale
+            return float(scale.augment_at), float(scale.explore_at)
         except Exception:
             return None
 
@@ -159,7 +172,7 @@ class Page:
         safety = self.safety()
         return PageUpdate(
             chat=chat_window(session),
-            turn=turn_markdown(reply_fields(session.last_turn), safety),
+            turn=turn_markdown(reply_fields(session.last_turn), safety, self.tier_bounds()),
             summary=manifold_summary(session),
             map=self.map_of(session, colour_by),
             growth=plots.growth_figure(msgs, first_turn=first + 1),
@@ -182,20 +195,39 @@ class Page:
         return f"{sid}:{id(session)}:{session.version}"
 
     def status_line(self, owner: str | None = None) -> str:
-        """The banner; with a login, the live-session count is the user's own (not the server's)."""
+        """The banner, as it is now (the page redraws it on load, on every turn and at every sync).
+        With a login, the live-session count is the user's own (not the server's), and the
+        banner says who is signed in, with a Log out link (:meth:`signed_in`)."""
         h = self.holder
+        signed = self.signed_in(owner)
         if h.ready:
             e = self.engine
             lm = e.lm
             n = self.sessions.live_count(owner if owner is not None and self.settings.auth else None)
             return (
                 f"Model **{lm.model_id}** ({lm.quant}, {lm.device}) · layer {e.layer} · "
-                f"k = {e.profile.basis.B.shape[1]} · {n} live session(s)"
+                f"k = {e.profile.basis.B.shape[1]} · {n} live session(s){signed}"
             )
         if h.failed:
-            return f"**The model could not be loaded:** {esc(self.public(self.hide_paths(str(h.error or ''))))}"
-        return (f"⏳ **{esc(self.hide_paths(h.describe()))}.** The first start converts the model and calibrates "
-                "it; this page works once it is done.")
+            return (f"**The model could not be loaded:** {esc(self.public(self.hide_paths(str(h.error or ''))))}"
+                    f"{signed}")
+        return (f"⏳ **{esc(self.hide_paths(h.describe()))}.** The message box opens once the model can "
+                f"answer.{signed}")
+
+    def signed_in(self, owner: str | None) -> str:
+        """'' without a login; with one, " · Signed in as NAME" (the page's Log out button, beside
+        the banner, goes to :data:`LOGOUT`)."""
+        if not self.settings.auth or not owner:
+            return ""
+        return f" · Signed in as **{md_cell(owner)}**"
+
+    def input_open(self) -> tuple[Any, Any]:
+        """The message box and Send as the page should have them now: open when, and only when,
+        the model can answer (closed while it loads, and after a failed load)."""
+        import gradio as gr
+
+        ready = self.holder.ready
+        return gr.Textbox(interactive=ready), gr.Button(interactive=ready)
 
     # -- what the page says -------------------------------------------------------
     def warn(self, msg: str) -> str:

@@ -63,13 +63,15 @@ def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
 
 @contextlib.contextmanager
 def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = None,
-                fake: bool = False, fake_args: tuple[str, ...] = (), home: Path | None = None) -> Iterator[str]:
+                fake: bool = False, fake_args: tuple[str, ...] = (), home: Path | None = None,
+                loaded: bool = True) -> Iterator[str]:
     """Start ``isagi web`` on a free port (with ``ISAGI_AUTH=auth`` when given) and
     yield its URL once ``/health`` says ready; stop it afterwards.
 
     ``fake=True`` serves the same app on the fake engine (:mod:`tests.e2e.fake_server`,
     a fresh home, ready in seconds, given ``fake_args``) instead of the default model.
-    ``home``: the server's ``ISAGI_HOME`` (for a test that reads its history store)."""
+    ``home``: the server's ``ISAGI_HOME`` (for a test that reads its history store).
+    ``loaded=False``: yield as soon as ``/health`` answers, while the model may still load."""
     if home is None:
         if fake or not os.environ.get("ISAGI_TEST_HOME"):
             home = tmp_path_factory.mktemp("isagi-home")
@@ -95,6 +97,8 @@ def live_server(tmp_path_factory: pytest.TempPathFactory, *, auth: str | None = 
             try:
                 code, body = _health(url)
                 if code == 200 and body.get("status") == "ok":
+                    break
+                if not loaded and body.get("status") == "loading":
                     break
                 if body.get("status") == "failed":
                     pytest.fail(f"isagi web could not load the model: {body}")

@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reply", help="the text every generated reply streams (default: the model's own)")
     p.add_argument("--token-delay-s", type=float, default=0.02, help="with --reply: seconds per token")
     p.add_argument("--refuse-marker", help="refuse every message containing this text")
+    p.add_argument("--load-gate", help="the model 'loads' until this file exists (/health says loading)")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -113,13 +114,30 @@ def main(argv: list[str] | None = None) -> None:
         script_replies(engine, args.reply, tokens=24, delay_s=args.token_delay_s)
     if args.refuse_marker:
         refuse_containing(engine, args.refuse_marker)
-    app = create_app(engine, engine.settings)
+    app = create_app(gated(engine, args.load_gate) if args.load_gate else engine, engine.settings)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
                     **uvicorn_options(env))
     finally:
         if engine.store is not None:
             engine.store.close()
+
+
+def gated(engine: Any, gate: str) -> Any:
+    """A loader factory that reports loading the model until the file ``gate`` exists, then
+    hands over ``engine``: a page opened meanwhile sees the model loading, for as long as the
+    test wants."""
+    from pathlib import Path
+
+    from isagi.app.loader import LOADING
+
+    def factory(progress: Any) -> Any:
+        progress(LOADING, 0, 1)
+        while not Path(gate).exists():
+            time.sleep(0.2)
+        return engine
+
+    return factory
 
 
 def _slow_down_page_load(seconds: float) -> None:

@@ -70,9 +70,20 @@ def reply_count(page) -> int:
 
 
 def badges(page) -> list[str]:
+    """The technical name (RETRIEVE, REFUSED, ...) of each reply's badge, from its class: the
+    badge shows the plain name ("Answered from memory"), which badge_words reads."""
     return page.evaluate(
         "Array.from(document.querySelectorAll('#isagi-chat .isagi-info .isagi-tier:first-child'))"
-        ".map(e => e.innerText.trim())"
+        ".map(e => (Array.from(e.classList).find(c => c.startsWith('isagi-tier-')) || '')"
+        ".slice('isagi-tier-'.length).toUpperCase())"
+    )
+
+
+def badge_words(page) -> list[tuple[str, str]]:
+    """(what the badge says, its hover title) of each reply's badge, as the user sees them."""
+    return page.evaluate(
+        "Array.from(document.querySelectorAll('#isagi-chat .isagi-info .isagi-tier:first-child'))"
+        ".map(e => [e.innerText.trim(), e.getAttribute('title') || ''])"
     )
 
 
