@@ -5,6 +5,7 @@ handler its request. Built inside ``create_app`` only, never at import time.
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypedDict
 
 from isagi.app import updates as u
@@ -45,13 +46,48 @@ CSS = """
 
 # Esc stops the reply, as in the chat pages people know: a click on Stop (the same event, the
 # same wait), from anywhere on the page, unless something else (a dialog, a dropdown) took the key.
-HEAD = """<script>
+ESC_STOPS = """<script>
 document.addEventListener('keydown', (e) => {
   if (e.key !== 'Escape' || e.defaultPrevented) return;
   const stop = document.querySelector('#isagi-stop');
   if (stop && !stop.disabled) stop.click();
 });
 </script>"""
+
+SERVER_GONE_TEXT = "The ISAGI server has stopped; reload when it is back."
+# A tab whose server stopped says so in a banner (Gradio's own notice comes only when an event
+# fails, and not always). Nothing is polled: when a request of the page to Gradio fails without
+# an answer (the page's own timer sends one every few seconds), the page asks /health once; no
+# answer at all means the server is gone. A server that answers (a blip) shows nothing.
+SERVER_GONE = """<script>
+(() => {
+  const realFetch = window.fetch.bind(window);
+  const health = new URL('health', window.location.href.split(/[?#]/)[0]).href;
+  let shown = false, checking = false;
+  const check = () => {
+    if (shown || checking) return;
+    checking = true;
+    realFetch(health, {cache: 'no-store'}).then(() => { checking = false; }, () => {
+      shown = true;
+      const d = document.createElement('div');
+      d.id = 'isagi-gone';
+      d.setAttribute('role', 'alert');
+      d.textContent = TEXT;
+      d.style.cssText = 'position:fixed;top:0;left:0;right:0;z-index:10000;padding:10px 16px;'
+        + 'background:#b2182b;color:#fff;font-weight:600;text-align:center;';
+      document.body.appendChild(d);
+    });
+  };
+  window.fetch = (input, init) => {
+    const url = typeof input === 'string' ? input : (input && input.url) || String(input);
+    const sent = realFetch(input, init);
+    if (url.includes('/gradio_api/')) sent.catch(check);
+    return sent;
+  };
+})();
+</script>""".replace("TEXT", json.dumps(SERVER_GONE_TEXT))
+
+HEAD = ESC_STOPS + SERVER_GONE
 
 
 def _low_end(usual: int, cap: int) -> int:
