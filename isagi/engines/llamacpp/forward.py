@@ -55,7 +55,7 @@ from isagi.engines.llama_thread import on_llama_thread
 # Tokens per llama_decode call of a prompt a Stop may end: Stop is checked between two such calls,
 # so a chunk is what a Stop may still wait for (docs/measurements.md, `isagi bench stop`); small
 # enough to end well within a second on a small CPU, large enough to keep the batch's speed.
-STOPPABLE_CHUNK = 128
+STOPPABLE_CHUNK = 64
 
 
 class ForwardPasses:
