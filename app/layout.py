@@ -5,6 +5,7 @@ handler its request. Built inside ``create_app`` only, never at import time.
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypedDict
 
 from isagi.app import updates as u
@@ -86,7 +87,7 @@ def page_css() -> str:
 # A chat message's accessible name: Gradio labels each message with its raw content, here the HTML
 # rendered on the server; a screen reader would read the tags. The label is set to the text the
 # message shows, again whenever Gradio sets it (a streamed reply, a redrawn chat).
-HEAD = """<script>
+ESC_AND_LABELS = """<script>
 document.addEventListener('keydown', (e) => {
   if (e.key !== 'Escape' || e.defaultPrevented) return;
   const stop = document.querySelector('#isagi-stop');
@@ -112,6 +113,41 @@ document.addEventListener('keydown', (e) => {
   if (document.body) start(); else document.addEventListener('DOMContentLoaded', start);
 })();
 </script>"""
+
+SERVER_GONE_TEXT = "The ISAGI server has stopped; reload when it is back."
+# A tab whose server stopped says so in a banner (Gradio's own notice comes only when an event
+# fails, and not always). Nothing is polled: when a request of the page to Gradio fails without
+# an answer (the page's own timer sends one every few seconds), the page asks /health once; no
+# answer at all means the server is gone. A server that answers (a blip) shows nothing.
+SERVER_GONE = """<script>
+(() => {
+  const realFetch = window.fetch.bind(window);
+  const health = new URL('health', window.location.href.split(/[?#]/)[0]).href;
+  let shown = false, checking = false;
+  const check = () => {
+    if (shown || checking) return;
+    checking = true;
+    realFetch(health, {cache: 'no-store'}).then(() => { checking = false; }, () => {
+      shown = true;
+      const d = document.createElement('div');
+      d.id = 'isagi-gone';
+      d.setAttribute('role', 'alert');
+      d.textContent = TEXT;
+      d.style.cssText = 'position:fixed;top:0;left:0;right:0;z-index:10000;padding:10px 16px;'
+        + 'background:#b2182b;color:#fff;font-weight:600;text-align:center;';
+      document.body.appendChild(d);
+    });
+  };
+  window.fetch = (input, init) => {
+    const url = typeof input === 'string' ? input : (input && input.url) || String(input);
+    const sent = realFetch(input, init);
+    if (url.includes('/gradio_api/')) sent.catch(check);
+    return sent;
+  };
+})();
+</script>""".replace("TEXT", json.dumps(SERVER_GONE_TEXT))
+
+HEAD = ESC_AND_LABELS + SERVER_GONE
 
 
 def _low_end(usual: int, cap: int) -> int:

@@ -262,6 +262,7 @@ def mount_page(app: Any, ui: Any, uploads: Any, settings: Settings, auth: Any) -
     app.add_middleware(GradioGuard, ledger=uploads, user_of=gradio_login(gradio_app), auth=auth is not None,
                        hashes=hashes, events=events, shapes=EventShapes.from_blocks(blocks))
     app.state.isagi_bindings = (hashes, events)
+    app.state.isagi_gradio_app = gradio_app  # its stop_event ends its heartbeats at shutdown (app.shutdown)
 
 
 class _TerminalProgress:
@@ -330,9 +331,9 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
           page: bool = True) -> None:
     """Run the web app with uvicorn until interrupted (``isagi web``; ``page=False``: the API
     alone, ``isagi serve``)."""
-    import uvicorn
     from rich.console import Console
 
+    from isagi.app.shutdown import run_server
     from isagi.datadir import open_data_dir
 
     settings = settings.for_server()  # the sequence slots a server runs unless told otherwise
@@ -371,5 +372,4 @@ def serve(settings: Settings, host: str = "127.0.0.1", port: int = 7860, *, idle
     if settings.trusted_proxies:
         console.print(f"Client addresses come from X-Forwarded-For of {', '.join(settings.trusted_proxies)} "
                       "(ISAGI_TRUSTED_PROXIES); from any other address the header is ignored.")
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
-                **uvicorn_options(settings))
+    run_server(app, host, port, **uvicorn_options(settings))

@@ -571,6 +571,16 @@ def bench_turn(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt
     _report(run(settings, new_tokens=new_tokens, repeats=repeats), as_json)
 
 
+@bench_app.command("stop")
+@friendly
+def bench_stop(model: ModelOpt = None, backend: BackendOpt = None, home: HomeOpt = None,
+               as_json: JsonOpt = False) -> None:
+    """Stop during a ~2,000-token prompt's evaluation: the time from Stop to the turn's end."""
+    from isagi.bench.stop import run
+
+    _report(run(_settings(model=model, backend=backend, home=home)), as_json)
+
+
 @bench_app.command("batch")
 @friendly
 def bench_batch(model: ModelOpt = None, home: HomeOpt = None, new_tokens: int = 48, repeats: int = 3,

@@ -111,13 +111,12 @@ def test_importing_the_app_builds_nothing():
 def test_serve_on_a_non_loopback_host_without_a_login_warns(tmp_path, monkeypatch, capsys, host, auth, warned):
     """``isagi web --host`` off loopback without ISAGI_AUTH says who can use it and how to
     require a login; with a login or on loopback it does not (nothing is loaded or bound)."""
-    import uvicorn
-
     import isagi.app.server as server
+    import isagi.app.shutdown as shutdown
     ran: list[str] = []
     monkeypatch.setattr(server, "check_port_free", lambda h, p: None)
     monkeypatch.setattr(server, "create_app", lambda *a, **k: "the app")
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: ran.append(host))
+    monkeypatch.setattr(shutdown, "run_server", lambda app, host, port, **kw: ran.append(host))
     settings = load_settings(environ={}, home=tmp_path, auth=auth)
     server.serve(settings, host=host, port=7999)
     err = " ".join(capsys.readouterr().err.split())

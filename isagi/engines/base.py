@@ -21,6 +21,7 @@ layer ``L`` (1..num_layers) is the output of decoder block ``L - 1``.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -28,6 +29,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 BACKENDS = ("llamacpp", "transformers")
+
+
+class PrefillStopped(Exception):  # noqa: N818 - a Stop, not an error
+    """The turn's Stop came while its prompt was being evaluated: nothing was decoded."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,7 @@ class ModelEngine(Protocol):
         reuse_prefix: int = 0,
         states_only: bool = False,
         context_shift: bool = False,
+        stop: threading.Event | None = None,
     ) -> Decoding:
         """A reply to ``messages`` capturing ``layer`` (and ``also_capture``); ``steer`` adds a
         vector to the output of ``layer`` (explore only; captured states are read before it).
@@ -230,7 +236,12 @@ class ModelEngine(Protocol):
         window dropped: the gap is cut out and the positions after it move down (llama.cpp's
         context shift; transformers ignores it). Those tokens' cache then still reflects the
         tokens they followed when it was computed, so use it only where the prompt's own states
-        are not read."""
+        are not read.
+
+        ``stop``: the turn's Stop. Set while the prompt is evaluated, the evaluation ends between
+        two chunks of the prompt and ``prefill`` (or ``stream``'s own) raises
+        :class:`PrefillStopped` (llama.cpp; transformers evaluates a prompt in one pass and
+        only checks it before); the engine's cache is left as if the prompt had never run."""
         ...
 
     def iter_prompt_states(

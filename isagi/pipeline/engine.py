@@ -52,6 +52,7 @@ measurement under "context".)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import threading
@@ -63,7 +64,7 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 
 from isagi.config import Settings
-from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions, within_limits
+from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions, PrefillStopped, within_limits
 from isagi.errors import InputError, not_saved_notice
 from isagi.ids import new_session_id
 from isagi.manifold.cog import Metric, Tier, TierThresholds
@@ -327,8 +328,12 @@ class Engine:
         safety = self.profile.safety
         # At most one Generation of this turn is open at a time (so it holds at most one slot).
         # The safety layer's states come from the same forward passes (one more hook).
-        with _OpenGeneration(self.lm, self.layer, options, also_capture=tuple(safety.read_layers)) as slot:
-            p = self._prepare(session, text, slot)
+        with _OpenGeneration(self.lm, self.layer, options, also_capture=tuple(safety.read_layers), stop=stop) as slot:
+            try:
+                p = self._prepare(session, text, slot)
+            except PrefillStopped:  # Stop during the message's evaluation: nothing decided, nothing said
+                yield Decided(None)
+                return Turn(user_text=text, reply_text="", verdict="cancelled", new_tokens=0)
             teh_prompt, refusal = self._guard(p)
             if refusal is not None:
                 yield Decided(None)
@@ -588,7 +593,15 @@ def _generate(
     teh_reply: float | None = None
     verdict = "ok"
     checked = 0
-    for event in gen.stream():
+    stream = gen.stream()
+    try:
+        # Stop before or during the prompt's evaluation (its first step): an empty cancelled reply
+        if stop is not None and stop.is_set():
+            raise PrefillStopped
+        first = next(stream, None)
+    except PrefillStopped:
+        return Generated("", "cancelled", None, gen.reply_hidden(), gen.prompt_tokens, 0)
+    for event in itertools.chain(() if first is None else (first,), stream):
         if stop is not None and stop.is_set():
             gen.stop()
         if len(gen.new_ids) - checked >= guard.every:
@@ -612,9 +625,10 @@ class _OpenGeneration:
     """Holds the one open :class:`~isagi.engines.base.Decoding` of a turn; opening another closes the previous."""
 
     def __init__(self, lm: ModelEngine, layer: int, options: GenerationOptions,
-                 also_capture: tuple[int, ...] = ()) -> None:
+                 also_capture: tuple[int, ...] = (), stop: threading.Event | None = None) -> None:
         self.lm, self.layer, self.options = lm, layer, options
         self.also_capture = also_capture
+        self.stop = stop  # the turn's Stop, which also ends a prompt's evaluation
         self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
 
@@ -623,7 +637,7 @@ class _OpenGeneration:
         self.close()
         self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture,
                                           reuse_prefix=reuse_prefix, states_only=states_only,
-                                          context_shift=context_shift)
+                                          context_shift=context_shift, stop=self.stop)
         self.current.__enter__()
         self.messages = messages
         return self.current

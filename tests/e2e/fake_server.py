@@ -98,9 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load-gate", help="the model 'loads' until this file exists (/health says loading)")
     args = p.parse_args(argv)
 
-    import uvicorn
-
     from isagi.app.server import create_app, uvicorn_options
+    from isagi.app.shutdown import run_server
     from isagi.config import load_settings
     from tests.tiny_engine import tiny_engine
 
@@ -116,8 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         refuse_containing(engine, args.refuse_marker)
     app = create_app(gated(engine, args.load_gate) if args.load_gate else engine, engine.settings)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
-                    **uvicorn_options(env))
+        run_server(app, args.host, args.port, **uvicorn_options(env))  # as isagi web: the same shutdown
     finally:
         if engine.store is not None:
             engine.store.close()

@@ -10,6 +10,7 @@ protocol. Forward hooks stay inside ``with`` blocks (:mod:`isagi.engines.hf.hook
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, suppress
 from typing import Any
@@ -107,6 +108,7 @@ class TransformersEngine:
         reuse_prefix: int = 0,  # noqa: ARG002 - no KV cache kept between generations here
         states_only: bool = False,  # noqa: ARG002 - the forward pass here is the same either way
         context_shift: bool = False,  # noqa: ARG002 - no KV cache kept between generations here
+        stop: threading.Event | None = None,  # noqa: ARG002 - the prompt is one forward pass: no chunk to stop between
     ) -> Any:
         import torch
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from isagi.engines.base import GenerationOptions, TokenEvent
+from isagi.engines.base import GenerationOptions, PrefillStopped, TokenEvent
 from isagi.engines.llamacpp.text import Utf8Stream
 from isagi.manifold.pooling import last_token, span_mean
 
@@ -53,6 +53,7 @@ class LlamaCppDecoding:
         states_only: bool = False,
         context_shift: bool = False,
         capture_reply: bool = True,
+        stop: threading.Event | None = None,
     ) -> None:
         engine.check_layer(layer)
         for extra in also_capture:
@@ -66,6 +67,7 @@ class LlamaCppDecoding:
         self.new_ids: list[int] = []
         self.finish_reason: str | None = None
         self._stop = threading.Event()
+        self._turn_stop = stop  # the turn's Stop: also ends the prompt's evaluation between chunks
         self._prompt: dict[int, np.ndarray] | None = None
         self._reply: dict[int, list[np.ndarray]] = {layer: [] for layer in self.layers}
         self._utf8 = Utf8Stream()
@@ -164,6 +166,9 @@ class LlamaCppDecoding:
     def stop(self) -> None:
         self._stop.set()
 
+    def _stopped(self) -> bool:
+        return self._stop.is_set() or (self._turn_stop is not None and self._turn_stop.is_set())
+
     def prefill(self) -> np.ndarray:
         assert self._entered, "use the decoding inside a with block"
         if self._multi:
@@ -171,7 +176,14 @@ class LlamaCppDecoding:
         e = self.engine
         e._clear(self)
         start = e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift) if self.reuse_prefix else 0
-        states = e._decode(self.ids[start:], start, capture=e._names(self.layers), truncate=self.states_only)
+        try:
+            states = e._decode(self.ids[start:], start, capture=e._names(self.layers), truncate=self.states_only,
+                               stopped=self._stopped)
+        except PrefillStopped:
+            # half a prompt in the cache: nothing of it is kept as a prefix (__exit__ clears it)
+            self._kv_len = 0
+            self.finish_reason = "cancelled"
+            raise
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
         return last_token(self._prompt[self.layer])

@@ -184,11 +184,12 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         states_only: bool = False,
         context_shift: bool = False,
         capture_reply: bool = True,
+        stop: threading.Event | None = None,
     ) -> LlamaCppDecoding:
         """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
         return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
                                 steer=steer, reuse_prefix=reuse_prefix, states_only=states_only,
-                                context_shift=context_shift, capture_reply=capture_reply)
+                                context_shift=context_shift, capture_reply=capture_reply, stop=stop)
 
     def iter_prompt_states(
         self,

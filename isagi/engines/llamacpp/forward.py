@@ -44,11 +44,18 @@ it is cleared before any other use and never saved as a prefix.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from isagi.engines.base import PrefillStopped
 from isagi.engines.llama_thread import on_llama_thread
+
+# Tokens per llama_decode call of a prompt a Stop may end: Stop is checked between two such calls,
+# so a chunk is what a Stop may still wait for (docs/measurements.md, `isagi bench stop`); small
+# enough to end well within a second on a small CPU, large enough to keep the batch's speed.
+STOPPABLE_CHUNK = 64
 
 
 class ForwardPasses:
@@ -67,14 +74,18 @@ class ForwardPasses:
     _logit_views: dict[int | None, np.ndarray]
 
     def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
-                truncate: bool = False) -> dict[int, np.ndarray]:
+                truncate: bool = False, stopped: Callable[[], bool] | None = None) -> dict[int, np.ndarray]:
         """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
 
         ``truncate``: stop computing once the captured layers are read; the KV cache
         above them and the logits are then left unwritten, so only for states alone.
+        ``stopped``: asked before each chunk of :data:`STOPPABLE_CHUNK` tokens; once it says
+        True, :class:`~isagi.engines.base.PrefillStopped` is raised (the cache then holds part
+        of the prompt: the caller clears it).
         """
         with self.lock:
-            return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate)
+            return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate,
+                                       stopped=stopped)
 
     def _decode_token(self, token: int, capture: dict[bytes, int] | None) -> dict[int, np.ndarray]:
         """:meth:`_decode` of one token at the sequence's next position (a fed-back reply token),
@@ -99,10 +110,12 @@ class ForwardPasses:
             raise RuntimeError(f"llama.cpp's graph gave no whole {sorted(capture)} outputs")
 
     def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
-                       truncate: bool = False) -> dict[int, np.ndarray]:
+                       truncate: bool = False, stopped: Callable[[], bool] | None = None) -> dict[int, np.ndarray]:
         rows: dict[int, list[np.ndarray]] = {layer: [] for layer in (capture or {}).values()}
-        n_batch = 512
+        n_batch = 512 if stopped is None else STOPPABLE_CHUNK
         for off in range(0, len(ids), n_batch):
+            if stopped is not None and stopped():
+                raise PrefillStopped
             chunk = ids[off : off + n_batch]
             if capture:
                 self._capture.start(capture, len(chunk), truncate=truncate)
