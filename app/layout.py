@@ -74,12 +74,18 @@ CHATS_CSS = """
 #isagi-chats input[type=radio] { display: none; }
 """
 
+# A message sent that waits for the model (app.handlers.waiting): greyed, saying so.
+WAITING_CSS = """
+.isagi-waiting { opacity: 0.6; }
+.isagi-waiting-note { font-size: 0.85em; font-style: italic; margin-top: 2px; }
+"""
+
 
 def page_css() -> str:
     """The page's CSS: :data:`CSS` and the code colours of both themes (made here, not at import)."""
     from isagi.app.render_safe import code_css
 
-    return CSS + CHATS_CSS + code_css()
+    return CSS + CHATS_CSS + WAITING_CSS + code_css()
 
 
 # Esc stops the reply, as in the chat pages people know: a click on Stop (the same event, the
@@ -273,6 +279,7 @@ def build_blocks(ui: WebUI) -> Any:
                         )
                         send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send",
                                          interactive=False)
+                        send_api = gr.Button("Send (API)", visible=False)  # /send's event: API clients only
                     with gr.Row():
                         stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
                         regen = gr.Button("Regenerate", elem_id="isagi-regen")
@@ -376,7 +383,7 @@ def build_blocks(ui: WebUI) -> Any:
         # in the browser; None (none yet) leaves the stored id (Gradio writes only a value). The
         # registry learns which page shows it; a closed page's session is parked (unload).
         state.change(R(chat_h.page_shows, ["sid"], u.STORED), state, out(u.STORED), api_name=NO_API, queue=False)
-        demo.unload(R(chat_h.page_closed, [], None))
+        demo.unload(R(ui.waiting.page_closed, [], None))
         # Another tab of this browser may change the session: the page redraws it when it is stale.
         sync_timer.tick(R(chat_h.sync_with_status, ["sid", "seen", "colour_by"], u.SYNC), [state, seen, colour_by],
                         out(u.SYNC), show_progress="hidden", api_name=NO_API, **light_q)
@@ -385,19 +392,28 @@ def build_blocks(ui: WebUI) -> Any:
         tick.then(ui.page.input_open, None, [msg, send], api_name=NO_API, queue=False)
         relist(tick)
         send_fn = R(chat_h.send, ["message", "sid", "max_tokens", "sample", "temperature", "colour_by"], u.TURN)
-        # Send and Enter are one event: a message sent while a reply streams waits in the browser
-        # and is sent (as the box then holds it) once that reply has ended ("always_last"), never
-        # dropped.
-        ev_send = gr.on([send.click, msg.submit], send_fn, [msg, state, *gen_in], out(u.TURN),
-                        show_progress="minimal", api_name="send", trigger_mode="always_last", **model_q)
+        # Send and Enter: the message is shown at once, greyed, waiting for the model (not queued
+        # in Gradio, so neither a streaming reply nor other users' turns delay it), then one run
+        # in the model's queue sends every message the page has waiting, in order
+        # (app.handlers.waiting). "always_last": a second Enter during that run is taken by it,
+        # or by one more run after it, never dropped.
+        waiting_h = ui.waiting
+        ev_send = gr.on([send.click, msg.submit], R(waiting_h.queue, ["message", "sid"], u.QUEUE), [msg, state],
+                        out(u.QUEUE), api_name=NO_API, queue=False, show_progress="hidden",
+                        ).then(R(waiting_h.send_waiting, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
+                                 u.TURN),
+                               [state, *gen_in], out(u.TURN), show_progress="minimal", api_name=NO_API,
+                               trigger_mode="always_last", **model_q)
+        # one message, one turn, for API clients (/send): the page never triggers it
+        ev_api_send = send_api.click(send_fn, [msg, state, *gen_in], out(u.TURN), api_name="send", **model_q)
         relist(ev_send)
         ev_regen = regen.click(R(chat_h.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
                                  u.TURN),
                                [state, *gen_in], out(u.TURN), show_progress="minimal",
                                api_name="regenerate", **model_q)
         relist(ev_regen)
-        stop.click(R(chat_h.stop, ["sid", "colour_by"], u.STOP), [state, colour_by], out(u.STOP),
-                   cancels=[ev_send, ev_regen], show_progress="hidden", api_name="stop",
+        stop.click(R(waiting_h.stop, ["sid", "box_text", "colour_by"], u.STOP), [state, msg, colour_by], out(u.STOP),
+                   cancels=[ev_send, ev_api_send, ev_regen], show_progress="hidden", api_name="stop",
                    queue=False)
         new_fn = R(chat_h.new_chat, ["sid", "colour_by"], u.NEW_CHAT)
         relist(new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q))

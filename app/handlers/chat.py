@@ -84,6 +84,10 @@ class ChatHandlers:
                 sid = self._reattach(sid, owner, client)
             except SessionLimit as exc:
                 return p.view(None, colour_by, owner).but(state=None, status=f"**{exc}**")
+            # a reload during a reply: this page shows the session at once (the page that left
+            # does not park it), and the reply the left page ran, stopped, is read as recorded
+            p.sessions.attach(_page_of(request), sid, owner)
+            p.sessions.settle(sid, owner, STOP_WAIT_S)
         loading = not (p.holder.ready or p.holder.failed)  # the banner's timer, only while loading
         update = p.view(sid, colour_by, owner).but(
             state=sid, status=p.status_line(owner), timer=gr.Timer(active=loading))
@@ -144,7 +148,7 @@ class ChatHandlers:
             return
         options = self._options(max_tokens, sample, temperature)
         yield from self._turn(sid, checked, options, colour_by, owner=owner, clear_box=True,
-                              new_if_unknown=True, client=client)
+                              new_if_unknown=True, client=client, page=_page_of(request))
 
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
@@ -172,12 +176,12 @@ class ChatHandlers:
             yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
             return
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
-        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
+        yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner, page=_page_of(request))
 
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,
         regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
-        new_if_unknown: bool = False, client: str | None = None,
+        new_if_unknown: bool = False, client: str | None = None, page: str = "",
     ) -> Iterator[PageUpdate]:
         """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
@@ -185,13 +189,15 @@ class ChatHandlers:
         the new turn replaces the last one, or, if it fails, the old one stays. ``clear_box``
         empties the message box once the message is shown. ``new_if_unknown``: a new session of
         ``owner`` from ``client`` when ``sid`` is unknown or another owner's (a first message).
+        ``page``: the browser page it runs for (a reload or close of it stops the turn).
         """
         p = self.page
         with contextlib.ExitStack() as held:
             try:
                 run = held.enter_context(p.sessions.turn(sid, owner, message, options, regenerate=regenerate,
                                                          if_left="keep", timeout=STOP_WAIT_S,
-                                                         new_if_unknown=new_if_unknown, client=client))
+                                                         new_if_unknown=new_if_unknown, client=client,
+                                                         page=page))
             except (SessionBusy, SessionLimit) as exc:
                 yield PageUpdate(state=sid, alert=p.warn(str(exc)))
                 return

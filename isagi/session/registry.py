@@ -98,6 +98,9 @@ class Entry:
     # empty and idle for that moment, but not to be reclaimed as an empty chat by another
     # request at a cap. Cleared when a turn takes its lock (:meth:`SessionRegistry.using`).
     claimed: bool = False
+    # The browser page (Gradio session hash) whose turn holds the lock now ("": none, or not a
+    # page's): when that page goes away (a reload, a closed tab), the turn is stopped at once.
+    turn_page: str = ""
 
 
 def give_back_memory() -> None:
@@ -473,16 +476,25 @@ class SessionRegistry:
                 self._pages.pop(page, None)
 
     def detach(self, page: str, owner: str | None) -> str | None:
-        """The page ``page`` was closed (or reloaded): when no other page shows its session, save
-        and park it (:meth:`release`), so it is no longer live; a reload resumes it from its file.
+        """The page ``page`` was closed (or reloaded): a turn it runs is stopped after its current
+        token (recorded as cancelled, as Stop does; a reloaded page shows it so); when no other
+        page shows its session, save and park it (:meth:`release`), so it is no longer live; a reload resumes it from its file.
         Returns the id parked, or None (no session, another page still shows it, in use, or the
         save failed: then it stays live)."""
         with self._guard:
             sid = self._pages.pop(page, None)
+            running = [e for e in self._entries.values()
+                       if page and e.turn_page == page and e.owner == owner and e.lock.locked()]
             if sid is None or sid in self._pages.values():
-                return None
+                sid = None
+        for entry in running:  # the turn that page ran ends now, recorded as stopped
+            if not entry.stop.is_set():
+                entry.stop_requested_at = time.monotonic()
+            entry.stop.set()
+        if sid is None:
+            return None
         try:
-            if not self.release(sid, park=True, owner=owner):
+            if not self.release(sid, park=True, owner=owner, unless_shown=True):
                 return None
             if not self._entries:  # the last open chat closed: nothing of the model's state is kept
                 self._when_idle()
@@ -579,7 +591,8 @@ class SessionRegistry:
                 entry.notice, entry.resaved = None, True
         return left
 
-    def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER) -> bool:
+    def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER,
+                unless_shown: bool = False) -> bool:
         """Save (if it has turns) and drop ``owner``'s ``sid`` now.
 
         ``park=True`` keeps the id resumable by its holder (as idle eviction
@@ -592,6 +605,8 @@ class SessionRegistry:
         nothing is lost: idle eviction and shutdown try again. The caller is
         told with the :class:`~isagi.errors.StorageError`, except the server
         itself (``owner=None``), for which it is logged and False returned.
+        ``unless_shown``: left live (False) when a page shows it by the time its lock is free (a
+        reloaded page that opened it while its turn ended).
         """
         with self._guard:
             entry = self._entries.get(sid or "")
@@ -600,6 +615,10 @@ class SessionRegistry:
         if not entry.lock.acquire(timeout=10):
             return False  # busy: idle eviction will save and drop it later
         try:
+            if unless_shown:
+                with self._guard:
+                    if entry.session.id in self._pages.values():
+                        return False
             try:
                 path = self._persist(entry)
             except Exception as exc:  # kept live: dropping it would lose it

@@ -407,6 +407,7 @@ class SessionService:
         self, sid: str | None, owner: str, message: Message | None, options: GenerationOptions, *,
         regenerate: bool = False, if_left: Literal["keep", "drop"] = "keep", timeout: float = BUSY_WAIT_S,
         expect: list[Exchange] | None = None, new_if_unknown: bool = False, client: str | None = None,
+        page: str = "",
     ) -> Iterator[TurnRun]:
         """Hold ``owner``'s session ``sid`` for one turn of ``message`` (or Regenerate of its last
         question) and give its :class:`TurnRun` (its ``sid`` is the session's).
@@ -417,7 +418,9 @@ class SessionService:
         :class:`SessionLimit` at a cap). ``expect``: the exchanges the session was found by
         (:meth:`find`); another request that continued it meanwhile raises
         :class:`~isagi.errors.ConversationChanged`. A run left before its end is ended as
-        ``if_left`` says (:meth:`TurnRun.end`).
+        ``if_left`` says (:meth:`TurnRun.end`). ``page``: the browser page the turn is for (its
+        Gradio session hash); when that page goes away the turn is stopped
+        (:meth:`~isagi.session.registry.SessionRegistry.detach`).
         """
         engine = self.engine
         if new_if_unknown:
@@ -431,6 +434,7 @@ class SessionService:
             entry.stop.clear()
             entry.stop_requested_at = entry.stop_latency_s = None
             entry.notice = None
+            entry.turn_page = page
 
             def open_events() -> Generator[TurnEvent, None, None]:
                 if regenerate:
@@ -444,6 +448,7 @@ class SessionService:
             finally:
                 if not run.finished:
                     run.end(keep=if_left == "keep")
+                entry.turn_page = ""
                 if entry.stop_requested_at is not None:
                     entry.stop_latency_s = time.monotonic() - entry.stop_requested_at
 
@@ -458,6 +463,16 @@ class SessionService:
         except KeyError:
             return Stopped(None)
         return Stopped(entry.session, entry.stop_latency_s)
+
+    def settle(self, sid: str | None, owner: str, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for a turn of ``owner``'s session ``sid`` that was asked to stop
+        (Stop, or its page went away) to end and be recorded, so that what a page reads next
+        holds it (a reload during a reply shows the stopped turn). A turn nobody stopped is not
+        waited for (another tab's reply may run for long). False when a stopping turn still runs."""
+        entry = self.registry.live_entry(sid, owner)
+        if entry is None or not entry.lock.locked() or not entry.stop.is_set():
+            return True
+        return self.registry.wait_until_free(sid, wait_s, owner)
 
     def can_regenerate(self, sid: str | None, owner: str | None) -> bool:
         """Whether ``owner``'s session ``sid`` has a last question to run again (KeyError: unknown)."""
