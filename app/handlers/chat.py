@@ -370,7 +370,7 @@ class ChatHandlers:
 
 def _page_of(request: Any) -> str:
     """The browser page a request comes from: its Gradio session hash ('' when unknown)."""
-    page = request.session_hash if request is not None else None
+    page = getattr(request, "session_hash", None)
     return page if isinstance(page, str) else ""
 
 

@@ -80,6 +80,7 @@ def test_a_message_sent_while_a_reply_streams_is_sent_after_it(slow_url, context
     assert "generating" in page.inner_text("#isagi-chat"), "the first reply had ended: nothing was tested"
     page.wait_for_function(
         "q => document.querySelector('#isagi-chat').innerText.includes(q)"
+        " && !document.querySelector('#isagi-chat .isagi-waiting')"
         " && !document.querySelector('#isagi-chat').innerText.includes('generating')",
         arg=second, timeout=30_000)
     page.screenshot(path=str(screenshot_dir / "message-sent-while-streaming.png"), full_page=True)
