@@ -152,6 +152,11 @@ class Metric:
         return float(1.0 - ev[0] / ev[-1])
 
     @property
+    def window(self) -> int:
+        """How many recent updates :attr:`growth_rate` averages over."""
+        return self._window.maxlen or 0
+
+    @property
     def growth_rate(self) -> float:
         """Mean growth gained per update over the last ``window`` updates (0 before any)."""
         return float(np.mean(self._window)) if self._window else 0.0

@@ -94,6 +94,12 @@ __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEv
 log = logging.getLogger(__name__)
 
 LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
+
+
+def learn_weight(tier: str) -> float:
+    """The weight of the metric update an exchange of ``tier`` makes when it is learned (AUGMENT
+    is lighter): the one rule, which a rewind's replay of the memory follows too."""
+    return LIGHT_UPDATE if tier == Tier.AUGMENT.value else 1.0
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
 
 @dataclass
@@ -291,6 +297,45 @@ class Engine:
                 session.undo = undo
             raise
 
+    def edit(
+        self,
+        session: Session,
+        index: int,
+        message: str | Message,
+        *,
+        options: GenerationOptions | None = None,
+        stop: threading.Event | None = None,
+    ) -> Generator[TurnEvent, None, None]:
+        """Resend an edited question in place of turn ``index``: the conversation is cut there
+        (:func:`isagi.pipeline.rewind.rewind`: those turns, the memory records they stored and their
+        metric updates go), the edited question runs as a new turn, and it replaces the cut
+        exchanges in the file and the history store. If it fails (or its events are closed) before
+        it is recorded, the session is put back as it was, cut turns included. An
+        :class:`InputError` at the call for a position the session does not have or an invalid message.
+        """
+        if not isinstance(index, int) or not 0 <= index < len(session.turns):
+            raise InputError("That message is no longer in this chat: reload the page and edit it again.")
+        text = self.check(message).text
+        return self._edit(session, index, text, options, stop)
+
+    def _edit(
+        self, session: Session, index: int, text: str, options: GenerationOptions | None, stop: threading.Event | None
+    ) -> Generator[TurnEvent, None, None]:
+        from isagi.pipeline.rewind import rewind
+
+        before, undo = session.checkpoint(), session.undo
+        rewind(session, index)
+        recorded = False
+        try:
+            for event in self._run(session, text, options, stop, record=True, replaces_last=True):
+                recorded = recorded or isinstance(event, Done)
+                yield event
+        except BaseException:
+            if not recorded:
+                session.rollback(before)
+                session.undo = undo
+            raise
+
     def _run(
         self,
         session: Session,
@@ -316,7 +361,7 @@ class Engine:
         except BaseException:  # a bug, a lost model, Ctrl-C, or the events closed: as before the turn
             session.rollback(before)
             raise
-        notice = self._record(session, turn, persist=record, replaces_last=replaces_last)
+        notice = self._record(session, turn, persist=record, replaces=replaces_last)
         session.undo = before
         yield Done(turn, notice)
 
@@ -376,7 +421,7 @@ class Engine:
             session.memory.replace_reply(replacing.id, reply_x, out.reply)
             turn.cluster = int(replacing.record["cluster"])
         elif out.verdict == "ok":
-            turn.cluster = self._learn(session, p, out.reply, out.reply_states, d)
+            turn.cluster, turn.memory_id = self._learn(session, p, out.reply, out.reply_states, d)
         return turn
 
     # -- stages -----------------------------------------------------------------
@@ -449,11 +494,12 @@ class Engine:
 
     def _learn(
         self, session: Session, p: Prepared, reply: str, reply_states: np.ndarray, d: Decision
-    ) -> int:
-        """Metric update and memory store for a generated, accepted reply; returns its cluster."""
+    ) -> tuple[int, int]:
+        """Metric update and memory store for a generated, accepted reply; returns its cluster and
+        its memory record's id."""
         return _learn(session, p.text, reply, p.x, reply_states, d, p.context_key)
 
-    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces_last: bool) -> str | None:
+    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces: bool) -> str | None:
         """The turn joins the session; the engine's ``keep`` persists it (autosave + history).
 
         Returns ``keep``'s notice (something had to wait, e.g. on a full disk), else None.
@@ -463,7 +509,8 @@ class Engine:
         session.add_turn(turn)
         if persist and self.keep is not None:
             try:
-                return self.keep(session, turn, replaces_last=replaces_last)
+                # the turn takes the place of what it replaces (Regenerate, an edit): from its position on
+                return self.keep(session, turn, replaces_from=len(session.turns) - 1 if replaces else None)
             except Exception as exc:  # a bug in persisting: the turn stands, the next save retries
                 log.exception("could not persist a turn of session %s", session.id)
                 return not_saved_notice(f"an unexpected error, {type(exc).__name__}")
@@ -508,29 +555,29 @@ class Engine:
         x = self._coords(self.prompts.build(session, text, None, with_history=False), session.basis)
         context_key = session.last_user_key()
         d = self._decide(session, text, x, context_key)
-        cluster = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
+        cluster, memory_id = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
         now = time.time()
         session.add_turn(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
-                              cluster=cluster, asked_at=now, answered_at=now))
+                              cluster=cluster, memory_id=memory_id, asked_at=now, answered_at=now))
 
 
 def _learn(
     session: Session, text: str, reply: str, x: np.ndarray, reply_states: np.ndarray, d: Decision, context_key: str
-) -> int:
-    """The learn stage: metric update (lighter for AUGMENT) and the exchange into memory."""
-    weight = LIGHT_UPDATE if d.tier is Tier.AUGMENT else 1.0
-    session.metric.update(x, weight=weight)
+) -> tuple[int, int]:
+    """The learn stage: metric update (lighter for AUGMENT) and the exchange into memory; returns
+    its cluster and its memory record's id."""
+    session.metric.update(x, weight=learn_weight(d.tier.value))
     if d.tier is Tier.EXPLORE or d.record is None:
         cluster = session.memory.next_cluster_id()
     else:
         cluster = int(d.record["cluster"])
     reply_x = project(session.basis, reply_states.mean(axis=0)) if len(reply_states) else np.zeros_like(x)
-    session.memory.add(
+    memory_id = session.memory.add(
         x, reply_x, text, reply, d.tier.value, cluster,
         context_key=context_key if d.context_dependent else "",
         content_key=content_key(text),
     )
-    return cluster
+    return cluster, memory_id
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:

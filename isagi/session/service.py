@@ -407,9 +407,12 @@ class SessionService:
         self, sid: str | None, owner: str, message: Message | None, options: GenerationOptions, *,
         regenerate: bool = False, if_left: Literal["keep", "drop"] = "keep", timeout: float = BUSY_WAIT_S,
         expect: list[Exchange] | None = None, new_if_unknown: bool = False, client: str | None = None,
+        edit_at: int | None = None,
     ) -> Iterator[TurnRun]:
         """Hold ``owner``'s session ``sid`` for one turn of ``message`` (or Regenerate of its last
-        question) and give its :class:`TurnRun` (its ``sid`` is the session's).
+        question, or ``message`` as the edited question of turn ``edit_at``, which it replaces
+        with every turn after it: :meth:`~isagi.pipeline.engine.Engine.edit`) and give its
+        :class:`TurnRun` (its ``sid`` is the session's).
 
         :class:`~isagi.errors.SessionBusy` when another event holds it past ``timeout``,
         :class:`KeyError` when it is unknown (closed meanwhile), unless ``new_if_unknown``: then
@@ -436,6 +439,8 @@ class SessionService:
                 if regenerate:
                     return engine.regenerate(entry.session, options=options, stop=entry.stop)
                 assert message is not None
+                if edit_at is not None:
+                    return engine.edit(entry.session, edit_at, message, options=options, stop=entry.stop)
                 return engine.stream_turn(entry.session, message, options=options, stop=entry.stop)
 
             run = TurnRun(entry.session.id, entry, open_events)
