@@ -20,11 +20,11 @@ from isagi.app.render_safe import esc, hover_text, md_cell, render_text
 from isagi.app.views import (
     badge_label,
     chat_messages,
-    user_html,
     info_html,
     manifold_summary,
     pending_html,
     turn_markdown,
+    user_html,
 )
 from isagi.manifold.memory import TrajectoryMemory
 

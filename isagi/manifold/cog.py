@@ -78,6 +78,16 @@ class TierThresholds:
         return Tier.EXPLORE
 
 
+LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
+
+
+def learn_weight(tier: str) -> float:
+    """The weight of the metric update an exchange of ``tier`` makes when it is learned (AUGMENT,
+    a question related to one stored, moves M less): the one rule, which the turn's learn stage
+    and a rewind's replay of the memory both follow."""
+    return LIGHT_UPDATE if tier == Tier.AUGMENT.value else 1.0
+
+
 class Metric:
     """The COG metric tensor ``M`` (float64, symmetric positive definite)."""
 

@@ -67,7 +67,7 @@ from isagi.config import Settings
 from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions, PrefillStopped, within_limits
 from isagi.errors import InputError, not_saved_notice
 from isagi.ids import new_session_id
-from isagi.manifold.cog import Metric, Tier, TierThresholds
+from isagi.manifold.cog import Metric, Tier, TierThresholds, learn_weight
 from isagi.manifold.decide import Candidate, Decision, decide
 from isagi.manifold.distance_scale import SEED as SEED_SCALE
 from isagi.manifold.memory import TrajectoryMemory
@@ -93,13 +93,7 @@ __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEv
 
 log = logging.getLogger(__name__)
 
-LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
 
-
-def learn_weight(tier: str) -> float:
-    """The weight of the metric update an exchange of ``tier`` makes when it is learned (AUGMENT
-    is lighter): the one rule, which a rewind's replay of the memory follows too."""
-    return LIGHT_UPDATE if tier == Tier.AUGMENT.value else 1.0
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
 
 @dataclass

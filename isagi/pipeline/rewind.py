@@ -5,7 +5,7 @@ is cut at that message, and the session's manifold must not keep the exchanges t
 away (otherwise the old question would still be answered from memory, and M would still lean
 towards it). So the turns from position ``n`` on leave the session, the memory records they
 stored leave its memory, and the metric M is rebuilt by replaying, oldest first, the update each
-remaining record made when it was learned (:func:`~isagi.pipeline.engine.learn_weight` of its
+remaining record made when it was learned (:func:`~isagi.manifold.cog.learn_weight` of its
 tier, as the learn stage does). On a session that began at the identity and has evicted nothing,
 that replay is the metric the session had before turn ``n`` (up to float32 rounding of the
 stored coordinates); after evictions it is the metric of what the memory still holds.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from isagi.manifold.cog import Metric
+from isagi.manifold.cog import Metric, learn_weight
 from isagi.session.state import Session
 
 
@@ -28,8 +28,6 @@ def rewind(session: Session, n: int) -> int:
     """Cut ``session`` back to its first ``n`` turns, memory and metric included; returns how many
     memory records were dropped. ``session.undo`` is cleared (the turn it would restore is gone).
     Raises ``ValueError`` for a position outside ``0..len(turns)``."""
-    from isagi.pipeline.engine import learn_weight
-
     if not 0 <= n <= len(session.turns):
         raise ValueError(f"a session of {len(session.turns)} turns cannot be cut at turn {n}")
     dropped = session.turns[n:]

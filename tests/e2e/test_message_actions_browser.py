@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.conftest import live_server, open_page, table_rows
 from tests.e2e.test_reload import user_messages
-from tests.e2e.test_web_e2e import badges, send_and_wait, session_id
+from tests.e2e.test_web_e2e import send_and_wait, session_id
 
 pytestmark = pytest.mark.browser
 
