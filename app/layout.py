@@ -72,6 +72,20 @@ CHATS_CSS = """
 #isagi-chats label { width: 100%; box-sizing: border-box; margin: 0; cursor: pointer; }
 #isagi-chats label span { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
 #isagi-chats input[type=radio] { display: none; }
+#isagi-chats label.selected, #isagi-chats label:has(input:checked) {
+  font-weight: 600; border-color: var(--color-accent); background: var(--color-accent-soft); }
+.isagi-raw { display: none; }
+.isagi-actions { display: flex; gap: 6px; justify-content: flex-end; margin-top: 2px; }
+.isagi-msg-action { border: none; background: none; cursor: pointer; padding: 0 2px; font-size: 0.78em;
+  color: var(--body-text-color-subdued); }
+.isagi-msg-action:hover, .isagi-msg-action:focus-visible { color: var(--body-text-color); text-decoration: underline; }
+.isagi-copy::before { content: "Copy"; }
+.isagi-copy.isagi-copied::before { content: "Copied"; }
+.isagi-edit::before { content: "Edit"; }
+.isagi-versions { margin-left: 6px; white-space: nowrap; }
+.isagi-versions button { border: none; background: none; cursor: pointer; padding: 0 4px; font-size: 1.1em;
+  color: var(--body-text-color); }
+#isagi-editing { font-size: 0.9em; color: var(--body-text-color-subdued); padding: 2px 4px; }
 """
 
 # A message sent that waits for the model (app.handlers.waiting): greyed, saying so.
@@ -105,7 +119,7 @@ document.addEventListener('keydown', (e) => {
     const role = el.getAttribute('data-testid');
     const body = el.querySelector('.message-content') || el;
     const copy = body.cloneNode(true);
-    copy.querySelectorAll('.katex-mathml, button, svg').forEach((n) => n.remove());
+    copy.querySelectorAll('.katex-mathml, button, svg, .isagi-raw, .isagi-actions').forEach((n) => n.remove());
     const text = (copy.textContent || '').replace(/\\s+/g, ' ').trim();
     const want = (who[role] || 'Message') + ': ' + text;
     if (el.getAttribute('aria-label') !== want) el.setAttribute('aria-label', want);
@@ -116,6 +130,112 @@ document.addEventListener('keydown', (e) => {
   const later = () => { if (!queued) { queued = true; requestAnimationFrame(() => { queued = false; fix(); }); } };
   const start = () => new MutationObserver(later).observe(document.body,
     { subtree: true, childList: true, characterData: true, attributes: true, attributeFilter: ['aria-label'] });
+  if (document.body) start(); else document.addEventListener('DOMContentLoaded', start);
+})();
+</script>"""
+
+# Each message's actions, as chat pages people know have them: Copy on every message (a reply:
+# its text as shown; a question: exactly as sent), and Edit on the user's own (the message goes
+# back into the box, a line says what Send will do, Esc cancels; Send then resends it through the
+# hidden #isagi-edit-send event, which cuts the chat at that turn). The buttons' words are CSS
+# content, so they are not part of a message's text; the page redraws them whenever Gradio
+# redraws the chat.
+MESSAGE_ACTIONS = r"""<script>
+(() => {
+  let editing = null;
+  const q = (sel) => document.querySelector(sel);
+  const field = (id) => q(id + ' textarea') || q(id + ' input');
+  const put = (el, value) => { if (!el) return; el.value = value; el.dispatchEvent(new Event('input', { bubbles: true })); };
+  const line = () => {
+    let d = q('#isagi-editing');
+    if (!d) {
+      const input = q('#isagi-input');
+      const row = input && (input.closest('.row') || input.parentElement);  // the box and Send's row: the line goes above it
+      if (!row || !row.parentElement) return null;
+      d = document.createElement('div');
+      d.id = 'isagi-editing';
+      d.setAttribute('role', 'status');
+      row.parentElement.insertBefore(d, row);
+    }
+    return d;
+  };
+  const cancel = () => {
+    editing = null;
+    put(field('#isagi-edit-turn'), '');
+    const d = q('#isagi-editing');
+    if (d) d.remove();
+  };
+  const edit = (frame) => {
+    const turn = [...frame.classList].map((c) => c.match(/^isagi-turn-(\d+)$/)).find((m) => m);
+    const raw = frame.querySelector('.isagi-raw');
+    if (!turn || !raw) return;
+    editing = turn[1];
+    put(field('#isagi-edit-turn'), editing);
+    const box = field('#isagi-input');
+    put(box, raw.textContent);
+    const d = line();
+    if (d) d.textContent = 'Editing your message ' + (Number(editing) + 1)
+      + ': Send replaces it and every message after it. Esc cancels.';
+    if (box) { box.focus(); box.setSelectionRange(box.value.length, box.value.length); }
+  };
+  const resend = () => { const b = q('#isagi-edit-send'); if (b) b.click(); setTimeout(cancel, 0); };
+  const copy = (text, button) => {
+    const done = () => { button.classList.add('isagi-copied'); setTimeout(() => button.classList.remove('isagi-copied'), 1500); };
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(done, () => {});
+    } else {
+      const t = document.createElement('textarea');
+      t.value = text; document.body.appendChild(t); t.select();
+      try { document.execCommand('copy'); done(); } finally { t.remove(); }
+    }
+  };
+  const button = (cls, label, act) => {
+    const b = document.createElement('button');
+    b.type = 'button'; b.className = 'isagi-msg-action ' + cls;
+    b.setAttribute('aria-label', label); b.title = label;
+    b.addEventListener('click', (e) => { e.preventDefault(); e.stopPropagation(); act(b); });
+    return b;
+  };
+  const decorate = () => {
+    document.querySelectorAll('#isagi-chat [data-testid=user] .message-content, '
+      + '#isagi-chat [data-testid=bot] .message-content').forEach((body) => {
+      if (body.querySelector(':scope > .isagi-actions') || body.querySelector('.isagi-info')) return;
+      const frame = body.querySelector('.isagi-user');
+      const text = () => frame ? frame.querySelector('.isagi-raw').textContent : body.innerText.trim();
+      if (!frame && !body.innerText.trim()) return;
+      const bar = document.createElement('div');
+      bar.className = 'isagi-actions';
+      bar.appendChild(button('isagi-copy', frame ? 'Copy your message' : 'Copy the reply', (b) => copy(text(), b)));
+      if (frame && [...frame.classList].some((c) => c.startsWith('isagi-turn-'))) {
+        bar.appendChild(button('isagi-edit', 'Edit and resend your message', () => edit(frame)));
+      }
+      body.appendChild(bar);
+    });
+  };
+  // Enter and Send resend an edited message; Esc cancels the edit (before Esc's Stop sees it)
+  document.addEventListener('keydown', (e) => {
+    if (editing === null) return;
+    if (e.key === 'Escape') { e.preventDefault(); cancel(); return; }
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing && e.target === field('#isagi-input')) {
+      e.preventDefault(); e.stopPropagation(); resend();
+    }
+  }, true);
+  document.addEventListener('click', (e) => {
+    if (editing !== null && e.target.closest && e.target.closest('#isagi-send')) {
+      e.preventDefault(); e.stopPropagation(); resend();
+    }
+  }, true);
+  // ‹ and › under the last reply: the hidden events that switch its version
+  document.addEventListener('click', (e) => {
+    const arrow = e.target.closest && e.target.closest('#isagi-chat .isagi-version-prev, #isagi-chat .isagi-version-next');
+    if (!arrow) return;
+    e.preventDefault();
+    const b = q(arrow.classList.contains('isagi-version-prev') ? '#isagi-version-prev' : '#isagi-version-next');
+    if (b) b.click();
+  });
+  let queued = false;
+  const later = () => { if (!queued) { queued = true; requestAnimationFrame(() => { queued = false; decorate(); }); } };
+  const start = () => new MutationObserver(later).observe(document.body, { subtree: true, childList: true });
   if (document.body) start(); else document.addEventListener('DOMContentLoaded', start);
 })();
 </script>"""
@@ -153,7 +273,7 @@ SERVER_GONE = """<script>
 })();
 </script>""".replace("TEXT", json.dumps(SERVER_GONE_TEXT))
 
-HEAD = ESC_AND_LABELS + SERVER_GONE
+HEAD = ESC_AND_LABELS + MESSAGE_ACTIONS + SERVER_GONE
 
 
 def _low_end(usual: int, cap: int) -> int:
@@ -280,6 +400,12 @@ def build_blocks(ui: WebUI) -> Any:
                         send = gr.Button("Send", variant="primary", scale=1, elem_id="isagi-send",
                                          interactive=False)
                         send_api = gr.Button("Send (API)", visible=False)  # /send's event: API clients only
+                    # Edit's state: the turn being edited, and the event that resends it (the page's
+                    # script fills the one and clicks the other: MESSAGE_ACTIONS)
+                    edit_turn = gr.Textbox(visible="hidden", elem_id="isagi-edit-turn", label="Turn being edited")
+                    edit_send = gr.Button("Resend edited", visible="hidden", elem_id="isagi-edit-send")
+                    version_prev = gr.Button("Previous version", visible="hidden", elem_id="isagi-version-prev")
+                    version_next = gr.Button("Next version", visible="hidden", elem_id="isagi-version-next")
                     with gr.Row():
                         stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
                         regen = gr.Button("Regenerate", elem_id="isagi-regen")
@@ -359,6 +485,7 @@ def build_blocks(ui: WebUI) -> Any:
             "download": download, "files_note": files_note, "tabs": tabs,
             "ex_steps": ex_steps, "ex_plot": ex_plot, "mcb": mcb_md,
             "chats": chats, "chat_title": chat_title, "chat_confirm": chat_confirm, "chat_cancel": chat_cancel,
+            "edit_turn": edit_turn,
         }
 
         def out(names: tuple[str, ...]) -> list[Any]:
@@ -412,8 +539,16 @@ def build_blocks(ui: WebUI) -> Any:
                                [state, *gen_in], out(u.TURN), show_progress="minimal",
                                api_name="regenerate", **model_q)
         relist(ev_regen)
+        ev_edit = edit_send.click(R(chat_h.edit_send, ["message", "edit_turn", "sid", "max_tokens", "sample",
+                                                      "temperature", "colour_by"], u.EDIT_TURN),
+                                  [msg, edit_turn, state, *gen_in], out(u.EDIT_TURN), show_progress="minimal",
+                                  api_name=NO_API, **model_q)
+        relist(ev_edit)
+        for button, step in ((version_prev, -1), (version_next, 1)):
+            button.click(R(chat_h.version, ["sid", "colour_by"], u.VERSION, step), [state, colour_by], out(u.VERSION),
+                         api_name=NO_API, show_progress="hidden", **light_q)
         stop.click(R(waiting_h.stop, ["sid", "box_text", "colour_by"], u.STOP), [state, msg, colour_by], out(u.STOP),
-                   cancels=[ev_send, ev_api_send, ev_regen], show_progress="hidden", api_name="stop",
+                   cancels=[ev_send, ev_api_send, ev_regen, ev_edit], show_progress="hidden", api_name="stop",
                    queue=False)
         new_fn = R(chat_h.new_chat, ["sid", "colour_by"], u.NEW_CHAT)
         relist(new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q))

@@ -28,7 +28,8 @@ class PageUpdate:
     ``download``, ``files_note``, ``tabs`` (which tab is shown). The browser's storage:
     ``stored``. Explorer: ``ex_steps``, ``ex_plot``, ``mcb``. The chat list (sidebar):
     ``chats`` (the list, its value the open chat), ``chat_title`` (the open chat's title, where
-    it is renamed), ``chat_confirm`` and ``chat_cancel`` (Delete's two buttons).
+    it is renamed), ``chat_confirm`` and ``chat_cancel`` (Delete's two buttons). ``edit_turn``:
+    the position of the turn whose message the page's Edit is changing ('' when none).
     """
 
     state: Any = KEEP
@@ -60,6 +61,7 @@ class PageUpdate:
     chat_title: Any = KEEP
     chat_confirm: Any = KEEP
     chat_cancel: Any = KEEP
+    edit_turn: Any = KEEP
 
     def but(self, **changes: Any) -> PageUpdate:
         """This update with ``changes`` too (e.g. a view with the session id and a note)."""
@@ -96,8 +98,10 @@ LOAD = ("state", "status", *VIEW, "timer", "alert")  # the timer runs only while
 TICK = LOAD
 SYNC = ("seen", "alert", *VIEW, "status")
 TURN = ("state", "chat", "textbox", "alert", *VIEW[1:], "status", "seen")  # Send, Enter, Regenerate
+EDIT_TURN = (*TURN, "edit_turn")  # an edited message resent
 STOP = ("chat", "alert", *VIEW[1:], "textbox")  # the box takes back what still waited (app.handlers.waiting)
 QUEUE = ("textbox", "chat", "alert")  # Send and Enter, at once: the message shown waiting
+VERSION = ("chat", "alert", *VIEW[1:])  # ‹ and › under the last reply
 NEW_CHAT = ("state", "alert", *VIEW)
 RECOLOUR = ("map",)
 STORED = ("stored",)

@@ -7,6 +7,7 @@ Every text from outside is rendered by :func:`app.render_safe.render_text`.
 
 from __future__ import annotations
 
+import html
 from typing import TYPE_CHECKING, Any
 
 from isagi.app.help_text import BADGE_HELP, FIGURE_HELP, plain_name
@@ -125,34 +126,76 @@ def pending_html(tier: str | None, distance: float | None) -> str:
     return f'<div class="isagi-info">{_badge(label)}{d} generating…</div>'
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+def user_html(text: Any, turn: int | None = None) -> str:
+    """A user message as the chat shows it: its text rendered (:func:`~app.render_safe.render_text`),
+    inside a frame that carries, for the page's Edit and Copy, the turn's position (a class,
+    ``isagi-turn-N``) and the exact text as sent (escaped text in a span the page's CSS hides).
+    Classes and text, because the Chatbot's sanitiser drops ``data-`` attributes."""
+    raw = "" if text is None else str(text)
+    at = f" isagi-turn-{int(turn)}" if turn is not None else ""
+    return (f'<div class="isagi-user{at}"><span class="isagi-raw">{html.escape(raw, quote=False)}</span>'
+            f"{render_text(raw)}</div>")
+
+
+def versions_html(current: int, count: int, *, last: bool) -> str:
+    """A reply's versions as the chat shows them: "‹ 2/3 ›" under the last reply (the arrows switch:
+    the page's script clicks the hidden events), "version 2 of 3" under an earlier one (a later
+    turn was answered from the version shown, so it stays)."""
+    if not last:
+        return f'<span class="isagi-versions">version {current + 1} of {count}</span>'
+    prev = ('<button type="button" class="isagi-version-prev" aria-label="Previous version">‹</button>'
+            if current > 0 else "")
+    nxt = ('<button type="button" class="isagi-version-next" aria-label="Next version">›</button>'
+           if current < count - 1 else "")
+    return f'<span class="isagi-versions">{prev}<span>{current + 1}/{count}</span>{nxt}</span>'
+
+
+def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None,
+                  versions: dict[int, tuple[int, int]] | None = None,
+                  last_turn: int | None = None) -> list[dict[str, str]]:
     """Session log → Chatbot messages (each reply followed by its info line).
 
     Message texts are rendered by :func:`app.render_safe.render_text` (HTML made
     on the server: raw HTML shows as text and images as links, so nothing in a
     message makes the browser fetch a URL); the info line is the app's own
-    escaped HTML.
+    escaped HTML. ``first_turn``: the position of the first message's turn in its session
+    (the user messages then carry theirs, for Edit: :func:`user_html`); ``versions``: (current,
+    count) of the turns with several replies, by position, shown in their info lines
+    (:func:`versions_html`; the arrows only under ``last_turn``).
     """
     out: list[dict[str, str]] = []
+    turn = first_turn
     for m in messages:
         if m.get("role") == "user":
-            out.append({"role": "user", "content": render_text(m.get("text", ""))})
+            out.append({"role": "user", "content": user_html(m.get("text", ""), turn)})
         elif m.get("role") == "assistant":
             out.append({"role": "assistant", "content": render_text(m.get("text", "")) or EMPTY_REPLY})
-            out.append({"role": "assistant", "content": info_html(m)})
+            info = info_html(m)
+            if versions and turn is not None and turn in versions:
+                current, count = versions[turn]
+                info = info[: -len("</div>")] + " " + versions_html(current, count, last=turn == last_turn) + "</div>"
+            out.append({"role": "assistant", "content": info})
+            turn = None if turn is None else turn + 1
     return out
 
 
-def chat_window(session: Any, *, drop_last: bool = False) -> list[dict[str, str]]:
+def chat_window(session: Any, *, drop_last: bool = False, upto: int | None = None) -> list[dict[str, str]]:
     """The Chatbot messages of ``session``'s newest :data:`CHAT_WINDOW_TURNS` turns
-    (without its last turn with ``drop_last``: the one a Regenerate replaces).
+    (without its last turn with ``drop_last``: the one a Regenerate replaces; only the first
+    ``upto`` turns with ``upto``: those an edited message keeps).
 
     A turn's page update renders and sends this much and no more, however long the
     session: earlier turns stay in the session, its memory, its exports and the
     history store, and a first line says how many are not shown.
     """
     turns = session.turns[:-1] if drop_last else session.turns
-    shown = chat_messages(turns_to_messages(turns[-CHAT_WINDOW_TURNS:]))
+    if upto is not None:
+        turns = turns[:upto]
+    first = max(0, len(turns) - CHAT_WINDOW_TURNS)
+    versions = {i: (v.current, len(v.replies)) for i, v in session.versions.items()
+                if i < len(turns)}
+    shown = chat_messages(turns_to_messages(turns[first:]), first_turn=first, versions=versions,
+                          last_turn=len(session.turns) - 1 if upto is None and not drop_last else None)
     hidden = len(turns) - CHAT_WINDOW_TURNS
     if hidden <= 0:
         return shown

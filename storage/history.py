@@ -431,19 +431,26 @@ class HistoryStore:
 
     def record_exchange(
         self, session_id: str, record: TurnRecord, *, owner: str, model_id: str, title: str | None = None,
-        replace_last: bool = False,
+        replace_last: bool = False, replace_from: int | None = None,
     ) -> tuple[int, bool]:
         """A turn as the agent keeps it, in ONE transaction: :meth:`ensure_session`, then
-        :meth:`record_turn` (or :meth:`replace_last_turn` with ``replace_last``).
+        :meth:`record_turn` (or :meth:`replace_last_turn` with ``replace_last``). ``replace_from``:
+        the exchanges from that position on (0 the first) are deleted first, and the turn takes
+        that position (an edited message resent: it and every exchange after it are replaced).
 
         Returns (the exchange's number within the session from 1, whether the session was
         created by this call).
         """
         owner = check_owner(owner)
+        if replace_from is not None and replace_from < 0:
+            raise StorageError(f"replace_from must be 0 or more, got {replace_from}.")
 
         def write(db: OrmSession, created: bool) -> tuple[int, bool]:
             if replace_last and not created:
                 self._drop_last_exchange(db, session_id)
+            if replace_from is not None and not created:
+                db.execute(delete(TurnModel).where(TurnModel.session_id == session_id,
+                                                   TurnModel.seq >= 2 * replace_from))
             return self._add_turn(db, session_id, record, owner), created
 
         return self._write_session("record a turn", session_id, owner=owner, model_id=model_id, title=title,

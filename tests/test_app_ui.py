@@ -134,11 +134,20 @@ def test_stop_button_ends_generation_and_shows_it(tmp_path):
     ui, engine = make_ui(tmp_path)
     sid = ui.page.registry.create()
     outs: list = []
-    t = threading.Thread(target=lambda: outs.extend(run(ui.chat.send("go on and on", sid, 100000))))
+    streaming = threading.Event()  # a few display updates of the reply have arrived: Stop after them
+
+    def send() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for o in ui.chat.send("go on and on", sid, 100000):
+                outs.append(o)
+                if len(outs) >= 3:
+                    streaming.set()
+
+    t = threading.Thread(target=send)
     t.start()
     entry = ui.page.registry.entry(sid)
-    while not engine.model_turns.locked():
-        pass
+    assert streaming.wait(60)
     stopped = ui.chat.stop(sid)
     t.join(30)
     assert not t.is_alive()

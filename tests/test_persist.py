@@ -112,9 +112,11 @@ def _keeper(store: HistoryStore) -> TurnKeeper:
 
 
 def _turn(session: Session, keep: TurnKeeper, i: int, *, replaces_last: bool = False) -> str | None:
+    """A turn joins ``session`` and is kept; ``replaces_last``: in the place of the last one, which the
+    caller took out of the session first (Regenerate)."""
     t = Turn(user_text=f"q{i} " + "x" * 2000, reply_text=f"a{i} " + "y" * 2000)
     session.turns.append(t)
-    return keep(session, t, replaces_last=replaces_last)
+    return keep(session, t, replaces_from=len(session.turns) - 1 if replaces_last else None)
 
 
 def test_the_file_is_written_before_the_history(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from isagi.app.views import (
     manifold_summary,
     pending_html,
     turn_markdown,
+    user_html,
 )
 from isagi.manifold.memory import TrajectoryMemory
 
@@ -145,10 +146,39 @@ def test_render_text_leaves_no_image_and_no_tag_of_the_text(text: str) -> None:
 
 @pytest.mark.parametrize("text", HOSTILE)
 def test_chat_messages_show_html_as_text_and_images_as_links(text: str) -> None:
-    msgs = chat_messages([{"role": "user", "text": text}, _hostile_message(text)])
+    msgs = chat_messages([{"role": "user", "text": text}, _hostile_message(text)], first_turn=3)
     assert [m["role"] for m in msgs] == ["user", "assistant", "assistant"]
-    assert msgs[0]["content"] == render_text(text) and msgs[1]["content"] == render_text(text)
+    assert msgs[0]["content"] == user_html(text, 3) and msgs[1]["content"] == render_text(text)
     _no_markup(msgs[2]["content"], {"div", "span"})
+    # the user message's frame: the turn's class, the exact text as a text node, then the rendered text
+    assert _frame(msgs[0]["content"]) == (["isagi-user", "isagi-turn-3"], text)
+    assert msgs[0]["content"].endswith(render_text(text) + "</div>")
+
+
+def _frame(html_text: str) -> tuple[list[str], str]:
+    """The classes of a user message's frame, and the text of its hidden raw copy, as a browser parses them."""
+    from html.parser import HTMLParser
+
+    found: dict[str, Any] = {"classes": [], "raw": None}
+
+    class P(HTMLParser):
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            cls = dict(attrs).get("class") or ""
+            if tag == "div" and not found["classes"]:
+                found["classes"] = cls.split()
+            if cls == "isagi-raw":
+                found["raw"] = ""
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag == "span" and found["raw"] is not None and "done" not in found:
+                found["done"] = True
+
+        def handle_data(self, data: str) -> None:
+            if found["raw"] is not None and "done" not in found:
+                found["raw"] += data
+
+    P(convert_charrefs=True).feed(html_text)
+    return found["classes"], found["raw"]
 
 
 def test_images_become_links_with_their_text_kept() -> None:

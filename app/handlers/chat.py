@@ -41,6 +41,7 @@ from isagi.app.views import (
     pending_html,
     reply_fields,
     turn_markdown,
+    user_html,
     verdict_alert,
 )
 from isagi.errors import SessionBusy, SessionLimit
@@ -150,6 +151,58 @@ class ChatHandlers:
         yield from self._turn(sid, checked, options, colour_by, owner=owner, clear_box=True,
                               new_if_unknown=True, client=client, page=_page_of(request))
 
+    def edit_send(
+        self, message: str, edit_turn: str | None, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
+    ) -> Iterator[PageUpdate]:
+        """Resend an edited message (outputs :data:`~app.updates.EDIT_TURN`): ``edit_turn`` is the
+        position of the turn whose question was edited (the page's Edit sets it). The chat is cut
+        there and the edited question runs in its place: the session's memory and metric forget
+        the cut exchanges, and the file and the history hold the conversation as it now is
+        (:meth:`isagi.pipeline.engine.Engine.edit`). The page's editing state is cleared at once."""
+        from isagi.errors import IsagiError
+
+        p = self.page
+        owner, _ = p.who(request)
+        done = PageUpdate(edit_turn="")
+        if owner is None:
+            yield done.but(state=sid, alert=p.warn(NOT_LOGGED_IN))
+            return
+        try:
+            at = int(str(edit_turn or "").strip())
+        except ValueError:
+            yield done.but(state=sid, alert=p.warn("Nothing is being edited: use Edit on one of your messages first."))
+            return
+        try:
+            checked = p.engine.check(message)
+        except (EngineLoading, IsagiError) as exc:
+            yield done.but(state=sid, alert=p.warn(str(exc)))
+            return
+        if not p.sessions.holds(sid, owner):
+            yield done.but(state=sid, alert=p.warn("This chat was closed; reload the page and edit again."))
+            return
+        yield done
+        yield from self._turn(sid, checked, self._options(max_tokens, sample, temperature), colour_by,
+                              owner=owner, clear_box=True, edit_at=at, page=_page_of(request))
+
+    def version(self, sid: str | None, colour_by: str = "tier", step: int = -1, request: Any = None) -> PageUpdate:
+        """Show the last reply's previous (``step`` -1) or next (+1) version (outputs
+        :data:`~app.updates.VERSION`): the chat continues from the version shown, and the file and
+        the history hold it (no model work)."""
+        from isagi.errors import IsagiError
+
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None:
+            return PageUpdate(alert=p.warn(NOT_LOGGED_IN))
+        try:
+            session, notice = p.sessions.switch_version(sid, owner, 1 if step > 0 else -1)
+        except (KeyError, EngineLoading):
+            return PageUpdate(alert=p.warn("This chat was closed; reload the page."))
+        except IsagiError as exc:  # no such version, or busy with a reply
+            return PageUpdate(alert=p.warn(str(exc)))
+        return p.view_of(session, colour_by).but(alert=p.warn(notice) if notice else "")
+
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
         temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
@@ -181,7 +234,8 @@ class ChatHandlers:
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,
         regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
-        new_if_unknown: bool = False, client: str | None = None, page: str = "",
+        new_if_unknown: bool = False, client: str | None = None, edit_at: int | None = None,
+        page: str = "",
     ) -> Iterator[PageUpdate]:
         """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
@@ -197,7 +251,7 @@ class ChatHandlers:
                 run = held.enter_context(p.sessions.turn(sid, owner, message, options, regenerate=regenerate,
                                                          if_left="keep", timeout=STOP_WAIT_S,
                                                          new_if_unknown=new_if_unknown, client=client,
-                                                         page=page))
+                                                         edit_at=edit_at, page=page))
             except (SessionBusy, SessionLimit) as exc:
                 yield PageUpdate(state=sid, alert=p.warn(str(exc)))
                 return
@@ -206,7 +260,8 @@ class ChatHandlers:
                 return
             sid = run.sid
             session = run.session
-            failure = yield from self._stream(sid, run, message, regenerate=regenerate, clear_box=clear_box)
+            failure = yield from self._stream(sid, run, message, regenerate=regenerate, clear_box=clear_box,
+                                              edit_at=edit_at)
             if failure is not None:  # the engine has put the session back as it was
                 yield PageUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
                                  seen=p.seen(sid, session))
@@ -219,6 +274,7 @@ class ChatHandlers:
 
     def _stream(
         self, sid: str, run: TurnRun, message: Any, *, regenerate: bool, clear_box: bool,
+        edit_at: int | None = None,
     ) -> Generator[PageUpdate, None, _Failure | None]:
         """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
 
@@ -233,10 +289,14 @@ class ChatHandlers:
         if regenerate:  # the chat without the turn being replaced, then its question again
             history = chat_window(session, drop_last=True)
             text = session.turns[-1].user_text if session.turns else ""
+            at = len(session.turns) - 1
+        elif edit_at is not None:  # the chat cut before the edited question, then the question as edited
+            history = chat_window(session, upto=edit_at)
+            text, at = message.text, edit_at
         else:
             history = chat_window(session)
-            text = message.text
-        user = {"role": "user", "content": render_text(text)}
+            text, at = message.text, len(session.turns)
+        user = {"role": "user", "content": user_html(text, at)}
         reply, info = "", pending_html(None, None)
         yield PageUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
                          textbox="" if clear_box else KEEP)

@@ -78,6 +78,16 @@ class TierThresholds:
         return Tier.EXPLORE
 
 
+LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
+
+
+def learn_weight(tier: str) -> float:
+    """The weight of the metric update an exchange of ``tier`` makes when it is learned (AUGMENT,
+    a question related to one stored, moves M less): the one rule, which the turn's learn stage
+    and a rewind's replay of the memory both follow."""
+    return LIGHT_UPDATE if tier == Tier.AUGMENT.value else 1.0
+
+
 class Metric:
     """The COG metric tensor ``M`` (float64, symmetric positive definite)."""
 
@@ -150,6 +160,11 @@ class Metric:
         """``1 − λ_min/λ_max`` ∈ [0, 1): 0 = isotropic (plain cosine), → 1 = saturated."""
         ev = self._eigvals()
         return float(1.0 - ev[0] / ev[-1])
+
+    @property
+    def window(self) -> int:
+        """How many recent updates :attr:`growth_rate` averages over."""
+        return self._window.maxlen or 0
 
     @property
     def growth_rate(self) -> float:

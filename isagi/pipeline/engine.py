@@ -57,7 +57,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
@@ -67,7 +67,7 @@ from isagi.config import Settings
 from isagi.engines.base import REUSE_ANY, Decoding, GenerationOptions, PrefillStopped, within_limits
 from isagi.errors import InputError, not_saved_notice
 from isagi.ids import new_session_id
-from isagi.manifold.cog import Metric, Tier, TierThresholds
+from isagi.manifold.cog import Metric, Tier, TierThresholds, learn_weight
 from isagi.manifold.decide import Candidate, Decision, decide
 from isagi.manifold.distance_scale import SEED as SEED_SCALE
 from isagi.manifold.memory import TrajectoryMemory
@@ -81,6 +81,7 @@ from isagi.session.files import SessionFrame
 from isagi.session.folder import SessionFiles
 from isagi.session.state import PROMPT_STATE_CACHE, Session
 from isagi.session.turn import Message, Turn
+from isagi.session.versions import ReplyVersions
 
 if TYPE_CHECKING:
     from isagi.engines.base import ModelEngine
@@ -93,7 +94,7 @@ __all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEv
 
 log = logging.getLogger(__name__)
 
-LIGHT_UPDATE = 0.25  # AUGMENT's metric update weight, relative to a full update
+
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
 
 @dataclass
@@ -277,17 +278,90 @@ class Engine:
         undo = session.undo
         assert undo is not None
         last = session.turns[-1]
+        at = len(session.turns) - 1
+        kept = session.versions.get(at) or ReplyVersions([last], 0)  # the replies this turn has had
         now = session.checkpoint()  # with the turn being replaced: put back if the new one fails
         session.rollback(undo)
         recorded = False  # once the new turn is recorded (its "done" event), nothing takes it back
+
+        def keep_versions(turn: Turn) -> None:  # before it is persisted: the file holds them too
+            session.versions[at] = kept.with_new(turn)
+
         try:
-            for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
-                                          replaces_last=True, fresh=True):
+            for event in self._run(session, last.user_text, options, stop, record=True, replaces_last=True,
+                                   fresh=True, before_record=keep_versions):
                 recorded = recorded or isinstance(event, Done)
                 yield event
         except BaseException:
             if not recorded:
                 session.rollback(now)
+                session.undo = undo
+            raise
+
+    def switch_version(self, session: Session, to: int) -> str | None:
+        """Make version ``to`` (0 the oldest) of the last turn's replies the current one: the chat
+        continues from it, the file and the history hold it, and memory answers with it (its text
+        replaces the stored reply of the turn's record; the map keeps the newest reply's place).
+        No model work. Returns the keeper's notice (None: all kept). An :class:`InputError` when
+        the last turn has no such version."""
+        at = len(session.turns) - 1
+        versions = session.versions.get(at)
+        if versions is None or not isinstance(to, int) or not 0 <= to < len(versions.replies):
+            raise InputError("This reply has no other version: Regenerate makes one.")
+        if to == versions.current:
+            return None
+        current, chosen = session.turns[at], versions.replies[to]
+        rid = current.memory_id
+        if rid is not None and rid in session.memory and chosen.accepted:
+            session.memory.replace_reply(rid, session.memory.get(rid)["reply_x"], chosen.reply_text)
+            chosen.memory_id = rid
+        session.turns[at] = chosen
+        versions.current = to
+        session.version += 1
+        if self.keep is None:
+            return None
+        try:
+            return self.keep(session, chosen, replaces_from=at)
+        except Exception as exc:  # as _record: the switch stands, the next save retries
+            log.exception("could not persist a version switch of session %s", session.id)
+            return not_saved_notice(f"an unexpected error, {type(exc).__name__}")
+
+    def edit(
+        self,
+        session: Session,
+        index: int,
+        message: str | Message,
+        *,
+        options: GenerationOptions | None = None,
+        stop: threading.Event | None = None,
+    ) -> Generator[TurnEvent, None, None]:
+        """Resend an edited question in place of turn ``index``: the conversation is cut there
+        (:func:`isagi.pipeline.rewind.rewind`: those turns, the memory records they stored and their
+        metric updates go), the edited question runs as a new turn, and it replaces the cut
+        exchanges in the file and the history store. If it fails (or its events are closed) before
+        it is recorded, the session is put back as it was, cut turns included. An
+        :class:`InputError` at the call for a position the session does not have or an invalid message.
+        """
+        if not isinstance(index, int) or not 0 <= index < len(session.turns):
+            raise InputError("That message is no longer in this chat: reload the page and edit it again.")
+        text = self.check(message).text
+        return self._edit(session, index, text, options, stop)
+
+    def _edit(
+        self, session: Session, index: int, text: str, options: GenerationOptions | None, stop: threading.Event | None
+    ) -> Generator[TurnEvent, None, None]:
+        from isagi.pipeline.rewind import rewind
+
+        before, undo = session.checkpoint(), session.undo
+        rewind(session, index)
+        recorded = False
+        try:
+            for event in self._run(session, text, options, stop, record=True, replaces_last=True):
+                recorded = recorded or isinstance(event, Done)
+                yield event
+        except BaseException:
+            if not recorded:
+                session.rollback(before)
                 session.undo = undo
             raise
 
@@ -301,6 +375,7 @@ class Engine:
         record: bool,
         replaces_last: bool,
         fresh: bool = False,
+        before_record: Callable[[Turn], None] | None = None,
     ) -> Generator[TurnEvent, None, None]:
         started, asked_at = time.perf_counter(), time.time()
         # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
@@ -316,7 +391,9 @@ class Engine:
         except BaseException:  # a bug, a lost model, Ctrl-C, or the events closed: as before the turn
             session.rollback(before)
             raise
-        notice = self._record(session, turn, persist=record, replaces_last=replaces_last)
+        if before_record is not None:
+            before_record(turn)
+        notice = self._record(session, turn, persist=record, replaces=replaces_last)
         session.undo = before
         yield Done(turn, notice)
 
@@ -376,7 +453,7 @@ class Engine:
             session.memory.replace_reply(replacing.id, reply_x, out.reply)
             turn.cluster = int(replacing.record["cluster"])
         elif out.verdict == "ok":
-            turn.cluster = self._learn(session, p, out.reply, out.reply_states, d)
+            turn.cluster, turn.memory_id = self._learn(session, p, out.reply, out.reply_states, d)
         return turn
 
     # -- stages -----------------------------------------------------------------
@@ -449,11 +526,12 @@ class Engine:
 
     def _learn(
         self, session: Session, p: Prepared, reply: str, reply_states: np.ndarray, d: Decision
-    ) -> int:
-        """Metric update and memory store for a generated, accepted reply; returns its cluster."""
+    ) -> tuple[int, int]:
+        """Metric update and memory store for a generated, accepted reply; returns its cluster and
+        its memory record's id."""
         return _learn(session, p.text, reply, p.x, reply_states, d, p.context_key)
 
-    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces_last: bool) -> str | None:
+    def _record(self, session: Session, turn: Turn, *, persist: bool, replaces: bool) -> str | None:
         """The turn joins the session; the engine's ``keep`` persists it (autosave + history).
 
         Returns ``keep``'s notice (something had to wait, e.g. on a full disk), else None.
@@ -463,7 +541,8 @@ class Engine:
         session.add_turn(turn)
         if persist and self.keep is not None:
             try:
-                return self.keep(session, turn, replaces_last=replaces_last)
+                # the turn takes the place of what it replaces (Regenerate, an edit): from its position on
+                return self.keep(session, turn, replaces_from=len(session.turns) - 1 if replaces else None)
             except Exception as exc:  # a bug in persisting: the turn stands, the next save retries
                 log.exception("could not persist a turn of session %s", session.id)
                 return not_saved_notice(f"an unexpected error, {type(exc).__name__}")
@@ -508,29 +587,29 @@ class Engine:
         x = self._coords(self.prompts.build(session, text, None, with_history=False), session.basis)
         context_key = session.last_user_key()
         d = self._decide(session, text, x, context_key)
-        cluster = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
+        cluster, memory_id = _learn(session, text, reply, x, np.zeros((0, x.shape[0])), d, context_key)
         now = time.time()
         session.add_turn(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
-                              cluster=cluster, asked_at=now, answered_at=now))
+                              cluster=cluster, memory_id=memory_id, asked_at=now, answered_at=now))
 
 
 def _learn(
     session: Session, text: str, reply: str, x: np.ndarray, reply_states: np.ndarray, d: Decision, context_key: str
-) -> int:
-    """The learn stage: metric update (lighter for AUGMENT) and the exchange into memory."""
-    weight = LIGHT_UPDATE if d.tier is Tier.AUGMENT else 1.0
-    session.metric.update(x, weight=weight)
+) -> tuple[int, int]:
+    """The learn stage: metric update (lighter for AUGMENT) and the exchange into memory; returns
+    its cluster and its memory record's id."""
+    session.metric.update(x, weight=learn_weight(d.tier.value))
     if d.tier is Tier.EXPLORE or d.record is None:
         cluster = session.memory.next_cluster_id()
     else:
         cluster = int(d.record["cluster"])
     reply_x = project(session.basis, reply_states.mean(axis=0)) if len(reply_states) else np.zeros_like(x)
-    session.memory.add(
+    memory_id = session.memory.add(
         x, reply_x, text, reply, d.tier.value, cluster,
         context_key=context_key if d.context_dependent else "",
         content_key=content_key(text),
     )
-    return cluster
+    return cluster, memory_id
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:

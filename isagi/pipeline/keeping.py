@@ -62,8 +62,10 @@ class Keeper(Protocol):
     each recorded turn) and the files and history store (which it writes). :class:`TurnKeeper`
     is the one implementation; the engine and the session registry know only this."""
 
-    def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> str | None:
-        """Persist ``turn``, just recorded in ``session``; a notice for the user when part waits."""
+    def __call__(self, session: Session, turn: Turn, *, replaces_from: int | None = None) -> str | None:
+        """Persist ``turn``, just recorded in ``session``; a notice for the user when part waits.
+        ``replaces_from``: the turn's position, when it replaces every exchange kept from there on
+        (Regenerate: the last one; an edited message: it and all after it); None: appended."""
 
     def adopted(self, session: Session) -> str | None:
         """Persist a session just opened from a file under a new id, every turn of it."""
@@ -86,7 +88,8 @@ class _Backlog:
     """One session's exchanges the history store does not hold yet, oldest first."""
 
     session: Session
-    ops: list[tuple[Turn, bool]] = field(default_factory=list)  # (turn, replaces the last exchange)
+    # (turn, the position from which it replaces the kept exchanges, or None: appended)
+    ops: list[tuple[Turn, int | None]] = field(default_factory=list)
     counted: bool = False  # the store's own count was read, and what it lacked before is in ops
     filed: bool = True  # the session's file holds every turn in ops (the history may follow)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -115,7 +118,7 @@ class TurnKeeper:
         self._unsaved: dict[tuple[str, str], Session] = {}
         self._guard = threading.Lock()  # protects the dicts, never held during I/O
 
-    def __call__(self, session: Session, turn: Turn, *, replaces_last: bool = False) -> str | None:
+    def __call__(self, session: Session, turn: Turn, *, replaces_from: int | None = None) -> str | None:
         backlog = None
         while self.store is not None:
             backlog = self._backlog(session)
@@ -123,7 +126,7 @@ class TurnKeeper:
                 with self._guard:
                     current = self._backlogs.get((session.owner, session.id)) is backlog
                 if current:  # not settled away meanwhile (by a retry on another thread)
-                    backlog.ops.append((turn, replaces_last))
+                    backlog.ops.append((turn, replaces_from))
                     break
         return self._autosave(session, backlog)
 
@@ -243,20 +246,20 @@ class TurnKeeper:
                     # (a loaded file's earlier turns under a fresh id), so the whole
                     # conversation is what the store must end up holding.
                     n = store.exchange_count(session.id, owner=session.owner)
-                    appended = sum(1 for _, replaces in b.ops if not replaces)
+                    appended = sum(1 for _, at in b.ops if at is None)
                     earlier = session.turns[n:max(n, len(session.turns) - appended)]
-                    b.ops[:0] = [(t, False) for t in earlier]
+                    b.ops[:0] = [(t, None) for t in earlier]
                     b.counted = True
                 while b.ops:
-                    if b.ops[0][1]:  # Regenerate: the last exchange replaced, alone
+                    if b.ops[0][1] is not None:  # Regenerate, an edit: the exchanges from there on replaced
                         _n, created = store.record_exchange(
                             session.id, b.ops[0][0], owner=session.owner, model_id=self.model_id,
-                            title=session.title, replace_last=True)
+                            title=session.title, replace_from=b.ops[0][1])
                         done = 1
                     else:  # appended turns (a loaded file's earlier ones too): a transaction per batch
                         run = []
-                        for turn, replaces in b.ops[:FLUSH_BATCH]:
-                            if replaces:
+                        for turn, at in b.ops[:FLUSH_BATCH]:
+                            if at is not None:
                                 break
                             run.append(turn)
                         _n, created = store.record_exchanges(

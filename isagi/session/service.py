@@ -407,10 +407,12 @@ class SessionService:
         self, sid: str | None, owner: str, message: Message | None, options: GenerationOptions, *,
         regenerate: bool = False, if_left: Literal["keep", "drop"] = "keep", timeout: float = BUSY_WAIT_S,
         expect: list[Exchange] | None = None, new_if_unknown: bool = False, client: str | None = None,
-        page: str = "",
+        edit_at: int | None = None, page: str = "",
     ) -> Iterator[TurnRun]:
         """Hold ``owner``'s session ``sid`` for one turn of ``message`` (or Regenerate of its last
-        question) and give its :class:`TurnRun` (its ``sid`` is the session's).
+        question, or ``message`` as the edited question of turn ``edit_at``, which it replaces
+        with every turn after it: :meth:`~isagi.pipeline.engine.Engine.edit`) and give its
+        :class:`TurnRun` (its ``sid`` is the session's).
 
         :class:`~isagi.errors.SessionBusy` when another event holds it past ``timeout``,
         :class:`KeyError` when it is unknown (closed meanwhile), unless ``new_if_unknown``: then
@@ -440,6 +442,8 @@ class SessionService:
                 if regenerate:
                     return engine.regenerate(entry.session, options=options, stop=entry.stop)
                 assert message is not None
+                if edit_at is not None:
+                    return engine.edit(entry.session, edit_at, message, options=options, stop=entry.stop)
                 return engine.stream_turn(entry.session, message, options=options, stop=entry.stop)
 
             run = TurnRun(entry.session.id, entry, open_events)
@@ -473,6 +477,21 @@ class SessionService:
         if entry is None or not entry.lock.locked() or not entry.stop.is_set():
             return True
         return self.registry.wait_until_free(sid, wait_s, owner)
+
+    def switch_version(self, sid: str | None, owner: str, step: int) -> tuple[Session, str | None]:
+        """Show the previous (``step`` -1) or next (+1) version of the last reply of ``owner``'s
+        session ``sid`` (:meth:`~isagi.pipeline.engine.Engine.switch_version`); the session and the
+        keeper's notice. :class:`~isagi.errors.InputError` when there is none that way, KeyError
+        when the session is unknown, :class:`~isagi.errors.SessionBusy` while a turn runs."""
+        with self.registry.using(sid or "", owner=owner, timeout=1.0) as entry:
+            session = entry.session
+            versions = session.versions.get(len(session.turns) - 1)
+            if versions is None:
+                raise InputError("This reply has no other version: Regenerate makes one.")
+            to = versions.current + step
+            if not 0 <= to < len(versions.replies):
+                raise InputError("There is no version that way.")
+            return session, self.engine.switch_version(session, to)
 
     def can_regenerate(self, sid: str | None, owner: str | None) -> bool:
         """Whether ``owner``'s session ``sid`` has a last question to run again (KeyError: unknown)."""

@@ -61,6 +61,7 @@ class Turn:
     metric_growth: float | None = None  # ||M - I|| after the turn
     context_dependent: bool = False
     cluster: int | None = None  # the memory cluster the exchange was stored in
+    memory_id: int | None = None  # the id of the memory record the exchange stored (None: it stored none)
     generated: bool = False  # the reply was decoded (not RETRIEVEd, not refused)
     asked_at: float | None = None  # seconds since 1970
     answered_at: float | None = None
