@@ -199,12 +199,18 @@ MESSAGE_ACTIONS = r"""<script>
   const decorate = () => {
     document.querySelectorAll('#isagi-chat [data-testid=user] .message-content, '
       + '#isagi-chat [data-testid=bot] .message-content').forEach((body) => {
-      if (body.querySelector(':scope > .isagi-actions') || body.querySelector('.isagi-info')) return;
+      if (body.querySelector('.isagi-info')) return;
       const frame = body.querySelector('.isagi-user');
+      // a message drawn again in the same place (a waiting one become its turn) gets its bar anew
+      const kind = frame ? frame.className : 'reply';
+      const old = body.querySelector(':scope > .isagi-actions');
+      if (old && old.dataset.kind === kind) return;
+      if (old) old.remove();
       const text = () => frame ? frame.querySelector('.isagi-raw').textContent : body.innerText.trim();
       if (!frame && !body.innerText.trim()) return;
       const bar = document.createElement('div');
       bar.className = 'isagi-actions';
+      bar.dataset.kind = kind;
       bar.appendChild(button('isagi-copy', frame ? 'Copy your message' : 'Copy the reply', (b) => copy(text(), b)));
       if (frame && [...frame.classList].some((c) => c.startsWith('isagi-turn-'))) {
         bar.appendChild(button('isagi-edit', 'Edit and resend your message', () => edit(frame)));

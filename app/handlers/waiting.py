@@ -22,9 +22,8 @@ from isagi.app.handlers.chat import ChatHandlers, _page_of
 from isagi.app.handlers.page import NOT_LOGGED_IN
 from isagi.app.loader import EngineLoading
 from isagi.app.outbox import Outbox
-from isagi.app.render_safe import render_text
 from isagi.app.updates import KEEP, PageUpdate
-from isagi.app.views import chat_window
+from isagi.app.views import chat_window, user_html
 from isagi.errors import IsagiError
 
 WAITING_NOTE = "waiting for the model"
@@ -33,8 +32,9 @@ FULL = ("Too many messages are waiting for the model already; send this one once
 
 
 def waiting_entries(texts: list[str]) -> list[dict[str, str]]:
-    """The chat entries of messages that wait: each the user's message, greyed, saying so."""
-    return [{"role": "user", "content": f'<div class="isagi-waiting">{render_text(t)}'
+    """The chat entries of messages that wait: each the user's message, greyed, saying so (framed
+    as a sent one, :func:`~app.views.user_html`, so Copy takes it as typed; no turn yet: no Edit)."""
+    return [{"role": "user", "content": f'<div class="isagi-waiting">{user_html(t)}'
                                         f'<div class="isagi-waiting-note">{WAITING_NOTE}…</div></div>'}
             for t in texts]
 

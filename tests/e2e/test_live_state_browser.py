@@ -105,7 +105,9 @@ def test_two_messages_sent_quickly_during_a_reply_are_both_answered_in_order(slo
     assert generating(page), "the first reply had ended: nothing waited"
     waiting = page.evaluate("Array.from(document.querySelectorAll('#isagi-chat .isagi-waiting'))"
                             ".map(e => e.innerText)")
-    assert [w.split("\n")[0] for w in waiting] == questions[1:], waiting
+    waiting = [w.split("\n")[0] for w in waiting]
+    # both wait, in order (or, on a slow machine, the first reply just ended and took the first)
+    assert waiting and waiting == questions[-len(waiting):], waiting
     wait_replies(page, 3, timeout_ms=300_000)
     assert user_messages(page) == questions  # each once, in order
     assert reply_count(page) == 3
