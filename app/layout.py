@@ -279,6 +279,17 @@ SERVER_GONE = """<script>
 })();
 </script>""".replace("TEXT", json.dumps(SERVER_GONE_TEXT))
 
+# Send and Enter take the message out of the box in the browser, as they fire (the handler gets
+# it): the box is empty at once, and an answer arriving later never wipes what is typed next.
+TAKE_MESSAGE = """(message, sid) => {
+  const box = document.querySelector('#isagi-input textarea');
+  if (box && typeof message === 'string' && message.trim() && box.value === message) {
+    box.value = '';
+    box.dispatchEvent(new Event('input', { bubbles: true }));
+  }
+  return [message, sid];
+}"""
+
 HEAD = ESC_AND_LABELS + MESSAGE_ACTIONS + SERVER_GONE
 
 
@@ -532,7 +543,8 @@ def build_blocks(ui: WebUI) -> Any:
         # or by one more run after it, never dropped.
         waiting_h = ui.waiting
         ev_send = gr.on([send.click, msg.submit], R(waiting_h.queue, ["message", "sid"], u.QUEUE), [msg, state],
-                        out(u.QUEUE), api_name=NO_API, queue=False, show_progress="hidden",
+                        out(u.QUEUE), api_name=NO_API, queue=False, show_progress="hidden", js=TAKE_MESSAGE,
+                        trigger_mode="multiple",
                         ).then(R(waiting_h.send_waiting, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
                                  u.TURN),
                                [state, *gen_in], out(u.TURN), show_progress="minimal", api_name=NO_API,

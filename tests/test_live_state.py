@@ -92,7 +92,7 @@ def test_a_queued_message_shows_waiting_at_once_then_each_is_sent_in_order(tmp_p
     ui = make_ui(tmp_path)
     w = ui.waiting
     shown = w.queue("What is a lighthouse?", None, request=page("p1"))
-    assert shown.textbox == ""
+    assert shown.textbox is KEEP  # emptied by the page as it sent: what is typed since stays
     assert len(shown.chat) == 1 and "What is a lighthouse?" in shown.chat[0]["content"]
     assert WAITING_NOTE in shown.chat[0]["content"]
     w.queue("Who keeps it?", None, request=page("p1"))
@@ -108,17 +108,17 @@ def test_a_queued_message_shows_waiting_at_once_then_each_is_sent_in_order(tmp_p
     assert w.outbox.waiting(("local", "p1")) == []
 
 
-def test_empty_too_long_and_full_messages_stay_in_the_box(tmp_path):
+def test_empty_too_long_and_full_messages_go_back_to_the_box(tmp_path):
     ui = make_ui(tmp_path)
     w = ui.waiting
     assert w.queue("   ", None, request=page("p1")).changed() == {}
     too_long = "x" * (ui.page.settings.max_message_chars + 1)
     refused = w.queue(too_long, None, request=page("p1"))
-    assert refused.textbox is KEEP and refused.alert
+    assert refused.textbox == too_long and refused.alert  # back in the box
     w.outbox = Outbox(per_page=1)
     w.queue("one", None, request=page("p1"))
     full = w.queue("two", None, request=page("p1"))
-    assert full.textbox is KEEP and "waiting" in full.alert
+    assert full.textbox == "two" and "waiting" in full.alert
     assert w.outbox.waiting(("local", "p1")) == ["one"]
 
 

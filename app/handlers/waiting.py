@@ -2,8 +2,8 @@
 
 Enter (or Send) runs two events (:func:`app.layout.build_blocks`). The first,
 :meth:`WaitingHandlers.queue`, is not queued in Gradio (it answers at once, whatever the model
-is doing): it checks the message, puts it on the page's line (:class:`app.outbox.Outbox`),
-empties the box and draws the message in the conversation, greyed, "waiting for the model".
+is doing; the page has emptied the box as it fired): it checks the message, puts it on the
+page's line (:class:`app.outbox.Outbox`) and draws the message in the conversation, greyed, "waiting for the model".
 The second, :meth:`WaitingHandlers.send_waiting`, waits in the model's queue and sends what
 waits on the page's line, oldest first, one turn after another (:meth:`ChatHandlers.send`),
 each replacing its grey entry with the normal turn; while a turn streams, what still waits
@@ -50,7 +50,7 @@ class WaitingHandlers:
     def queue(self, message: str, sid: str | None, request: Any = None) -> PageUpdate:
         """Put ``message`` on the page's line and show it waiting (outputs :data:`~app.updates.QUEUE`).
         An empty message does nothing; one the engine refuses (too long), or one over the line's
-        bound, stays in the box with an alert saying what to do."""
+        bound, is put back in the box (the page emptied it as it sent) with an alert saying what to do."""
         p = self.page
         owner, _ = p.who(request)
         if owner is None:
@@ -60,17 +60,18 @@ class WaitingHandlers:
         try:
             p.engine.check(message)
         except (EngineLoading, IsagiError) as exc:
-            return PageUpdate(alert=p.warn(str(exc)))
+            return PageUpdate(textbox=message, alert=p.warn(str(exc)))
         key = (owner, _page_of(request))
         if not self.outbox.put(key, message):
-            return PageUpdate(alert=p.warn(FULL))
+            return PageUpdate(textbox=message, alert=p.warn(FULL))
         shown = self.outbox.shown(key)
         if shown is None:
             try:
                 shown = chat_window(p.sessions.session(sid, owner))
             except (KeyError, EngineLoading):
                 shown = []
-        return PageUpdate(textbox="", alert="", chat=[*shown, *waiting_entries(self.outbox.waiting(key))])
+        # the page emptied the box as it sent (app.layout.TAKE_MESSAGE): what is typed since stays
+        return PageUpdate(alert="", chat=[*shown, *waiting_entries(self.outbox.waiting(key))])
 
     def send_waiting(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False, temperature: float = 0.7,
