@@ -234,6 +234,7 @@ class Engine:
         record: bool = True,
         replaces_last: bool = False,
         fresh: bool = False,
+        before_record: Callable[[Turn], None] | None = None,
     ) -> Generator[TurnEvent, None, None]:
         """One turn: the decision, the reply's text deltas, then the finished :class:`Turn`.
 
@@ -243,6 +244,8 @@ class Engine:
         persists it in place of the session's last exchange (:meth:`regenerate`,
         which undid that turn in the session first). ``fresh``: never answer from
         memory; a RETRIEVE generates a new reply, which replaces the stored one.
+        ``before_record``: called with the finished turn just before it joins the session and is
+        persisted (Regenerate keeps the reply it replaced with it).
 
         A turn that raises, or whose events are closed, before it is recorded leaves
         the session as it was (rolled back to the checkpoint taken at its start).
@@ -250,7 +253,8 @@ class Engine:
         text = self.check(message).text
         if record and not replaces_last:
             _check_room(session)
-        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last, fresh=fresh)
+        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last, fresh=fresh,
+                         before_record=before_record)
 
     def regenerate(
         self,
@@ -288,8 +292,8 @@ class Engine:
             session.versions[at] = kept.with_new(turn)
 
         try:
-            for event in self._run(session, last.user_text, options, stop, record=True, replaces_last=True,
-                                   fresh=True, before_record=keep_versions):
+            for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
+                                          replaces_last=True, fresh=True, before_record=keep_versions):
                 recorded = recorded or isinstance(event, Done)
                 yield event
         except BaseException:
