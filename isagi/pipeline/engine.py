@@ -79,7 +79,7 @@ from isagi.pipeline.model_turns import ModelTurns
 from isagi.pipeline.prompts import Prompts
 from isagi.session.files import SessionFrame
 from isagi.session.folder import SessionFiles
-from isagi.session.state import PROMPT_STATE_CACHE, Session
+from isagi.session.state import PROMPT_STATE_CACHE, Checkpoint, Session
 from isagi.session.turn import Message, Turn
 from isagi.session.versions import ReplyVersions
 
@@ -286,21 +286,13 @@ class Engine:
         kept = session.versions.get(at) or ReplyVersions([last], 0)  # the replies this turn has had
         now = session.checkpoint()  # with the turn being replaced: put back if the new one fails
         session.rollback(undo)
-        recorded = False  # once the new turn is recorded (its "done" event), nothing takes it back
 
         def keep_versions(turn: Turn) -> None:  # before it is persisted: the file holds them too
             session.versions[at] = kept.with_new(turn)
 
-        try:
-            for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
-                                          replaces_last=True, fresh=True, before_record=keep_versions):
-                recorded = recorded or isinstance(event, Done)
-                yield event
-        except BaseException:
-            if not recorded:
-                session.rollback(now)
-                session.undo = undo
-            raise
+        yield from _or_put_back(session, now, undo, self.stream_turn(
+            session, Message(last.user_text), options=options, stop=stop, replaces_last=True, fresh=True,
+            before_record=keep_versions))
 
     def switch_version(self, session: Session, to: int) -> str | None:
         """Make version ``to`` (0 the oldest) of the last turn's replies the current one: the chat
@@ -358,16 +350,8 @@ class Engine:
 
         before, undo = session.checkpoint(), session.undo
         rewind(session, index)
-        recorded = False
-        try:
-            for event in self._run(session, text, options, stop, record=True, replaces_last=True):
-                recorded = recorded or isinstance(event, Done)
-                yield event
-        except BaseException:
-            if not recorded:
-                session.rollback(before)
-                session.undo = undo
-            raise
+        yield from _or_put_back(session, before, undo,
+                                self._run(session, text, options, stop, record=True, replaces_last=True))
 
     def _run(
         self,
@@ -595,6 +579,25 @@ class Engine:
         now = time.time()
         session.add_turn(Turn(user_text=text, reply_text=reply, tier=d.tier.value, verdict="ok",
                               cluster=cluster, memory_id=memory_id, asked_at=now, answered_at=now))
+
+
+def _or_put_back(
+    session: Session, before: Checkpoint, undo: Checkpoint | None, events: Generator[TurnEvent, None, None]
+) -> Generator[TurnEvent, None, None]:
+    """``events`` of a turn that replaces others (Regenerate, an edit), passed on; if they raise, or
+    are closed, before the new turn is recorded (its ``Done``), the session is put back to
+    ``before`` with its ``undo``: the turns it was to replace stay. Once recorded, nothing takes it back."""
+    recorded = False
+    try:
+        for event in events:
+            recorded = recorded or isinstance(event, Done)
+            yield event
+    except BaseException:
+        events.close()  # first: the turn undoes its own part, then the session is put back whole
+        if not recorded:
+            session.rollback(before)
+            session.undo = undo
+        raise
 
 
 def _learn(
