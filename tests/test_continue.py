@@ -132,3 +132,49 @@ def test_the_page_refuses_continue_after_a_reply_that_ended_by_itself(tmp_path):
     out = run(ui.chat.continue_reply(sid, 4))
     assert NOT_CUT in out[-1].alert
     assert counts(ui, sid) == (2, 2, 2), "nothing was recorded"
+
+
+def test_the_terminal_continues_a_cut_reply_and_a_continuation_cut_again(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from isagi.console.terminal import CONTINUE, chat_loop
+
+    engine = tiny_engine(tmp_path, max_new_tokens=4)
+    session = engine.new_session()
+    out, err = Console(file=io.StringIO(), width=200), Console(file=io.StringIO(), width=200)
+    items = iter([Q, CONTINUE, "Why is the sky blue?", CONTINUE, CONTINUE])
+
+    def read_line(_prompt: str) -> str:
+        line = next(items, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    # the last /continue follows a continuation that was cut again: it continues once more
+    n = chat_loop(engine, session, GenerationOptions(max_new_tokens=4), interactive=False, out=out, err=err,
+                  read_line=read_line)
+    assert n == 5
+    assert [t.continues for t in session.turns] == [False, True, False, True, True]
+    assert [x["content"] for x, _ in session.exchanges()] == [Q, "Why is the sky blue?"]
+    assert session.exchanges()[1][1]["content"] == "".join(t.reply_text for t in session.turns[2:])
+    assert counts_in_file(engine, session) == 5
+
+
+def counts_in_file(engine, session) -> int:
+    return len(load_session(engine.frame, session.miku_path).turns)
+
+
+def test_continue_after_stop_is_refused(tmp_path):
+    import threading
+
+    engine = tiny_engine(tmp_path, max_new_tokens=8)
+    s = engine.new_session()
+    stop = threading.Event()
+    for event in engine.stream_turn(s, Q, stop=stop):
+        if not isinstance(event, Done):
+            stop.set()  # Stop after the first token
+    assert s.turns[-1].verdict == "cancelled" and not s.turns[-1].cut
+    with pytest.raises(InputError, match="Nothing to continue"):
+        engine.continue_reply(s)
