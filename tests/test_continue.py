@@ -121,6 +121,9 @@ def test_the_page_continues_a_cut_reply_and_shows_it_as_one_everywhere(tmp_path)
     # the history store keeps the continuation readably: its request is the marker
     rows = ui.page.engine.store.get_turns(sid, owner="local")
     assert [r.text for r in rows] == [Q, cut.reply_text, CONTINUE_TEXT, more.reply_text]
+    # the next question's bubble carries its own position (Edit resends it there), the Continue counted
+    users = [m["content"] for m in run(ui.chat.send("Why is the sky blue?", sid, 4))[-1].chat if m["role"] == "user"]
+    assert "isagi-turn-0" in users[0] and "isagi-turn-2" in users[1] and len(users) == 2
 
 
 def test_the_page_refuses_continue_after_a_reply_that_ended_by_itself(tmp_path):
@@ -178,3 +181,33 @@ def test_continue_after_stop_is_refused(tmp_path):
     assert s.turns[-1].verdict == "cancelled" and not s.turns[-1].cut
     with pytest.raises(InputError, match="Nothing to continue"):
         engine.continue_reply(s)
+
+
+@pytest.mark.model
+def test_on_the_real_model_a_greedy_reply_cut_and_continued_is_the_reply_decoded_in_one_go(llama_engine):
+    """llama.cpp, the embedded GGUF: the reply so far is fed as its own tokens after the prompt
+    (re-tokenised from its text), and greedy decoding goes on exactly as it would have."""
+    q = "Write a short story about a lighthouse keeper."
+    whole = llama_engine.turn(llama_engine.new_session(), q, options=GenerationOptions(max_new_tokens=32))
+    s = llama_engine.new_session()
+    cut = llama_engine.turn(s, q, options=GenerationOptions(max_new_tokens=16))
+    assert cut.cut and cut.new_tokens == 16
+    more = [e for e in llama_engine.continue_reply(s, GenerationOptions(max_new_tokens=16)) if isinstance(e, Done)][0].turn
+    assert more.continues and more.verdict == "ok"
+    assert cut.reply_text + more.reply_text == whole.reply_text
+
+
+def test_regenerate_on_the_page_after_continue_replaces_the_continuation_everywhere(tmp_path):
+    ui = make_ui(tmp_path)[0]
+    sid = ui.page.registry.create()
+    run(ui.chat.send(Q, sid, 4))
+    run(ui.chat.continue_reply(sid, 4))
+    s = ui.page.registry.entry(sid).session
+    outs = run(ui.chat.regenerate(sid, 4))
+    assert not outs[-1].alert
+    assert [t.continues for t in s.turns] == [False, True] and counts(ui, sid) == (2, 2, 2)
+    assert s.memory.get(s.turns[0].memory_id)["reply_text"] == s.turns[0].reply_text + s.turns[1].reply_text
+    for out in outs:  # the reply so far grows again in place: never a "[Continue]" question
+        if isinstance(out.chat, list):
+            assert [m for m in out.chat if m["role"] == "user"] == [out.chat[0]]
+            assert CONTINUE_TEXT not in out.chat[0]["content"]
