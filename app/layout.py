@@ -82,6 +82,9 @@ CHATS_CSS = """
 .isagi-copy::before { content: "Copy"; }
 .isagi-copy.isagi-copied::before { content: "Copied"; }
 .isagi-edit::before { content: "Edit"; }
+.isagi-versions { margin-left: 6px; white-space: nowrap; }
+.isagi-versions button { border: none; background: none; cursor: pointer; padding: 0 4px; font-size: 1.1em;
+  color: var(--body-text-color); }
 #isagi-editing { font-size: 0.9em; color: var(--body-text-color-subdued); padding: 2px 4px; }
 """
 
@@ -216,6 +219,14 @@ MESSAGE_ACTIONS = r"""<script>
       e.preventDefault(); e.stopPropagation(); resend();
     }
   }, true);
+  // ‹ and › under the last reply: the hidden events that switch its version
+  document.addEventListener('click', (e) => {
+    const arrow = e.target.closest && e.target.closest('#isagi-chat .isagi-version-prev, #isagi-chat .isagi-version-next');
+    if (!arrow) return;
+    e.preventDefault();
+    const b = q(arrow.classList.contains('isagi-version-prev') ? '#isagi-version-prev' : '#isagi-version-next');
+    if (b) b.click();
+  });
   let queued = false;
   const later = () => { if (!queued) { queued = true; requestAnimationFrame(() => { queued = false; decorate(); }); } };
   const start = () => new MutationObserver(later).observe(document.body, { subtree: true, childList: true });
@@ -386,6 +397,8 @@ def build_blocks(ui: WebUI) -> Any:
                     # script fills the one and clicks the other: MESSAGE_ACTIONS)
                     edit_turn = gr.Textbox(visible="hidden", elem_id="isagi-edit-turn", label="Turn being edited")
                     edit_send = gr.Button("Resend edited", visible="hidden", elem_id="isagi-edit-send")
+                    version_prev = gr.Button("Previous version", visible="hidden", elem_id="isagi-version-prev")
+                    version_next = gr.Button("Next version", visible="hidden", elem_id="isagi-version-next")
                     with gr.Row():
                         stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
                         regen = gr.Button("Regenerate", elem_id="isagi-regen")
@@ -522,6 +535,9 @@ def build_blocks(ui: WebUI) -> Any:
                                   [msg, edit_turn, state, *gen_in], out(u.EDIT_TURN), show_progress="minimal",
                                   api_name=NO_API, **model_q)
         relist(ev_edit)
+        for button, step in ((version_prev, -1), (version_next, 1)):
+            button.click(R(chat_h.version, ["sid", "colour_by"], u.VERSION, step), [state, colour_by], out(u.VERSION),
+                         api_name=NO_API, show_progress="hidden", **light_q)
         stop.click(R(chat_h.stop, ["sid", "colour_by"], u.STOP), [state, colour_by], out(u.STOP),
                    cancels=[ev_send, ev_regen, ev_edit, ev_cont], show_progress="hidden", api_name="stop",
                    queue=False)

@@ -100,6 +100,7 @@ SYNC = ("seen", "alert", *VIEW, "status")
 TURN = ("state", "chat", "textbox", "alert", *VIEW[1:], "status", "seen")  # Send, Enter, Regenerate
 EDIT_TURN = (*TURN, "edit_turn")  # an edited message resent
 STOP = ("chat", "alert", *VIEW[1:])
+VERSION = STOP  # ‹ and › under the last reply
 NEW_CHAT = ("state", "alert", *VIEW)
 RECOLOUR = ("map",)
 STORED = ("stored",)

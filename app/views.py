@@ -137,14 +137,31 @@ def user_html(text: Any, turn: int | None = None) -> str:
             f"{render_text(raw)}</div>")
 
 
-def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None) -> list[dict[str, str]]:
+def versions_html(current: int, count: int, *, last: bool) -> str:
+    """A reply's versions as the chat shows them: "‹ 2/3 ›" under the last reply (the arrows switch:
+    the page's script clicks the hidden events), "version 2 of 3" under an earlier one (a later
+    turn was answered from the version shown, so it stays)."""
+    if not last:
+        return f'<span class="isagi-versions">version {current + 1} of {count}</span>'
+    prev = ('<button type="button" class="isagi-version-prev" aria-label="Previous version">‹</button>'
+            if current > 0 else "")
+    nxt = ('<button type="button" class="isagi-version-next" aria-label="Next version">›</button>'
+           if current < count - 1 else "")
+    return f'<span class="isagi-versions">{prev}<span>{current + 1}/{count}</span>{nxt}</span>'
+
+
+def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None,
+                  versions: dict[int, tuple[int, int]] | None = None,
+                  last_turn: int | None = None) -> list[dict[str, str]]:
     """Session log → Chatbot messages (each reply followed by its info line).
 
     Message texts are rendered by :func:`app.render_safe.render_text` (HTML made
     on the server: raw HTML shows as text and images as links, so nothing in a
     message makes the browser fetch a URL); the info line is the app's own
     escaped HTML. ``first_turn``: the position of the first message's turn in its session
-    (the user messages then carry theirs, for Edit: :func:`user_html`). A continuation (Continue:
+    (the user messages then carry theirs, for Edit: :func:`user_html`); ``versions``: (current,
+    count) of the turns with several replies, by position, shown in their info lines
+    (:func:`versions_html`; the arrows only under ``last_turn``). A continuation (Continue:
     a reply's ``continues``) is shown as part of the reply before it, without its request, with
     the continuation's info line saying so (:func:`continued_html`).
     """
@@ -157,18 +174,22 @@ def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None)
             if not (reply is not None and after.get("role") == "assistant" and after.get("continues") is True):
                 out.append({"role": "user", "content": user_html(m.get("text", ""), turn)})
                 reply = None
-            turn = None if turn is None else turn + 1
         elif m.get("role") == "assistant":
             text = m.get("text", "")
             text = text if isinstance(text, str) else ""
-            if reply is not None and m.get("continues") is True:
-                reply += text
-                out[-2:] = [{"role": "assistant", "content": render_text(reply) or EMPTY_REPLY},
-                            {"role": "assistant", "content": continued_html(m)}]
-                continue
-            reply = text
-            out.append({"role": "assistant", "content": render_text(text) or EMPTY_REPLY})
-            out.append({"role": "assistant", "content": info_html(m)})
+            joins = reply is not None and m.get("continues") is True
+            info = continued_html(m) if joins else info_html(m)
+            if versions and turn is not None and turn in versions:
+                current, count = versions[turn]
+                info = info[: -len("</div>")] + " " + versions_html(current, count, last=turn == last_turn) + "</div>"
+            reply = (reply or "") + text if joins else text
+            shown = [{"role": "assistant", "content": render_text(reply) or EMPTY_REPLY},
+                     {"role": "assistant", "content": info}]
+            if joins:
+                out[-2:] = shown
+            else:
+                out += shown
+            turn = None if turn is None else turn + 1
     return out
 
 
@@ -192,7 +213,10 @@ def chat_window(session: Any, *, drop_last: bool = False, upto: int | None = Non
     if upto is not None:
         turns = turns[:upto]
     first = max(0, len(turns) - CHAT_WINDOW_TURNS)
-    shown = chat_messages(turns_to_messages(turns[first:]), first_turn=first)
+    versions = {i: (v.current, len(v.replies)) for i, v in session.versions.items()
+                if i < len(turns)}
+    shown = chat_messages(turns_to_messages(turns[first:]), first_turn=first, versions=versions,
+                          last_turn=len(session.turns) - 1 if upto is None and not drop_last else None)
     hidden = len(turns) - CHAT_WINDOW_TURNS
     if hidden <= 0:
         return shown

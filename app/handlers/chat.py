@@ -181,6 +181,24 @@ class ChatHandlers:
         yield from self._turn(sid, checked, self._options(max_tokens, sample, temperature), colour_by,
                               owner=owner, clear_box=True, edit_at=at)
 
+    def version(self, sid: str | None, colour_by: str = "tier", step: int = -1, request: Any = None) -> PageUpdate:
+        """Show the last reply's previous (``step`` -1) or next (+1) version (outputs
+        :data:`~app.updates.VERSION`): the chat continues from the version shown, and the file and
+        the history hold it (no model work)."""
+        from isagi.errors import IsagiError
+
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None:
+            return PageUpdate(alert=p.warn(NOT_LOGGED_IN))
+        try:
+            session, notice = p.sessions.switch_version(sid, owner, 1 if step > 0 else -1)
+        except (KeyError, EngineLoading):
+            return PageUpdate(alert=p.warn("This chat was closed; reload the page."))
+        except IsagiError as exc:  # no such version, or busy with a reply
+            return PageUpdate(alert=p.warn(str(exc)))
+        return p.view_of(session, colour_by).but(alert=p.warn(notice) if notice else "")
+
     def regenerate(
         self, sid: str | None, max_tokens: float = 0, sample: bool = False,
         temperature: float = 0.7, colour_by: str = "tier", request: Any = None,

@@ -57,7 +57,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
@@ -81,6 +81,7 @@ from isagi.session.files import SessionFrame
 from isagi.session.folder import SessionFiles
 from isagi.session.state import PROMPT_STATE_CACHE, Session
 from isagi.session.turn import CONTINUE_TEXT, Message, Turn
+from isagi.session.versions import ReplyVersions
 
 if TYPE_CHECKING:
     from isagi.engines.base import ModelEngine
@@ -281,12 +282,18 @@ class Engine:
         undo = session.undo
         assert undo is not None
         last = session.turns[-1]
+        at = len(session.turns) - 1
+        kept = session.versions.get(at) or ReplyVersions([last], 0)  # the replies this turn has had
         now = session.checkpoint()  # with the turn being replaced: put back if the new one fails
         session.rollback(undo)
         recorded = False  # once the new turn is recorded (its "done" event), nothing takes it back
+
+        def keep_versions(turn: Turn) -> None:  # before it is persisted: the file holds them too
+            session.versions[at] = kept.with_new(turn)
+
         try:
-            for event in self.stream_turn(session, Message(last.user_text), options=options, stop=stop,
-                                          replaces_last=True, fresh=True):
+            for event in self._run(session, last.user_text, options, stop, record=True, replaces_last=True,
+                                   fresh=True, before_record=keep_versions):
                 recorded = recorded or isinstance(event, Done)
                 yield event
         except BaseException:
@@ -294,6 +301,34 @@ class Engine:
                 session.rollback(now)
                 session.undo = undo
             raise
+
+    def switch_version(self, session: Session, to: int) -> str | None:
+        """Make version ``to`` (0 the oldest) of the last turn's replies the current one: the chat
+        continues from it, the file and the history hold it, and memory answers with it (its text
+        replaces the stored reply of the turn's record; the map keeps the newest reply's place).
+        No model work. Returns the keeper's notice (None: all kept). An :class:`InputError` when
+        the last turn has no such version."""
+        at = len(session.turns) - 1
+        versions = session.versions.get(at)
+        if versions is None or not isinstance(to, int) or not 0 <= to < len(versions.replies):
+            raise InputError("This reply has no other version: Regenerate makes one.")
+        if to == versions.current:
+            return None
+        current, chosen = session.turns[at], versions.replies[to]
+        rid = current.memory_id
+        if rid is not None and rid in session.memory and chosen.accepted:
+            session.memory.replace_reply(rid, session.memory.get(rid)["reply_x"], chosen.reply_text)
+            chosen.memory_id = rid
+        session.turns[at] = chosen
+        versions.current = to
+        session.version += 1
+        if self.keep is None:
+            return None
+        try:
+            return self.keep(session, chosen, replaces_from=at)
+        except Exception as exc:  # as _record: the switch stands, the next save retries
+            log.exception("could not persist a version switch of session %s", session.id)
+            return not_saved_notice(f"an unexpected error, {type(exc).__name__}")
 
     def edit(
         self,
@@ -488,6 +523,7 @@ class Engine:
         record: bool,
         replaces_last: bool,
         fresh: bool = False,
+        before_record: Callable[[Turn], None] | None = None,
     ) -> Generator[TurnEvent, None, None]:
         started, asked_at = time.perf_counter(), time.time()
         # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
@@ -503,6 +539,8 @@ class Engine:
         except BaseException:  # a bug, a lost model, Ctrl-C, or the events closed: as before the turn
             session.rollback(before)
             raise
+        if before_record is not None:
+            before_record(turn)
         notice = self._record(session, turn, persist=record, replaces=replaces_last)
         session.undo = before
         yield Done(turn, notice)

@@ -41,6 +41,7 @@ def rewind(session: Session, n: int) -> int:
         asked = min(t.asked_at for t in dropped if t.asked_at is not None)  # an older file: by time
         keep &= np.asarray(cols["created"]) < asked
     session.turns[:] = session.turns[:n]
+    session.versions = {i: v for i, v in session.versions.items() if i < n}
     session.undo = None
     session.version += 1
     gone = int((~keep).sum())

@@ -41,6 +41,7 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.state import Session
 from isagi.session.turn import turns_from_messages, turns_to_messages
+from isagi.session.versions import versions_from_extra, versions_to_extra
 from isagi.storage.titles import session_title
 
 if TYPE_CHECKING:
@@ -233,6 +234,8 @@ def session_state(frame: SessionFrame, session: Session) -> MikuState:
         "metric": {k: v for k, v in metric_state.items() if not isinstance(v, np.ndarray)},
         "system_prompt": frame.system_prompt,
     }
+    if session.versions:
+        extra["reply_versions"] = versions_to_extra(session.versions)
     header = {
         "format_version": FORMAT_VERSION,
         "created": _dt.datetime.fromtimestamp(session.created, _dt.UTC).isoformat(timespec="seconds"),
@@ -344,6 +347,7 @@ def session_from_state(
         metric = Metric.from_state(metric_state)
         memory = TrajectoryMemory.from_columns(state.trajectories, k)
         turns = turns_from_messages(state.conversation)
+        versions = versions_from_extra(extra.get("reply_versions"), turns)
         created = _created(header, extra)
     except (KeyError, ValueError, TypeError, OverflowError, AttributeError) as exc:
         raise MikuError(f"{where}: the session's contents are inconsistent ({exc}); "
@@ -362,6 +366,7 @@ def session_from_state(
         turns=turns,
         created=created,
         title=title,
+        versions=versions,
     )
 
 

@@ -474,6 +474,21 @@ class SessionService:
 
         return Engine.can_continue(self.session(sid, owner))
 
+    def switch_version(self, sid: str | None, owner: str, step: int) -> tuple[Session, str | None]:
+        """Show the previous (``step`` -1) or next (+1) version of the last reply of ``owner``'s
+        session ``sid`` (:meth:`~isagi.pipeline.engine.Engine.switch_version`); the session and the
+        keeper's notice. :class:`~isagi.errors.InputError` when there is none that way, KeyError
+        when the session is unknown, :class:`~isagi.errors.SessionBusy` while a turn runs."""
+        with self.registry.using(sid or "", owner=owner, timeout=1.0) as entry:
+            session = entry.session
+            versions = session.versions.get(len(session.turns) - 1)
+            if versions is None:
+                raise InputError("This reply has no other version: Regenerate makes one.")
+            to = versions.current + step
+            if not 0 <= to < len(versions.replies):
+                raise InputError("There is no version that way.")
+            return session, self.engine.switch_version(session, to)
+
     def can_regenerate(self, sid: str | None, owner: str | None) -> bool:
         """Whether ``owner``'s session ``sid`` has a last question to run again (KeyError: unknown)."""
         return self.session(sid, owner).can_regenerate

@@ -31,6 +31,7 @@ from isagi.manifold.memory import TrajectoryMemory
 from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.turn import Turn, turns_to_messages
+from isagi.session.versions import ReplyVersions
 from isagi.storage.owners import LOCAL_OWNER
 from isagi.storage.titles import session_title
 
@@ -47,6 +48,7 @@ class Checkpoint:
     memory_cap: int
     turns: tuple[Turn, ...]
     title: str | None
+    versions: dict[int, ReplyVersions]
 
 
 @dataclass
@@ -78,19 +80,23 @@ class Session:
     # The state before the last turn (set by the engine when a turn is recorded): what Regenerate
     # puts back. None when there is nothing to regenerate (no turn yet, or a session just loaded).
     undo: Checkpoint | None = field(default=None, repr=False, compare=False)
+    # The replies a turn has had, by the turn's position (a Regenerate keeps the one it replaced;
+    # isagi.session.versions): only turns with more than one reply are here.
+    versions: dict[int, ReplyVersions] = field(default_factory=dict, repr=False, compare=False)
     # Counts every change of the turns (a turn recorded, a rollback): a page showing the session
     # compares it with the count it last drew to know it is stale (another tab's turn).
     version: int = field(default=0, repr=False, compare=False)
 
     # -- changes -----------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
-        """The living state now (metric, memory, turns, title), for :meth:`rollback`."""
+        """The living state now (metric, memory, turns, title, reply versions), for :meth:`rollback`."""
         return Checkpoint(
             metric_state=self.metric.to_state(),
             memory_columns=self.memory.to_columns(),
             memory_cap=int(getattr(self.memory, "cap", 50_000)),
             turns=tuple(self.turns),
             title=self.title,
+            versions=dict(self.versions),
         )
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -101,6 +107,7 @@ class Session:
         self.memory = type(self.memory).from_columns(cp.memory_columns, k, cap=cp.memory_cap)
         self.turns[:] = cp.turns
         self.title = cp.title
+        self.versions = dict(cp.versions)
         self.version += 1
 
     def add_turn(self, turn: Turn) -> None:

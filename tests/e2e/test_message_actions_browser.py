@@ -85,3 +85,23 @@ def test_copy_puts_a_message_on_the_clipboard(browser, url):
         "document.body.appendChild(c); const t = c.innerText.trim(); c.remove(); return t; }")
     assert page.locator("#isagi-chat .isagi-info .isagi-copy").count() == 0, "the info line has no Copy"
     ctx.close()
+
+
+def test_regenerate_keeps_versions_and_the_arrows_switch_them(browser, url):
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    page = open_page(ctx, url)
+    send_and_wait(page, A)
+    first = page.locator("#isagi-chat [data-testid=bot]").first.inner_text()
+    page.click("#isagi-regen")
+    page.wait_for_selector("#isagi-chat .isagi-versions", timeout=120_000)
+    page.wait_for_function("() => !document.querySelector('#isagi-chat').innerText.includes('generating…')")
+    versions = page.locator("#isagi-chat .isagi-versions")
+    assert versions.inner_text().replace("‹", "").strip() == "2/2"
+    page.locator("#isagi-chat .isagi-version-prev").click()
+    page.wait_for_function("() => document.querySelector('#isagi-chat .isagi-versions').innerText.includes('1/2')")
+    assert page.locator("#isagi-chat [data-testid=bot]").first.inner_text() == first, "the first reply is back"
+    page.reload()
+    page.wait_for_selector("#isagi-input textarea:not([disabled])")
+    page.wait_for_function("() => (document.querySelector('#isagi-chat .isagi-versions') || {innerText: ''})"
+                           ".innerText.includes('1/2')")
+    ctx.close()
