@@ -26,7 +26,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,19 +210,10 @@ class ChatHandlers:
         generated anew) and the new turn takes the old one's place in the history store and the
         autosaved file too; if it fails, the old turn stays.
         """
-        p = self.page
-        owner, _ = p.who(request)
+        owner, refusal = self._may(sid, request, self.page.sessions.can_regenerate, "Nothing to regenerate yet.",
+                                   "Nothing to regenerate: send a message first.")
         if owner is None:
-            yield PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
-            return
-        try:
-            can = p.sessions.can_regenerate(sid, owner)
-        except (KeyError, EngineLoading) as exc:
-            msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
-            yield PageUpdate(state=sid, alert=p.warn(msg))
-            return
-        if not can:
-            yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
+            yield refusal or PageUpdate()
             return
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
         yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
@@ -238,21 +229,29 @@ class ChatHandlers:
         :data:`~isagi.pipeline.engine.NOT_CUT`."""
         from isagi.pipeline.engine import NOT_CUT
 
-        p = self.page
-        owner, _ = p.who(request)
+        owner, refusal = self._may(sid, request, self.page.sessions.can_continue, NOT_CUT, NOT_CUT)
         if owner is None:
-            yield PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
-            return
-        try:
-            can = p.sessions.can_continue(sid, owner)
-        except (KeyError, EngineLoading) as exc:
-            yield PageUpdate(state=sid, alert=p.warn(str(exc) if isinstance(exc, EngineLoading) else NOT_CUT))
-            return
-        if not can:
-            yield PageUpdate(state=sid, alert=p.warn(NOT_CUT))
+            yield refusal or PageUpdate()
             return
         yield from self._turn(sid, None, self._options(max_tokens, sample, temperature), colour_by,
                               owner=owner, continuing=True)
+
+    def _may(
+        self, sid: str | None, request: Any, can: Callable[[str | None, str | None], bool], unknown: str,
+        nothing: str,
+    ) -> tuple[str | None, PageUpdate | None]:
+        """(the caller, None) when ``can(sid, caller)`` says the last turn allows the action
+        (Regenerate, Continue); else (None, the alert saying why not: not logged in, still
+        loading, ``unknown`` session, or ``nothing`` to act on)."""
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None:
+            return None, PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
+        try:
+            ok = can(sid, owner)
+        except (KeyError, EngineLoading) as exc:
+            return None, PageUpdate(state=sid, alert=p.warn(str(exc) if isinstance(exc, EngineLoading) else unknown))
+        return (owner, None) if ok else (None, PageUpdate(state=sid, alert=p.warn(nothing)))
 
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,

@@ -404,22 +404,8 @@ class Engine:
         replaces_last: bool,
     ) -> Generator[TurnEvent, None, None]:
         """:meth:`_run` for a continuation: the same limits, undo, timing and recording."""
-        started, asked_at = time.perf_counter(), time.time()
-        options = within_limits(options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens),
-                                self.settings.max_new_tokens)
-        before = session.checkpoint()
-        try:
-            with self.model_turns:
-                turn = yield from self._continue_locked(session, options, stop)
-            turn.latency_s = time.perf_counter() - started
-            turn.metric_growth = session.metric.growth
-            turn.asked_at, turn.answered_at = asked_at, time.time()
-        except BaseException:
-            session.rollback(before)
-            raise
-        notice = self._record(session, turn, persist=True, replaces=replaces_last)
-        session.undo = before
-        yield Done(turn, notice)
+        return self._run(session, CONTINUE_TEXT, options, stop, record=True, replaces_last=replaces_last,
+                         locked=lambda limited: self._continue_locked(session, limited, stop))
 
     def _continue_locked(
         self, session: Session, options: GenerationOptions, stop: threading.Event | None
@@ -505,7 +491,11 @@ class Engine:
         replaces_last: bool,
         fresh: bool = False,
         before_record: Callable[[Turn], None] | None = None,
+        locked: Callable[[GenerationOptions], Generator[TurnEvent, None, Turn]] | None = None,
     ) -> Generator[TurnEvent, None, None]:
+        """A turn's frame around its model work (``locked``, by default :meth:`_turn_locked`; a
+        continuation's own): the server's limits, the checkpoint it rolls back to, its timing,
+        and its recording."""
         started, asked_at = time.perf_counter(), time.time()
         # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
         options = within_limits(options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens),
@@ -513,7 +503,8 @@ class Engine:
         before = session.checkpoint()
         try:
             with self.model_turns:
-                turn = yield from self._turn_locked(session, text, options, stop, fresh=fresh)
+                turn = yield from (locked(options) if locked is not None
+                                   else self._turn_locked(session, text, options, stop, fresh=fresh))
             turn.latency_s = time.perf_counter() - started
             turn.metric_growth = session.metric.growth
             turn.asked_at, turn.answered_at = asked_at, time.time()
