@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -439,6 +439,23 @@ def sessions_prune(older_than: Annotated[float, typer.Option(
         out.print(f"  {sid}", highlight=False, markup=False)
 
 
+def _no_such_session(session_id: str, owner: str) -> NoReturn:
+    err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
+              highlight=False, markup=False)
+    raise typer.Exit(1)
+
+
+def _own_summary(store: Any, session_id: str, owner: str) -> Any:
+    """``owner``'s history summary of ``session_id``; exits 1 saying how to find the ids when there is none."""
+    try:
+        summary = store.get_session(session_id, owner=owner)
+    except IsagiError:
+        summary = None
+    if summary is None:
+        _no_such_session(session_id, owner)
+    return summary
+
+
 @sessions_app.command("rename")
 @friendly
 def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
@@ -453,14 +470,7 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
         raise InputError("Give a title with at least one character that is not a space.")
     settings = _settings(home=home)
     store = _store(home)
-    try:
-        summary = store.get_session(session_id, owner=owner)
-    except IsagiError:
-        summary = None
-    if summary is None:
-        err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
-                  highlight=False, markup=False)
-        raise typer.Exit(1)
+    summary = _own_summary(store, session_id, owner)
     new = make_title(title)
     with no_other_process(settings, "renaming a session", "rename it in the server's page"):  # a server's open copy would save its old title
         files = session_files(settings)
@@ -479,14 +489,9 @@ def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOC
 
     settings = _settings(home=home)
     store = _store(home)
-    try:
-        summary = store.get_session(session_id, owner=owner)
-    except IsagiError:
-        summary = None
-    if summary is None or not store.delete_session(session_id, owner=owner):
-        err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
-                  highlight=False, markup=False)
-        raise typer.Exit(1)
+    summary = _own_summary(store, session_id, owner)
+    if not store.delete_session(session_id, owner=owner):
+        _no_such_session(session_id, owner)
     removed = session_files(settings).remove(session_id, summary.miku_path)
     note = f" and {removed[0].name}" if removed else ""
     out.print(f"Deleted session {session_id}{note}.", highlight=False, markup=False)

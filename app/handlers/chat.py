@@ -227,10 +227,38 @@ class ChatHandlers:
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
         yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner)
 
+    def continue_reply(
+        self, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
+    ) -> Iterator[PageUpdate]:
+        """Continue the last reply, cut at the token limit, as a new turn recorded as its
+        continuation (:meth:`isagi.pipeline.engine.Engine.continue_reply`); outputs
+        :data:`~app.updates.TURN`. The chat shows the reply and its continuation as one reply.
+        Anything else last (a reply that ended by itself, a refusal, a Stop) is answered with
+        :data:`~isagi.pipeline.engine.NOT_CUT`."""
+        from isagi.pipeline.engine import NOT_CUT
+
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None:
+            yield PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
+            return
+        try:
+            can = p.sessions.can_continue(sid, owner)
+        except (KeyError, EngineLoading) as exc:
+            yield PageUpdate(state=sid, alert=p.warn(str(exc) if isinstance(exc, EngineLoading) else NOT_CUT))
+            return
+        if not can:
+            yield PageUpdate(state=sid, alert=p.warn(NOT_CUT))
+            return
+        yield from self._turn(sid, None, self._options(max_tokens, sample, temperature), colour_by,
+                              owner=owner, continuing=True)
+
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,
         regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
         new_if_unknown: bool = False, client: str | None = None, edit_at: int | None = None,
+        continuing: bool = False,
     ) -> Iterator[PageUpdate]:
         """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
@@ -245,7 +273,7 @@ class ChatHandlers:
                 run = held.enter_context(p.sessions.turn(sid, owner, message, options, regenerate=regenerate,
                                                          if_left="keep", timeout=STOP_WAIT_S,
                                                          new_if_unknown=new_if_unknown, client=client,
-                                                         edit_at=edit_at))
+                                                         edit_at=edit_at, continue_reply=continuing))
             except (SessionBusy, SessionLimit) as exc:
                 yield PageUpdate(state=sid, alert=p.warn(str(exc)))
                 return
@@ -255,7 +283,7 @@ class ChatHandlers:
             sid = run.sid
             session = run.session
             failure = yield from self._stream(sid, run, message, regenerate=regenerate, clear_box=clear_box,
-                                              edit_at=edit_at)
+                                              edit_at=edit_at, continuing=continuing)
             if failure is not None:  # the engine has put the session back as it was
                 yield PageUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
                                  seen=p.seen(sid, session))
@@ -268,7 +296,7 @@ class ChatHandlers:
 
     def _stream(
         self, sid: str, run: TurnRun, message: Any, *, regenerate: bool, clear_box: bool,
-        edit_at: int | None = None,
+        edit_at: int | None = None, continuing: bool = False,
     ) -> Generator[PageUpdate, None, _Failure | None]:
         """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
 
@@ -280,7 +308,14 @@ class ChatHandlers:
 
         p = self.page
         session = run.session
-        if regenerate:  # the chat without the turn being replaced, then its question again
+        so_far = ""  # Continue: the reply the streamed text goes on from
+        at: int | None  # the position the user message is shown at (None: Continue shows none)
+        if continuing or (regenerate and session.turns and session.turns[-1].continues):
+            # Continue (or Regenerate of a continuation): the chat up to the reply so far, which grows
+            shown = chat_window(session, drop_last=regenerate)
+            history, text, at = shown[:-2], "", None
+            so_far = _reply_so_far(session.turns[:-1] if regenerate else session.turns)
+        elif regenerate:  # the chat without the turn being replaced, then its question again
             history = chat_window(session, drop_last=True)
             text = session.turns[-1].user_text if session.turns else ""
             at = len(session.turns) - 1
@@ -290,9 +325,10 @@ class ChatHandlers:
         else:
             history = chat_window(session)
             text, at = message.text, len(session.turns)
-        user = {"role": "user", "content": user_html(text, at)}
+        user = [{"role": "user", "content": user_html(text, at)}] if at is not None else []
         reply, info = "", pending_html(None, None)
-        yield PageUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
+        opened = [{"role": "assistant", "content": render_text(so_far)}] if so_far else []
+        yield PageUpdate(state=sid, chat=[*history, *user, *opened, {"role": "assistant", "content": info}], alert="",
                          textbox="" if clear_box else KEEP)
         last = 0.0
         try:
@@ -307,8 +343,8 @@ class ChatHandlers:
                     if isinstance(ev, Token) and now - last < STREAM_INTERVAL_S:
                         continue
                     last = now
-                partial = render_text(reply)  # the same rendering as the finished reply
-                shown = [*history, user, *([{"role": "assistant", "content": partial}] if partial else []),
+                partial = render_text(so_far + reply)  # the same rendering as the finished reply
+                shown = [*history, *user, *([{"role": "assistant", "content": partial}] if partial else []),
                          {"role": "assistant", "content": info}]
                 yield PageUpdate(state=sid, chat=shown)
         except IsagiError as exc:
@@ -420,6 +456,16 @@ class ChatHandlers:
         except (KeyError, EngineLoading):
             return PageUpdate(map=plots.map_figure({}))
         return PageUpdate(map=p.map_of(session, colour_by))
+
+
+def _reply_so_far(turns: list[Any]) -> str:
+    """The text of the last reply with the continuations it already has."""
+    parts: list[str] = []
+    for t in reversed(turns):
+        parts.append(t.reply_text)
+        if not t.continues:
+            break
+    return "".join(reversed(parts))
 
 
 def _page_of(request: Any) -> str:

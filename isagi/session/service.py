@@ -416,11 +416,13 @@ class SessionService:
         self, sid: str | None, owner: str, message: Message | None, options: GenerationOptions, *,
         regenerate: bool = False, if_left: Literal["keep", "drop"] = "keep", timeout: float = BUSY_WAIT_S,
         expect: list[Exchange] | None = None, new_if_unknown: bool = False, client: str | None = None,
-        edit_at: int | None = None,
+        edit_at: int | None = None, continue_reply: bool = False,
     ) -> Iterator[TurnRun]:
         """Hold ``owner``'s session ``sid`` for one turn of ``message`` (or Regenerate of its last
         question, or ``message`` as the edited question of turn ``edit_at``, which it replaces
-        with every turn after it: :meth:`~isagi.pipeline.engine.Engine.edit`) and give its
+        with every turn after it: :meth:`~isagi.pipeline.engine.Engine.edit`, or with
+        ``continue_reply`` a continuation of its last reply, cut at the token limit:
+        :meth:`~isagi.pipeline.engine.Engine.continue_reply`) and give its
         :class:`TurnRun` (its ``sid`` is the session's).
 
         :class:`~isagi.errors.SessionBusy` when another event holds it past ``timeout``,
@@ -447,6 +449,8 @@ class SessionService:
             def open_events() -> Generator[TurnEvent, None, None]:
                 if regenerate:
                     return engine.regenerate(entry.session, options=options, stop=entry.stop)
+                if continue_reply:
+                    return engine.continue_reply(entry.session, options=options, stop=entry.stop)
                 assert message is not None
                 if edit_at is not None:
                     return engine.edit(entry.session, edit_at, message, options=options, stop=entry.stop)
@@ -472,6 +476,12 @@ class SessionService:
         except KeyError:
             return Stopped(None)
         return Stopped(entry.session, entry.stop_latency_s)
+
+    def can_continue(self, sid: str | None, owner: str | None) -> bool:
+        """Whether ``owner``'s session ``sid`` ends with a reply cut at the token limit (KeyError: unknown)."""
+        from isagi.pipeline.engine import Engine
+
+        return Engine.can_continue(self.session(sid, owner))
 
     def switch_version(self, sid: str | None, owner: str, step: int) -> tuple[Session, str | None]:
         """Show the previous (``step`` -1) or next (+1) version of the last reply of ``owner``'s

@@ -156,23 +156,26 @@ class Session:
 
         Only accepted turns (verdict ``ok``, a non-empty reply): refused,
         withheld and cancelled (Stop) turns never enter a later prompt, or a
-        stopped story would be continued by the next question. Walks from the
+        stopped story would be continued by the next question. A reply and its accepted
+        continuations (:attr:`Turn.continues`) are one exchange. Walks from the
         end, so a caller that stops early never reads the whole session.
         """
+        tail = ""  # the accepted continuations of the reply before them, in order
         for t in reversed(self.turns):
-            if t.accepted:
+            if not t.accepted:
+                tail = ""  # a continuation joins only a reply the prompt takes
+            elif t.continues:
+                tail = t.reply_text + tail
+            else:
                 yield [
                     {"role": "user", "content": t.user_text},
-                    {"role": "assistant", "content": t.reply_text},
+                    {"role": "assistant", "content": t.reply_text + tail},
                 ]
+                tail = ""
 
     def exchanges(self) -> list[list[dict[str, str]]]:
         """Every exchange that may enter a prompt (see :meth:`recent_exchanges`), oldest first."""
-        return [
-            [{"role": "user", "content": t.user_text}, {"role": "assistant", "content": t.reply_text}]
-            for t in self.turns
-            if t.accepted
-        ]
+        return list(reversed(list(self.recent_exchanges())))
 
     def chat_history(self) -> list[dict[str, str]]:
         """Every accepted earlier exchange as chat messages, oldest first (no budget)."""
@@ -180,4 +183,5 @@ class Session:
 
     def last_user_key(self) -> str:
         """The content key of the latest message (the context of the next one)."""
-        return content_key(self.turns[-1].user_text) if self.turns else ""
+        asked = next((t for t in reversed(self.turns) if not t.continues), None)  # a Continue asks nothing
+        return content_key(asked.user_text) if asked is not None else ""

@@ -185,9 +185,13 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         context_shift: bool = False,
         capture_reply: bool = True,
         stop: threading.Event | None = None,
+        reply_prefix: str = "",
     ) -> LlamaCppDecoding:
         """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
-        return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
+        ids = self.chat_tokens(messages)
+        if reply_prefix:  # an open reply (Continue): its own tokens after the prompt, no special tokens
+            ids += self.tokenize(reply_prefix, special=False)
+        return LlamaCppDecoding(self, ids, layer, options, also_capture=also_capture,
                                 steer=steer, reuse_prefix=reuse_prefix, states_only=states_only,
                                 context_shift=context_shift, capture_reply=capture_reply, stop=stop)
 
