@@ -83,7 +83,7 @@ class ChatHandlers:
         if p.holder.ready:
             try:
                 sid = self._reattach(sid, owner, client)
-            except SessionLimit as exc:
+            except (SessionLimit, SessionBusy) as exc:  # a cap, or open on another ISAGI server
                 return p.view(None, colour_by, owner).but(state=None, status=f"**{exc}**")
         loading = not (p.holder.ready or p.holder.failed)  # the banner's timer, only while loading
         update = p.view(sid, colour_by, owner).but(
