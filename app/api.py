@@ -262,6 +262,8 @@ class Api:
         except SessionLimit as exc:  # the service's words: which cap, what to do
             raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit",
                            headers={"Retry-After": "5"}) from None
+        except SessionBusy as exc:  # open on another ISAGI server (a shared session store)
+            raise ApiError(409, str(exc), code="session_busy", headers={"Retry-After": "5"}) from None
 
     # -- a turn --------------------------------------------------------------------
     def run_turn(self, p: PreparedRequest, emit: Callable[[TurnEvent], bool],

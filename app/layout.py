@@ -426,6 +426,8 @@ def build_blocks(ui: WebUI) -> Any:
                     with gr.Row():
                         stop = gr.Button("Stop", variant="stop", elem_id="isagi-stop")
                         regen = gr.Button("Regenerate", elem_id="isagi-regen")
+                        # extends a reply cut at the token limit (anything else: an alert says so)
+                        cont = gr.Button("Continue", elem_id="isagi-continue")
                         new = gr.Button("New chat", elem_id="isagi-new")
                     with gr.Accordion("Generation settings", open=False):
                         # the server's limit (ISAGI_MAX_NEW_TOKENS) is the slider's end: the engine
@@ -557,6 +559,11 @@ def build_blocks(ui: WebUI) -> Any:
                                [state, *gen_in], out(u.TURN), show_progress="minimal",
                                api_name="regenerate", **model_q)
         relist(ev_regen)
+        ev_cont = cont.click(R(chat_h.continue_reply, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
+                               u.TURN),
+                             [state, *gen_in], out(u.TURN), show_progress="minimal",
+                             api_name="continue_reply", **model_q)
+        relist(ev_cont)
         ev_edit = edit_send.click(R(chat_h.edit_send, ["message", "edit_turn", "sid", "max_tokens", "sample",
                                                       "temperature", "colour_by"], u.EDIT_TURN),
                                   [msg, edit_turn, state, *gen_in], out(u.EDIT_TURN), show_progress="minimal",
@@ -566,7 +573,7 @@ def build_blocks(ui: WebUI) -> Any:
             button.click(R(chat_h.version, ["sid", "colour_by"], u.VERSION, step), [state, colour_by], out(u.VERSION),
                          api_name=NO_API, show_progress="hidden", **light_q)
         stop.click(R(waiting_h.stop, ["sid", "box_text", "colour_by"], u.STOP), [state, msg, colour_by], out(u.STOP),
-                   cancels=[ev_send, ev_api_send, ev_regen, ev_edit], show_progress="hidden", api_name="stop",
+                   cancels=[ev_send, ev_api_send, ev_regen, ev_edit, ev_cont], show_progress="hidden", api_name="stop",
                    queue=False)
         new_fn = R(chat_h.new_chat, ["sid", "colour_by"], u.NEW_CHAT)
         relist(new.click(new_fn, [state, colour_by], out(u.NEW_CHAT), api_name="new_chat", **light_q))

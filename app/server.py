@@ -190,6 +190,7 @@ def create_app(
                 retention.stop()
             if holder.ready:
                 sessions.save_all()  # each file written brings its history up to it
+                sessions.close()  # their leases go back: another replica takes them over at once
                 if waiting := sessions.retry_history():
                     log.warning("%d exchange(s) could not be added to the history at shutdown; they are in "
                                 "their session files, and the next start adds them", waiting)

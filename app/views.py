@@ -161,22 +161,43 @@ def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None,
     escaped HTML. ``first_turn``: the position of the first message's turn in its session
     (the user messages then carry theirs, for Edit: :func:`user_html`); ``versions``: (current,
     count) of the turns with several replies, by position, shown in their info lines
-    (:func:`versions_html`; the arrows only under ``last_turn``).
+    (:func:`versions_html`; the arrows only under ``last_turn``). A continuation (Continue:
+    a reply's ``continues``) is shown as part of the reply before it, without its request, with
+    the continuation's info line saying so (:func:`continued_html`).
     """
     out: list[dict[str, str]] = []
     turn = first_turn
-    for m in messages:
+    reply: str | None = None  # the text of the reply shown last, while a continuation may join it
+    for i, m in enumerate(messages):
         if m.get("role") == "user":
-            out.append({"role": "user", "content": user_html(m.get("text", ""), turn)})
+            after = messages[i + 1] if i + 1 < len(messages) else {}
+            if not (reply is not None and after.get("role") == "assistant" and after.get("continues") is True):
+                out.append({"role": "user", "content": user_html(m.get("text", ""), turn)})
+                reply = None
         elif m.get("role") == "assistant":
-            out.append({"role": "assistant", "content": render_text(m.get("text", "")) or EMPTY_REPLY})
-            info = info_html(m)
+            text = m.get("text", "")
+            text = text if isinstance(text, str) else ""
+            joins = reply is not None and m.get("continues") is True
+            info = continued_html(m) if joins else info_html(m)
             if versions and turn is not None and turn in versions:
                 current, count = versions[turn]
                 info = info[: -len("</div>")] + " " + versions_html(current, count, last=turn == last_turn) + "</div>"
-            out.append({"role": "assistant", "content": info})
+            reply = (reply or "") + text if joins else text
+            shown = [{"role": "assistant", "content": render_text(reply) or EMPTY_REPLY},
+                     {"role": "assistant", "content": info}]
+            if joins:
+                out[-2:] = shown
+            else:
+                out += shown
             turn = None if turn is None else turn + 1
     return out
+
+
+def continued_html(m: dict[str, Any]) -> str:
+    """The info line of a reply extended by Continue: the continuation's own, saying so."""
+    line = info_html(m)
+    mark = '<span class="isagi-continued" title="Continue extended this reply past its token limit.">continued</span>'
+    return line.replace('<div class="isagi-info">', f'<div class="isagi-info">{mark} · ', 1)
 
 
 def chat_window(session: Any, *, drop_last: bool = False, upto: int | None = None) -> list[dict[str, str]]:

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -419,15 +419,15 @@ def sessions_prune(older_than: Annotated[float, typer.Option(
     """Delete every session (of every owner) last updated more than --older-than days ago: its
     history rows and its autosaved .miku. What ISAGI_SESSION_RETENTION has a server do daily."""
     from isagi.datadir import no_other_process
-    from isagi.session.folder import SessionFiles
     from isagi.session.retention import prune_sessions
+    from isagi.session.store import session_files
 
     if not older_than > 0:
         raise InputError(f"--older-than {older_than:g}: give a number of days above 0, e.g. 30.")
     settings = _settings(home=home)
     store = _store(home)
     with no_other_process(settings, "removing sessions"):  # a server would save its open ones again
-        pruned = prune_sessions(store, SessionFiles(settings.sessions_dir), older_than, dry_run=dry_run)
+        pruned = prune_sessions(store, session_files(settings), older_than, dry_run=dry_run)
     if as_json:
         _print_json({"dry_run": dry_run, "older_than_days": older_than, "sessions": pruned.sessions,
                      "files": [str(p) for p in pruned.files]})
@@ -439,6 +439,23 @@ def sessions_prune(older_than: Annotated[float, typer.Option(
         out.print(f"  {sid}", highlight=False, markup=False)
 
 
+def _no_such_session(session_id: str, owner: str) -> NoReturn:
+    err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
+              highlight=False, markup=False)
+    raise typer.Exit(1)
+
+
+def _own_summary(store: Any, session_id: str, owner: str) -> Any:
+    """``owner``'s history summary of ``session_id``; exits 1 saying how to find the ids when there is none."""
+    try:
+        summary = store.get_session(session_id, owner=owner)
+    except IsagiError:
+        summary = None
+    if summary is None:
+        _no_such_session(session_id, owner)
+    return summary
+
+
 @sessions_app.command("rename")
 @friendly
 def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
@@ -446,26 +463,20 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
     list shows it). Refused while a server uses the data directory: rename in its page instead."""
     from isagi.datadir import no_other_process
     from isagi.session.files import retitle_file
-    from isagi.session.folder import SessionFiles
+    from isagi.session.store import session_files
     from isagi.storage.titles import make_title
 
     if not title.strip():
         raise InputError("Give a title with at least one character that is not a space.")
     settings = _settings(home=home)
     store = _store(home)
-    try:
-        summary = store.get_session(session_id, owner=owner)
-    except IsagiError:
-        summary = None
-    if summary is None:
-        err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
-                  highlight=False, markup=False)
-        raise typer.Exit(1)
+    summary = _own_summary(store, session_id, owner)
     new = make_title(title)
     with no_other_process(settings, "renaming a session", "rename it in the server's page"):  # a server's open copy would save its old title
-        path = SessionFiles(settings.sessions_dir).find(session_id, summary.miku_path)
+        files = session_files(settings)
+        path = files.find(session_id, summary.miku_path)
         if path is not None:
-            retitle_file(path, new)
+            retitle_file(path, new, files=files)
         store.rename_session(session_id, new, owner=owner)
     out.print(f"Session {session_id} is now titled {new!r}.", highlight=False, markup=False)
 
@@ -474,19 +485,14 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
 @friendly
 def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Delete a session, its turns and its autosaved .miku."""
-    from isagi.session.folder import SessionFiles
+    from isagi.session.store import session_files
 
     settings = _settings(home=home)
     store = _store(home)
-    try:
-        summary = store.get_session(session_id, owner=owner)
-    except IsagiError:
-        summary = None
-    if summary is None or not store.delete_session(session_id, owner=owner):
-        err.print(f"No session {session_id!r} of owner {owner!r}; `isagi sessions list --owner {owner}` shows the ids.",
-                  highlight=False, markup=False)
-        raise typer.Exit(1)
-    removed = SessionFiles(settings.sessions_dir).remove(session_id, summary.miku_path)
+    summary = _own_summary(store, session_id, owner)
+    if not store.delete_session(session_id, owner=owner):
+        _no_such_session(session_id, owner)
+    removed = session_files(settings).remove(session_id, summary.miku_path)
     note = f" and {removed[0].name}" if removed else ""
     out.print(f"Deleted session {session_id}{note}.", highlight=False, markup=False)
 

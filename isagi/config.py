@@ -51,6 +51,10 @@ class Settings:
     # default, SERVER_PARALLEL for the servers (isagi web, serve), 1 for everything else.
     parallel: int | None = None
     database_url: str | None = None
+    # Where the .miku session files live: None, the sessions directory under ``home``; a
+    # postgresql URL, a table there every replica shares, each live session leased to one
+    # process (isagi.session.store, isagi.session.lease).
+    sessions_url: str | None = None
     layer: int | None = None  # None: the model's default (2/3 of its depth)
     safety_layer: int | None = None  # None: the model's default for safety (3/5 of its depth)
     k: int = 64
@@ -189,7 +193,18 @@ def _validated(s: Settings) -> Settings:
     if s.session_retention_days is not None and not (0 < s.session_retention_days <= 36_500):
         raise ConfigError(f"ISAGI_SESSION_RETENTION={s.session_retention_days:g}: use a number of days from "
                           "above 0 up to 36500 (e.g. 30), or leave it unset to keep every session.")
+    if s.sessions_url is not None:
+        _check_sessions_url(s.sessions_url)
     return s
+
+
+def _check_sessions_url(url: str) -> None:
+    if not url.startswith(("postgresql:", "postgresql+", "postgres:")):
+        raise ConfigError(
+            f"ISAGI_SESSIONS_URL={url[:60]!r}: use a PostgreSQL URL such as "
+            "postgresql+psycopg://user:pw@host/db (shared by every replica), or leave it unset "
+            "for the sessions directory under ISAGI_HOME."
+        )
 
 
 def _proxy(entry: str) -> str:
@@ -262,6 +277,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["parallel"] = _int("ISAGI_PARALLEL", v)
     if v := env.get("ISAGI_DATABASE_URL"):
         values["database_url"] = v
+    if v := env.get("ISAGI_SESSIONS_URL"):
+        values["sessions_url"] = v
     if v := env.get("ISAGI_LAYER"):
         values["layer"] = _int("ISAGI_LAYER", v)
     if v := env.get("ISAGI_SAFETY_LAYER"):

@@ -176,11 +176,17 @@ def _reconcile(settings: Settings) -> Any:
     """The history repaired from the session files; a history that cannot be opened is
     reported (the engine's own start reports it too) and skipped."""
     from isagi.pipeline.keeping import Reconciled, reconcile_history
-    from isagi.session.folder import SessionFiles
+    from isagi.session.store import session_files
     from isagi.storage.history import HistoryStore
 
-    if not SessionFiles(settings.sessions_dir).all():
-        return None
+    try:
+        files = session_files(settings)
+        if not files.all():
+            return None
+    except StorageError as exc:  # the shared store is away: the server's own start says so too
+        report = Reconciled()
+        report.skipped["the session store"] = f"could not be read ({exc})"
+        return report
     try:
         store = HistoryStore(settings.resolved_database_url)
     except StorageError as exc:
@@ -188,6 +194,6 @@ def _reconcile(settings: Settings) -> Any:
         report.skipped["the history"] = f"could not be opened ({exc})"
         return report
     try:
-        return reconcile_history(store, settings.sessions_dir)
+        return reconcile_history(store, settings.sessions_dir, files=files)
     finally:
         store.close()

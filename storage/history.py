@@ -35,6 +35,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -90,6 +91,18 @@ class SessionModel(Base):
     miku_path: Mapped[str | None] = mapped_column(Text)
     # Last column: revision 0002 adds it to existing databases (rows before it are "local").
     owner: Mapped[str] = mapped_column(String(OWNER_MAX), server_default=LOCAL_OWNER)
+
+
+class SessionFileModel(Base):
+    """A session's ``.miku`` file when the sessions live in the database (ISAGI_SESSIONS_URL,
+    :mod:`storage.session_files`): its name in the sessions folder and its whole bytes, replaced
+    in one transaction (a reader sees the old bytes or the new, never a mix)."""
+
+    __tablename__ = "session_files"
+
+    name: Mapped[str] = mapped_column(String(80), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    updated_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
 class TurnModel(Base):

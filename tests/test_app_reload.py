@@ -38,8 +38,11 @@ def _talk(ui: WebUI, who, *texts: str, sid: str | None = None) -> str:
 
 
 def _user_texts(chat: list[dict]) -> list[str]:
-    """The user's messages of a chat, as text (the chat holds them rendered: ``<p>text</p>``)."""
-    return [html.unescape(re.sub(r"<[^>]+>", "", m["content"])).strip() for m in chat if m["role"] == "user"]
+    """The user's messages of a chat, as the page shows them (the chat holds them rendered,
+    ``<p>text</p>``, beside a hidden copy of the text as sent, which Edit reads)."""
+    shown = (re.sub(r'<span class="isagi-raw">.*?</span>', "", m["content"], flags=re.S) for m in chat
+             if m["role"] == "user")
+    return [html.unescape(re.sub(r"<[^>]+>", "", c)).strip() for c in shown]
 
 
 @pytest.fixture

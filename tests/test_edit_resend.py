@@ -83,3 +83,15 @@ def test_rewind_to_the_start_leaves_an_empty_manifold_and_refuses_a_position_it_
         rewind(s, 1)
     with pytest.raises(InputError):
         next(ui.page.engine.edit(s, 0, D))
+
+
+def test_an_edit_closed_before_it_is_recorded_puts_back_the_turns_it_was_to_cut(ui):
+    sid = _asked(ui, A, B, C)
+    s = ui.page.registry.entry(sid).session
+    before = ([t.user_text for t in s.turns], s.metric.M.copy(), list(s.memory.to_columns()["query_text"]))
+    events = ui.page.engine.edit(s, 1, D)
+    next(events)  # the decision; then the page goes away (the events are closed)
+    events.close()
+    assert ([t.user_text for t in s.turns], list(s.memory.to_columns()["query_text"])) == (before[0], before[2])
+    np.testing.assert_array_equal(s.metric.M, before[1])
+    assert counts(ui, sid) == (3, 3, 3)

@@ -1,6 +1,7 @@
-"""Stop during a long prompt's evaluation (issue 39), on the real default model through llama.cpp:
-the turn ends long before the evaluation would, recorded as cancelled with an empty reply, and
-the next turn of the same session is answered normally (the KV cache was left consistent)."""
+"""Stop during a long prompt's evaluation (issue 39), on the real default model through llama.cpp,
+with one sequence and with two slots (ISAGI_PARALLEL=2, the step runner): the turn ends long
+before the evaluation would, recorded as cancelled with an empty reply, and the next turn of the
+same session is answered normally (the KV cache was left consistent)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ pytestmark = pytest.mark.model
 LONG = " ".join(f"Paragraph {i}: the harbour town kept its boats, nets and lanterns in good order." for i in range(110))
 
 
-@pytest.fixture(scope="module")
-def engine(settings_default):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-sequence", "two-slots"])
+def engine(request, settings_default):
     from isagi.pipeline.engine import Engine
 
-    return Engine.start(settings_default.with_overrides(backend="llamacpp"), with_store=False)
+    engine = Engine.start(settings_default.with_overrides(backend="llamacpp", parallel=request.param),
+                          with_store=False)
+    assert engine.lm.slots == request.param
+    yield engine
+    engine.lm.close()
 
 
 def _turn(engine, session, text: str, stop: threading.Event | None = None):

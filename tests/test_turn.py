@@ -30,7 +30,7 @@ def full_turn() -> Turn:
     return Turn(user_text="q ✓", reply_text="a\nb", tier="AUGMENT", distance=0.125, nearest_query="near",
                 zone="science", teh_prompt=12.5, teh_reply=3.0, verdict="withheld", category="fraud",
                 latency_s=0.5, prompt_tokens=40, new_tokens=9, metric_growth=0.01, context_dependent=True,
-                cluster=4, memory_id=7, generated=True, asked_at=1.7e9, answered_at=1.7e9 + 1)
+                cluster=4, memory_id=7, generated=True, cut=True, continues=True, asked_at=1.7e9, answered_at=1.7e9 + 1)
 
 
 def test_every_field_round_trips_through_the_file_form() -> None:

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,7 @@ class ChatHandlers:
         if p.holder.ready:
             try:
                 sid = self._reattach(sid, owner, client)
-            except SessionLimit as exc:
+            except (SessionLimit, SessionBusy) as exc:  # a cap, or open on another ISAGI server
                 return p.view(None, colour_by, owner).but(state=None, status=f"**{exc}**")
             # a reload during a reply: this page shows the session at once (the page that left
             # does not park it), and the reply the left page ran, stopped, is read as recorded
@@ -214,28 +214,54 @@ class ChatHandlers:
         generated anew) and the new turn takes the old one's place in the history store and the
         autosaved file too; if it fails, the old turn stays.
         """
-        p = self.page
-        owner, _ = p.who(request)
+        owner, refusal = self._may(sid, request, self.page.sessions.can_regenerate, "Nothing to regenerate yet.",
+                                   "Nothing to regenerate: send a message first.")
         if owner is None:
-            yield PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
-            return
-        try:
-            can = p.sessions.can_regenerate(sid, owner)
-        except (KeyError, EngineLoading) as exc:
-            msg = str(exc) if isinstance(exc, EngineLoading) else "Nothing to regenerate yet."
-            yield PageUpdate(state=sid, alert=p.warn(msg))
-            return
-        if not can:
-            yield PageUpdate(state=sid, alert=p.warn("Nothing to regenerate: send a message first."))
+            yield refusal or PageUpdate()
             return
         options = self._options(max_tokens, True, temperature, seed=random.randrange(2**31))
         yield from self._turn(sid, None, options, colour_by, regenerate=True, owner=owner, page=_page_of(request))
+
+    def continue_reply(
+        self, sid: str | None, max_tokens: float = 0, sample: bool = False,
+        temperature: float = 0.7, colour_by: str = "tier", request: Any = None,
+    ) -> Iterator[PageUpdate]:
+        """Continue the last reply, cut at the token limit, as a new turn recorded as its
+        continuation (:meth:`isagi.pipeline.engine.Engine.continue_reply`); outputs
+        :data:`~app.updates.TURN`. The chat shows the reply and its continuation as one reply.
+        Anything else last (a reply that ended by itself, a refusal, a Stop) is answered with
+        :data:`~isagi.pipeline.engine.NOT_CUT`."""
+        from isagi.pipeline.engine import NOT_CUT
+
+        owner, refusal = self._may(sid, request, self.page.sessions.can_continue, NOT_CUT, NOT_CUT)
+        if owner is None:
+            yield refusal or PageUpdate()
+            return
+        yield from self._turn(sid, None, self._options(max_tokens, sample, temperature), colour_by,
+                              owner=owner, continuing=True)
+
+    def _may(
+        self, sid: str | None, request: Any, can: Callable[[str | None, str | None], bool], unknown: str,
+        nothing: str,
+    ) -> tuple[str | None, PageUpdate | None]:
+        """(the caller, None) when ``can(sid, caller)`` says the last turn allows the action
+        (Regenerate, Continue); else (None, the alert saying why not: not logged in, still
+        loading, ``unknown`` session, or ``nothing`` to act on)."""
+        p = self.page
+        owner, _ = p.who(request)
+        if owner is None:
+            return None, PageUpdate(state=sid, alert=p.warn(NOT_LOGGED_IN))
+        try:
+            ok = can(sid, owner)
+        except (KeyError, EngineLoading) as exc:
+            return None, PageUpdate(state=sid, alert=p.warn(str(exc) if isinstance(exc, EngineLoading) else unknown))
+        return (owner, None) if ok else (None, PageUpdate(state=sid, alert=p.warn(nothing)))
 
     def _turn(
         self, sid: str | None, message: Any, options: Any, colour_by: str, *,
         regenerate: bool = False, owner: str = LOCAL_OWNER, clear_box: bool = False,
         new_if_unknown: bool = False, client: str | None = None, edit_at: int | None = None,
-        page: str = "",
+        page: str = "", continuing: bool = False,
     ) -> Iterator[PageUpdate]:
         """One turn of session ``sid`` as page updates: take the session, stream, show the result.
 
@@ -251,7 +277,8 @@ class ChatHandlers:
                 run = held.enter_context(p.sessions.turn(sid, owner, message, options, regenerate=regenerate,
                                                          if_left="keep", timeout=STOP_WAIT_S,
                                                          new_if_unknown=new_if_unknown, client=client,
-                                                         edit_at=edit_at, page=page))
+                                                         edit_at=edit_at, page=page,
+                                                         continue_reply=continuing))
             except (SessionBusy, SessionLimit) as exc:
                 yield PageUpdate(state=sid, alert=p.warn(str(exc)))
                 return
@@ -261,7 +288,7 @@ class ChatHandlers:
             sid = run.sid
             session = run.session
             failure = yield from self._stream(sid, run, message, regenerate=regenerate, clear_box=clear_box,
-                                              edit_at=edit_at)
+                                              edit_at=edit_at, continuing=continuing)
             if failure is not None:  # the engine has put the session back as it was
                 yield PageUpdate(state=sid, chat=chat_window(session), alert=failure.alert,
                                  seen=p.seen(sid, session))
@@ -274,7 +301,7 @@ class ChatHandlers:
 
     def _stream(
         self, sid: str, run: TurnRun, message: Any, *, regenerate: bool, clear_box: bool,
-        edit_at: int | None = None,
+        edit_at: int | None = None, continuing: bool = False,
     ) -> Generator[PageUpdate, None, _Failure | None]:
         """Stream the engine's turn into chat updates; returns None when it ended, or the failure.
 
@@ -286,7 +313,14 @@ class ChatHandlers:
 
         p = self.page
         session = run.session
-        if regenerate:  # the chat without the turn being replaced, then its question again
+        so_far = ""  # Continue: the reply the streamed text goes on from
+        at: int | None  # the position the user message is shown at (None: Continue shows none)
+        if continuing or (regenerate and session.turns and session.turns[-1].continues):
+            # Continue (or Regenerate of a continuation): the chat up to the reply so far, which grows
+            shown = chat_window(session, drop_last=regenerate)
+            history, text, at = shown[:-2], "", None
+            so_far = _reply_so_far(session.turns[:-1] if regenerate else session.turns)
+        elif regenerate:  # the chat without the turn being replaced, then its question again
             history = chat_window(session, drop_last=True)
             text = session.turns[-1].user_text if session.turns else ""
             at = len(session.turns) - 1
@@ -296,9 +330,10 @@ class ChatHandlers:
         else:
             history = chat_window(session)
             text, at = message.text, len(session.turns)
-        user = {"role": "user", "content": user_html(text, at)}
+        user = [{"role": "user", "content": user_html(text, at)}] if at is not None else []
         reply, info = "", pending_html(None, None)
-        yield PageUpdate(state=sid, chat=[*history, user, {"role": "assistant", "content": info}], alert="",
+        opened = [{"role": "assistant", "content": render_text(so_far)}] if so_far else []
+        yield PageUpdate(state=sid, chat=[*history, *user, *opened, {"role": "assistant", "content": info}], alert="",
                          textbox="" if clear_box else KEEP)
         last = 0.0
         try:
@@ -313,8 +348,8 @@ class ChatHandlers:
                     if isinstance(ev, Token) and now - last < STREAM_INTERVAL_S:
                         continue
                     last = now
-                partial = render_text(reply)  # the same rendering as the finished reply
-                shown = [*history, user, *([{"role": "assistant", "content": partial}] if partial else []),
+                partial = render_text(so_far + reply)  # the same rendering as the finished reply
+                shown = [*history, *user, *([{"role": "assistant", "content": partial}] if partial else []),
                          {"role": "assistant", "content": info}]
                 yield PageUpdate(state=sid, chat=shown)
         except IsagiError as exc:
@@ -426,6 +461,16 @@ class ChatHandlers:
         except (KeyError, EngineLoading):
             return PageUpdate(map=plots.map_figure({}))
         return PageUpdate(map=p.map_of(session, colour_by))
+
+
+def _reply_so_far(turns: list[Any]) -> str:
+    """The text of the last reply with the continuations it already has."""
+    parts: list[str] = []
+    for t in reversed(turns):
+        parts.append(t.reply_text)
+        if not t.continues:
+            break
+    return "".join(reversed(parts))
 
 
 def _page_of(request: Any) -> str:

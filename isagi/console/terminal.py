@@ -15,6 +15,9 @@ A line that is exactly :data:`REGENERATE` (``/regenerate``) is a command, not a
 message: the last question runs again and its new reply replaces the last one
 in the session, its file and the history store (the engine's
 :meth:`~isagi.pipeline.engine.Engine.regenerate`, as the web page's Regenerate).
+A line that is exactly :data:`CONTINUE` (``/continue``) extends the last reply when it was cut
+at the token limit (:meth:`~isagi.pipeline.engine.Engine.continue_reply`, as the page's Continue);
+its text streams on where the reply stopped.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from isagi.pipeline.events import Done, shown_text
 
 DOUBLE_PRESS_S = 2.0  # a second Ctrl-C within this many seconds of the first leaves the chat
 REGENERATE = "/regenerate"  # the command that runs the last question again (see the module's docstring)
-HELP = f"{REGENERATE} runs your last question again and replaces its reply"
+CONTINUE = "/continue"  # the command that extends a reply cut at the token limit
+HELP = (f"{REGENERATE} runs your last question again and replaces its reply; "
+        f"{CONTINUE} extends a reply cut at the token limit")
 
 
 class StopOnInterrupt:
@@ -102,6 +107,8 @@ def chat_loop(
         try:
             if line.strip() == REGENERATE:
                 start = engine.regenerate(session, options=_sampling(options), stop=(stop := threading.Event()))
+            elif line.strip() == CONTINUE:
+                start = engine.continue_reply(session, options, stop=(stop := threading.Event()))
             else:
                 message = engine.check(line)  # an InputError here runs nothing
                 start = engine.stream_turn(session, message, options=options, stop=(stop := threading.Event()))

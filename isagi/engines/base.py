@@ -216,6 +216,7 @@ class ModelEngine(Protocol):
         states_only: bool = False,
         context_shift: bool = False,
         stop: threading.Event | None = None,
+        reply_prefix: str = "",
     ) -> Decoding:
         """A reply to ``messages`` capturing ``layer`` (and ``also_capture``); ``steer`` adds a
         vector to the output of ``layer`` (explore only; captured states are read before it).
@@ -241,7 +242,14 @@ class ModelEngine(Protocol):
         ``stop``: the turn's Stop. Set while the prompt is evaluated, the evaluation ends between
         two chunks of the prompt and ``prefill`` (or ``stream``'s own) raises
         :class:`PrefillStopped` (llama.cpp; transformers evaluates a prompt in one pass and
-        only checks it before); the engine's cache is left as if the prompt had never run."""
+        only checks it before); the engine's cache is left as if the prompt had never run.
+
+        ``reply_prefix``: the beginning of the assistant's reply, left open (Continue of a reply
+        cut at the token limit): the prompt is ``messages`` ready to answer, as the model saw
+        them when it began the reply, followed by the tokens of ``reply_prefix`` alone (no
+        special tokens: a reply's text never turns into a template token), so decoding goes on
+        from there and ``text`` / ``new_ids`` hold what comes after it. Both engines tokenise it
+        so: the prompt tokens are ``chat_tokens(messages)`` then the prefix's own tokens."""
         ...
 
     def iter_prompt_states(

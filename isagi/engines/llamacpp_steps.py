@@ -9,7 +9,10 @@ every waiting single-token step into one batch (ascending sequence order), runs
 ``llama_decode`` once, copies each step's logits and captured rows out, and wakes their
 threads. A prompt (more than one token) runs in chunks of its own, taking turns with the
 replies' tokens (a reply waits at most one chunk, a prompt is not held back until every
-reply has ended). A chunk never shares a batch with other sequences' tokens: with one KV
+reply has ended). A prompt a Stop may end (``Step.stop``) ends between its chunks, inside
+one (the context's abort callback, :mod:`isagi.engines.llamacpp.abort`: a chunk holds this
+sequence's tokens alone, so no other sequence's work is cut), or while it waits in the queue.
+A chunk never shares a batch with other sequences' tokens: with one KV
 stream per sequence, llama.cpp cuts a batch into ubatches holding the same number of
 tokens of each sequence (``split_equal``), so the mix would become many small ubatches,
 and the eval callback runs once per ubatch.
@@ -30,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from isagi.engines.base import PrefillStopped
 from isagi.engines.llama_thread import is_llama_thread, submit_to_llama_thread
+from isagi.engines.llamacpp.abort import ABORTED, POLL_S, PromptAbort, StopWatch
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Step:
     logits: str = "last"  # "last", "all" or "none"
     capture: dict[bytes, int] | None = None  # node name -> layer, as LayerCapture takes it
     truncate: bool = False  # states only: the graph may stop after the captured layers
+    stop: StopWatch | None = None  # a prompt a Stop may end: between chunks, inside one, or while it waits
     # filled in by the runner
     out_logits: np.ndarray | None = None  # (n, vocab): the logits asked for, in token order
     out_states: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n, d)
@@ -68,9 +74,11 @@ class StepRunner:
     """Runs the steps of every sequence of one context, batching single-token steps."""
 
     def __init__(self, ll: Any, ctx: Any, capture: Any, n_vocab: int, *, n_seq_max: int, lock: Any,
-                 n_batch: int = 512) -> None:
-        """``lock``: the engine's, held around each ``llama_decode`` (and by its KV state reads and writes)."""
+                 n_batch: int = 512, abort: PromptAbort | None = None) -> None:
+        """``lock``: the engine's, held around each ``llama_decode`` (and by its KV state reads and
+        writes); ``abort``: the context's abort callback, which ends a stopped prompt's chunk."""
         self._ll, self._ctx, self._capture, self._n_vocab = ll, ctx, capture, n_vocab
+        self._abort = abort
         self._lock = lock
         self._n_batch = n_batch
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
@@ -136,7 +144,12 @@ class StepRunner:
                 self._running = True
                 submit_to_llama_thread(self._loop)
         try:
-            step.finished.wait()  # its own event: a decode wakes only the threads it served
+            # its own event: a decode wakes only the threads it served; a stopped prompt that is
+            # still queued (behind another prompt's chunk) is taken back at once
+            while not step.finished.wait(None if step.stop is None else POLL_S):
+                assert step.stop is not None
+                if step.stop.stopped():
+                    raise PrefillStopped
         except BaseException:
             with self._cv:
                 taken_back = step in self._pending
@@ -232,15 +245,22 @@ class StepRunner:
             b.seq_id[i][0] = seq
         b.n_tokens = len(items)
 
-    def _decode(self, n: int, capture: dict[bytes, int] | None, truncate: bool) -> dict[int, np.ndarray]:
+    def _decode(self, n: int, capture: dict[bytes, int] | None, truncate: bool,
+                stop: StopWatch | None = None) -> dict[int, np.ndarray]:
         cap = self._capture
         with self._lock:
             if capture:
                 cap.start(capture, n, truncate=truncate)
             try:
-                status = int(self._ll.llama_decode(self._ctx, self._batch))
+                if stop is not None and self._abort is not None:
+                    with self._abort.running(stop):
+                        status = int(self._ll.llama_decode(self._ctx, self._batch))
+                else:
+                    status = int(self._ll.llama_decode(self._ctx, self._batch))
             finally:
                 cap.stop()
+        if status == ABORTED and stop is not None:
+            raise PrefillStopped  # llama.cpp removed the cut chunk's positions from the cache
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}")
         if capture and not cap.complete():  # pragma: no cover - a graph without these nodes
@@ -270,12 +290,14 @@ class StepRunner:
         True once its last chunk is evaluated (its states and logits are then set)."""
         n = len(s.tokens)
         off = s.evaluated
+        if s.stop is not None and s.stop.stopped():
+            raise PrefillStopped
         chunk = s.tokens[off : off + self.prompt_chunk]
         last_chunk = off + len(chunk) == n
         want = [s.logits == "all" or (s.logits == "last" and last_chunk and j == len(chunk) - 1)
                 for j in range(len(chunk))]
         self._fill([(t, s.start + off + j, s.seq, w) for j, (t, w) in enumerate(zip(chunk, want, strict=True))])
-        rows = self._decode(len(chunk), s.capture, s.truncate)
+        rows = self._decode(len(chunk), s.capture, s.truncate, s.stop)
         for layer, got in rows.items():
             s.parts.setdefault(layer, []).append(got)
         s.logit_rows += [self._logits(j) for j, w in enumerate(want) if w]

@@ -79,8 +79,8 @@ from isagi.pipeline.model_turns import ModelTurns
 from isagi.pipeline.prompts import Prompts
 from isagi.session.files import SessionFrame
 from isagi.session.folder import SessionFiles
-from isagi.session.state import PROMPT_STATE_CACHE, Session
-from isagi.session.turn import Message, Turn
+from isagi.session.state import PROMPT_STATE_CACHE, Checkpoint, Session
+from isagi.session.turn import CONTINUE_TEXT, Message, Turn
 from isagi.session.versions import ReplyVersions
 
 if TYPE_CHECKING:
@@ -90,12 +90,13 @@ if TYPE_CHECKING:
     from isagi.safety.runtime import ReplyGuard
     from isagi.storage.history import HistoryStore
 
-__all__ = ["PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
+__all__ = ["NOT_CUT", "PROMPT_STATE_CACHE", "Engine", "Message", "Session", "Turn", "TurnEvent"]
 
 log = logging.getLogger(__name__)
 
 
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
+NOT_CUT = "Nothing to continue: the last reply was not cut at the token limit."
 
 @dataclass
 class Prepared:
@@ -120,6 +121,7 @@ class Generated:
     reply_states: np.ndarray  # hidden states at layer L of the reply tokens
     prompt_tokens: int
     new_tokens: int
+    cut: bool = False  # an accepted reply that ended at the token limit (Continue can extend it)
 
 
 class Classification(TypedDict):
@@ -234,6 +236,7 @@ class Engine:
         record: bool = True,
         replaces_last: bool = False,
         fresh: bool = False,
+        before_record: Callable[[Turn], None] | None = None,
     ) -> Generator[TurnEvent, None, None]:
         """One turn: the decision, the reply's text deltas, then the finished :class:`Turn`.
 
@@ -243,6 +246,8 @@ class Engine:
         persists it in place of the session's last exchange (:meth:`regenerate`,
         which undid that turn in the session first). ``fresh``: never answer from
         memory; a RETRIEVE generates a new reply, which replaces the stored one.
+        ``before_record``: called with the finished turn just before it joins the session and is
+        persisted (Regenerate keeps the reply it replaced with it).
 
         A turn that raises, or whose events are closed, before it is recorded leaves
         the session as it was (rolled back to the checkpoint taken at its start).
@@ -250,7 +255,8 @@ class Engine:
         text = self.check(message).text
         if record and not replaces_last:
             _check_room(session)
-        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last, fresh=fresh)
+        return self._run(session, text, options, stop, record=record, replaces_last=replaces_last, fresh=fresh,
+                         before_record=before_record)
 
     def regenerate(
         self,
@@ -270,6 +276,8 @@ class Engine:
         """
         if not session.can_regenerate:
             raise InputError("Nothing to regenerate: send a message first.")
+        if session.turns[-1].continues:  # a continuation is generated again from the reply it continued
+            return self._recontinue(session, options, stop)
         return self._regenerate(session, options, stop)
 
     def _regenerate(
@@ -282,21 +290,13 @@ class Engine:
         kept = session.versions.get(at) or ReplyVersions([last], 0)  # the replies this turn has had
         now = session.checkpoint()  # with the turn being replaced: put back if the new one fails
         session.rollback(undo)
-        recorded = False  # once the new turn is recorded (its "done" event), nothing takes it back
 
         def keep_versions(turn: Turn) -> None:  # before it is persisted: the file holds them too
             session.versions[at] = kept.with_new(turn)
 
-        try:
-            for event in self._run(session, last.user_text, options, stop, record=True, replaces_last=True,
-                                   fresh=True, before_record=keep_versions):
-                recorded = recorded or isinstance(event, Done)
-                yield event
-        except BaseException:
-            if not recorded:
-                session.rollback(now)
-                session.undo = undo
-            raise
+        yield from _or_put_back(session, now, undo, self.stream_turn(
+            session, Message(last.user_text), options=options, stop=stop, replaces_last=True, fresh=True,
+            before_record=keep_versions))
 
     def switch_version(self, session: Session, to: int) -> str | None:
         """Make version ``to`` (0 the oldest) of the last turn's replies the current one: the chat
@@ -354,16 +354,131 @@ class Engine:
 
         before, undo = session.checkpoint(), session.undo
         rewind(session, index)
-        recorded = False
-        try:
-            for event in self._run(session, text, options, stop, record=True, replaces_last=True):
-                recorded = recorded or isinstance(event, Done)
-                yield event
-        except BaseException:
-            if not recorded:
-                session.rollback(before)
-                session.undo = undo
-            raise
+        yield from _or_put_back(session, before, undo,
+                                self._run(session, text, options, stop, record=True, replaces_last=True))
+
+    # -- Continue -----------------------------------------------------------------
+
+    @staticmethod
+    def can_continue(session: Session) -> bool:
+        """Whether the session's last turn is a reply cut at the token limit (Continue can extend it)."""
+        return _cut_reply(session) is not None
+
+    def continue_reply(
+        self, session: Session, options: GenerationOptions | None = None, stop: threading.Event | None = None,
+    ) -> Generator[TurnEvent, None, None]:
+        """Continue the session's last reply, cut at the token limit, as a new turn (Continue).
+
+        The model gets the prompt of the question that reply answers (its history, the question,
+        ready to answer) with the reply so far as the open beginning of its message, and decodes
+        on (``ModelEngine.generation(reply_prefix=...)``). The new turn is recorded as a
+        continuation (:attr:`Turn.continues`, request :data:`~isagi.session.turn.CONTINUE_TEXT`,
+        its reply the continuation alone); the reply guard judges the reply as one (the last
+        states of the reply so far in front of the new ones). It is not a new question: the
+        metric does not move; accepted, it extends the reply of the question's memory record, so
+        the memory answers with the whole reply. The events are a turn's (:meth:`stream_turn`).
+        An :class:`InputError` at the call when the last turn is no cut reply (:data:`NOT_CUT`).
+        """
+        if _cut_reply(session) is None:
+            raise InputError(NOT_CUT)
+        _check_room(session)
+        return self._continue(session, options, stop, replaces_last=False)
+
+    def _recontinue(
+        self, session: Session, options: GenerationOptions | None, stop: threading.Event | None
+    ) -> Generator[TurnEvent, None, None]:
+        """Regenerate of a continuation: the session as before it, then Continue again in its place
+        (if that fails before it is recorded, the old continuation and its undo are put back)."""
+        undo = session.undo
+        assert undo is not None
+        now = session.checkpoint()
+        session.rollback(undo)
+        if _cut_reply(session) is None:  # cannot happen for a recorded continuation; say so plainly
+            session.rollback(now)
+            session.undo = undo
+            raise InputError(NOT_CUT)
+        yield from _or_put_back(session, now, undo, self._continue(session, options, stop, replaces_last=True))
+
+    def _continue(
+        self, session: Session, options: GenerationOptions | None, stop: threading.Event | None, *,
+        replaces_last: bool,
+    ) -> Generator[TurnEvent, None, None]:
+        """:meth:`_run` for a continuation: the same limits, undo, timing and recording."""
+        return self._run(session, CONTINUE_TEXT, options, stop, record=True, replaces_last=replaces_last,
+                         locked=lambda limited: self._continue_locked(session, limited, stop))
+
+    def _continue_locked(
+        self, session: Session, options: GenerationOptions, stop: threading.Event | None
+    ) -> Generator[TurnEvent, None, Turn]:
+        """Decode the continuation of the cut reply and extend the question's memory record."""
+        import dataclasses
+
+        from isagi.safety.runtime import ReplyGuard
+
+        found = _cut_reply(session)
+        assert found is not None
+        at, reply = found
+        asked = session.turns[at]
+        # the session as the question found it: its history window is the continuation's
+        earlier = dataclasses.replace(session, turns=session.turns[:at])
+        messages = self.prompts.continuation(earlier, asked.user_text, reply)
+        safety = self.profile.safety
+        turn = Turn(user_text=CONTINUE_TEXT, reply_text="", tier=asked.tier, zone=asked.zone,
+                    teh_prompt=asked.teh_prompt, context_dependent=asked.context_dependent,
+                    cluster=asked.cluster, continues=True, new_tokens=0)
+        yield Decided(asked.tier)
+        with _OpenGeneration(self.lm, self.layer, options, also_capture=tuple(safety.read_layers), stop=stop) as slot:
+            try:
+                # the question's safety state (the guard judges the reply with it): as its turn had it
+                lookup = self.prompts.build(earlier, asked.user_text, None, with_history=False)
+                key = _prompt_key(lookup)
+                known = session.cached_states(key)
+                h, h_safety, _ = _prefill(slot, self.lm, lookup, safety.read_layers, known, states_only=True)
+                if known is None:
+                    session.cache_states(key, h, h_safety)
+                # the reply's last tokens are evaluated (their states go to the guard); everything
+                # before them may come from a saved KV cache (the cut turn's prompt and reply)
+                n_open = len(self.lm.chat_tokens(messages))
+                n_all = n_open + self.lm.count_tokens(reply)
+                guard = ReplyGuard(safety, h_safety)
+                tail = min(guard.window, n_all - n_open)
+                gen = slot.open(messages, reuse_prefix=n_all - max(tail, 1), reply_prefix=reply,
+                                context_shift=self.settings.context_shift)
+                gen.prefill()
+            except PrefillStopped:  # Stop before the continuation began: nothing said
+                turn.verdict = "cancelled"
+                return turn
+            before = np.stack([gen.prompt_state(safety.layer, (i, i + 1)) for i in range(n_all - tail, n_all)]) \
+                if tail else None
+            out = yield from _generate(slot, None, guard, stop, before=before)
+            if out.verdict == "withheld":
+                from isagi.safety.runtime import REFUSAL_TEMPLATE
+
+                turn.category = self._category(h_safety)
+                out.reply = "[reply withheld] " + REFUSAL_TEMPLATE.format(category=turn.category.replace("_", " "))
+                yield Withheld("\n\n" + out.reply)
+        turn.reply_text, turn.verdict, turn.teh_reply, turn.cut = out.reply, out.verdict, out.teh_reply, out.cut
+        turn.prompt_tokens, turn.new_tokens, turn.generated = out.prompt_tokens, out.new_tokens, True
+        if out.verdict == "ok":
+            self._extend_memory(session, at, reply, out)
+        return turn
+
+    def _extend_memory(self, session: Session, at: int, reply: str, out: Generated) -> None:
+        """The memory record of the question at turn ``at`` (whose reply so far is ``reply``) gets
+        the whole reply: its text, and as coordinates the token-weighted mean of the reply so far's
+        and the continuation's (the projection is affine: the mean of the whole reply's states).
+        A record no longer there (evicted, or never stored) is left alone."""
+        record_id = _record_of(session, at, reply)
+        if record_id is None:
+            return
+        old = session.memory.get(record_id)
+        n_old = sum(int(t.new_tokens or 0) for t in session.turns[at:])
+        n_new = len(out.reply_states)
+        reply_x = np.asarray(old["reply_x"], dtype=np.float64)
+        if n_new:
+            new_x = project(session.basis, out.reply_states.mean(axis=0))
+            reply_x = (reply_x * n_old + new_x * n_new) / (n_old + n_new) if n_old else new_x
+        session.memory.replace_reply(record_id, reply_x, reply + out.reply)
 
     def _run(
         self,
@@ -376,7 +491,11 @@ class Engine:
         replaces_last: bool,
         fresh: bool = False,
         before_record: Callable[[Turn], None] | None = None,
+        locked: Callable[[GenerationOptions], Generator[TurnEvent, None, Turn]] | None = None,
     ) -> Generator[TurnEvent, None, None]:
+        """A turn's frame around its model work (``locked``, by default :meth:`_turn_locked`; a
+        continuation's own): the server's limits, the checkpoint it rolls back to, its timing,
+        and its recording."""
         started, asked_at = time.perf_counter(), time.time()
         # the server's limits win over whatever the front end asked for (ISAGI_MAX_NEW_TOKENS)
         options = within_limits(options or GenerationOptions(max_new_tokens=self.settings.max_new_tokens),
@@ -384,7 +503,8 @@ class Engine:
         before = session.checkpoint()
         try:
             with self.model_turns:
-                turn = yield from self._turn_locked(session, text, options, stop, fresh=fresh)
+                turn = yield from (locked(options) if locked is not None
+                                   else self._turn_locked(session, text, options, stop, fresh=fresh))
             turn.latency_s = time.perf_counter() - started
             turn.metric_growth = session.metric.growth
             turn.asked_at, turn.answered_at = asked_at, time.time()
@@ -446,6 +566,7 @@ class Engine:
                 yield Withheld("\n\n" + out.reply)
         turn.reply_text, turn.verdict, turn.teh_reply = out.reply, out.verdict, out.teh_reply
         turn.prompt_tokens, turn.new_tokens, turn.generated = out.prompt_tokens, out.new_tokens, True
+        turn.cut = out.cut
         if out.verdict == "ok" and replacing is not None:
             # the question is not new: no metric update, the stored record gets the new reply
             reply_x = project(session.basis, out.reply_states.mean(axis=0)) if len(out.reply_states) \
@@ -593,6 +714,25 @@ class Engine:
                               cluster=cluster, memory_id=memory_id, asked_at=now, answered_at=now))
 
 
+def _or_put_back(
+    session: Session, before: Checkpoint, undo: Checkpoint | None, events: Generator[TurnEvent, None, None]
+) -> Generator[TurnEvent, None, None]:
+    """``events`` of a turn that replaces others (Regenerate, an edit), passed on; if they raise, or
+    are closed, before the new turn is recorded (its ``Done``), the session is put back to
+    ``before`` with its ``undo``: the turns it was to replace stay. Once recorded, nothing takes it back."""
+    recorded = False
+    try:
+        for event in events:
+            recorded = recorded or isinstance(event, Done)
+            yield event
+    except BaseException:
+        events.close()  # first: the turn undoes its own part, then the session is put back whole
+        if not recorded:
+            session.rollback(before)
+            session.undo = undo
+        raise
+
+
 def _learn(
     session: Session, text: str, reply: str, x: np.ndarray, reply_states: np.ndarray, d: Decision, context_key: str
 ) -> tuple[int, int]:
@@ -610,6 +750,45 @@ def _learn(
         content_key=content_key(text),
     )
     return cluster, memory_id
+
+
+def _cut_reply(session: Session) -> tuple[int, str] | None:
+    """(position of the question turn, the reply so far) when the session's last turn is an
+    accepted reply cut at the token limit (the question's reply and any continuations of it, all
+    accepted); None otherwise."""
+    turns = session.turns
+    if not turns or not (turns[-1].cut and turns[-1].generated and turns[-1].accepted):
+        return None
+    parts: list[str] = []
+    for i in range(len(turns) - 1, -1, -1):
+        t = turns[i]
+        if not t.accepted:
+            return None
+        parts.append(t.reply_text)
+        if not t.continues:
+            return i, "".join(reversed(parts))
+    return None
+
+
+def _record_of(session: Session, at: int, reply: str) -> int | None:
+    """The id of the memory record holding turn ``at``'s question with ``reply``: the turn's own
+    ``memory_id``, else (a regenerated answer from memory replaced another record's reply) the
+    record with that question and reply; None when there is none."""
+    asked = session.turns[at]
+    memory = session.memory
+    if asked.memory_id is not None:
+        try:
+            record = memory.get(asked.memory_id)
+        except KeyError:
+            return None
+        return int(asked.memory_id) if record["reply_text"] == reply else None
+    if not len(memory):
+        return None
+    cols = memory.to_columns()
+    for rid, query, stored in zip(cols["id"], cols["query_text"], cols["reply_text"], strict=True):
+        if query == asked.user_text and stored == reply:
+            return int(rid)
+    return None
 
 
 def _prompt_key(messages: list[dict[str, str]]) -> str:
@@ -652,8 +831,12 @@ def _generate(
     stop: threading.Event | None,
     *,
     context_shift: bool = False,
+    before: np.ndarray | None = None,
 ) -> Generator[TurnEvent, None, Generated]:
     """Decode a reply (from ``messages``, or the prompt already open), yielding its text deltas.
+
+    ``before``: the guard layer's states of the reply this one continues (Continue), which the
+    guard sees in front of the new ones: it judges the reply as one.
 
     ``context_shift``: the prompt's history may come from a saved KV cache with the exchanges the
     history window dropped cut out of it (see ``ModelEngine.generation``).
@@ -685,7 +868,7 @@ def _generate(
             gen.stop()
         if len(gen.new_ids) - checked >= guard.every:
             checked = len(gen.new_ids)
-            over, teh_reply = guard.check(gen.reply_hidden(layer))
+            over, teh_reply = guard.check(_joined(before, gen.reply_hidden(layer)))
             if over:
                 verdict = "withheld"
                 break
@@ -694,10 +877,15 @@ def _generate(
     if gen.finish_reason == "cancelled" and verdict == "ok":
         verdict = "cancelled"
     if verdict == "ok" and len(gen.new_ids) > checked:
-        over, teh_reply = guard.check(gen.reply_hidden(layer))
+        over, teh_reply = guard.check(_joined(before, gen.reply_hidden(layer)))
         if over:
             verdict = "withheld"
-    return Generated(gen.text, verdict, teh_reply, gen.reply_hidden(), gen.prompt_tokens, len(gen.new_ids))
+    return Generated(gen.text, verdict, teh_reply, gen.reply_hidden(), gen.prompt_tokens, len(gen.new_ids),
+                     cut=verdict == "ok" and gen.finish_reason == "length")
+
+
+def _joined(before: np.ndarray | None, states: np.ndarray) -> np.ndarray:
+    return states if before is None or not len(before) else np.concatenate([before, states])
 
 
 class _OpenGeneration:
@@ -712,11 +900,12 @@ class _OpenGeneration:
         self.messages: list[dict[str, str]] | None = None
 
     def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False,
-             context_shift: bool = False) -> Decoding:
+             context_shift: bool = False, reply_prefix: str = "") -> Decoding:
         self.close()
         self.current = self.lm.generation(messages, self.layer, self.options, also_capture=self.also_capture,
                                           reuse_prefix=reuse_prefix, states_only=states_only,
-                                          context_shift=context_shift, stop=self.stop)
+                                          context_shift=context_shift, stop=self.stop,
+                                          reply_prefix=reply_prefix)
         self.current.__enter__()
         self.messages = messages
         return self.current

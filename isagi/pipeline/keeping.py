@@ -33,7 +33,6 @@ store, the live session and the file count the same turns.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -47,6 +46,7 @@ from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cau
 if TYPE_CHECKING:
     from isagi.session.files import SessionFrame
     from isagi.session.state import Session
+    from isagi.session.store import SessionStore
     from isagi.session.turn import Turn
     from isagi.storage.history import HistoryStore
 
@@ -299,7 +299,10 @@ def default_keeper(frame: Callable[[], SessionFrame], store: HistoryStore | None
     written with :func:`isagi.session.files.save_session` under the engine's ``frame()``."""
     from isagi.session.files import save_session
 
-    return TurnKeeper(store, lambda session, path: save_session(frame(), session, path), model_id=model_id)
+    # a live session's file goes where the registry keeps it (Session.files: the sessions
+    # directory or the database the replicas share); anyone else's is a local file
+    return TurnKeeper(store, lambda session, path: save_session(frame(), session, path, files=session.files),
+                      model_id=model_id)
 
 
 # --------------------------------------------------------------------------- the start-up repair
@@ -343,7 +346,7 @@ class Reconciled:
         return out
 
 
-def reconcile_history(store: HistoryStore, sessions_dir: str | Path) -> Reconciled:
+def reconcile_history(store: HistoryStore, sessions_dir: str | Path, *, files: SessionStore | None = None) -> Reconciled:
     """Bring the history store level with the autosaved ``.miku`` files (the source of truth).
 
     Reads only the files written after their session's last history record
@@ -353,30 +356,30 @@ def reconcile_history(store: HistoryStore, sessions_dir: str | Path) -> Reconcil
     one, as the owner the file names), a last exchange that differs is
     replaced (an interrupted Regenerate); anything else is reported and left
     alone, so nothing is ever deleted. Run only while no other process writes
-    the data directory (:class:`isagi.datadir.DataDir` says whether).
+    the data directory (:class:`isagi.datadir.DataDir` says whether). ``files``: the session
+    store holding them (default: the directory ``sessions_dir``).
     """
     from isagi.session.folder import SessionFiles
     from isagi.session.turn import turns_from_messages
-    from isagi.storage.miku import read_miku
 
     report = Reconciled()
-    root = Path(sessions_dir)
+    store_files: SessionStore = files if files is not None else SessionFiles(Path(sessions_dir))
     try:
-        files = SessionFiles(root).all()
+        paths = store_files.all()
     except OSError:
         return report
-    if not files:
+    if not paths:
         return report
     times = store.session_times()
-    for path in files:
+    for path in paths:
         sid = path.stem
         known = times.get(sid)
-        with contextlib.suppress(OSError):
-            if known is not None and path.stat().st_mtime <= known[1].timestamp():
-                continue  # written before its history's last record: in step
+        written = store_files.modified(path)
+        if known is not None and written is not None and written <= known[1].timestamp():
+            continue  # written before its history's last record: in step
         report.checked += 1
         try:
-            state = read_miku(path)
+            state = store_files.read(path)
         except StorageError as exc:
             report.skipped[path.name] = f"unreadable ({exc})"
             continue

@@ -107,6 +107,23 @@ class Prompts:
     ) -> list[dict[str, str]]:
         return prompt_messages(self.settings.system_prompt, text, related, history)
 
+    def continuation(self, session: Session, text: str, reply: str) -> list[dict[str, str]]:
+        """The chat that continues ``reply`` to ``text`` (Continue; the engine appends the reply,
+        left open): ``session`` as the question found it, its history window less its oldest
+        exchanges while the prompt and the reply so far are over the budget. An
+        :class:`InputError` when the reply so far leaves no room for the prompt."""
+        history = self.fitting_history(session, text)
+        extra = self.count_tokens(reply)
+        while history and self.prompt_tokens(self.messages(text, None, history)) + extra > self.budget:
+            history = history[2:]
+        if self.prompt_tokens(self.messages(text, None, history)) + extra > self.budget:
+            raise InputError(
+                f"This reply is already {extra:,} tokens long: with its question it fills the prompt budget "
+                f"of {self.budget:,} tokens, so it cannot be continued. Ask a follow-up question instead "
+                "(e.g. \"Go on from where you stopped\")."
+            )
+        return self.messages(text, None, history)
+
     def history_window(self, session: Session, text: str) -> tuple[int, list[list[dict[str, str]]]]:
         """(the window's start, every accepted exchange of ``session`` oldest first) for a turn
         asking ``text``: the exchanges from the start on are the prompt's history.

@@ -45,6 +45,7 @@ from isagi.session.versions import versions_from_extra, versions_to_extra
 from isagi.storage.titles import session_title
 
 if TYPE_CHECKING:
+    from isagi.session.store import SessionStore
     from isagi.storage.miku import MikuState
 
 FORMAT_VERSION = 2
@@ -256,8 +257,9 @@ def session_state(frame: SessionFrame, session: Session) -> MikuState:
     )
 
 
-def save_session(frame: SessionFrame, session: Session, path: Path) -> None:
-    """Write the session atomically to ``path`` (parent directories are created).
+def save_session(frame: SessionFrame, session: Session, path: Path, *, files: SessionStore | None = None) -> None:
+    """Write the session atomically to ``path`` (parent directories are created), in ``files``
+    (the session store: :mod:`isagi.session.store`; None, a local file).
 
     What :func:`load_session` would refuse is not written: the state passes the
     same :func:`check_session_state` first (the format's own limits are the
@@ -267,20 +269,27 @@ def save_session(frame: SessionFrame, session: Session, path: Path) -> None:
 
     state = session_state(frame, session)
     check_session_state(state, "the session")
+    if files is not None:
+        files.write(path, state)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     write_miku(path, state)
 
 
-def retitle_file(path: Path, title: str) -> None:
-    """Give the session saved at ``path`` the title ``title`` (its settings' ``title``), rewriting
-    the file atomically; the rest of the file is kept as it is. Needs no model: a renamed
-    session's file is read and written as the format's state, not as a living session."""
+def retitle_file(path: Path, title: str, *, files: SessionStore | None = None) -> None:
+    """Give the session saved at ``path`` (in ``files``; None: a local file) the title ``title``
+    (its settings' ``title``), rewriting the file atomically; the rest of the file is kept as it
+    is. Needs no model: a renamed session's file is read and written as the format's state, not
+    as a living session."""
     from isagi.storage.miku import read_miku, write_miku
 
-    state = read_miku(path, allow_other_model=True)
+    state = files.read(path, allow_other_model=True) if files is not None else read_miku(path, allow_other_model=True)
     state.extra["title"] = title
     check_session_state(state, path)
-    write_miku(path, state)
+    if files is not None:
+        files.write(path, state)
+    else:
+        write_miku(path, state)
 
 
 def load_session(
@@ -290,8 +299,9 @@ def load_session(
     allow_other_model: bool = False,
     id_taken: Callable[[str], bool] | None = None,
     session_id: str | None = None,
+    files: SessionStore | None = None,
 ) -> Session:
-    """Restore a session from ``path``; raise :class:`MikuError` if it does not fit ``frame``
+    """Restore a session from ``path`` (in ``files``; None: a local file); raise :class:`MikuError` if it does not fit ``frame``
     (another model, unless ``allow_other_model``; another hidden size).
 
     Everything is checked (:func:`session_from_state`) before the session is
@@ -303,9 +313,12 @@ def load_session(
     """
     from isagi.storage.miku import read_miku
 
-    state = read_miku(
-        path, expected_fingerprint=frame.model_fingerprint, allow_other_model=allow_other_model
-    )
+    if files is not None:
+        state = files.read(path, expected_fingerprint=frame.model_fingerprint, allow_other_model=allow_other_model)
+    else:
+        state = read_miku(
+            path, expected_fingerprint=frame.model_fingerprint, allow_other_model=allow_other_model
+        )
     d = int(state.header["d"])
     if d != frame.hidden_size:
         raise MikuError(

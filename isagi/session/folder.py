@@ -15,14 +15,21 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isagi.ids import is_session_id
+
+if TYPE_CHECKING:
+    from isagi.storage.miku import MikuState
 
 SUFFIX = ".miku"
 
 
 class SessionFiles:
-    """The sessions folder (``Settings.sessions_dir``) and the rules for the files in it."""
+    """The sessions folder (``Settings.sessions_dir``) and the rules for the files in it: the
+    directory implementation of :class:`isagi.session.store.SessionStore` (the default)."""
+
+    shared = False  # one process owns the folder (the data directory's flock): no leases
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -73,3 +80,29 @@ class SessionFiles:
             return []
         return sorted(p for p in self.root.glob(f"*{SUFFIX}")
                       if is_session_id(p.stem) and self._inside(p) is not None and p.is_file())
+
+    # -- the bytes (the same for every path, in the folder or not: a download, ``--save``) ----
+    def read(self, path: str | os.PathLike[str], *, expected_fingerprint: str | None = None,
+             allow_other_model: bool = False) -> MikuState:
+        """The file at ``path``, read and checked (:func:`storage.miku.read_miku`)."""
+        from isagi.storage.miku import read_miku
+
+        return read_miku(path, expected_fingerprint=expected_fingerprint, allow_other_model=allow_other_model)
+
+    def write(self, path: str | os.PathLike[str], state: MikuState) -> None:
+        """Save ``state`` at ``path`` atomically (:func:`storage.miku.write_miku`), its folder made first."""
+        from isagi.storage.miku import write_miku
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_miku(path, state)
+
+    def read_bytes(self, path: str | os.PathLike[str]) -> bytes:
+        """The file's bytes as they are (a download of the saved file)."""
+        return Path(path).read_bytes()
+
+    def modified(self, path: str | os.PathLike[str]) -> float | None:
+        """When the file was last written (seconds since 1970), None when there is none."""
+        try:
+            return Path(path).stat().st_mtime
+        except OSError:
+            return None

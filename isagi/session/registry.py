@@ -30,6 +30,13 @@ What it guarantees:
 Nothing here changes a session's turns, metric or memory: a turn, Regenerate
 and the rollback of a failed turn are the engine's (:class:`isagi.pipeline.engine.Engine`,
 :meth:`isagi.session.state.Session.checkpoint`).
+- One writer across replicas: with a shared session store (``ISAGI_SESSIONS_URL``) a session
+  is live here only while this process holds its lease (:mod:`isagi.session.lease`), taken
+  where it becomes live (create, adopt, reopen, the resume of a parked id) before its file is
+  read, and given back where it stops being live (release, park, eviction, discard, reclaim,
+  :meth:`SessionRegistry.close`). Another process's session answers :class:`SessionBusy`
+  after a bounded wait (``lease_wait_s``); once free, it is taken over from its last save.
+  With the local sessions directory there are no leases (one process: the data directory's flock).
 - Owners: each entry (and each parked id) belongs to an owner (the logged-in
   user, ``local`` without a login) and remembers its client address; every
   lookup takes the caller's owner, and another owner's id raises ``KeyError``
@@ -55,13 +62,15 @@ from typing import TYPE_CHECKING
 
 from isagi.errors import IsagiError, SessionBusy, SessionLimit
 from isagi.ids import new_session_id
-from isagi.session.folder import SessionFiles
+from isagi.session.lease import BUSY_ELSEWHERE, MOVED
 from isagi.session.state import Session
 from isagi.storage.owners import LOCAL_OWNER
 
 if TYPE_CHECKING:
     from isagi.pipeline.engine import Engine
     from isagi.session.files import SessionFrame
+    from isagi.session.lease import SessionLeases
+    from isagi.session.store import SessionStore
 
 SaveFn = Callable[["SessionFrame", Session, Path], None]
 LoadFn = Callable[..., Session]
@@ -74,6 +83,7 @@ DEFAULT_IDLE_S = 30 * 60.0
 SAVE_RETRY_S = 5.0
 SAVED_AGAIN = "Saved: this chat's file and history are written now (there was room on the disk again)."
 MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotten beyond it)
+LEASE_WAIT_S = 5.0  # how long a request waits for another replica to let go of its session
 MAX_PARKABLE = 1024  # ids of parkable sessions remembered before those gone are forgotten
 
 __all__ = ["SAVED_AGAIN", "SAVE_RETRY_S", "Entry", "SessionBusy", "SessionLimit", "SessionRegistry",
@@ -148,8 +158,14 @@ class SessionRegistry:
         clock: Callable[[], float] = time.monotonic,
         max_per_client: int = 32,
         max_total: int = 256,
+        files: SessionStore | None = None,
+        leases: SessionLeases | None = None,
+        lease_wait_s: float = LEASE_WAIT_S,
     ) -> None:
         self._get_engine = get_engine
+        self._files = files
+        self._leases = leases
+        self.lease_wait_s = float(lease_wait_s)
         self.idle_s = float(idle_s)
         self._save = save
         self._load = load
@@ -161,6 +177,7 @@ class SessionRegistry:
         self._pages: dict[str, str] = {}  # a browser page (Gradio session hash) -> the session id it shows
         # sessions made live for a stateless client's request (the API): parked to make room at a cap
         self._parkable: dict[str, None] = {}
+        self._reclaimed: list[str] = []  # ids reclaimed under the guard, whose leases still go
         self._guard = threading.Lock()  # protects the two dicts, never held during I/O
         self._reaper: threading.Thread | None = None
         self._reaper_stop = threading.Event()
@@ -176,18 +193,82 @@ class SessionRegistry:
         if self._save is None:
             from isagi.session.files import save_session
 
-            self._save = save_session
+            self._save = functools.partial(save_session, files=self.files)
         return self._save
 
     def _load_fn(self) -> LoadFn:
         if self._load is None:
             from isagi.session.files import load_session
 
-            self._load = load_session
+            self._load = functools.partial(load_session, files=self.files)
         return self._load
 
+    def _flush_reclaimed(self) -> None:
+        with self._guard:
+            ids, self._reclaimed = self._reclaimed, []
+        self._unlease(*ids)
+
+    @property
+    def files(self) -> SessionStore:
+        """Where the sessions' files live (default: the engine's settings say,
+        :func:`isagi.session.store.session_files`)."""
+        if self._files is not None:
+            return self._files
+        from isagi.session.store import session_files
+
+        return session_files(self.engine.settings)
+
+    @property
+    def leases(self) -> SessionLeases | None:
+        """This process's session leases: None with a store only this process uses."""
+        if self._leases is not None:
+            return self._leases
+        files = self.files
+        if not files.shared:
+            return None
+        from isagi.session.dbstore import DatabaseSessionFiles
+        from isagi.session.lease import process_leases
+
+        if not isinstance(files, DatabaseSessionFiles):
+            return None
+        self._leases = process_leases(files.url)
+        return self._leases
+
+    def _lease(self, sid: str, *, wait: bool = True) -> bool:
+        """Hold ``sid``'s lease (no leases: nothing); :class:`SessionBusy` when another process
+        keeps it past the bounded wait. True when it was taken just now (not held before)."""
+        leases = self.leases
+        if leases is None or leases.held(sid):
+            return False
+        if not leases.acquire(sid, self.lease_wait_s if wait else 0.0):
+            raise SessionBusy(BUSY_ELSEWHERE)
+        return True
+
+    def _unlease(self, *sids: str) -> None:
+        """Give back the leases of ``sids`` that are no longer live here (never under the guard)."""
+        leases = self.leases
+        if leases is None:
+            return
+        for sid in sids:
+            with self._guard:
+                if sid in self._entries:
+                    continue
+            leases.release(sid)
+
+    @contextmanager
+    def leased(self, sid: str) -> Iterator[None]:
+        """Hold ``sid``'s lease while its file is read and it is made live (the service's
+        reopen and resume): what is read is its last save, and no other process writes it
+        meanwhile. Given back on leaving unless ``sid`` became live here."""
+        taken = self._lease(sid)
+        try:
+            yield
+        finally:
+            if taken:
+                self._unlease(sid)
+
     def _autosave_path(self, sid: str) -> Path:
-        return SessionFiles(self.engine.settings.sessions_dir).path(sid)
+        return self.files.path(sid)
 
     def __len__(self) -> int:
         with self._guard:
@@ -232,6 +313,7 @@ class SessionRegistry:
                 self._parkable.pop(sid, None)
         finally:
             entry.lock.release()
+        self._unlease(sid)
         return True
 
     def forget(self, sid: str, owner: str) -> bool:
@@ -258,6 +340,7 @@ class SessionRegistry:
         n = 0
         for e in empties[:need]:
             self._entries.pop(e.session.id, None)
+            self._reclaimed.append(e.session.id)  # their leases go after the guard
             n += 1
         self.reclaimed_total += n
         return n
@@ -299,15 +382,25 @@ class SessionRegistry:
         about to run (:attr:`Entry.claimed`)."""
         with self._guard:
             self._admit(owner, client)  # check before building anything
+        self._flush_reclaimed()
+        files = self.files
         session = self.engine.new_session()
-        session.owner = owner
-        with self._guard:
-            self._admit(owner, client)
-            while session.id in self._entries or session.id in self._parked:
-                session = self.engine.new_session()
-                session.owner = owner
-            self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock(),
-                                              claimed=claimed)
+        session.owner, session.files = owner, files
+        taken = self._lease(session.id, wait=False)  # a fresh id: free at once
+        try:
+            with self._guard:
+                self._admit(owner, client)
+                while session.id in self._entries or session.id in self._parked:
+                    if taken:  # a fresh id live meanwhile: nothing was made, ask again
+                        raise SessionBusy("This chat is busy with another request; try again in a moment.")
+                    session = self.engine.new_session()
+                    session.owner, session.files = owner, files
+                self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock(),
+                                                  claimed=claimed)
+        finally:
+            if taken:
+                self._unlease(session.id)  # only if it did not become live
+            self._flush_reclaimed()
         return session.id
 
     def adopt(self, session: Session, *, fresh_id: bool = False, owner: str = LOCAL_OWNER,
@@ -321,15 +414,28 @@ class SessionRegistry:
         The session autosaves to ``sessions_dir/<id>.miku`` from then on.
         Raises :class:`SessionLimit` at a cap.
         """
+        files = self.files
         with self._guard:
             self._admit(owner, client)
             if fresh_id:
                 session.id = ""
             while not session.id or session.id in self._entries or session.id in self._parked:
                 session.id = new_session_id()
-            session.owner = owner
-            session.miku_path = self._autosave_path(session.id)
-            self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
+        self._flush_reclaimed()
+        taken = self._lease(session.id, wait=not fresh_id)  # SessionBusy: open on another server
+        try:
+            with self._guard:
+                self._admit(owner, client)
+                if session.id in self._entries or session.id in self._parked:  # made live meanwhile
+                    raise SessionBusy("This chat is busy with another request; try again in a moment.")
+                session.owner = owner
+                session.miku_path = files.path(session.id)
+                session.files = files
+                self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
+        finally:
+            if taken:
+                self._unlease(session.id)
+            self._flush_reclaimed()
         return session.id
 
     def reopen(self, session: Session, *, owner: str = LOCAL_OWNER, client: str | None = None) -> str:
@@ -342,19 +448,29 @@ class SessionRegistry:
         :class:`SessionLimit` at a cap.
         """
         sid = session.id
+        files = self.files
         with self._guard:
-            entry = self._entries.get(sid)
-            parked = self._parked.get(sid)
-            if entry is not None or parked is not None:
-                holder = entry.owner if entry is not None else parked[1] if parked is not None else None
-                if holder != owner:
-                    raise KeyError(sid)
-            else:
-                self._admit(owner, client)
-                session.owner = owner
-                session.miku_path = self._autosave_path(sid)
-                self._entries[sid] = Entry(session, owner=owner, client=client, last_used=self._clock())
-                return sid
+            known = sid in self._entries or sid in self._parked
+        taken = False if known else self._lease(sid)  # SessionBusy: open on another server
+        try:
+            with self._guard:
+                entry = self._entries.get(sid)
+                parked = self._parked.get(sid)
+                if entry is not None or parked is not None:
+                    holder = entry.owner if entry is not None else parked[1] if parked is not None else None
+                    if holder != owner:
+                        raise KeyError(sid)
+                else:
+                    self._admit(owner, client)
+                    session.owner = owner
+                    session.miku_path = files.path(sid)
+                    session.files = files
+                    self._entries[sid] = Entry(session, owner=owner, client=client, last_used=self._clock())
+                    return sid
+        finally:
+            if taken:
+                self._unlease(sid)
+            self._flush_reclaimed()
         self.entry(sid, owner)  # live: touch it; parked: resume it from its file
         return sid
 
@@ -401,22 +517,29 @@ class SessionRegistry:
                 raise KeyError(sid)
             path = self._parked[sid][0]
         # Resume outside the guard (file I/O); another thread may race us: first one wins.
-        if path is not None and Path(path).exists():
-            session = self._load_fn()(self.engine.frame, Path(path), session_id=sid)
-            session.miku_path = Path(path)
-        else:
-            session = self.engine.new_session(session_id=sid)
-        session.owner = owner
-        with self._guard:
-            entry = self._entries.get(sid)
-            if entry is None:
-                entry = Entry(session, owner=owner, last_used=self._clock())
-                self._entries[sid] = entry
-                self._parked.pop(sid, None)
-            elif entry.owner != owner:
-                raise KeyError(sid)
-            entry.last_used = self._clock()
-            return entry
+        # With a shared store its lease comes first, so the file read is its last save.
+        taken = self._lease(sid)
+        try:
+            files = self.files
+            if path is not None and files.modified(path) is not None:
+                session = self._load_fn()(self.engine.frame, Path(path), session_id=sid)
+                session.miku_path = Path(path)
+            else:
+                session = self.engine.new_session(session_id=sid)
+            session.owner, session.files = owner, files
+            with self._guard:
+                entry = self._entries.get(sid)
+                if entry is None:
+                    entry = Entry(session, owner=owner, last_used=self._clock())
+                    self._entries[sid] = entry
+                    self._parked.pop(sid, None)
+                elif entry.owner != owner:
+                    raise KeyError(sid)
+                entry.last_used = self._clock()
+                return entry
+        finally:
+            if taken:
+                self._unlease(sid)
 
     def ensure(self, sid: str | None, owner: str = LOCAL_OWNER, client: str | None = None) -> tuple[str, Entry]:
         """``owner``'s entry for ``sid``, or a brand-new session when ``sid`` is unknown
@@ -444,12 +567,26 @@ class SessionRegistry:
                 current = self._entries.get(entry.session.id) is entry
             if not current:
                 raise KeyError(entry.session.id)
+            self._still_leased(entry)
             entry.last_used = self._clock()
             entry.claimed = False
             yield entry
         finally:
             entry.last_used = self._clock()
             entry.lock.release()
+
+    def _still_leased(self, entry: Entry) -> None:
+        """With leases: :class:`SessionBusy` (and the entry dropped unsaved) when this process has
+        lost the session's lease (its connection broke and another server may have taken it)."""
+        leases = self.leases
+        sid = entry.session.id
+        if leases is None or leases.confirm(sid):
+            return
+        log.warning("lost the lease of session %s: dropped here unsaved (another server may hold it)", sid)
+        with self._guard:
+            if self._entries.get(sid) is entry:
+                del self._entries[sid]
+        raise SessionBusy(MOVED)
 
     def _live(self, sid: str | None, owner: str) -> Entry | None:
         with self._guard:
@@ -535,6 +672,7 @@ class SessionRegistry:
         session = entry.session
         if not session.turns:
             return None  # nothing to keep: an empty chat is not written
+        self._still_leased(entry)  # never overwrite what another server now writes
         path = session.miku_path or self._autosave_path(session.id)
         engine = self.engine
         self._save_fn()(engine.frame, session, Path(path))
@@ -632,6 +770,7 @@ class SessionRegistry:
                     self._parked[entry.session.id] = (path, entry.owner)
         finally:
             entry.lock.release()
+        self._unlease(entry.session.id)
         return True
 
     def evict_idle(self, now: float | None = None) -> list[str]:
@@ -665,6 +804,7 @@ class SessionRegistry:
             finally:
                 entry.lock.release()
         self.evicted_total += len(evicted)
+        self._unlease(*evicted)
         if evicted:
             self._when_idle()
         return evicted
@@ -730,3 +870,11 @@ class SessionRegistry:
             finally:
                 entry.lock.release()
         return n
+
+    def close(self) -> None:
+        """At shutdown, after :meth:`save_all`: nothing is live here any more, and every lease
+        goes back, so another server takes these sessions over at once."""
+        with self._guard:
+            ids = list(self._entries)
+            self._entries.clear()
+        self._unlease(*ids)

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isagi.session.folder import SessionFiles
-
 if TYPE_CHECKING:
+    from isagi.session.store import SessionStore
     from isagi.storage.history import HistoryStore
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ class Pruned:
 
 def prune_sessions(
     store: HistoryStore | None,
-    files: SessionFiles,
+    files: SessionStore,
     older_than_days: float,
     *,
     now: float | None = None,
@@ -85,11 +84,8 @@ def prune_sessions(
         sid = path.stem
         if sid in known:
             continue
-        try:
-            old = path.stat().st_mtime < cutoff
-        except OSError:
-            continue
-        if not old:
+        written = files.modified(path)
+        if written is None or written >= cutoff:
             continue
         if live(sid):
             out.kept_live += 1

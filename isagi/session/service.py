@@ -3,7 +3,7 @@
 Owns the live sessions (:class:`~isagi.session.registry.SessionRegistry`), opening them (new,
 by id, from the caller's history, from an uploaded file), running a turn and Stop, parking
 and making room at the caps, and the saved side: the session files
-(:class:`~isagi.session.folder.SessionFiles`, :mod:`isagi.session.files`) and the history
+(:class:`~isagi.session.store.SessionStore`, :mod:`isagi.session.files`) and the history
 store. The page's handlers (:mod:`app.handlers`) and the OpenAI-compatible API
 (:mod:`app.api`) call it and only translate: arguments in from their protocol, the typed
 turn events (:mod:`isagi.pipeline.events`) and results out into page updates or OpenAI JSON.
@@ -26,8 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from isagi.errors import ConversationChanged, InputError, IsagiError, SessionLimit, SessionNotFound
-from isagi.session.folder import SessionFiles
+from isagi.errors import (
+    ConversationChanged,
+    InputError,
+    IsagiError,
+    SessionBusy,
+    SessionLimit,
+    SessionNotFound,
+)
 from isagi.session.registry import SAVED_AGAIN, Entry, SessionRegistry
 from isagi.session.state import Session
 from isagi.storage.miku import MAX_MIKU_BYTES, MAX_TURNS
@@ -38,6 +44,7 @@ if TYPE_CHECKING:
     from isagi.pipeline.engine import Engine
     from isagi.pipeline.events import Done, TurnEvent
     from isagi.session.retention import Pruned
+    from isagi.session.store import SessionStore
     from isagi.session.turn import Message
     from isagi.storage.history import HistoryStore
     from isagi.storage.history import (
@@ -187,8 +194,8 @@ class SessionService:
         """The history store (None: none configured)."""
         return self.engine.store
 
-    def _files(self) -> SessionFiles:
-        return SessionFiles(self.engine.settings.sessions_dir)
+    def _files(self) -> SessionStore:
+        return self.registry.files
 
     # -- live sessions ---------------------------------------------------------------------
     def session(self, sid: str | None, owner: str | None) -> Session:
@@ -284,7 +291,7 @@ class SessionService:
         path = self.saved_file(summary)
         if path is None:
             raise SessionNotFound(f"Session {sid} has no saved living state; export its history instead.")
-        return load_session(self.engine.frame, path, session_id=sid)
+        return load_session(self.engine.frame, path, session_id=sid, files=self._files())
 
     def reopen(self, sid: str | None, owner: str, client: str | None) -> str | None:
         """``owner``'s session ``sid`` made live under its own id, never a fork (a page reload, an
@@ -298,8 +305,9 @@ class SessionService:
         if self.registry.holds(sid, owner):
             return sid
         try:
-            return self.registry.reopen(self._read(sid, owner), owner=owner, client=client)
-        except SessionLimit:
+            with self.registry.leased(sid):  # another server's: SessionBusy after a bounded wait
+                return self.registry.reopen(self._read(sid, owner), owner=owner, client=client)
+        except (SessionLimit, SessionBusy):
             raise
         except SessionNotFound:  # unknown, another's, or no file: nothing to reopen
             return None
@@ -319,9 +327,10 @@ class SessionService:
             opened = Opened(sid, self.registry.entry(sid, owner).session)
             opened.left_unsaved = self._leave(leaving, owner)
             return opened
-        session = self._read(sid, owner)
-        left = self._leave(leaving, owner)
-        new = self.registry.adopt(session, owner=owner, client=client)
+        with self.registry.leased(sid):  # its last save, read while no other server writes it
+            session = self._read(sid, owner)
+            left = self._leave(leaving, owner)
+            new = self.registry.adopt(session, owner=owner, client=client)
         return Opened(new, session, forked=new != sid, left_unsaved=left)
 
     def read_upload(self, path: Path) -> Session:
@@ -407,11 +416,13 @@ class SessionService:
         self, sid: str | None, owner: str, message: Message | None, options: GenerationOptions, *,
         regenerate: bool = False, if_left: Literal["keep", "drop"] = "keep", timeout: float = BUSY_WAIT_S,
         expect: list[Exchange] | None = None, new_if_unknown: bool = False, client: str | None = None,
-        edit_at: int | None = None, page: str = "",
+        edit_at: int | None = None, page: str = "", continue_reply: bool = False,
     ) -> Iterator[TurnRun]:
         """Hold ``owner``'s session ``sid`` for one turn of ``message`` (or Regenerate of its last
         question, or ``message`` as the edited question of turn ``edit_at``, which it replaces
-        with every turn after it: :meth:`~isagi.pipeline.engine.Engine.edit`) and give its
+        with every turn after it: :meth:`~isagi.pipeline.engine.Engine.edit`, or with
+        ``continue_reply`` a continuation of its last reply, cut at the token limit:
+        :meth:`~isagi.pipeline.engine.Engine.continue_reply`) and give its
         :class:`TurnRun` (its ``sid`` is the session's).
 
         :class:`~isagi.errors.SessionBusy` when another event holds it past ``timeout``,
@@ -441,6 +452,8 @@ class SessionService:
             def open_events() -> Generator[TurnEvent, None, None]:
                 if regenerate:
                     return engine.regenerate(entry.session, options=options, stop=entry.stop)
+                if continue_reply:
+                    return engine.continue_reply(entry.session, options=options, stop=entry.stop)
                 assert message is not None
                 if edit_at is not None:
                     return engine.edit(entry.session, edit_at, message, options=options, stop=entry.stop)
@@ -477,6 +490,12 @@ class SessionService:
         if entry is None or not entry.lock.locked() or not entry.stop.is_set():
             return True
         return self.registry.wait_until_free(sid, wait_s, owner)
+
+    def can_continue(self, sid: str | None, owner: str | None) -> bool:
+        """Whether ``owner``'s session ``sid`` ends with a reply cut at the token limit (KeyError: unknown)."""
+        from isagi.pipeline.engine import Engine
+
+        return Engine.can_continue(self.session(sid, owner))
 
     def switch_version(self, sid: str | None, owner: str, step: int) -> tuple[Session, str | None]:
         """Show the previous (``step`` -1) or next (+1) version of the last reply of ``owner``'s
@@ -546,7 +565,7 @@ class SessionService:
                 entry.session.version += 1  # a page showing it redraws its list
                 self.registry.persist(entry)
         elif (path := self.saved_file(summary)) is not None:
-            retitle_file(path, new)
+            retitle_file(path, new, files=self._files())
         store.rename_session(sid, new, owner=owner)
         return new
 
@@ -588,6 +607,10 @@ class SessionService:
     def save_all(self) -> int:
         """Save every live session with turns (at shutdown); how many were written."""
         return self.registry.save_all()
+
+    def close(self) -> None:
+        """At shutdown, after :meth:`save_all`: drop the live sessions and give back their leases."""
+        self.registry.close()
 
     def retry_history(self) -> int:
         """Write the history rows a full disk held back; how many still wait."""

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from isagi.session.turn import Turn, turns_to_messages
 from isagi.session.versions import ReplyVersions
 from isagi.storage.owners import LOCAL_OWNER
 from isagi.storage.titles import session_title
+
+if TYPE_CHECKING:
+    from isagi.session.store import SessionStore
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 
@@ -63,6 +66,9 @@ class Session:
     created: float = field(default_factory=time.time)
     title: str | None = None
     miku_path: Path | None = None
+    # Where miku_path lives (the sessions directory, or the database the replicas share:
+    # isagi.session.store); None: a local file. Set by the registry when it makes the session live.
+    files: SessionStore | None = field(default=None, repr=False, compare=False)
     # Who the session belongs to in the history store: the logged-in user of the
     # web app, LOCAL_OWNER without a login. Set by whoever opens the session;
     # never read from a file.
@@ -150,23 +156,26 @@ class Session:
 
         Only accepted turns (verdict ``ok``, a non-empty reply): refused,
         withheld and cancelled (Stop) turns never enter a later prompt, or a
-        stopped story would be continued by the next question. Walks from the
+        stopped story would be continued by the next question. A reply and its accepted
+        continuations (:attr:`Turn.continues`) are one exchange. Walks from the
         end, so a caller that stops early never reads the whole session.
         """
+        tail = ""  # the accepted continuations of the reply before them, in order
         for t in reversed(self.turns):
-            if t.accepted:
+            if not t.accepted:
+                tail = ""  # a continuation joins only a reply the prompt takes
+            elif t.continues:
+                tail = t.reply_text + tail
+            else:
                 yield [
                     {"role": "user", "content": t.user_text},
-                    {"role": "assistant", "content": t.reply_text},
+                    {"role": "assistant", "content": t.reply_text + tail},
                 ]
+                tail = ""
 
     def exchanges(self) -> list[list[dict[str, str]]]:
         """Every exchange that may enter a prompt (see :meth:`recent_exchanges`), oldest first."""
-        return [
-            [{"role": "user", "content": t.user_text}, {"role": "assistant", "content": t.reply_text}]
-            for t in self.turns
-            if t.accepted
-        ]
+        return list(reversed(list(self.recent_exchanges())))
 
     def chat_history(self) -> list[dict[str, str]]:
         """Every accepted earlier exchange as chat messages, oldest first (no budget)."""
@@ -174,4 +183,5 @@ class Session:
 
     def last_user_key(self) -> str:
         """The content key of the latest message (the context of the next one)."""
-        return content_key(self.turns[-1].user_text) if self.turns else ""
+        asked = next((t for t in reversed(self.turns) if not t.continues), None)  # a Continue asks nothing
+        return content_key(asked.user_text) if asked is not None else ""

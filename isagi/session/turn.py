@@ -26,6 +26,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, get_args, get_type_hints
 
 VERDICTS = ("ok", "refused", "withheld", "cancelled")
+# The user side of a continuation turn (:attr:`Turn.continues`): what the file, the history store and
+# exports show as its request (the flag, never this text, is what marks a continuation).
+CONTINUE_TEXT = "[Continue]"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,10 @@ class Turn:
     cluster: int | None = None  # the memory cluster the exchange was stored in
     memory_id: int | None = None  # the id of the memory record the exchange stored (None: it stored none)
     generated: bool = False  # the reply was decoded (not RETRIEVEd, not refused)
+    cut: bool = False  # decoding ended at the token limit, not on an end of sequence: Continue can extend it
+    # Continue: this turn goes on with the reply before it (its reply_text is the continuation only,
+    # its user_text CONTINUE_TEXT); that reply and its continuations are one reply in every prompt
+    continues: bool = False
     asked_at: float | None = None  # seconds since 1970
     answered_at: float | None = None
 

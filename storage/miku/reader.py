@@ -271,11 +271,20 @@ def _load_path(path: Path, *, verify: bool) -> tuple[MikuState, str, bool, int]:
         raise MikuError(f"{path} cannot be read: {exc.strerror or exc}") from None
 
 
-def decode_miku(data: bytes, *, path: str | os.PathLike[str] = "<bytes>") -> MikuState:
-    """Parse and validate the bytes of a ``.miku`` v2 file (v2.0 or v2.1)."""
+def decode_miku(
+    data: bytes,
+    *,
+    path: str | os.PathLike[str] = "<bytes>",
+    expected_fingerprint: str | None = None,
+    allow_other_model: bool = False,
+) -> MikuState:
+    """Parse and validate the bytes of a ``.miku`` v2 file (v2.0 or v2.1); the model check as
+    :func:`read_miku`'s."""
     if len(data) > limits.MAX_MIKU_BYTES:
         raise MikuError(_too_large(path, len(data)))
-    return _load(io.BytesIO(data), len(data), Path(path))[0]
+    state = _load(io.BytesIO(data), len(data), Path(path))[0]
+    _check_model(state, Path(path), expected_fingerprint, allow_other_model)
+    return state
 
 
 def read_miku(
@@ -292,6 +301,11 @@ def read_miku(
     """
     path = Path(path)
     state = _load_path(path, verify=True)[0]
+    _check_model(state, path, expected_fingerprint, allow_other_model)
+    return state
+
+
+def _check_model(state: MikuState, path: Path, expected_fingerprint: str | None, allow_other_model: bool) -> None:
     got = state.header["model_fingerprint"]
     if expected_fingerprint is not None and got != expected_fingerprint:
         msg = (
@@ -304,9 +318,8 @@ def read_miku(
                 + "; its geometry does not apply. Load it with --allow-other-model to use it anyway."
             )
         warnings.warn(
-            msg + "; loading anyway because another model was allowed.", UserWarning, stacklevel=2
+            msg + "; loading anyway because another model was allowed.", UserWarning, stacklevel=3
         )
-    return state
 
 
 def file_version(path: str | os.PathLike[str]) -> tuple[int, int]:

@@ -109,13 +109,18 @@ class TransformersEngine:
         states_only: bool = False,  # noqa: ARG002 - the forward pass here is the same either way
         context_shift: bool = False,  # noqa: ARG002 - no KV cache kept between generations here
         stop: threading.Event | None = None,  # noqa: ARG002 - the prompt is one forward pass: no chunk to stop between
+        reply_prefix: str = "",
     ) -> Any:
         import torch
 
         from isagi.engines.hf.generation import Generation
 
         vec = None if steer is None else torch.as_tensor(np.asarray(steer, dtype=np.float32))
-        return Generation(self.loaded, self.loaded.chat_ids(messages), layer, options,
+        ids = self.loaded.chat_ids(messages)
+        if reply_prefix:  # an open reply (Continue): its own tokens after the prompt, no special tokens
+            more = self.tokenizer(reply_prefix, add_special_tokens=False)["input_ids"]
+            ids = torch.cat([ids, torch.tensor([list(more)], dtype=ids.dtype, device=ids.device)], dim=1)
+        return Generation(self.loaded, ids, layer, options,
                           steer=vec, also_capture=also_capture)
 
     def iter_prompt_states(

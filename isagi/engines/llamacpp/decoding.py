@@ -5,7 +5,8 @@ prompt evaluated once with its states read at the layers asked for, then one
 reply token at a time fed back and read at the same layers; the next token is
 the argmax of the logits (plain greedy decoding, as llama.cpp's greedy sampler)
 or llama.cpp's sampler chain (sampling, penalties, a banned end of text);
-cancelling between tokens; steering; and, with several slots, the sequence it
+cancelling between tokens (and the turn's Stop ending the prompt's evaluation,
+:mod:`isagi.engines.llamacpp.abort`); steering; and, with several slots, the sequence it
 holds and its own copy of its last logits. What it takes it gives back in
 ``__exit__`` (a ``finally``): the control vector and the sampler freed, its KV
 cache kept as a prefix (:mod:`isagi.engines.llamacpp.sequences`) and emptied,
@@ -28,11 +29,13 @@ import math
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from isagi.engines.base import GenerationOptions, PrefillStopped, TokenEvent
+from isagi.engines.llamacpp.abort import StopWatch
 from isagi.engines.llamacpp.text import Utf8Stream
 from isagi.manifold.pooling import last_token, span_mean
 
@@ -169,6 +172,23 @@ class LlamaCppDecoding:
     def _stopped(self) -> bool:
         return self._stop.is_set() or (self._turn_stop is not None and self._turn_stop.is_set())
 
+    @contextmanager
+    def _watching(self) -> Iterator[StopWatch | None]:
+        """Around the prompt's evaluation: with the turn's Stop, a watch that ends it, between
+        batches or inside one (:mod:`isagi.engines.llamacpp.abort`). A Stop ends it as
+        :class:`PrefillStopped`, with nothing of the half-evaluated prompt kept as a prefix
+        (``__exit__`` clears it)."""
+        try:
+            if self._turn_stop is None:
+                yield None
+            else:
+                with self.engine._abort.watch(self._stopped) as stop:
+                    yield stop
+        except PrefillStopped:
+            self._kv_len = 0
+            self.finish_reason = "cancelled"
+            raise
+
     def prefill(self) -> np.ndarray:
         assert self._entered, "use the decoding inside a with block"
         if self._multi:
@@ -176,14 +196,9 @@ class LlamaCppDecoding:
         e = self.engine
         e._clear(self)
         start = e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift) if self.reuse_prefix else 0
-        try:
+        with self._watching() as stop:
             states = e._decode(self.ids[start:], start, capture=e._names(self.layers), truncate=self.states_only,
-                               stopped=self._stopped)
-        except PrefillStopped:
-            # half a prompt in the cache: nothing of it is kept as a prefix (__exit__ clears it)
-            self._kv_len = 0
-            self.finish_reason = "cancelled"
-            raise
+                               stop=stop)
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, s) for layer, s in states.items()}
         return last_token(self._prompt[self.layer])
@@ -200,8 +215,9 @@ class LlamaCppDecoding:
                 e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
         start = (e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift, seq=self.seq)
                  if self.reuse_prefix else 0)
-        step = e.steps.run(Step(self.seq, self.ids[start:], start, logits="none" if self.states_only else "last",
-                                capture=e._names(self.layers), truncate=self.states_only))
+        with self._watching() as stop:
+            step = e.steps.run(Step(self.seq, self.ids[start:], start, logits="none" if self.states_only else "last",
+                                    capture=e._names(self.layers), truncate=self.states_only, stop=stop))
         self._next_logits = None if step.out_logits is None else step.out_logits[-1]
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, st) for layer, st in step.out_states.items()}

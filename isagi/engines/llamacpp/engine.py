@@ -78,15 +78,21 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
 
         self._capture = LayerCapture(self._n_embd)
         self._cb = ll.ggml_backend_sched_eval_callback(self._capture.pointer)  # kept alive with the engine
+        from isagi.engines.llamacpp.abort import PromptAbort
+
+        self._abort = PromptAbort()
+        self._abort_cb = ll.ggml_abort_callback(self._abort.pointer)  # kept alive with the engine
         self._n_ctx = min(n_ctx, self._n_ctx_train) if self._n_ctx_train > 0 else n_ctx
         self.slots = max(1, int(slots))
         self._ctx = open_context(ll, self._model, n_ctx=self._n_ctx, slots=self.slots, n_threads=self.n_threads,
-                                 cb_eval=self._cb, cb_eval_user_data=self._capture.user_data, path=path)
+                                 cb_eval=self._cb, cb_eval_user_data=self._capture.user_data, path=path,
+                                 abort=self._abort_cb, abort_user_data=self._abort.user_data)
         self._mem = ll.llama_get_memory(self._ctx)
         from isagi.engines.llamacpp_steps import StepRunner
 
         self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
-        self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots, lock=self.lock)
+        self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots, lock=self.lock,
+                                abort=self._abort)
         # Free sequences, a heap (several slots only): a turn takes the lowest. llama.cpp's
         # attention over a batch spans every KV stream from its lowest sequence to its highest,
         # so the sequences in use are kept together at the bottom.
@@ -185,9 +191,13 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         context_shift: bool = False,
         capture_reply: bool = True,
         stop: threading.Event | None = None,
+        reply_prefix: str = "",
     ) -> LlamaCppDecoding:
         """See the protocol; ``capture_reply=False`` (benchmarks) decodes without reading reply states."""
-        return LlamaCppDecoding(self, self.chat_tokens(messages), layer, options, also_capture=also_capture,
+        ids = self.chat_tokens(messages)
+        if reply_prefix:  # an open reply (Continue): its own tokens after the prompt, no special tokens
+            ids += self.tokenize(reply_prefix, special=False)
+        return LlamaCppDecoding(self, ids, layer, options, also_capture=also_capture,
                                 steer=steer, reuse_prefix=reuse_prefix, states_only=states_only,
                                 context_shift=context_shift, capture_reply=capture_reply, stop=stop)
 

@@ -1,6 +1,7 @@
 """The llama.cpp engine's forward passes in one sequence, with layer outputs read as they run.
 
-Owns evaluating tokens in sequence 0 (a prompt in batches of 512, a fed-back
+Owns evaluating tokens in sequence 0 (a prompt in batches of 512, which a Stop
+ends between or inside them (:mod:`isagi.engines.llamacpp.abort`), a fed-back
 reply token alone on a lean path of its own), reading the layer outputs asked
 for while the graph runs, and the logits. With several slots the step runner
 (:mod:`isagi.engines.llamacpp_steps`) makes the passes instead, with the same
@@ -44,18 +45,13 @@ it is cleared before any other use and never saved as a prefix.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from isagi.engines.base import PrefillStopped
 from isagi.engines.llama_thread import on_llama_thread
-
-# Tokens per llama_decode call of a prompt a Stop may end: Stop is checked between two such calls,
-# so a chunk is what a Stop may still wait for (docs/measurements.md, `isagi bench stop`); small
-# enough to end well within a second on a small CPU, large enough to keep the batch's speed.
-STOPPABLE_CHUNK = 64
+from isagi.engines.llamacpp.abort import ABORTED, StopWatch
 
 
 class ForwardPasses:
@@ -65,6 +61,7 @@ class ForwardPasses:
     _ll: Any  # the llama_cpp module
     _ctx: Any
     _capture: Any  # isagi.engines.layer_capture.LayerCapture, the context's eval callback
+    _abort: Any  # isagi.engines.llamacpp.abort.PromptAbort, the context's abort callback
     lock: Any  # threading.Lock: one llama_decode at a time
     _one_id: Any  # the batch of one fed-back reply token, made once
     _one_batch: Any
@@ -74,18 +71,19 @@ class ForwardPasses:
     _logit_views: dict[int | None, np.ndarray]
 
     def _decode(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool = False,
-                truncate: bool = False, stopped: Callable[[], bool] | None = None) -> dict[int, np.ndarray]:
+                truncate: bool = False, stop: StopWatch | None = None) -> dict[int, np.ndarray]:
         """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
 
         ``truncate``: stop computing once the captured layers are read; the KV cache
         above them and the logits are then left unwritten, so only for states alone.
-        ``stopped``: asked before each chunk of :data:`STOPPABLE_CHUNK` tokens; once it says
-        True, :class:`~isagi.engines.base.PrefillStopped` is raised (the cache then holds part
-        of the prompt: the caller clears it).
+        ``stop``: a prompt a Stop may end (:meth:`~isagi.engines.llamacpp.abort.PromptAbort.watch`),
+        before a batch or inside one (the abort callback); then
+        :class:`~isagi.engines.base.PrefillStopped` is raised (the cache then holds part of the
+        prompt: the caller clears it).
         """
         with self.lock:
             return self._decode_locked(ids, start, capture=capture, all_logits=all_logits, truncate=truncate,
-                                       stopped=stopped)
+                                       stop=stop)
 
     def _decode_token(self, token: int, capture: dict[bytes, int] | None) -> dict[int, np.ndarray]:
         """:meth:`_decode` of one token at the sequence's next position (a fed-back reply token),
@@ -110,19 +108,23 @@ class ForwardPasses:
             raise RuntimeError(f"llama.cpp's graph gave no whole {sorted(capture)} outputs")
 
     def _decode_locked(self, ids: list[int], start: int, *, capture: dict[bytes, int] | None, all_logits: bool,
-                       truncate: bool = False, stopped: Callable[[], bool] | None = None) -> dict[int, np.ndarray]:
+                       truncate: bool = False, stop: StopWatch | None = None) -> dict[int, np.ndarray]:
         rows: dict[int, list[np.ndarray]] = {layer: [] for layer in (capture or {}).values()}
-        n_batch = 512 if stopped is None else STOPPABLE_CHUNK
+        n_batch = 512
         for off in range(0, len(ids), n_batch):
-            if stopped is not None and stopped():
+            if stop is not None and stop.stopped():
                 raise PrefillStopped
             chunk = ids[off : off + n_batch]
             if capture:
                 self._capture.start(capture, len(chunk), truncate=truncate)
             try:
-                status = self._run_batch(chunk, start + off, all_logits=all_logits, last=off + len(chunk) == len(ids))
+                with self._abort.running(stop):
+                    status = self._run_batch(chunk, start + off, all_logits=all_logits,
+                                             last=off + len(chunk) == len(ids))
             finally:
                 self._capture.stop()
+            if status == ABORTED and stop is not None:
+                raise PrefillStopped  # llama.cpp removed the cut batch's positions from the cache
             self._check(status, capture)
             self._evaluated += len(chunk)
             for layer, got in (self._capture.rows().items() if capture else ()):

@@ -5,7 +5,8 @@ Owns what the llama.cpp engine is made of before it runs anything: the model
 quantisation name, part of the profile key), llama.cpp's log kept off stderr
 (ISAGI reports its own errors), and the context's parameters: the attention
 kernel, the batch size, the threads, one KV stream per slot and the eval
-callback that reads layer outputs (:mod:`isagi.engines.llamacpp.forward`).
+callback that reads layer outputs (:mod:`isagi.engines.llamacpp.forward`) and
+the abort callback that lets Stop end a prompt's decode (:mod:`isagi.engines.llamacpp.abort`).
 Kept apart so that what a context is made with is read in one place; the
 benches that compare against llama-cpp-python's own ``Llama`` take
 :data:`FLASH_ATTN` from here to run the same kernel.
@@ -68,9 +69,10 @@ def model_quant(ll: Any, model: Any) -> str:
 
 
 def open_context(ll: Any, model: Any, *, n_ctx: int, slots: int, n_threads: int, cb_eval: Any,
-                 cb_eval_user_data: Any, path: Path) -> Any:
-    """A context on ``model`` of ``n_ctx`` tokens per slot, with ``cb_eval`` installed for
-    its whole life (the caller keeps the callback alive as long as the context); free it with
+                 cb_eval_user_data: Any, path: Path, abort: Any = None, abort_user_data: Any = None) -> Any:
+    """A context on ``model`` of ``n_ctx`` tokens per slot, with ``cb_eval`` (and ``abort``,
+    :mod:`isagi.engines.llamacpp.abort`) installed for its whole life (the caller keeps the
+    callbacks alive as long as the context); free it with
     ``llama_free``. :class:`~isagi.errors.ModelLoadError` (naming ``path``) if llama.cpp refuses."""
     cparams = ll.llama_context_default_params()
     # several sequences: one KV stream each (kv_unified off), so each decodes as in a context
@@ -82,6 +84,9 @@ def open_context(ll: Any, model: Any, *, n_ctx: int, slots: int, n_threads: int,
     cparams.n_threads = cparams.n_threads_batch = n_threads
     cparams.cb_eval = cb_eval
     cparams.cb_eval_user_data = cb_eval_user_data
+    if abort is not None:
+        cparams.abort_callback = abort
+        cparams.abort_callback_data = abort_user_data
     # plain attention (see FLASH_ATTN); the benches' plain baseline uses the same kernel
     cparams.flash_attn_type = FLASH_ATTN
     ctx = ll.llama_init_from_model(model, cparams)
