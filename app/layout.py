@@ -231,6 +231,20 @@ MESSAGE_ACTIONS = r"""<script>
       e.preventDefault(); e.stopPropagation(); resend();
     }
   }, true);
+  // What a Send or an Enter sends is the box's text at that moment: Gradio reads its own copy
+  // of the box later, when the next text may already be typed (or pasted) in. TAKE_MESSAGE takes
+  // these in order.
+  window.isagiTyped = [];
+  document.addEventListener('keydown', (e) => {
+    const box = field('#isagi-input');
+    if (editing === null && e.key === 'Enter' && !e.shiftKey && !e.isComposing && box && e.target === box) {
+      window.isagiTyped.push(box.value);
+    }
+  }, true);
+  document.addEventListener('click', (e) => {
+    const box = field('#isagi-input');
+    if (editing === null && box && e.target.closest && e.target.closest('#isagi-send')) window.isagiTyped.push(box.value);
+  }, true);
   // ‹ and › under the last reply: the hidden events that switch its version
   document.addEventListener('click', (e) => {
     const arrow = e.target.closest && e.target.closest('#isagi-chat .isagi-version-prev, #isagi-chat .isagi-version-next');
@@ -281,13 +295,17 @@ SERVER_GONE = """<script>
 
 # Send and Enter take the message out of the box in the browser, as they fire (the handler gets
 # it): the box is empty at once, and an answer arriving later never wipes what is typed next.
+# The text is the one the page's script noted at the key or click itself (MESSAGE_ACTIONS'
+# isagiTyped): two Enters close together otherwise both read Gradio's later copy of the box,
+# and the first message was lost (a second run sent an empty one).
 TAKE_MESSAGE = """(message, sid) => {
+  const typed = window.isagiTyped && window.isagiTyped.length ? window.isagiTyped.shift() : message;
   const box = document.querySelector('#isagi-input textarea');
-  if (box && typeof message === 'string' && message.trim() && box.value === message) {
+  if (box && typeof typed === 'string' && typed.trim() && box.value === typed) {
     box.value = '';
     box.dispatchEvent(new Event('input', { bubbles: true }));
   }
-  return [message, sid];
+  return [typed, sid];
 }"""
 
 HEAD = ESC_AND_LABELS + MESSAGE_ACTIONS + SERVER_GONE

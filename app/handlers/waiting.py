@@ -49,16 +49,16 @@ class WaitingHandlers:
 
     def queue(self, message: str, sid: str | None, request: Any = None) -> PageUpdate:
         """Put ``message`` on the page's line and show it waiting (outputs :data:`~app.updates.QUEUE`).
-        An empty message does nothing; one the engine refuses (too long), or one over the line's
+        One the engine refuses (empty, too long), or one over the line's
         bound, is put back in the box (the page emptied it as it sent) with an alert saying what to do."""
         p = self.page
         owner, _ = p.who(request)
         if owner is None:
             return PageUpdate(alert=p.warn(NOT_LOGGED_IN))
-        if not isinstance(message, str) or not message.strip():
+        if not isinstance(message, str):
             return PageUpdate()
         try:
-            p.engine.check(message)
+            p.engine.check(message)  # an empty message too: the alert says what to do
         except (EngineLoading, IsagiError) as exc:
             return PageUpdate(textbox=message, alert=p.warn(str(exc)))
         key = (owner, _page_of(request))
