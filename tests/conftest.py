@@ -60,11 +60,17 @@ def default_model(request: pytest.FixtureRequest):
 def db_url(request: pytest.FixtureRequest, tmp_path: Path):
     """A blank history database: a SQLite file (in a directory that does not exist yet)
     or a fresh schema on the PostgreSQL server named by ISAGI_TEST_POSTGRES_URL."""
-    from tests import history_db
-
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'new-dir' / 'history.db'}"
         return
+    yield from _fresh_pg_schema()
+
+
+def _fresh_pg_schema():
+    """The URL of a fresh schema on the PostgreSQL server named by ISAGI_TEST_POSTGRES_URL,
+    dropped afterwards (the test is skipped without that server)."""
+    from tests import history_db
+
     if not history_db.PG_URL:
         pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
     schema, url = history_db.fresh_pg_schema()
@@ -72,6 +78,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path):
         yield url
     finally:
         history_db.drop_pg_schema(schema)
+
+
+@pytest.fixture
+def pg_url():
+    """A blank PostgreSQL schema (the shared session store's tests)."""
+    yield from _fresh_pg_schema()
 
 
 @pytest.fixture

@@ -18,19 +18,6 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-def pg_url():
-    from tests import history_db
-
-    if not history_db.PG_URL:
-        pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
-    schema, url = history_db.fresh_pg_schema()
-    try:
-        yield url
-    finally:
-        history_db.drop_pg_schema(schema)
-
-
-@pytest.fixture
 def world(tmp_path: Path, pg_url: str):
     """One tiny engine, one shared store, two registries with their own lease connections."""
     from isagi.session.dbstore import DatabaseSessionFiles

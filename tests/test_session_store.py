@@ -15,19 +15,6 @@ from isagi.session.folder import SessionFiles
 from isagi.storage.miku import decode_miku
 
 
-@pytest.fixture
-def pg_url():
-    from tests import history_db
-
-    if not history_db.PG_URL:
-        pytest.skip("ISAGI_TEST_POSTGRES_URL is not set")
-    schema, url = history_db.fresh_pg_schema()
-    try:
-        yield url
-    finally:
-        history_db.drop_pg_schema(schema)
-
-
 @pytest.fixture(params=["directory", pytest.param("postgres", marks=pytest.mark.postgres)])
 def files(request: pytest.FixtureRequest, tmp_path: Path):
     root = tmp_path / "sessions"
