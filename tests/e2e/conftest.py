@@ -240,3 +240,19 @@ def table_rows(page) -> list[dict[str, str]]:
 def table_ids(page) -> list[str]:
     """Session ids of the Sessions table after a refresh."""
     return [row["id"] for row in table_rows(page)]
+
+
+@pytest.fixture
+def context_of(browser):
+    """Make browser contexts (a fresh profile each: its own storage, so its own session) at
+    1440x1000, closed after the test."""
+    contexts = []
+
+    def make():
+        ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+        contexts.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in contexts:
+        ctx.close()

@@ -43,18 +43,6 @@ def slower_url(tmp_path_factory):
         yield url
 
 
-@pytest.fixture
-def context_of(browser):
-    contexts = []
-
-    def make():
-        ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
-        contexts.append(ctx)
-        return ctx
-
-    yield make
-    for ctx in contexts:
-        ctx.close()
 
 
 def generating(page) -> bool:

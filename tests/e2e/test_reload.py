@@ -34,18 +34,6 @@ def user_messages(page) -> list[str]:
     )
 
 
-@pytest.fixture
-def context_of(browser):
-    contexts = []
-
-    def make():
-        ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
-        contexts.append(ctx)
-        return ctx
-
-    yield make
-    for ctx in contexts:
-        ctx.close()
 
 
 def test_a_reload_keeps_the_conversation(fake_url, context_of, screenshot_dir):
