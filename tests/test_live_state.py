@@ -111,7 +111,9 @@ def test_a_queued_message_shows_waiting_at_once_then_each_is_sent_in_order(tmp_p
 def test_empty_too_long_and_full_messages_go_back_to_the_box(tmp_path):
     ui = make_ui(tmp_path)
     w = ui.waiting
-    assert w.queue("   ", None, request=page("p1")).changed() == {}
+    empty = w.queue("   ", None, request=page("p1"))
+    assert "empty" in empty.alert and empty.chat is KEEP, "an empty message is explained, nothing waits"
+    assert w.outbox.waiting(("local", "p1")) == []
     too_long = "x" * (ui.page.settings.max_message_chars + 1)
     refused = w.queue(too_long, None, request=page("p1"))
     assert refused.textbox == too_long and refused.alert  # back in the box
