@@ -20,10 +20,12 @@ pytestmark = pytest.mark.postgres
 @pytest.fixture
 def world(tmp_path: Path, pg_url: str):
     """One tiny engine, one shared store, two registries with their own lease connections."""
+    from isagi.pipeline.keeping import default_keeper
     from isagi.session.dbstore import DatabaseSessionFiles
 
     engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4)
     files = DatabaseSessionFiles(pg_url, tmp_path / "sessions")
+    engine.keep = default_keeper(lambda: engine.frame, None, model_id=engine.lm.model_id, files=files)
     leases = [AdvisoryLeases(pg_url), AdvisoryLeases(pg_url)]
     regs = [SessionRegistry(lambda: engine, files=files, leases=lease, lease_wait_s=0.3) for lease in leases]
     try:

@@ -181,8 +181,11 @@ class Engine:
             from isagi.storage.history import HistoryStore
 
             store = HistoryStore(settings.resolved_database_url)
+        from isagi.session.store import session_files
+
         engine = cls(settings, lm, profile, store)
-        engine.keep = default_keeper(lambda: engine.frame, store, model_id=engine.lm.model_id)
+        engine.keep = default_keeper(lambda: engine.frame, store, model_id=engine.lm.model_id,
+                                     files=session_files(settings))
         return engine
 
     @property

@@ -294,14 +294,15 @@ class TurnKeeper:
             self._told[key] = path
 
 
-def default_keeper(frame: Callable[[], SessionFrame], store: HistoryStore | None, *, model_id: str) -> TurnKeeper:
+def default_keeper(frame: Callable[[], SessionFrame], store: HistoryStore | None, *, model_id: str,
+                   files: SessionStore | None = None) -> TurnKeeper:
     """The keeper an engine started by :meth:`isagi.pipeline.engine.Engine.start` uses: files
-    written with :func:`isagi.session.files.save_session` under the engine's ``frame()``."""
+    written with :func:`isagi.session.files.save_session` under the engine's ``frame()``, into
+    ``files`` (the session store: the sessions directory or the database the replicas share; a
+    path outside it, e.g. ``isagi chat --save``, stays a local file); None: local files."""
     from isagi.session.files import save_session
 
-    # a live session's file goes where the registry keeps it (Session.files: the sessions
-    # directory or the database the replicas share); anyone else's is a local file
-    return TurnKeeper(store, lambda session, path: save_session(frame(), session, path, files=session.files),
+    return TurnKeeper(store, lambda session, path: save_session(frame(), session, path, files=files),
                       model_id=model_id)
 
 

@@ -383,9 +383,8 @@ class SessionRegistry:
         with self._guard:
             self._admit(owner, client)  # check before building anything
         self._flush_reclaimed()
-        files = self.files
         session = self.engine.new_session()
-        session.owner, session.files = owner, files
+        session.owner = owner
         taken = self._lease(session.id, wait=False)  # a fresh id: free at once
         try:
             with self._guard:
@@ -394,7 +393,7 @@ class SessionRegistry:
                     if taken:  # a fresh id live meanwhile: nothing was made, ask again
                         raise SessionBusy("This chat is busy with another request; try again in a moment.")
                     session = self.engine.new_session()
-                    session.owner, session.files = owner, files
+                    session.owner = owner
                 self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock(),
                                                   claimed=claimed)
         finally:
@@ -430,7 +429,6 @@ class SessionRegistry:
                     raise SessionBusy("This chat is busy with another request; try again in a moment.")
                 session.owner = owner
                 session.miku_path = files.path(session.id)
-                session.files = files
                 self._entries[session.id] = Entry(session, owner=owner, client=client, last_used=self._clock())
         finally:
             if taken:
@@ -464,7 +462,6 @@ class SessionRegistry:
                     self._admit(owner, client)
                     session.owner = owner
                     session.miku_path = files.path(sid)
-                    session.files = files
                     self._entries[sid] = Entry(session, owner=owner, client=client, last_used=self._clock())
                     return sid
         finally:
@@ -526,7 +523,7 @@ class SessionRegistry:
                 session.miku_path = Path(path)
             else:
                 session = self.engine.new_session(session_id=sid)
-            session.owner, session.files = owner, files
+            session.owner = owner
             with self._guard:
                 entry = self._entries.get(sid)
                 if entry is None:

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -34,9 +34,6 @@ from isagi.session.turn import Turn, turns_to_messages
 from isagi.session.versions import ReplyVersions
 from isagi.storage.owners import LOCAL_OWNER
 from isagi.storage.titles import session_title
-
-if TYPE_CHECKING:
-    from isagi.session.store import SessionStore
 
 PROMPT_STATE_CACHE = 256  # exact lookup prompts whose states a session keeps (~5 KB each at d=576)
 
@@ -66,9 +63,6 @@ class Session:
     created: float = field(default_factory=time.time)
     title: str | None = None
     miku_path: Path | None = None
-    # Where miku_path lives (the sessions directory, or the database the replicas share:
-    # isagi.session.store); None: a local file. Set by the registry when it makes the session live.
-    files: SessionStore | None = field(default=None, repr=False, compare=False)
     # Who the session belongs to in the history store: the logged-in user of the
     # web app, LOCAL_OWNER without a login. Set by whoever opens the session;
     # never read from a file.
