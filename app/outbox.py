@@ -8,7 +8,7 @@ page's Gradio session hash: a page that asks for another owner's line gets its o
 one): what waits (:meth:`Outbox.put`), the one run that sends it
 (:meth:`Outbox.claim`, :meth:`Outbox.next`), and the chat the page shows meanwhile
 (:meth:`Outbox.remember`). It holds no session and never runs the model: the page's handlers
-(:mod:`app.handlers.waiting`) do. Bounded per page and in all, so a client that only ever
+(:mod:`app.handlers.waiting`) do. Bounded per page, per owner and in all, so a client that only ever
 queues cannot fill the server's memory.
 """
 
@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any
 
 MAX_WAITING_PER_PAGE = 10  # messages one page may have waiting (a user types a handful at most)
+MAX_WAITING_PER_OWNER = 30  # one user's waiting messages in all their pages (page ids are the client's)
 MAX_WAITING = 500  # messages waiting in all pages together
 
 Key = tuple[str, str]  # (owner, page)
@@ -27,8 +28,9 @@ Key = tuple[str, str]  # (owner, page)
 class Outbox:
     """Each page's waiting messages, oldest first (module docstring). Thread-safe."""
 
-    def __init__(self, per_page: int = MAX_WAITING_PER_PAGE, total: int = MAX_WAITING) -> None:
-        self.per_page, self.total = per_page, total
+    def __init__(self, per_page: int = MAX_WAITING_PER_PAGE, total: int = MAX_WAITING,
+                 per_owner: int = MAX_WAITING_PER_OWNER) -> None:
+        self.per_page, self.total, self.per_owner = per_page, total, per_owner
         self._lock = threading.Lock()
         self._waiting: dict[Key, deque[str]] = {}
         self._shown: dict[Key, list[dict[str, Any]]] = {}
@@ -36,11 +38,13 @@ class Outbox:
         self._count = 0
 
     def put(self, key: Key, text: str) -> bool:
-        """Add ``text`` to ``key``'s line; False (nothing added) when the page's or the server's
-        line is full."""
+        """Add ``text`` to ``key``'s line; False (nothing added) when the page's, its owner's
+        (a client names its pages: one user must not take the whole server's line) or the
+        server's line is full."""
         with self._lock:
             line = self._waiting.setdefault(key, deque())
-            if len(line) >= self.per_page or self._count >= self.total:
+            owners = sum(len(q) for (owner, _), q in self._waiting.items() if owner == key[0])
+            if len(line) >= self.per_page or owners >= self.per_owner or self._count >= self.total:
                 if not line:
                     del self._waiting[key]
                 return False

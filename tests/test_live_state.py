@@ -208,3 +208,12 @@ def test_a_turn_nobody_stopped_is_not_waited_for(tmp_path):
     finally:
         svc.registry.request_stop(sid, "local")
         t.join(60)
+
+
+def test_one_user_with_many_pages_cannot_fill_the_line_for_everyone():
+    """A client names its page (Gradio's session hash): many made-up pages of one user stop at
+    that user's bound, and another user's message still waits."""
+    box = Outbox(per_page=10, total=50, per_owner=30)
+    taken = sum(box.put(("mallory", f"page{i}"), "spam") for i in range(100))
+    assert taken == 30
+    assert box.put(("alice", "p1"), "my question") and box.waiting(("alice", "p1")) == ["my question"]
