@@ -95,8 +95,9 @@ def _tip(key: str, html_text: str) -> str:
     return f'<span title="{esc(FIGURE_HELP[key])}">{html_text}</span>'
 
 
-def info_html(m: dict[str, Any]) -> str:
-    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens.
+def info_html(m: dict[str, Any], *, before: str = "", after: str = "") -> str:
+    """The line beside a reply: badge, distance and nearest query, zone, TEH, latency, tokens;
+    ``before`` and ``after`` are the app's own HTML around them (continued, a reply's versions).
 
     Every field can come from an uploaded file: each is escaped (or allowlisted) here.
     """
@@ -117,7 +118,7 @@ def info_html(m: dict[str, Any]) -> str:
         pt = m.get("prompt_tokens")
         parts.append(_tip("tokens", f"{_count(pt)} + {_count(toks)} tokens" if pt is not None else f"{_count(toks)} tokens"))
     head, rest = parts[0], " · ".join(parts[1:])
-    return f'<div class="isagi-info">{head} {rest}</div>'
+    return f'<div class="isagi-info">{before}{head} {rest}{after}</div>'
 
 
 def pending_html(tier: str | None, distance: float | None) -> str:
@@ -163,7 +164,7 @@ def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None,
     count) of the turns with several replies, by position, shown in their info lines
     (:func:`versions_html`; the arrows only under ``last_turn``). A continuation (Continue:
     a reply's ``continues``) is shown as part of the reply before it, without its request, with
-    the continuation's info line saying so (:func:`continued_html`).
+    the continuation's info line saying so (:data:`CONTINUED`).
     """
     out: list[dict[str, str]] = []
     turn = first_turn
@@ -178,10 +179,9 @@ def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None,
             text = m.get("text", "")
             text = text if isinstance(text, str) else ""
             joins = reply is not None and m.get("continues") is True
-            info = continued_html(m) if joins else info_html(m)
-            if versions and turn is not None and turn in versions:
-                current, count = versions[turn]
-                info = info[: -len("</div>")] + " " + versions_html(current, count, last=turn == last_turn) + "</div>"
+            shown_versions = versions.get(turn) if versions and turn is not None else None
+            tail = " " + versions_html(*shown_versions, last=turn == last_turn) if shown_versions else ""
+            info = info_html(m, before=CONTINUED + " · " if joins else "", after=tail)
             reply = (reply or "") + text if joins else text
             shown = [{"role": "assistant", "content": render_text(reply) or EMPTY_REPLY},
                      {"role": "assistant", "content": info}]
@@ -193,11 +193,8 @@ def chat_messages(messages: list[dict[str, Any]], first_turn: int | None = None,
     return out
 
 
-def continued_html(m: dict[str, Any]) -> str:
-    """The info line of a reply extended by Continue: the continuation's own, saying so."""
-    line = info_html(m)
-    mark = '<span class="isagi-continued" title="Continue extended this reply past its token limit.">continued</span>'
-    return line.replace('<div class="isagi-info">', f'<div class="isagi-info">{mark} · ', 1)
+# The mark at the start of the info line of a reply extended by Continue (the continuation's own figures follow).
+CONTINUED = '<span class="isagi-continued" title="Continue extended this reply past its token limit.">continued</span>'
 
 
 def chat_window(session: Any, *, drop_last: bool = False, upto: int | None = None) -> list[dict[str, str]]:
