@@ -345,3 +345,23 @@ def test_an_evicted_session_resumes_only_for_its_owner(tmp_path):
     assert reg.entry(a, "alice").session.messages[0]["text"] == f"{SECRET} evicted"
     assert reg.release(a, owner="bob") is False and a in reg
     store.close()
+
+
+def test_the_chat_list_edit_versions_and_continue_answer_bob_as_for_an_unknown_id(world):
+    """Issue 39's new actions, called by bob with alice's session id (as a hostile client would
+    send it): nothing of alice's is shown, renamed, deleted, cut or switched."""
+    ui, engine, store, a = world
+    title = store.get_session(a, owner="alice").title
+    outs = [
+        quiet(ui.chats.open_chat, a, None, "", "tier", BOB),
+        quiet(ui.chats.rename, "bob was here", a, "", BOB),
+        quiet(ui.chats.ask_delete, a, BOB),
+        quiet(ui.chats.delete, a, "", "tier", BOB),
+        quiet(ui.chats.list_chats, a, SECRET, BOB),
+        quiet(ui.chat.edit_send, "bob's question", "0", a, 4, False, 0.7, "tier", BOB),
+        quiet(ui.chat.version, a, "tier", -1, BOB),
+        quiet(ui.chat.continue_reply, a, 4, False, 0.7, "tier", BOB),
+    ]
+    assert SECRET not in text_of(outs), "nothing of alice's reaches bob's page"
+    assert store.get_session(a, owner="alice").title == title
+    alice_unchanged(ui, store, a)
