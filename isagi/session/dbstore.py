@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from isagi.errors import MikuError, StorageError
 from isagi.ids import is_session_id
@@ -139,19 +139,13 @@ class DatabaseSessionFiles:
         return [self.root / n for n in names if n.endswith(SUFFIX) and is_session_id(n[: -len(SUFFIX)])]
 
     def read_bytes(self, path: str | os.PathLike[str]) -> bytes:
-        import sqlalchemy as sa
-        from sqlalchemy.exc import SQLAlchemyError
 
         from isagi.storage.history import SessionFileModel
 
         name = self._name(path)
         if name is None:
             return self._local.read_bytes(path)
-        try:
-            with self.engine.connect() as conn:
-                data = conn.execute(sa.select(SessionFileModel.data).where(SessionFileModel.name == name)).scalar()
-        except SQLAlchemyError as exc:
-            raise self._error("read a session", exc) from None
+        data = self._column(SessionFileModel.data, name, "read a session")
         if data is None:
             raise MikuError(f"{path} does not exist")
         return bytes(data)
@@ -200,20 +194,28 @@ class DatabaseSessionFiles:
                                "server (ISAGI_SESSIONS_URL) is reachable.") from None
 
     def modified(self, path: str | os.PathLike[str]) -> float | None:
-        import sqlalchemy as sa
-        from sqlalchemy.exc import SQLAlchemyError
 
         from isagi.storage.history import SessionFileModel
 
         name = self._name(path)
         if name is None:
             return self._local.modified(path)
+        t = self._column(SessionFileModel.updated_at, name, "read a session's time")
+        return None if t is None else t.timestamp()
+
+    def _column(self, column: Any, name: str, doing: str) -> Any:
+        """``column`` of the stored file ``name`` (None: no such file); a :class:`StorageError`
+        saying what failed when the database does."""
+        import sqlalchemy as sa
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from isagi.storage.history import SessionFileModel
+
         try:
             with self.engine.connect() as conn:
-                t = conn.execute(sa.select(SessionFileModel.updated_at).where(SessionFileModel.name == name)).scalar()
+                return conn.execute(sa.select(column).where(SessionFileModel.name == name)).scalar()
         except SQLAlchemyError as exc:
-            raise self._error("read a session's time", exc) from None
-        return None if t is None else t.timestamp()
+            raise self._error(doing, exc) from None
 
     def close(self) -> None:
         self.engine.dispose()
