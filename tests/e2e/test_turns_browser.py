@@ -59,6 +59,15 @@ def regenerate_and_wait(page) -> None:
     page.evaluate("() => window.__isagiObs.disconnect()")
 
 
+
+def start_a_long_reply(page) -> None:
+    """A first exchange, then a reply of up to 2,048 tokens, once 400 characters of it show."""
+    send_and_wait(page, "Say hello.")
+    set_max_tokens(page, 2048)
+    send(page, "Write a very long story about a lighthouse keeper.")
+    page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.length > 400",
+                           timeout=120_000)
+
 def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_dir):
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
@@ -89,11 +98,7 @@ def test_stop_then_a_question_starts_clean(fake_url, browser, screenshot_dir):
         clean_prompt = prompt_tokens(control)
         other = browser.new_context(viewport={"width": 1440, "height": 1000})
         page = open_page(other, fake_url)
-        send_and_wait(page, "Say hello.")
-        set_max_tokens(page, 2048)
-        send(page, "Write a very long story about a lighthouse keeper.")
-        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.length > 400",
-                               timeout=120_000)
+        start_a_long_reply(page)
         page.click("#isagi-stop")
         page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
         send_and_wait(page, "Say hello again.")
@@ -139,11 +144,7 @@ def test_esc_stops_a_reply_as_the_stop_button_does(fake_url, browser, screenshot
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
         page = open_page(ctx, fake_url)
-        send_and_wait(page, "Say hello.")
-        set_max_tokens(page, 2048)
-        send(page, "Write a very long story about a lighthouse keeper.")
-        page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.length > 400",
-                               timeout=120_000)
+        start_a_long_reply(page)
         page.keyboard.press("Escape")
         page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
         assert send_and_wait(page, "Say hello again.") != "CANCELLED"
