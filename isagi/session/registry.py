@@ -92,6 +92,7 @@ MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotte
 LEASE_WAIT_S = 5.0  # how long a request waits for another replica to let go of its session
 HAND_OVER_WAIT_S = 60.0  # how long a session asked for by another replica waits for its turn to end
 DRAIN_POLL_S = 0.05  # how often a drain looks for sessions whose turn has ended
+HOLD_TRIES = 3  # lookups of a session parked (handed over) while its lock was awaited
 DRAINING = "This ISAGI server is shutting down; reload the page to go on with this chat on another one."
 MAX_PARKABLE = 1024  # ids of parkable sessions remembered before those gone are forgotten
 
@@ -581,8 +582,25 @@ class SessionRegistry:
     @contextmanager
     def using(self, sid: str, *, timeout: float = 30.0, owner: str = LOCAL_OWNER) -> Iterator[Entry]:
         """Hold ``owner``'s session's lock (one event at a time); raise :class:`SessionBusy` on timeout."""
-        with self.holding(self.entry(sid, owner), timeout=timeout) as entry:
+        with self.held(lambda: self.entry(sid, owner), owner, timeout=timeout) as entry:
             yield entry
+
+    @contextmanager
+    def held(self, look_up: Callable[[], Entry], owner: str, *, timeout: float = 30.0) -> Iterator[Entry]:
+        """:meth:`holding` the entry ``look_up()`` gives; one parked while its lock was awaited
+        (handed over to another server that asked for it, or saved idle) is looked up again,
+        which resumes it (taking its lease back: the other server is asked in turn)."""
+        with contextlib.ExitStack() as stack:
+            for attempt in range(HOLD_TRIES):
+                entry = look_up()
+                try:
+                    held = stack.enter_context(self.holding(entry, timeout=timeout))
+                except KeyError:
+                    if attempt + 1 < HOLD_TRIES and self.holds(entry.session.id, owner):
+                        continue
+                    raise
+                yield held
+                return
 
     @contextmanager
     def holding(self, entry: Entry, *, timeout: float = 30.0) -> Iterator[Entry]:

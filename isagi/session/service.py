@@ -436,11 +436,13 @@ class SessionService:
         (:meth:`~isagi.session.registry.SessionRegistry.detach`).
         """
         engine = self.engine
-        if new_if_unknown:
-            sid, found = self.registry.ensure(sid, owner, client)
-        else:
-            found = self.registry.entry(sid, owner)
-        with self.registry.holding(found, timeout=timeout) as entry:
+
+        def look_up() -> Entry:
+            if new_if_unknown:
+                return self.registry.ensure(sid, owner, client)[1]
+            return self.registry.entry(sid, owner)
+
+        with self.registry.held(look_up, owner, timeout=timeout) as entry:
             if expect is not None and not same_exchanges(_exchanges(entry.session), expect):
                 raise ConversationChanged("Another request continued this conversation first; send the "
                                           "conversation again with that request's reply.")
