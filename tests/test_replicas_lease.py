@@ -177,3 +177,29 @@ def test_shutdown_gives_the_leases_back(world) -> None:
     a.close()
     assert take(b, sid) == sid and len(b.entry(sid).session.turns) == 1
 
+
+
+def test_repair_and_retention_leave_a_session_another_process_holds(world, pg_url: str) -> None:
+    """The start-up repair and retention run in every replica over the shared store: a session
+    live elsewhere (its lease held) is neither repaired nor removed; once free it is."""
+    import time
+
+    from isagi.pipeline.keeping import reconcile_history
+    from isagi.session.retention import prune_sessions
+    from isagi.storage.history import HistoryStore
+
+    engine, files, (a, _b), _ = world
+    sid = a.create()
+    talk(engine, a, sid, "held elsewhere")  # the file is written; this engine keeps no history
+    history = HistoryStore(pg_url)
+    try:
+        repaired = reconcile_history(history, files.root, files=files)
+        assert repaired.held_elsewhere == [sid] and not repaired.added
+        later = time.time() + 10 * 86_400
+        pruned = prune_sessions(history, files, 1, now=later)
+        assert pruned.kept_live == 1 and not pruned.sessions and files.find(sid) is not None
+        assert a.release(sid)  # let go: now the passes may touch it
+        assert reconcile_history(history, files.root, files=files).added == {sid: 1}
+        assert prune_sessions(history, files, 1, now=later).sessions == [sid] and files.find(sid) is None
+    finally:
+        history.close()
