@@ -1,8 +1,9 @@
 # Two commands do all set-up on a fresh machine:
 #   make web    install ISAGI in .venv and open the browser app on the embedded model
 #               (PORT=7861 / HOST=0.0.0.0 to listen elsewhere)
-#   make test   install ISAGI with its test tools, start the test services, run every test
-#               but those of the three targets below (Open WebUI, containers, profile rebuild)
+#   make test   install ISAGI with its test tools, start the test services (Chromium, HAProxy,
+#               PostgreSQL), run every test but those of the three targets below (Open WebUI,
+#               containers, profile rebuild)
 #   make openwebui-test   install Open WebUI in .isagi/owui-venv (2.9 GB) and chat with ISAGI
 #               through it in Chromium (tests/e2e/test_openwebui.py)
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
@@ -68,6 +69,7 @@ lint: install-dev
 
 services:
 	bash .ci/browser.sh
+	bash .ci/haproxy.sh
 	mkdir -p .isagi && bash .ci/postgres.sh > .isagi/postgres.env
 
 test: install-dev services

@@ -70,7 +70,7 @@ from starlette.responses import StreamingResponse
 
 from isagi.app.api_request import ApiError, ChatRequest, parse_api_keys, parse_request
 from isagi.app.loader import EngineHolder, EngineLoading
-from isagi.errors import ConversationChanged, IsagiError, SessionBusy, SessionLimit
+from isagi.errors import ConversationChanged, IsagiError, ServerDraining, SessionBusy, SessionLimit
 from isagi.ids import is_session_id
 from isagi.pipeline.events import Done, TurnEvent, shown_text
 from isagi.session.service import LOCAL_OWNER, SessionService
@@ -92,6 +92,13 @@ MAX_TURNS_IN_FLIGHT = 32  # API turns running or waiting for the model at once (
 DISCONNECT_POLL_S = 0.2  # how often a request waiting for its turn looks whether its client is still there
 BUSY_WAIT_S = 10.0  # how long a turn waits for its session's lock (the page's STOP_WAIT_S)
 PARSES_AT_ONCE = 2  # bodies parsed at once: a 16 MiB body of tiny messages takes ~150 MiB as objects
+DRAINING = ("This server is shutting down (nothing of this request was done); send it again: behind a "
+            "balancer it goes to another server.")
+
+
+def draining_error() -> ApiError:
+    """A request refused by a draining server (SIGTERM): a 503 the balancer retries elsewhere."""
+    return ApiError(503, DRAINING, type="server_error", code="server_draining", headers={"Retry-After": "1"})
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -262,6 +269,8 @@ class Api:
         except SessionLimit as exc:  # the service's words: which cap, what to do
             raise ApiError(429, str(exc), type="rate_limit_error", code="session_limit",
                            headers={"Retry-After": "5"}) from None
+        except ServerDraining:
+            raise draining_error() from None
         except SessionBusy as exc:  # open on another ISAGI server (a shared session store)
             raise ApiError(409, str(exc), code="session_busy", headers={"Retry-After": "5"}) from None
 
@@ -293,6 +302,8 @@ class Api:
                 return Answered(None)
         except ConversationChanged as exc:
             raise ApiError(409, str(exc), code="conversation_changed") from None
+        except ServerDraining:
+            raise draining_error() from None
         except SessionBusy as exc:
             raise ApiError(409, str(exc), code="session_busy") from None
         except KeyError:

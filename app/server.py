@@ -13,6 +13,11 @@ address, :mod:`app.login`); never a public share link. A client's address is
 the address that connected: ``X-Forwarded-For`` is believed only from the
 proxies ``ISAGI_TRUSTED_PROXIES`` names (:func:`uvicorn_options`).
 
+Behind a balancer (docker/haproxy/haproxy.cfg): ``ISAGI_REPLICA`` names this process in every
+response (:mod:`app.replica`), and SIGTERM drains it first (:mod:`app.shutdown`): ``/health``
+answers ``503 {"status": "draining"}``, nothing new starts, the turns in flight finish and each
+session is saved and its lease given back, within ``ISAGI_DRAIN_S``.
+
 Before it binds, :func:`serve` opens the data directory
 (:func:`isagi.datadir.open_data_dir`): one that cannot be written ends
 ``isagi web`` with one line (exit status 2); alone on it, the server removes
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from gradio.routes import App as GradioApp
 
     from isagi.app.loader import EngineHolder
+    from isagi.session.registry import Drained
     from isagi.session.retention import Pruned, RetentionTimer
     from isagi.session.service import SessionService
 
@@ -205,6 +211,9 @@ def create_app(
     @app.get("/health")
     def health() -> Any:
         st = holder.status()
+        if sessions.draining:  # SIGTERM: the balancer takes this replica out (app.shutdown)
+            return JSONResponse(status_code=503, content={
+                "status": "draining", "sessions": sessions.live_count(), "busy": sessions.busy_count()})
         if st["status"] == "ready":
             engine = holder.engine
             return {
@@ -216,6 +225,21 @@ def create_app(
         return JSONResponse(status_code=503, content=st)
 
     mount_api(app, holder, sessions, settings, client_backoff)  # before the page's mount at "/"
+    if settings.replica:
+        from isagi.app.replica import ReplicaHeader
+
+        app.add_middleware(ReplicaHeader, name=settings.replica)
+
+    def drain(stop: Callable[[], bool]) -> Drained:
+        """SIGTERM (:func:`app.shutdown.run_server`): /health says draining, nothing new starts,
+        the turns in flight finish and each session is saved and given back, within ISAGI_DRAIN_S."""
+        drained = sessions.drain(settings.drain_s, stop)
+        if drained.left:
+            log.warning("draining: %d session(s) still busy after %g s (ISAGI_DRAIN_S); the shutdown goes on",
+                        len(drained.left), settings.drain_s)
+        return drained
+
+    app.state.isagi_drain = drain
     app.state.isagi_holder = holder
     app.state.isagi_sessions = sessions
     app.state.isagi_registry = sessions.registry

@@ -1,4 +1,4 @@
-"""Ending the web server promptly: Ctrl-C (SIGINT) or SIGTERM with tabs open.
+"""Ending the web server: promptly at Ctrl-C (SIGINT), after a drain at SIGTERM, tabs open or not.
 
 Owns running the app under uvicorn (:func:`run_server`, behind ``isagi web``,
 ``isagi serve`` and the browser tests' fake server, so all three shut down
@@ -18,6 +18,15 @@ uvicorn's graceful timeout:
 - The app's lifespan shutdown then runs as before (live sessions saved, the
   data directory released): nothing it did is skipped.
 
+SIGTERM (what ``docker stop``, Kubernetes and systemd send) first *drains* the server, while it
+still listens: the app's ``isagi_drain`` (:func:`app.server.create_app`) makes ``/health`` answer
+``503 {"status": "draining"}``, so a balancer takes this replica out, refuses new turns (an API
+request gets a 503 the balancer retries on another replica), lets the turns in flight finish
+(their streams go on) and saves each session and gives its lease back as soon as its turn ends,
+so another replica takes it over at once; bounded by ``ISAGI_DRAIN_S``, cut short by a second
+signal. With nothing in flight the drain ends at once. Ctrl-C does not wait for turns: it stops
+them (they are recorded as stopped), as before.
+
 The tabs left open then show Gradio's own notice that the connection to the
 server was lost.
 """
@@ -27,7 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import signal
 import sys
+from types import FrameType
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -85,6 +96,14 @@ def begin_shutdown(app: Any) -> None:
         gradio_app.stop_event.set()
 
 
+async def drain(app: Any, stop: Any) -> None:
+    """Run ``app``'s drain (``app.state.isagi_drain(stop)``, in a worker thread so the server
+    keeps answering meanwhile: ``/health``, the streams of the turns in flight); no drain: nothing."""
+    run = getattr(app.state, "isagi_drain", None)
+    if run is not None:
+        await asyncio.to_thread(run, stop)
+
+
 def run_server(app: Any, host: str, port: int, **options: Any) -> None:
     """Serve ``app`` with uvicorn until SIGINT or SIGTERM, ending its open streams as the
     shutdown begins (``options``: more of uvicorn's settings, e.g. its proxy headers)."""
@@ -93,7 +112,16 @@ def run_server(app: Any, host: str, port: int, **options: Any) -> None:
     app.add_middleware(EndStreamsAtShutdown, stopping=stopping_event(app))
 
     class Server(uvicorn.Server):
+        signals: list[int]
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.signals = [*getattr(self, "signals", []), sig]
+            super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets: Any = None) -> None:
+            received = getattr(self, "signals", [])
+            if received[:1] == [signal.SIGTERM]:  # drain first (a second signal cuts it short)
+                await drain(app, lambda: len(self.signals) > 1 or self.force_exit)
             begin_shutdown(app)
             await super().shutdown(sockets)
 

@@ -661,6 +661,28 @@ def bench_api(url: Annotated[str | None, typer.Option("--url", help="a running s
     _report(run(url, sessions=sessions, turns=turns, settings=_settings(home=home), rounds=rounds), as_json)
 
 
+@bench_app.command("balancer")
+@friendly
+def bench_balancer(url: Annotated[str | None, typer.Option(
+                       "--url", help="a running balancer (with --direct); default: start two replicas and haproxy")] = None,
+                   direct: Annotated[str | None, typer.Option(
+                       "--direct", help="one replica behind --url, reached directly")] = None,
+                   db: Annotated[str | None, typer.Option(
+                       "--db", help="without --url: the PostgreSQL URL the two replicas share")] = None,
+                   users: Annotated[str, typer.Option("--users", help="concurrent API conversations, e.g. 1,16")] = "1,16",
+                   turns: int = 3,
+                   rounds: Annotated[int, typer.Option(
+                       "--rounds", help="rounds per target in ABBA order (balancer direct, direct balancer, ...)")] = 2,
+                   max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 16,
+                   probes: Annotated[int, typer.Option("--probes", help="GET /v1/models per target")] = 200,
+                   as_json: JsonOpt = False) -> None:
+    """The API through HAProxy before two replicas beside one replica directly: throughput, p95, added p50."""
+    from isagi.bench.balancer import run
+
+    _report(run(url, direct, db_url=db, users=tuple(_count_list(users, "--users")), turns=turns, rounds=rounds,
+                max_new_tokens=max_new_tokens, probes=probes), as_json)
+
+
 @bench_app.command("soak")
 @friendly
 def bench_soak(conversations: Annotated[int, typer.Option(min=1, help="one-off API conversations")] = 1500,

@@ -102,6 +102,11 @@ class Settings:
     session_retention_days: float | None = None
     # A web session unused this long is saved and dropped from memory (resumed from its file).
     web_idle_minutes: float = 30.0
+    # Behind a balancer (docs/architecture.md, "Several replicas"): this process's name, sent in
+    # every response's X-Isagi-Replica header (None: no header), and how long SIGTERM lets the
+    # turns in flight finish (/health says draining meanwhile) before the server stops anyway.
+    replica: str | None = None
+    drain_s: float = 30.0
 
     def with_overrides(self, **overrides: object) -> Settings:
         """A copy with every override that is not ``None`` applied and checked."""
@@ -195,7 +200,15 @@ def _validated(s: Settings) -> Settings:
                           "above 0 up to 36500 (e.g. 30), or leave it unset to keep every session.")
     if s.sessions_url is not None:
         _check_sessions_url(s.sessions_url)
+    if s.replica is not None and not _REPLICA_NAME.fullmatch(s.replica):
+        raise ConfigError(f"ISAGI_REPLICA={s.replica[:70]!r}: use 1 to 64 letters, digits, dots, dashes or "
+                          "underscores (it is sent in a response header), e.g. ISAGI_REPLICA=isagi-1.")
+    if not (0 <= s.drain_s <= 3600):
+        raise ConfigError(f"ISAGI_DRAIN_S={s.drain_s:g}: use a number of seconds from 0 to 3600 (e.g. 30).")
     return s
+
+
+_REPLICA_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _check_sessions_url(url: str) -> None:
@@ -315,6 +328,10 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["web_idle_minutes"] = _float("ISAGI_IDLE_MINUTES", v)
     if (v := env.get("ISAGI_SESSION_RETENTION")) and v.strip().lower() != "keep":
         values["session_retention_days"] = _float("ISAGI_SESSION_RETENTION", v)
+    if v := env.get("ISAGI_REPLICA"):
+        values["replica"] = v.strip()
+    if v := env.get("ISAGI_DRAIN_S"):
+        values["drain_s"] = _float("ISAGI_DRAIN_S", v)
     known = {f.name for f in fields(Settings)}
     assert set(values) <= known
     return Settings().with_overrides(**values).with_overrides(**overrides)

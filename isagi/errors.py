@@ -42,6 +42,11 @@ class SessionBusy(IsagiError):
     """The session is in use by another event (e.g. a turn) of the same user."""
 
 
+class ServerDraining(SessionBusy):
+    """The server is shutting down (SIGTERM): it starts no turn and opens no session; another
+    replica (behind a balancer), or this one started again, takes them."""
+
+
 class SessionNotFound(IsagiError):
     """No such session of the caller's (an unknown id and another owner's are the same)."""
 

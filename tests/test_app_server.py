@@ -125,3 +125,31 @@ def test_serve_on_a_non_loopback_host_without_a_login_warns(tmp_path, monkeypatc
     assert (risk in err and "ISAGI_AUTH=user:password" in err) is warned, err
     if auth and host not in server.LOOPBACK:
         assert "login required" in err
+
+
+def test_a_draining_server_says_so_names_its_replica_and_starts_nothing_new(tmp_path):
+    """SIGTERM's drain (app.shutdown runs app.state.isagi_drain): /health answers 503 draining,
+    the idle session is saved and dropped, and a turn, new or in that session, is a 503 the
+    balancer retries elsewhere; every response names the replica (ISAGI_REPLICA)."""
+    from fastapi.testclient import TestClient
+
+    engine = tiny_engine(tmp_path)
+    settings = engine.settings.with_overrides(api_keys="alice:k1", replica="isagi-7")
+    app = create_app(engine, settings)
+    auth = {"Authorization": "Bearer k1"}
+    body = {"model": "tiny/llama-random", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    with TestClient(app) as client:
+        first = client.post("/v1/chat/completions", json=body, headers=auth)
+        assert first.status_code == 200 and first.headers["X-Isagi-Replica"] == "isagi-7"
+        sid = first.headers["X-Isagi-Session"]
+        drained = app.state.isagi_drain(lambda: False)
+        assert drained.released == [sid] and drained.left == []
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert health.headers["X-Isagi-Replica"] == "isagi-7"
+        for headers in (auth, {**auth, "X-Isagi-Session": sid}):
+            r = client.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining", r.text
+            assert r.headers["Retry-After"] == "1"
+    rows = engine.store.get_turns(sid, owner="alice")  # the refused turns kept nothing
+    assert [(r.role, r.text) for r in rows][:1] == [("user", "hello")] and len(rows) == 2

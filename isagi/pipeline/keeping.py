@@ -39,12 +39,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cause
 
 if TYPE_CHECKING:
     from isagi.session.files import SessionFrame
+    from isagi.session.lease import Hold
     from isagi.session.state import Session
     from isagi.session.store import SessionStore
     from isagi.session.turn import Turn
@@ -319,6 +320,7 @@ class Reconciled:
     history_ahead: dict[str, int] = field(default_factory=dict)  # history rows beyond the file
     disagree: list[str] = field(default_factory=list)  # differ before their ends: left alone
     skipped: dict[str, str] = field(default_factory=dict)  # file -> why it was not used
+    held_elsewhere: list[str] = field(default_factory=list)  # open on a server (its lease): left to it
 
     @property
     def repaired(self) -> int:
@@ -342,6 +344,9 @@ class Reconciled:
         if self.disagree:
             out.append(f"start-up check: {len(self.disagree)} session(s) differ between history and file before "
                        "their last exchange; both left as they are: " + ", ".join(sorted(self.disagree)))
+        if self.held_elsewhere:
+            out.append(f"start-up check: {len(self.held_elsewhere)} session(s) open on another ISAGI server "
+                       "left to it (its own saves bring their history up to their files)")
         for name, why in sorted(self.skipped.items()):
             out.append(f"start-up check: {name} not checked: {why}")
         return out
@@ -358,10 +363,12 @@ def reconcile_history(store: HistoryStore, sessions_dir: str | Path, *, files: S
     replaced (an interrupted Regenerate); anything else is reported and left
     alone, so nothing is ever deleted. Run only while no other process writes
     the data directory (:class:`isagi.datadir.DataDir` says whether). ``files``: the session
-    store holding them (default: the directory ``sessions_dir``).
+    store holding them (default: the directory ``sessions_dir``); with one shared by replicas,
+    a session another server holds is left to it, and each one repaired is held (its lease)
+    while it is (:func:`isagi.session.lease.maintenance_holds`).
     """
     from isagi.session.folder import SessionFiles
-    from isagi.session.turn import turns_from_messages
+    from isagi.session.lease import maintenance_holds
 
     report = Reconciled()
     store_files: SessionStore = files if files is not None else SessionFiles(Path(sessions_dir))
@@ -371,6 +378,12 @@ def reconcile_history(store: HistoryStore, sessions_dir: str | Path, *, files: S
         return report
     if not paths:
         return report
+    with maintenance_holds(store_files) as hold:
+        return _reconcile(store, store_files, paths, hold, report)
+
+
+def _reconcile(store: HistoryStore, store_files: SessionStore, paths: list[Path], hold: Hold,
+               report: Reconciled) -> Reconciled:
     times = store.session_times()
     for path in paths:
         sid = path.stem
@@ -378,38 +391,52 @@ def reconcile_history(store: HistoryStore, sessions_dir: str | Path, *, files: S
         written = store_files.modified(path)
         if known is not None and written is not None and written <= known[1].timestamp():
             continue  # written before its history's last record: in step
-        report.checked += 1
-        try:
-            state = store_files.read(path)
-        except StorageError as exc:
-            report.skipped[path.name] = f"unreadable ({exc})"
-            continue
-        extra = state.extra
-        if extra.get("session_id") != sid:
-            report.skipped[path.name] = "its session id is not its name"
-            continue
-        owner = known[0] if known is not None else extra.get("owner")
-        if known is not None and extra.get("owner") not in (None, known[0]):
-            report.skipped[path.name] = "its owner differs from the history's"
-            continue
-        if not isinstance(owner, str) or not owner:
-            report.skipped[path.name] = "no history row and no owner in the file (saved by an older version)"
-            continue
-        turns = turns_from_messages(state.conversation)
-        try:
-            outcome, n = store.repair_exchanges(sid, turns, owner=owner, model_id=str(state.header["model_id"]),
-                                                title=extra.get("title") or None)
-            if outcome in ("added", "replaced"):
-                store.set_miku_path(sid, str(path), owner=owner)
-        except StorageError as exc:
-            report.skipped[path.name] = f"the history could not be written ({exc})"
-            continue
-        if outcome == "added":
-            report.added[sid] = n
-        elif outcome == "replaced":
-            report.replaced.append(sid)
-        elif outcome == "history ahead":
-            report.history_ahead[sid] = n
-        elif outcome == "disagree":
-            report.disagree.append(sid)
+        with hold(sid) as free:
+            if not free:  # open on a server, whose own saves bring its history up to its file
+                report.held_elsewhere.append(sid)
+                continue
+            report.checked += 1
+            _reconcile_one(store, store_files, path, known, report)
     return report
+
+
+def _reconcile_one(store: HistoryStore, store_files: SessionStore, path: Path, known: tuple[str, Any] | None,
+                   report: Reconciled) -> None:
+    """:func:`reconcile_history` for one session file written after its history's last record."""
+    from isagi.session.turn import turns_from_messages
+
+    sid = path.stem
+    try:
+        state = store_files.read(path)
+    except StorageError as exc:
+        report.skipped[path.name] = f"unreadable ({exc})"
+        return
+    extra = state.extra
+    if extra.get("session_id") != sid:
+        report.skipped[path.name] = "its session id is not its name"
+        return
+    owner = known[0] if known is not None else extra.get("owner")
+    if known is not None and extra.get("owner") not in (None, known[0]):
+        report.skipped[path.name] = "its owner differs from the history's"
+        return
+    if not isinstance(owner, str) or not owner:
+        report.skipped[path.name] = "no history row and no owner in the file (saved by an older version)"
+        return
+    turns = turns_from_messages(state.conversation)
+    try:
+        outcome, n = store.repair_exchanges(sid, turns, owner=owner, model_id=str(state.header["model_id"]),
+                                            title=extra.get("title") or None)
+        if outcome in ("added", "replaced"):
+            store.set_miku_path(sid, str(path), owner=owner)
+    except StorageError as exc:
+        report.skipped[path.name] = f"the history could not be written ({exc})"
+        return
+    if outcome == "added":
+        report.added[sid] = n
+    elif outcome == "replaced":
+        report.replaced.append(sid)
+    elif outcome == "history ahead":
+        report.history_ahead[sid] = n
+    elif outcome == "disagree":
+        report.disagree.append(sid)
+

@@ -45,9 +45,7 @@ class DatabaseSessionFiles:
         try:
             self.engine: Engine = sa.create_engine(url, pool_pre_ping=True, future=True)
             with self.engine.begin() as conn:
-                # replicas that start together migrate one after the other
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('isagi-migrations'))"))
-                upgrade_to_head(conn)
+                upgrade_to_head(conn)  # behind the migrations' lock: replicas starting together wait
         except (ImportError, SQLAlchemyError) as exc:
             reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
             raise StorageError(

@@ -9,24 +9,41 @@ that connection ends, so a replica that dies (SIGKILL, a lost host) lets go of i
 without any clock or heartbeat (docs/architecture.md, "Several replicas", says why this and
 not a lease row). With the default sessions directory there is no lease: one process owns the
 data directory (its flock).
+
+A process that waits for a lease asks its holder to let go (``NOTIFY`` on the channel
+:data:`WANTED_CHANNEL`, with the session id, again every :data:`ASK_AGAIN_S` while it waits);
+each process listens on a connection of its own and tells its registry, which saves and parks
+the session once no turn runs in it (:meth:`isagi.session.registry.SessionRegistry.hand_over`).
+So a conversation whose requests the balancer sends elsewhere (its stickiness lost: a balancer
+restarted, a replica back from the dead) moves there, instead of being refused until its holder
+drops it idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from isagi.errors import StorageError
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
 
+    from isagi.session.store import SessionStore
+
+Hold = Callable[[str], contextlib.AbstractContextManager[bool]]  # maintenance_holds' hold(sid)
+
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often a waiting acquire asks again
+POLL_S = 0.05  # how often a waiting acquire tries again
+ASK_AGAIN_S = 1.0  # how often a waiting acquire asks the holder again to let go
+WANTED_CHANNEL = "isagi_lease_wanted"  # NOTIFY channel: the payload is the session id wanted
+LISTEN_POLL_S = 0.5  # how long the listener waits for a notification before it looks at close()
 BUSY_ELSEWHERE = "This chat is open on another ISAGI server; try again in a moment."
 MOVED = ("This chat was taken over by another ISAGI server (this one lost its hold on it); "
          "reload the page to continue it there.")
@@ -39,6 +56,7 @@ class SessionLeases(Protocol):
     def release(self, sid: str) -> None: ...
     def held(self, sid: str) -> bool: ...  # this process believes it holds it (no round trip)
     def confirm(self, sid: str) -> bool: ...  # the database says it does
+    def listen(self, wanted: Callable[[str], None]) -> None: ...  # another process waits for one held here
     def close(self) -> None: ...
 
 
@@ -61,6 +79,9 @@ class AdvisoryLeases:
         self.poll_s = float(poll_s)
         self._guard = threading.Lock()
         self._held: set[str] = set()
+        self._wanted: list[Callable[[str], None]] = []
+        self._listener: threading.Thread | None = None
+        self._closing = threading.Event()
         try:
             self._engine: Engine = sa.create_engine(url, poolclass=NullPool, future=True)
             self._conn: Connection | None = self._connect()
@@ -107,16 +128,76 @@ class AdvisoryLeases:
             return False
 
     def acquire(self, sid: str, timeout: float = 0.0) -> bool:
-        """Take ``sid``'s lease, waiting up to ``timeout`` seconds while another process holds it;
-        whether this process holds it now (already held: True at once)."""
+        """Take ``sid``'s lease, waiting up to ``timeout`` seconds while another process holds it
+        (and asking that process to let go of it); whether this process holds it now (already
+        held: True at once)."""
         deadline = time.monotonic() + max(0.0, timeout)
+        asked = float("-inf")
         while True:
             if self._try(sid):
                 return True
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 return False
+            if now - asked >= ASK_AGAIN_S:
+                asked = now
+                self._ask(sid)
             time.sleep(min(self.poll_s, left))
+
+    def _ask(self, sid: str) -> None:
+        """Ask whichever process holds ``sid``'s lease to let go of it (a notification)."""
+        try:
+            with self._guard:
+                self._scalar("SELECT pg_notify(:channel, :sid)", channel=WANTED_CHANNEL, sid=sid)
+        except StorageError as exc:  # the wait goes on; the holder lets go when idle anyway
+            log.debug("could not ask for the lease of %s: %s", sid, exc)
+
+    def listen(self, wanted: Callable[[str], None]) -> None:
+        """Call ``wanted(sid)`` (on a thread of this object's) whenever another process waits
+        for the lease of a session this process holds."""
+        with self._guard:
+            self._wanted.append(wanted)
+            if self._listener is None:
+                self._listener = threading.Thread(target=self._listen, name="isagi-lease-listener", daemon=True)
+                self._listener.start()
+
+    def _listen(self) -> None:
+        """The listener's loop: a connection of its own that LISTENs on :data:`WANTED_CHANNEL`
+        (made again, after a pause, when it breaks), until :meth:`close`."""
+        while not self._closing.is_set():
+            raw: Any = None
+            try:
+                raw = self._engine.raw_connection()
+                conn = raw.driver_connection  # psycopg's own connection: its notifies()
+                conn.autocommit = True
+                conn.execute(f"LISTEN {WANTED_CHANNEL}")
+                while not self._closing.is_set():
+                    for note in conn.notifies(timeout=LISTEN_POLL_S):
+                        self._on_wanted(note.payload)
+            except Exception as exc:  # SQLAlchemy's, psycopg's or the socket's: listen again
+                if not self._closing.is_set():
+                    log.warning("the session lease listener lost its connection (%s); it listens again in 1 s",
+                                _reason(exc))
+                    self._closing.wait(1.0)
+            finally:
+                if raw is not None:
+                    try:
+                        raw.invalidate()
+                    except Exception as exc:  # a broken connection
+                        log.debug("closing the lease listener's connection: %s", exc)
+
+    def _on_wanted(self, sid: str) -> None:
+        with self._guard:
+            mine = sid in self._held
+            callbacks = list(self._wanted)
+        if not mine:
+            return
+        for wanted in callbacks:
+            try:
+                wanted(sid)
+            except Exception:  # a registry's bug must not end the listener
+                log.exception("handing over session %s failed", sid)
 
     def release(self, sid: str) -> None:
         """Give ``sid``'s lease back (not held: nothing)."""
@@ -152,6 +233,10 @@ class AdvisoryLeases:
 
     def close(self) -> None:
         """End the lease connection: PostgreSQL frees every lease this process held."""
+        self._closing.set()
+        listener = self._listener
+        if listener is not None and listener is not threading.current_thread():
+            listener.join(timeout=LISTEN_POLL_S + 2.0)
         with self._guard:
             self._held.clear()
             if self._conn is not None:
@@ -178,3 +263,39 @@ def process_leases(url: str) -> AdvisoryLeases:
         if leases is None:
             leases = _process[url] = AdvisoryLeases(url)
         return leases
+
+
+@contextlib.contextmanager
+def maintenance_holds(files: SessionStore) -> Iterator[Hold]:
+    """For a pass over stored sessions that writes them (the start-up repair, retention,
+    ``isagi sessions prune``): ``hold(sid)``, a context that says whether the session is free
+    (True: no process holds its lease, and this pass holds it until the context ends, so none
+    takes it meanwhile) or open on a server (False: leave it to that server). Its leases are on
+    a connection of their own, so a session live in this very process counts as held too. With a
+    store only this process uses (the sessions directory), every session is free."""
+    from isagi.session.dbstore import DatabaseSessionFiles
+
+    if not (files.shared and isinstance(files, DatabaseSessionFiles)):
+        yield _always_free
+        return
+    leases = AdvisoryLeases(files.url)
+
+    @contextlib.contextmanager
+    def hold(sid: str) -> Iterator[bool]:
+        if not leases.acquire(sid, 0.0):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            leases.release(sid)
+
+    try:
+        yield hold
+    finally:
+        leases.close()
+
+
+@contextlib.contextmanager
+def _always_free(_sid: str) -> Iterator[bool]:
+    yield True

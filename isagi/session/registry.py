@@ -35,8 +35,14 @@ and the rollback of a failed turn are the engine's (:class:`isagi.pipeline.engin
   where it becomes live (create, adopt, reopen, the resume of a parked id) before its file is
   read, and given back where it stops being live (release, park, eviction, discard, reclaim,
   :meth:`SessionRegistry.close`). Another process's session answers :class:`SessionBusy`
-  after a bounded wait (``lease_wait_s``); once free, it is taken over from its last save.
-  With the local sessions directory there are no leases (one process: the data directory's flock).
+  after a bounded wait (``lease_wait_s``) during which that process is asked to let go of it
+  (:meth:`SessionRegistry.hand_over`: saved and parked there once no turn runs in it); once
+  free, it is taken over from its last save. With the local sessions directory there are no
+  leases (one process: the data directory's flock).
+- Draining (SIGTERM, :meth:`SessionRegistry.drain`): no session is made live and no turn starts
+  any more (:class:`~isagi.errors.ServerDraining`); each live session is saved, parked and its
+  lease given back as soon as no turn runs in it, so the turns in flight finish and another
+  replica takes each session over at once.
 - Owners: each entry (and each parked id) belongs to an owner (the logged-in
   user, ``local`` without a login) and remembers its client address; every
   lookup takes the caller's owner, and another owner's id raises ``KeyError``
@@ -60,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isagi.errors import IsagiError, SessionBusy, SessionLimit
+from isagi.errors import IsagiError, ServerDraining, SessionBusy, SessionLimit
 from isagi.ids import new_session_id
 from isagi.session.lease import BUSY_ELSEWHERE, MOVED
 from isagi.session.state import Session
@@ -84,9 +90,13 @@ SAVE_RETRY_S = 5.0
 SAVED_AGAIN = "Saved: this chat's file and history are written now (there was room on the disk again)."
 MAX_PAGES = 10_000  # open pages the registry remembers (the oldest are forgotten beyond it)
 LEASE_WAIT_S = 5.0  # how long a request waits for another replica to let go of its session
+HAND_OVER_WAIT_S = 60.0  # how long a session asked for by another replica waits for its turn to end
+DRAIN_POLL_S = 0.05  # how often a drain looks for sessions whose turn has ended
+HOLD_TRIES = 3  # lookups of a session parked (handed over) while its lock was awaited
+DRAINING = "This ISAGI server is shutting down; reload the page to go on with this chat on another one."
 MAX_PARKABLE = 1024  # ids of parkable sessions remembered before those gone are forgotten
 
-__all__ = ["SAVED_AGAIN", "SAVE_RETRY_S", "Entry", "SessionBusy", "SessionLimit", "SessionRegistry",
+__all__ = ["SAVED_AGAIN", "SAVE_RETRY_S", "Drained", "Entry", "SessionBusy", "SessionLimit", "SessionRegistry",
            "give_back_memory"]
 
 
@@ -111,6 +121,15 @@ class Entry:
     # The browser page (Gradio session hash) whose turn holds the lock now ("": none, or not a
     # page's): when that page goes away (a reload, a closed tab), the turn is stopped at once.
     turn_page: str = ""
+
+
+@dataclass
+class Drained:
+    """What a drain did: the sessions saved and given back, and those still live at its end
+    (a turn still running at the bound, or a save that failed: the shutdown tries again)."""
+
+    released: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
 
 
 def give_back_memory() -> None:
@@ -183,6 +202,10 @@ class SessionRegistry:
         self._reaper_stop = threading.Event()
         self.evicted_total = 0
         self.reclaimed_total = 0
+        self.draining = False  # SIGTERM: nothing new starts (drain)
+        self._handing: set[str] = set()  # ids another process asked for, being handed over
+        if leases is not None:
+            leases.listen(self.hand_over)
 
     # -- helpers ---------------------------------------------------------------
     @property
@@ -232,11 +255,15 @@ class SessionRegistry:
         if not isinstance(files, DatabaseSessionFiles):
             return None
         self._leases = process_leases(files.url)
+        self._leases.listen(self.hand_over)
         return self._leases
 
     def _lease(self, sid: str, *, wait: bool = True) -> bool:
         """Hold ``sid``'s lease (no leases: nothing); :class:`SessionBusy` when another process
-        keeps it past the bounded wait. True when it was taken just now (not held before)."""
+        keeps it past the bounded wait. True when it was taken just now (not held before).
+        While draining, :class:`ServerDraining`: nothing is made live any more."""
+        if self.draining:
+            raise ServerDraining(DRAINING)
         leases = self.leases
         if leases is None or leases.held(sid):
             return False
@@ -282,6 +309,11 @@ class SessionRegistry:
         """Ids of the live sessions (of ``owner`` only, when given)."""
         with self._guard:
             return [sid for sid, e in self._entries.items() if owner is None or e.owner == owner]
+
+    def busy_count(self) -> int:
+        """Live sessions whose lock an event (a turn) holds now."""
+        with self._guard:
+            return sum(1 for e in self._entries.values() if e.lock.locked())
 
     def holds(self, sid: str | None, owner: str) -> bool:
         """True when ``owner`` has ``sid`` live or parked (another owner's id: False)."""
@@ -550,13 +582,33 @@ class SessionRegistry:
     @contextmanager
     def using(self, sid: str, *, timeout: float = 30.0, owner: str = LOCAL_OWNER) -> Iterator[Entry]:
         """Hold ``owner``'s session's lock (one event at a time); raise :class:`SessionBusy` on timeout."""
-        with self.holding(self.entry(sid, owner), timeout=timeout) as entry:
+        with self.held(lambda: self.entry(sid, owner), owner, timeout=timeout) as entry:
             yield entry
+
+    @contextmanager
+    def held(self, look_up: Callable[[], Entry], owner: str, *, timeout: float = 30.0) -> Iterator[Entry]:
+        """:meth:`holding` the entry ``look_up()`` gives; one parked while its lock was awaited
+        (handed over to another server that asked for it, or saved idle) is looked up again,
+        which resumes it (taking its lease back: the other server is asked in turn)."""
+        with contextlib.ExitStack() as stack:
+            for attempt in range(HOLD_TRIES):
+                entry = look_up()
+                try:
+                    held = stack.enter_context(self.holding(entry, timeout=timeout))
+                except KeyError:
+                    if attempt + 1 < HOLD_TRIES and self.holds(entry.session.id, owner):
+                        continue
+                    raise
+                yield held
+                return
 
     @contextmanager
     def holding(self, entry: Entry, *, timeout: float = 30.0) -> Iterator[Entry]:
         """Hold the lock of ``entry`` (looked up already); :class:`SessionBusy` on timeout, and
-        :class:`KeyError` when it was dropped meanwhile (an empty one reclaimed at a cap)."""
+        :class:`KeyError` when it was dropped meanwhile (an empty one reclaimed at a cap);
+        :class:`ServerDraining` once the server drains."""
+        if self.draining:
+            raise ServerDraining(DRAINING)
         if not entry.lock.acquire(timeout=timeout):
             raise SessionBusy("This chat is busy with another request; try again in a moment.")
         try:
@@ -727,7 +779,7 @@ class SessionRegistry:
         return left
 
     def release(self, sid: str | None, *, park: bool = False, owner: str | None = LOCAL_OWNER,
-                unless_shown: bool = False) -> bool:
+                unless_shown: bool = False, timeout: float = 10.0) -> bool:
         """Save (if it has turns) and drop ``owner``'s ``sid`` now.
 
         ``park=True`` keeps the id resumable by its holder (as idle eviction
@@ -741,13 +793,14 @@ class SessionRegistry:
         told with the :class:`~isagi.errors.StorageError`, except the server
         itself (``owner=None``), for which it is logged and False returned.
         ``unless_shown``: left live (False) when a page shows it by the time its lock is free (a
-        reloaded page that opened it while its turn ended).
+        reloaded page that opened it while its turn ended). ``timeout``: how long to wait for a
+        turn in it to end (then False: left live).
         """
         with self._guard:
             entry = self._entries.get(sid or "")
         if entry is None or (owner is not None and entry.owner != owner):
             return False
-        if not entry.lock.acquire(timeout=10):
+        if not entry.lock.acquire(timeout=timeout):
             return False  # busy: idle eviction will save and drop it later
         try:
             if unless_shown:
@@ -769,6 +822,55 @@ class SessionRegistry:
             entry.lock.release()
         self._unlease(entry.session.id)
         return True
+
+    def hand_over(self, sid: str) -> None:
+        """Another process waits for the lease of ``sid``, live here (its requests go there now):
+        save and park it once no turn runs in it (within :data:`HAND_OVER_WAIT_S`), on a thread
+        of its own, so that process takes it over from that save. Called by the leases' listener."""
+        with self._guard:
+            if sid not in self._entries or sid in self._handing:
+                return
+            self._handing.add(sid)
+
+        def run() -> None:
+            try:
+                if self.release(sid, park=True, owner=None, timeout=HAND_OVER_WAIT_S):
+                    log.info("session %s handed over to another server that asked for it", sid)
+            except Exception as exc:  # kept live here: that server's wait ends as busy
+                log.warning("could not hand session %s over: %s", sid, exc)
+            finally:
+                with self._guard:
+                    self._handing.discard(sid)
+
+        threading.Thread(target=run, name="isagi-hand-over", daemon=True).start()
+
+    def drain(self, within_s: float, stop: Callable[[], bool] = lambda: False) -> Drained:
+        """SIGTERM: from now on no turn starts and no session is made live here
+        (:class:`ServerDraining`); each live session is saved, parked and its lease given back
+        as soon as no turn runs in it, until none is left, ``within_s`` seconds have passed, or
+        ``stop()`` says so (a second signal). What is left live the shutdown saves as before."""
+        self.draining = True
+        deadline = time.monotonic() + max(0.0, within_s)
+        out = Drained()
+        failed: set[str] = set()
+        while True:
+            with self._guard:
+                live = [(sid, e) for sid, e in self._entries.items() if sid not in failed]
+            for sid, entry in live:
+                if entry.lock.locked():
+                    continue  # a turn runs: the next round looks again
+                if self.release(sid, park=True, owner=None, timeout=0):
+                    out.released.append(sid)
+                    continue
+                with self._guard:
+                    still = self._entries.get(sid) is entry
+                if still and not entry.lock.locked():
+                    failed.add(sid)  # its save failed (logged): the shutdown's save_all tries again
+            if not live or time.monotonic() >= deadline or stop():
+                break
+            time.sleep(DRAIN_POLL_S)
+        out.left = self.live_ids()
+        return out
 
     def evict_idle(self, now: float | None = None) -> list[str]:
         """Save and drop every session idle for longer than ``idle_s``; returns their ids.

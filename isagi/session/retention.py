@@ -4,7 +4,9 @@ Owns which sessions are old and their removal: the history rows (turns, then the
 row) and the ``.miku`` autosave in the sessions folder, the same two things ``isagi sessions
 delete`` removes. A session is old when its last update (the history's ``updated_at``; for a
 file with no history row, the file's modification time) lies more than ``older_than_days``
-before now. A session open in the server (``is_live``) is never removed, however old.
+before now. A session open in the server (``is_live``) is never removed, however old, nor one
+another replica holds (its lease, :func:`isagi.session.lease.maintenance_holds`: each removal
+holds the session's lease while it runs).
 
 ``ISAGI_SESSION_RETENTION`` (days; unset: keep everything) has the server run this at its start
 and daily after (:class:`RetentionTimer`); ``isagi sessions prune --older-than DAYS`` runs it
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from isagi.session.lease import Hold
     from isagi.session.store import SessionStore
     from isagi.storage.history import HistoryStore
 
@@ -37,7 +40,7 @@ class Pruned:
 
     sessions: list[str] = field(default_factory=list)  # session ids, history rows and files alike
     files: list[Path] = field(default_factory=list)
-    kept_live: int = 0  # old sessions left alone because the server has them open
+    kept_live: int = 0  # old sessions left alone because a server (this one or another) has them open
 
 
 def prune_sessions(
@@ -54,8 +57,16 @@ def prune_sessions(
     ``store``: the history store (a :class:`storage.history.HistoryStore`) or None (files only).
     ``dry_run``: only say what would go.
     """
+    from isagi.session.lease import maintenance_holds
+
     if not older_than_days > 0:
         raise ValueError(f"older_than_days must be above 0, not {older_than_days!r}")
+    with maintenance_holds(files) as hold:
+        return _prune(store, files, older_than_days, now=now, is_live=is_live, dry_run=dry_run, hold=hold)
+
+
+def _prune(store: HistoryStore | None, files: SessionStore, older_than_days: float, *, now: float | None,
+           is_live: Callable[[str], bool] | None, dry_run: bool, hold: Hold) -> Pruned:
     now = time.time() if now is None else now
     cutoff = now - older_than_days * DAY_S
     live = is_live or (lambda _sid: False)
@@ -66,20 +77,21 @@ def prune_sessions(
             known.add(sid)
             if updated.timestamp() >= cutoff:
                 continue
-            if live(sid):
-                out.kept_live += 1
-                continue
-            recorded = None
-            with contextlib.suppress(Exception):
-                recorded = store.get_session(sid, owner=owner).miku_path
-            if dry_run:
-                out.sessions.append(sid)
-                found = files.find(sid, recorded)
-                out.files += [found] if found else []
-                continue
-            if store.delete_session(sid, owner=owner):
-                out.sessions.append(sid)
-                out.files += files.remove(sid, recorded)
+            with hold(sid) as free:
+                if live(sid) or not free:
+                    out.kept_live += 1
+                    continue
+                recorded = None
+                with contextlib.suppress(Exception):
+                    recorded = store.get_session(sid, owner=owner).miku_path
+                if dry_run:
+                    out.sessions.append(sid)
+                    found = files.find(sid, recorded)
+                    out.files += [found] if found else []
+                    continue
+                if store.delete_session(sid, owner=owner):
+                    out.sessions.append(sid)
+                    out.files += files.remove(sid, recorded)
     for path in files.all():  # files the history does not know (no store, or a row lost)
         sid = path.stem
         if sid in known:
@@ -87,14 +99,15 @@ def prune_sessions(
         written = files.modified(path)
         if written is None or written >= cutoff:
             continue
-        if live(sid):
-            out.kept_live += 1
-            continue
-        out.sessions.append(sid)
-        if dry_run:
-            out.files.append(path)
-        else:
-            out.files += files.remove(sid)
+        with hold(sid) as free:
+            if live(sid) or not free:
+                out.kept_live += 1
+                continue
+            out.sessions.append(sid)
+            if dry_run:
+                out.files.append(path)
+            else:
+                out.files += files.remove(sid)
     return out
 
 

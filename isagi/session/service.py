@@ -34,7 +34,7 @@ from isagi.errors import (
     SessionLimit,
     SessionNotFound,
 )
-from isagi.session.registry import SAVED_AGAIN, Entry, SessionRegistry
+from isagi.session.registry import SAVED_AGAIN, Drained, Entry, SessionRegistry
 from isagi.session.state import Session
 from isagi.storage.miku import MAX_MIKU_BYTES, MAX_TURNS
 from isagi.storage.owners import LOCAL_OWNER
@@ -436,11 +436,13 @@ class SessionService:
         (:meth:`~isagi.session.registry.SessionRegistry.detach`).
         """
         engine = self.engine
-        if new_if_unknown:
-            sid, found = self.registry.ensure(sid, owner, client)
-        else:
-            found = self.registry.entry(sid, owner)
-        with self.registry.holding(found, timeout=timeout) as entry:
+
+        def look_up() -> Entry:
+            if new_if_unknown:
+                return self.registry.ensure(sid, owner, client)[1]
+            return self.registry.entry(sid, owner)
+
+        with self.registry.held(look_up, owner, timeout=timeout) as entry:
             if expect is not None and not same_exchanges(_exchanges(entry.session), expect):
                 raise ConversationChanged("Another request continued this conversation first; send the "
                                           "conversation again with that request's reply.")
@@ -607,6 +609,20 @@ class SessionService:
     def save_all(self) -> int:
         """Save every live session with turns (at shutdown); how many were written."""
         return self.registry.save_all()
+
+    @property
+    def draining(self) -> bool:
+        """Whether the server drains (SIGTERM): nothing new starts."""
+        return self.registry.draining
+
+    def busy_count(self) -> int:
+        """Live sessions a turn (or another event) holds now."""
+        return self.registry.busy_count()
+
+    def drain(self, within_s: float, stop: Callable[[], bool] = lambda: False) -> Drained:
+        """SIGTERM's drain (:meth:`isagi.session.registry.SessionRegistry.drain`): nothing new
+        starts; the turns in flight finish; each session is saved and its lease given back."""
+        return self.registry.drain(within_s, stop)
 
     def close(self) -> None:
         """At shutdown, after :meth:`save_all`: drop the live sessions and give back their leases."""

@@ -5,6 +5,11 @@ a connection handed over through the Alembic config, so opening a
 :class:`storage.history.HistoryStore` migrates its database without any
 ``alembic.ini`` or working directory. ``storage/alembic.ini`` is only for
 developers running the ``alembic`` command from the repository root.
+
+Migrations run once, however many processes start together (replicas on one PostgreSQL
+server): :func:`upgrade_to_head` first takes a transaction-level advisory lock there, so the
+others wait for the first one's commit and then find the schema at its head. SQLite needs none:
+its ``BEGIN IMMEDIATE`` (:mod:`storage.history`) already lets one writer in at a time.
 """
 
 from __future__ import annotations
@@ -32,10 +37,20 @@ def alembic_config(url: str | None = None, connection: Connection | None = None)
     return cfg
 
 
+# pg_advisory_xact_lock's key of the migrations (any fixed number: one per database)
+MIGRATION_LOCK = 0x15A61_0001
+
+
 def upgrade_to_head(connection: Connection) -> None:
-    """Apply every missing revision on ``connection`` (inside its transaction)."""
+    """Apply every missing revision on ``connection`` (inside its transaction). On PostgreSQL,
+    behind an advisory lock held until that transaction ends: processes starting together
+    migrate one after the other, never at once."""
     from alembic import command
 
+    if connection.dialect.name == "postgresql":
+        import sqlalchemy as sa
+
+        connection.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
     command.upgrade(alembic_config(connection=connection), "head")
 
 
