@@ -1,9 +1,11 @@
-"""A live ``isagi web`` in a child process, for the benchmarks that need one.
+"""A live ``isagi web`` (or ``isagi serve``) in a child process, for the benchmarks that need one.
 
-Owns starting the real command line (``python -m isagi.cli web``) on a free
-loopback port with a chosen data directory, waiting for ``/health`` to say
-``ok`` (timed from the moment the process is spawned), and stopping it.
-Used by ``isagi bench web`` (load) and ``isagi bench start`` (start time).
+Owns starting the real command line (``python -m isagi.cli web``, or ``serve``
+for the API alone) on a free loopback port with a chosen data directory and
+environment, waiting for ``/health`` to say ``ok`` (timed from the moment the
+process is spawned), and stopping it. Used by ``isagi bench web`` (load),
+``isagi bench start`` (start time) and ``isagi bench serve`` (ISAGI beside
+llama-server).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def health(url: str) -> dict[str, Any]:
 
 @dataclass
 class LiveServer:
-    """A running ``isagi web``: its process, URL, log file and time to ready."""
+    """A running ``isagi web`` (or ``serve``): its process, URL, log file and time to ready."""
 
     proc: subprocess.Popen
     url: str
@@ -58,15 +60,17 @@ class LiveServer:
                 self.proc.wait(30)
 
 
-def start(home: Path | None, timeout_s: float, *, poll_s: float = 0.2) -> LiveServer:
-    """Spawn ``isagi web`` (data directory ``home``, else the environment's) and wait until ready.
+def start(home: Path | None, timeout_s: float, *, poll_s: float = 0.2, command: str = "web",
+          env: dict[str, str] | None = None) -> LiveServer:
+    """Spawn ``isagi web`` (or ``command``: ``serve``; data directory ``home``, else the
+    environment's; ``env`` added to this process's environment) and wait until ready.
 
     ``ready_s`` runs from just before the spawn to the first ``/health`` that
     answers ``{"status": "ok"}``. Raises ``RuntimeError`` with the log's path
     when the server exits, fails to load, or is not ready in time.
     """
     port = free_port()
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if home is not None:
         env["ISAGI_HOME"] = str(home)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -75,14 +79,14 @@ def start(home: Path | None, timeout_s: float, *, poll_s: float = 0.2) -> LiveSe
     t0 = time.monotonic()
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "isagi.cli", "web", "--port", str(port)],
+            [sys.executable, "-m", "isagi.cli", command, "--port", str(port)],
             cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
     server = LiveServer(proc, url, log, 0.0)
     deadline = t0 + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"isagi web exited with {proc.returncode}; log: {log}")
+            raise RuntimeError(f"isagi {command} exited with {proc.returncode}; log: {log}")
         try:
             st = health(url)
         except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
@@ -92,7 +96,7 @@ def start(home: Path | None, timeout_s: float, *, poll_s: float = 0.2) -> LiveSe
             return server
         if st.get("status") == "failed":
             server.stop()
-            raise RuntimeError(f"isagi web could not load the model: {st.get('error')}; log: {log}")
+            raise RuntimeError(f"isagi {command} could not load the model: {st.get('error')}; log: {log}")
         time.sleep(poll_s)
     server.stop()
-    raise RuntimeError(f"isagi web was not ready after {timeout_s:.0f} s; log: {log}")
+    raise RuntimeError(f"isagi {command} was not ready after {timeout_s:.0f} s; log: {log}")
