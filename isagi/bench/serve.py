@@ -397,35 +397,44 @@ def run_hog(settings: Settings, options: Options) -> dict[str, Any]:
     }
 
 
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _short(setting: str) -> str:
+    """A setting's name in the table: ``parallel_8`` as ``P=8``, ``np_8`` as ``np=8``."""
+    kind, _, n = setting.rpartition("_")
+    return f"{'P' if kind == 'parallel' else kind}={n}"
+
+
 def table(data: dict[str, Any]) -> Any:
-    """The figures of :func:`run` or :func:`run_hog` as a rich table."""
+    """The figures of :func:`run` or :func:`run_hog` as a rich table (* the best setting)."""
+    from rich import box
     from rich.table import Table
 
     if "hog" in data:
-        t = Table(title=f"one user, quiet and beside a one-core busy loop ({data['threads']} threads, "
-                        f"deadline {data['deadline_s']:g} s)")
-        for col in ("server", "setting", "quiet p50 s", "hog p50 s", "hog / quiet", "finished", "unfinished"):
-            t.add_column(col, justify="right" if col not in ("server", "setting") else "left")
+        t = Table(title=f"1 user, quiet and beside a one-core busy loop ({data['threads']} threads, "
+                        f"deadline {data['deadline_s']:g} s)", box=box.SIMPLE)
+        for col in ("server", "setting", "quiet p50 s", "hog p50 s", "hog/quiet", "finished", "unfinished"):
+            t.add_column(col, justify="left" if col in ("server", "setting") else "right")
         for server, f in data["hog"].items():
-            t.add_row(server, f["setting"], str(f["quiet_p50_s"]), str(f["hog_p50_s"]), str(f["ratio_p50"]),
-                      str(f["hog_finished"]), str(f["hog_unfinished"]))
+            t.add_row(server, _short(f["setting"]), _num(f["quiet_p50_s"]), _num(f["hog_p50_s"]),
+                      _num(f["ratio_p50"]), _num(f["hog_finished"]), _num(f["hog_unfinished"]))
         return t
-    t = Table(title=f"isagi serve beside llama-server ({data['threads']} threads, {data['max_tokens']}-token "
-                    f"greedy replies; best = lowest p95)")
-    cols = ("users", "server", "setting", "p50 s", "p95 s", "ttft p50 s", "ms/token", "turns/s", "tokens/s",
-            "load 1m", "done", "failed")
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("server", "setting") else "right")
+    t = Table(title=f"isagi serve beside llama-server: {data['threads']} threads, {data['max_tokens']}-token greedy "
+                    "replies (seconds; * best setting; P = ISAGI_PARALLEL, np = -np; lost: failed, unfinished "
+                    "or not reached)", box=box.SIMPLE, padding=0)
+    for col in ("users", "server", "set", "p50", "p95", "ttft", "ms/tok", "turn/s", "tok/s", "load", "ok", "lost"):
+        t.add_column(col, justify="left" if col in ("server", "set") else "right", min_width=min(len(col), 6))
     for row in data["runs"]:
         for server in SERVERS:
             summary = row[server]
             for name, f in summary["settings"].items():
-                mark = " *" if name == summary["best"] else ""
                 load = max((a for _b, a in f["loadavg_1m"]), default=None)
-                t.add_row(str(row["users"]), server, name + mark, str(f["p50_s"]), str(f["p95_s"]),
-                          str(f["ttft_p50_s"]), str(f["decode_ms_per_token_p50"]), str(f["turns_per_s"]),
-                          str(f["tokens_per_s"]), str(load), str(f["turns"]),
-                          str(f["errors"] + f["unfinished"] + f["not_reached"]))
-        t.add_row(str(row["users"]), "ratio", "isagi / anchor", "", str(row["ratio_p95"]), str(row["ratio_ttft"]),
-                  "", str(row["ratio_turns_per_s"]), "", "", "", "", end_section=True)
+                t.add_row(str(row["users"]), server, _short(name) + ("*" if name == summary["best"] else ""),
+                          _num(f["p50_s"]), _num(f["p95_s"]), _num(f["ttft_p50_s"]), _num(f["decode_ms_per_token_p50"]),
+                          _num(f["turns_per_s"]), _num(f["tokens_per_s"]), _num(load), _num(f["turns"]),
+                          _num(f["errors"] + f["unfinished"] + f["not_reached"]))
+        t.add_row(str(row["users"]), "ratio", "i/a", "", _num(row["ratio_p95"]), _num(row["ratio_ttft"]), "",
+                  _num(row["ratio_turns_per_s"]), "", "", "", "", end_section=True)
     return t
