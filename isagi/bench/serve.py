@@ -415,7 +415,7 @@ def table(data: dict[str, Any]) -> Any:
     if "hog" in data:
         t = Table(title=f"1 user, quiet and beside a one-core busy loop ({data['threads']} threads, "
                         f"deadline {data['deadline_s']:g} s)", box=box.SIMPLE)
-        for col in ("server", "setting", "quiet p50 s", "hog p50 s", "hog/quiet", "finished", "unfinished"):
+        for col in ("server", "setting", "quiet p50", "hog p50", "hog/quiet", "done", "unfinished"):
             t.add_column(col, justify="left" if col in ("server", "setting") else "right")
         for server, f in data["hog"].items():
             t.add_row(server, _short(f["setting"]), _num(f["quiet_p50_s"]), _num(f["hog_p50_s"]),
