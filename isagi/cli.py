@@ -683,6 +683,48 @@ def bench_balancer(url: Annotated[str | None, typer.Option(
                 max_new_tokens=max_new_tokens, probes=probes), as_json)
 
 
+@bench_app.command("serve")
+@friendly
+def bench_serve(
+    users: Annotated[str, typer.Option("--users", help="numbers of concurrent users, e.g. 1,8,16")] = "1,8,16",
+    isagi_parallel: Annotated[str, typer.Option(
+        "--isagi-parallel", help="ISAGI_PARALLEL settings of isagi serve, e.g. 1,8")] = "1,8",
+    anchor_parallel: Annotated[str, typer.Option(
+        "--anchor-parallel", help="llama-server's -np settings, e.g. 1,8 (paired with --isagi-parallel)")] = "1,8",
+    threads: Annotated[int | None, typer.Option(
+        "--threads", min=1, help="llama.cpp threads of both servers (default: ISAGI_THREADS, else every core)")] = None,
+    turns: Annotated[int, typer.Option("--turns", min=1, help="turns per conversation")] = 4,
+    duration: Annotated[float | None, typer.Option(
+        "--duration", help="seconds: users start new conversations until then (default: one conversation each)")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="reply cap (greedy)")] = 32,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="runs per server, setting and number of users")] = 1,
+    anchor: Annotated[Path | None, typer.Option(
+        "--anchor", help="a built llama-server; default: build it from llama-cpp-python's source once (cached)")] = None,
+    hog: Annotated[bool, typer.Option(
+        "--hog", help="instead: 1 user, quiet and beside a one-core busy loop (the first setting of each)")] = False,
+    deadline: Annotated[float, typer.Option("--deadline", help="seconds a turn may take before it is given up")] = 75.0,
+    model: ModelOpt = None, home: HomeOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """isagi serve beside llama.cpp's llama-server on the same GGUF and the same closed-loop load."""
+    from isagi.bench.serve import Options, run, run_hog, table
+
+    options = Options(users=tuple(_count_list(users, "--users")),
+                      isagi_parallel=tuple(_count_list(isagi_parallel, "--isagi-parallel")),
+                      anchor_parallel=tuple(_count_list(anchor_parallel, "--anchor-parallel")),
+                      threads=threads, turns=turns, duration_s=duration, max_tokens=max_tokens, rounds=rounds,
+                      anchor=anchor, deadline_s=deadline)
+    settings = _settings(model=model, home=home)
+    data = run_hog(settings, options) if hog else run(settings, options)
+    if as_json:
+        _print_json(data)
+        return
+    out.print(table(data))
+    if not hog:
+        check = data["prompt_check"]
+        out.print(f"same prompt text: {check.get('same_prompt_text')}; same greedy reply: {check.get('same_reply')}",
+                  highlight=False)
+
+
 @bench_app.command("soak")
 @friendly
 def bench_soak(conversations: Annotated[int, typer.Option(min=1, help="one-off API conversations")] = 1500,

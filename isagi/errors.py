@@ -63,6 +63,10 @@ class PortInUseError(IsagiError):
     """The web app's address is taken by another program."""
 
 
+class AnchorError(IsagiError):
+    """``isagi bench serve``'s anchor, llama.cpp's own ``llama-server``, could not be built or started."""
+
+
 class DataDirError(StorageError):
     """The data directory (``ISAGI_HOME``) cannot be written: missing rights, read-only, full."""
 

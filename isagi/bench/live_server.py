@@ -1,10 +1,11 @@
-"""A live ``isagi web`` in a child process, for the benchmarks that need one.
+"""A live ``isagi web`` (or ``isagi serve``) in a child process, for the benchmarks that need one.
 
-Owns starting the real command line (``python -m isagi.cli web``) on a free
-loopback port with a chosen data directory, waiting for ``/health`` to say
-``ok`` (timed from the moment the process is spawned), and stopping it.
-Used by ``isagi bench web`` (load), ``isagi bench start`` (start time) and ``isagi bench
-balancer`` (two ``isagi serve`` replicas).
+Owns starting the real command line (``python -m isagi.cli web``, or ``serve``
+for the API alone) on a free loopback port with a chosen data directory and
+environment, waiting for ``/health`` to say ``ok`` (timed from the moment the
+process is spawned), and stopping it. Used by ``isagi bench web`` (load),
+``isagi bench start`` (start time), ``isagi bench serve`` (ISAGI beside
+llama-server) and ``isagi bench balancer`` (two ``isagi serve`` replicas).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def health(url: str) -> dict[str, Any]:
 
 @dataclass
 class LiveServer:
-    """A running ``isagi web``: its process, URL, log file and time to ready."""
+    """A running ``isagi web`` (or ``serve``): its process, URL, log file and time to ready."""
 
     proc: subprocess.Popen
     url: str
@@ -62,7 +63,7 @@ class LiveServer:
 def start(home: Path | None, timeout_s: float, *, poll_s: float = 0.2, command: str = "web",
           env: dict[str, str] | None = None) -> LiveServer:
     """Spawn ``isagi web`` (or ``command``: ``serve``; data directory ``home``, else the
-    environment's; ``env``: more variables) and wait until ready.
+    environment's; ``env`` added to this process's environment) and wait until ready.
 
     ``ready_s`` runs from just before the spawn to the first ``/health`` that
     answers ``{"status": "ok"}``. Raises ``RuntimeError`` with the log's path

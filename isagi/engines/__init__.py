@@ -121,6 +121,11 @@ def load_engine(settings: Settings) -> ModelEngine:
 
             raise ModelLoadError(f"Model file {settings.model!r} does not exist; give the path of a .gguf file.")
         model_id = path.stem
-    n_ctx = settings.prompt_token_budget + settings.max_new_tokens + 64
     return LlamaCppEngine(path, model_id=model_id, fingerprint=gguf_fingerprint(path), n_threads=settings.threads,
-                          n_ctx=n_ctx, backend_reason=why, slots=settings.slots)
+                          n_ctx=context_per_slot(settings), backend_reason=why, slots=settings.slots)
+
+
+def context_per_slot(settings: Settings) -> int:
+    """The llama.cpp engine's context per sequence slot, in tokens (at most the model's trained
+    context, which the engine caps it to): the prompt budget, the reply and a margin."""
+    return settings.prompt_token_budget + settings.max_new_tokens + 64

@@ -16,6 +16,21 @@ from typing import Any
 from isagi.errors import ModelLoadError
 
 
+def compile_template(source: str) -> Any:
+    """A GGUF's chat template (Jinja source) compiled as transformers compiles one, in a sandbox
+    (also what ``isagi bench serve`` renders to check the anchor's prompt against ISAGI's)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        from jinja2.exceptions import TemplateError
+
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
 class ChatText:
     """The text methods of :class:`~isagi.engines.llamacpp.engine.LlamaCppEngine` (a mixin: the
     engine's ``__init__`` loads the model and sets the attributes named here)."""
@@ -33,22 +48,12 @@ class ChatText:
         return buf.value.decode("utf-8", "replace") if n >= 0 else None
 
     def _load_template(self) -> Any:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         source = self._ll.llama_model_chat_template(self._model, None)
         if not source:
             raise ModelLoadError(
                 f"{self.source} has no chat template; ISAGI needs an instruction-tuned (chat) model."
             )
-
-        def raise_exception(message: str) -> None:
-            from jinja2.exceptions import TemplateError
-
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(source.decode("utf-8") if isinstance(source, bytes) else source)
+        return compile_template(source.decode("utf-8") if isinstance(source, bytes) else source)
 
     def _piece(self, token: int, special: bool = False) -> bytes:
         if not special:
