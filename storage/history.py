@@ -55,13 +55,13 @@ from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
 from isagi.errors import StorageError, storage_cause
+from isagi.storage.fences import Fence
+from isagi.storage.fences import check as check_fence
 from isagi.storage.owners import LOCAL_OWNER
 from isagi.storage.titles import make_title, session_title
 
 if TYPE_CHECKING:
     import sqlite3
-
-    from isagi.storage.fences import Fence
 
 T = TypeVar("T")
 ROLES = ("user", "assistant")
@@ -397,16 +397,14 @@ class HistoryStore:
         """A transaction; with a ``fence`` (once :meth:`use_leases` said where the leases are),
         one that commits only while that fence is current (:class:`~isagi.errors.SessionMoved`
         otherwise, and nothing is written)."""
-        from isagi.storage.fences import check
-
         try:
             with contextlib.ExitStack() as held:
                 if fence is not None and self._lease_engine is not None:
                     # the epochs are in another database: its row stays locked until this commits
-                    check(held.enter_context(self._lease_engine.begin()), fence)
+                    check_fence(held.enter_context(self._lease_engine.begin()), fence)
                 with self._sessions.begin() as db:
                     if fence is not None and self._leases_here:
-                        check(db.connection(), fence)  # in the write's own transaction
+                        check_fence(db.connection(), fence)  # in the write's own transaction
                     yield db
         except StorageError:
             raise
