@@ -216,6 +216,7 @@ def replicas(tmp_path: Path, pg_url: str):
     for _ in ("a", "b"):
         engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4)  # its sessions folder is the store's
         history = HistoryStore(pg_url)
+        engine.store = history
         engine.keep = default_keeper(lambda engine=engine: engine.frame, history, model_id=engine.lm.model_id,
                                      files=files)
         leases = AdvisoryLeases(pg_url)
@@ -340,3 +341,25 @@ def test_a_save_outside_a_turn_after_the_lease_went_drops_the_session_unsaved(re
     saver.join(WAIT_S)
     assert sid not in a and not a.is_live(sid)
     assert _kept(files, history, sid) == (["one", "two, on b"],) * 2
+
+
+def test_a_rename_is_refused_once_the_lease_went_and_one_of_a_chat_not_live_takes_the_lease(replicas,
+                                                                                          pg_url: str) -> None:
+    from isagi.session.service import SessionService
+
+    files, ((engine_a, a, _h, lease_a), (engine_b, b, history, _)) = replicas
+    service_a = SessionService(a)
+    sid = a.create()
+    talk(engine_a, a, sid, "one")
+    cut(pg_url, sid)
+    assert take(b, sid) == sid
+    with pytest.raises(SessionMoved):
+        service_a.rename(sid, LOCAL_OWNER, "a's title")
+    assert sid not in a
+    assert b.release(sid, park=True)  # live nowhere now: a rename takes its lease while it writes
+    assert service_a.rename(sid, LOCAL_OWNER, "the new title") == "the new title"
+    assert files.read(files.path(sid)).extra["title"] == "the new title"
+    assert history.get_session(sid, owner=LOCAL_OWNER).title == "the new title"
+    assert not lease_a.held(sid) and sid not in a
+    talk(engine_b, b, sid, "two, on b")  # b resumes it from that save
+    assert b.entry(sid).session.title == "the new title"
