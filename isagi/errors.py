@@ -47,6 +47,20 @@ class ServerDraining(SessionBusy):
     replica (behind a balancer), or this one started again, takes them."""
 
 
+class SessionMoved(SessionBusy):
+    """This process no longer holds the session's lease (its lease connection broke: PostgreSQL
+    restarted, a network cut, a long pause) and another server has taken the session over: a
+    write of it was refused (:mod:`isagi.storage.fences`), and this process drops its copy."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or MOVED)
+
+
+# What a user is told when their chat was taken over by another server (SessionMoved).
+MOVED = ("This chat was taken over by another ISAGI server (this one lost its hold on it); "
+         "reload the page to continue it there.")
+
+
 class SessionNotFound(IsagiError):
     """No such session of the caller's (an unknown id and another owner's are the same)."""
 

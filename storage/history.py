@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from sqlalchemy import (
+    BigInteger,
     Column,
     DateTime,
     Float,
@@ -54,6 +55,8 @@ from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
 from isagi.errors import StorageError, storage_cause
+from isagi.storage.fences import Fence
+from isagi.storage.fences import check as check_fence
 from isagi.storage.owners import LOCAL_OWNER
 from isagi.storage.titles import make_title, session_title
 
@@ -103,6 +106,17 @@ class SessionFileModel(Base):
     name: Mapped[str] = mapped_column(String(80), primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)
     updated_at: Mapped[_dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SessionLeaseModel(Base):
+    """A leased session's fencing epoch when the sessions live in the database
+    (:mod:`storage.fences`): one higher at each acquisition of its lease; every write of the
+    session checks it is still the writer's."""
+
+    __tablename__ = "session_leases"
+
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
 
 
 class TurnModel(Base):
@@ -334,6 +348,9 @@ class HistoryStore:
                 "Check the URL and that its database driver is installed."
             ) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # Where the session leases' epochs are (use_leases): in this database, or another's engine.
+        self._leases_here = False
+        self._lease_engine: Engine | None = None
         try:
             from isagi.storage.migrations import upgrade_to_head
 
@@ -357,11 +374,38 @@ class HistoryStore:
 
     # -- plumbing
 
-    @contextlib.contextmanager
-    def _tx(self, what: str) -> Iterator[OrmSession]:
+    def use_leases(self, leases: Engine) -> None:
+        """The session leases' epochs (:mod:`storage.fences`) are in ``leases``' database, the
+        shared session store's: from now on a write given a ``fence`` happens only while that
+        fence is current. When that database is this store's (one database for both, as shipped)
+        the fence is checked in the write's own transaction; otherwise in a transaction of that
+        database whose row lock is held until the write has committed (a lease taken meanwhile
+        waits for it; only the loss of that one connection between its check and the write's
+        commit escapes it)."""
+        from isagi.storage.fences import same_database
+
         try:
-            with self._sessions.begin() as db:
-                yield db
+            here = same_database(leases, self.engine)
+        except SQLAlchemyError as exc:
+            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            raise StorageError(f"Could not compare the history database with the session store's: {reason}. "
+                               "Check that PostgreSQL (ISAGI_SESSIONS_URL, ISAGI_DATABASE_URL) is reachable.") from None
+        self._leases_here, self._lease_engine = here, None if here else leases
+
+    @contextlib.contextmanager
+    def _tx(self, what: str, fence: Fence | None = None) -> Iterator[OrmSession]:
+        """A transaction; with a ``fence`` (once :meth:`use_leases` said where the leases are),
+        one that commits only while that fence is current (:class:`~isagi.errors.SessionMoved`
+        otherwise, and nothing is written)."""
+        try:
+            with contextlib.ExitStack() as held:
+                if fence is not None and self._lease_engine is not None:
+                    # the epochs are in another database: its row stays locked until this commits
+                    check_fence(held.enter_context(self._lease_engine.begin()), fence)
+                with self._sessions.begin() as db:
+                    if fence is not None and self._leases_here:
+                        check_fence(db.connection(), fence)  # in the write's own transaction
+                    yield db
         except StorageError:
             raise
         except SQLAlchemyError as exc:
@@ -412,9 +456,10 @@ class HistoryStore:
                             then=lambda db, created: None)
 
     def _write_session(self, what: str, session_id: str, *, owner: str, model_id: str, title: str | None,
-                       then: Callable[[OrmSession, bool], T]) -> T:
-        """In one transaction: create ``owner``'s session if it does not exist (a given ``title``
-        replaces a missing one), then ``then(db, created)``; its result is returned.
+                       then: Callable[[OrmSession, bool], T], fence: Fence | None = None) -> T:
+        """In one transaction (fenced by ``fence``: :meth:`_tx`): create ``owner``'s session if it
+        does not exist (a given ``title`` replaces a missing one), then ``then(db, created)``; its
+        result is returned.
 
         An id that another owner holds is "not found", exactly as an unknown id is for reading.
         """
@@ -423,7 +468,7 @@ class HistoryStore:
             raise StorageError(f"Session id {session_id!r} must be 1 to 64 characters long.")
         for attempt in range(2):
             try:
-                with self._tx(what) as db:
+                with self._tx(what, fence) as db:
                     s = db.get(SessionModel, session_id)
                     created = s is None
                     if s is None:
@@ -444,12 +489,15 @@ class HistoryStore:
 
     def record_exchange(
         self, session_id: str, record: TurnRecord, *, owner: str, model_id: str, title: str | None = None,
-        replace_last: bool = False, replace_from: int | None = None,
+        replace_last: bool = False, replace_from: int | None = None, fence: Fence | None = None,
     ) -> tuple[int, bool]:
         """A turn as the agent keeps it, in ONE transaction: :meth:`ensure_session`, then
         :meth:`record_turn` (or :meth:`replace_last_turn` with ``replace_last``). ``replace_from``:
         the exchanges from that position on (0 the first) are deleted first, and the turn takes
         that position (an edited message resent: it and every exchange after it are replaced).
+
+        ``fence``: the writer's lease of the session (a shared session store): nothing is written
+        unless it is current (:meth:`use_leases`; :class:`~isagi.errors.SessionMoved`).
 
         Returns (the exchange's number within the session from 1, whether the session was
         created by this call).
@@ -467,10 +515,11 @@ class HistoryStore:
             return self._add_turn(db, session_id, record, owner), created
 
         return self._write_session("record a turn", session_id, owner=owner, model_id=model_id, title=title,
-                                   then=write)
+                                   then=write, fence=fence)
 
     def record_exchanges(
         self, session_id: str, records: Sequence[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
+        fence: Fence | None = None,
     ) -> tuple[int, bool]:
         """Several turns appended in ONE transaction (a loaded session's earlier turns, a backlog):
         :meth:`record_exchange` without ``replace_last``, for many at once.
@@ -481,7 +530,8 @@ class HistoryStore:
         if not records:
             raise StorageError("record_exchanges needs at least one turn.")
         return self._write_session("record turns", session_id, owner=owner, model_id=model_id, title=title,
-                                   then=lambda db, created: (self._add_turns(db, session_id, records, owner), created))
+                                   then=lambda db, created: (self._add_turns(db, session_id, records, owner), created),
+                                   fence=fence)
 
     def record_turn(self, session_id: str, record: TurnRecord, *, owner: str) -> int:
         """Store one exchange (user row + assistant row) of ``owner``'s session in one
@@ -595,10 +645,11 @@ class HistoryStore:
             out.append((user[0], reply[0], reply[1]))
         return out
 
-    def set_miku_path(self, session_id: str, path: str | Path | None, *, owner: str) -> None:
-        """Remember where ``owner``'s session's ``.miku`` file is (None forgets it)."""
+    def set_miku_path(self, session_id: str, path: str | Path | None, *, owner: str, fence: Fence | None = None) -> None:
+        """Remember where ``owner``'s session's ``.miku`` file is (None forgets it); only while
+        ``fence`` (if any) is current."""
         owner = check_owner(owner)
-        with self._tx("set the session file") as db:
+        with self._tx("set the session file", fence) as db:
             self._get_session(db, session_id, owner)
             db.execute(
                 update(SessionModel)
@@ -626,12 +677,13 @@ class HistoryStore:
             )
         return True
 
-    def rename_session(self, session_id: str, title: str, *, owner: str) -> bool:
+    def rename_session(self, session_id: str, title: str, *, owner: str, fence: Fence | None = None) -> bool:
         """Give ``owner``'s session the title ``title`` (one line, at most
         :data:`~isagi.storage.titles.TITLE_MAX` characters, as :func:`~isagi.storage.titles.make_title`
-        writes it); False when ``owner`` has no such session (another owner's answers the same)."""
+        writes it); False when ``owner`` has no such session (another owner's answers the same).
+        ``fence``: only while it is current (the session is live in this process)."""
         owner = check_owner(owner)
-        with self._tx("rename a session") as db:
+        with self._tx("rename a session", fence) as db:
             s = db.get(SessionModel, session_id)
             if s is None or s.owner != owner:
                 return False

@@ -63,7 +63,7 @@ def test_blank_database_migrates_to_exactly_the_models(db_url: str) -> None:
     engine = sa.create_engine(db_url)
     try:
         schema = _schema(engine)
-        assert set(schema) == {"alembic_version", "sessions", "session_files", "turns"}
+        assert set(schema) == {"alembic_version", "sessions", "session_files", "session_leases", "turns"}
         for table in Base.metadata.sorted_tables:
             cols = schema[table.name]["columns"]
             assert list(cols) == [c.name for c in table.columns], table.name

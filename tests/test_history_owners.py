@@ -123,7 +123,7 @@ def test_migration_0002_makes_existing_rows_local(db_url: str) -> None:
     _at_revision_0001_with_rows(db_url)
     s = HistoryStore(db_url)  # opening migrates to the newest revision
     try:
-        assert head_revision() == "0003_session_files"  # 0002 made the rows local; 0003 added a table
+        assert head_revision() == "0004_session_leases"  # 0002 made the rows local; 0003, 0004 added tables
         assert sorted(x.id for x in s.list_sessions(owner=LOCAL_OWNER)) == ["old1", "old2"]
         assert {x.owner for x in s.list_sessions(owner=LOCAL_OWNER)} == {LOCAL_OWNER}
         assert [t.text for t in s.get_turns("old1", owner=LOCAL_OWNER)] == [

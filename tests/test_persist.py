@@ -29,7 +29,7 @@ def test_the_store_is_told_the_file_path_once_per_session_row(tmp_path: Path, mo
     saved: list[Path] = []
     told: list[str] = []
     real = store.set_miku_path
-    monkeypatch.setattr(store, "set_miku_path", lambda sid, path, owner: told.append(path) or real(sid, path, owner=owner))
+    monkeypatch.setattr(store, "set_miku_path", lambda sid, path, owner, **kw: told.append(path) or real(sid, path, owner=owner, **kw))
     keep = TurnKeeper(store, lambda session, path: saved.append(path), model_id="m")
     session = _session(tmp_path)
     for i in range(3):

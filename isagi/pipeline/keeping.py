@@ -29,6 +29,13 @@ written, the next message saves it again), and never raises for it, whatever
 the failure: the turn happened and is shown, and the session is never rolled
 back for it. Regenerate *replaces* the session's last exchange in the store, so the
 store, the live session and the file count the same turns.
+
+With session files several servers share, a live session carries its lease's fence
+(:attr:`Session.lease <isagi.session.state.Session.lease>`) and both writes carry it: once
+another server has taken the session over, the file write or the history write is refused
+(:class:`~isagi.errors.SessionMoved`). That is not a storage failure to retry: the keeper
+forgets what of the session waits, writes nothing more of it, and returns the "moved" notice
+(:data:`isagi.errors.MOVED`); the registry then drops the session here.
 """
 
 from __future__ import annotations
@@ -41,7 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from isagi.errors import StorageError, not_saved_notice, retry_when, storage_cause
+from isagi.errors import (
+    IsagiError,
+    SessionMoved,
+    StorageError,
+    not_saved_notice,
+    retry_when,
+    storage_cause,
+)
 
 if TYPE_CHECKING:
     from isagi.session.files import SessionFrame
@@ -145,6 +159,11 @@ class TurnKeeper:
         if self.save is not None and session.miku_path is not None:
             try:
                 self.save(session, Path(str(session.miku_path)))
+            except SessionMoved as exc:  # another server holds it now: nothing more of it is written here
+                self._forget(session)
+                log.warning("session %s was taken over by another server: its last turn was not saved here",
+                            session.id)
+                return str(exc)
             except Exception as exc:  # any failure: the file was not written; the turns wait in memory
                 with self._guard:
                     self._unsaved[(session.owner, session.id)] = session
@@ -180,6 +199,9 @@ class TurnKeeper:
             self._tell_path(session)
             self._settle(backlog)
             return None
+        if isinstance(exc, SessionMoved):  # its file was written before another server took it over
+            self._forget(session)
+            return str(exc)
         waiting = len(backlog.ops)
         cause = storage_cause(exc)
         turns = "This turn is" if waiting == 1 else f"These {waiting} turns are"
@@ -193,9 +215,12 @@ class TurnKeeper:
         with self._guard:
             backlogs = [b for b in self._backlogs.values() if b.ops and b.filed]
         for b in backlogs:
-            if self._flush(b) is None:
+            exc = self._flush(b)
+            if exc is None:
                 self._tell_path(b.session)
                 self._settle(b)
+            elif isinstance(exc, SessionMoved):
+                self._forget(b.session)
         with self._guard:
             return sum(len(b.ops) for b in self._backlogs.values())
 
@@ -235,8 +260,22 @@ class TurnKeeper:
             while len(self._counted) > MAX_TRACKED:
                 self._counted.popitem(last=False)
 
-    def _flush(self, b: _Backlog) -> StorageError | None:
-        """Write ``b``'s waiting exchanges in order; the first failure stops it and is returned."""
+    def _forget(self, session: Session) -> None:
+        """``session`` was taken over by another server: what of it waits here is never written,
+        and nothing about it is remembered (if it comes back here, it is counted afresh)."""
+        key = (session.owner, session.id)
+        with self._guard:
+            backlog = self._backlogs.get(key)
+            if backlog is not None and backlog.session is session:
+                del self._backlogs[key]  # (a flush of it in progress is refused: its fence is lost)
+            if self._unsaved.get(key) is session:
+                del self._unsaved[key]
+            self._counted.pop(key, None)
+            self._told.pop(key, None)
+
+    def _flush(self, b: _Backlog) -> IsagiError | None:
+        """Write ``b``'s waiting exchanges in order; the first failure stops it and is returned
+        (a :class:`~isagi.errors.SessionMoved`: none of them may be written by this server)."""
         session, store = b.session, self.store
         if store is None:  # (a keeper without a store has no backlogs)
             return None
@@ -255,7 +294,7 @@ class TurnKeeper:
                     if b.ops[0][1] is not None:  # Regenerate, an edit: the exchanges from there on replaced
                         _n, created = store.record_exchange(
                             session.id, b.ops[0][0], owner=session.owner, model_id=self.model_id,
-                            title=session.title, replace_from=b.ops[0][1])
+                            title=session.title, replace_from=b.ops[0][1], fence=session.lease)
                         done = 1
                     else:  # appended turns (a loaded file's earlier ones too): a transaction per batch
                         run = []
@@ -264,12 +303,18 @@ class TurnKeeper:
                                 break
                             run.append(turn)
                         _n, created = store.record_exchanges(
-                            session.id, run, owner=session.owner, model_id=self.model_id, title=session.title)
+                            session.id, run, owner=session.owner, model_id=self.model_id, title=session.title,
+                            fence=session.lease)
                         done = len(run)
                     del b.ops[:done]
                     if created:
                         with self._guard:
                             self._told.pop((session.owner, session.id), None)
+            except SessionMoved as exc:
+                log.warning("session %s was taken over by another server: %d exchange(s) not written here",
+                            session.id, len(b.ops))
+                b.ops.clear()
+                return exc
             except StorageError as exc:
                 log.warning("history write for session %s failed (%d exchange(s) wait): %s",
                             session.id, len(b.ops), exc)
@@ -285,7 +330,9 @@ class TurnKeeper:
             if self._told.get(key) == path:
                 return
         try:
-            self.store.set_miku_path(session.id, path, owner=session.owner)
+            self.store.set_miku_path(session.id, path, owner=session.owner, fence=session.lease)
+        except SessionMoved:  # the new holder tells it
+            return
         except StorageError as exc:  # told again after the next turn
             log.warning("could not record the file of session %s: %s", session.id, exc)
             return
@@ -300,8 +347,14 @@ def default_keeper(frame: Callable[[], SessionFrame], store: HistoryStore | None
     """The keeper an engine started by :meth:`isagi.pipeline.engine.Engine.start` uses: files
     written with :func:`isagi.session.files.save_session` under the engine's ``frame()``, into
     ``files`` (the session store: the sessions directory or the database the replicas share; a
-    path outside it, e.g. ``isagi chat --save``, stays a local file); None: local files."""
+    path outside it, e.g. ``isagi chat --save``, stays a local file); None: local files. With
+    the database, the history store is told where the leases' epochs are, so that its writes of
+    a leased session are fenced too (:meth:`storage.history.HistoryStore.use_leases`)."""
+    from isagi.session.dbstore import DatabaseSessionFiles
     from isagi.session.files import save_session
+
+    if store is not None and isinstance(files, DatabaseSessionFiles):
+        store.use_leases(files.engine)
 
     return TurnKeeper(store, lambda session, path: save_session(frame(), session, path, files=files),
                       model_id=model_id)

@@ -3,7 +3,9 @@
 Each ``.miku`` file of the sessions folder is one row of ``session_files`` (its name and its
 whole bytes, :class:`storage.history.SessionFileModel`, made by the history's Alembic
 revision 0003). A save replaces the row in one transaction (an upsert), so a reader sees the
-old bytes or the new ones, never a mix, as the directory's write-and-rename gives. The names
+old bytes or the new ones, never a mix, as the directory's write-and-rename gives. A live
+session's save carries its lease's fence (:mod:`storage.fences`), checked in that transaction:
+a process that lost the session's lease to another writes nothing more of it. The names
 and the rules are the folder's (:class:`~isagi.session.folder.SessionFiles`): only a path
 directly inside the sessions folder is kept here; any other path (a download, ``isagi chat
 --save``) is a local file, written as the folder writes one.
@@ -23,6 +25,7 @@ from isagi.session.folder import SUFFIX, SessionFiles
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
+    from isagi.storage.fences import Fence
     from isagi.storage.miku import MikuState
 
 NAME_MAX = 80  # session_files.name
@@ -158,21 +161,25 @@ class DatabaseSessionFiles:
         return decode_miku(self.read_bytes(path), path=path, expected_fingerprint=expected_fingerprint,
                            allow_other_model=allow_other_model)
 
-    def write(self, path: str | os.PathLike[str], state: MikuState) -> None:
-        """Save ``state`` as ``path``'s row, replacing it whole in one transaction."""
+    def write(self, path: str | os.PathLike[str], state: MikuState, *, fence: Fence | None = None) -> None:
+        """Save ``state`` as ``path``'s row, replacing it whole in one transaction. ``fence``: the
+        writer's lease of the session; the write happens only while it is current
+        (:class:`~isagi.errors.SessionMoved` otherwise, nothing written)."""
         from isagi.storage.miku import encode_miku
 
         name = self._name(path)
         if name is None:
             self._local.write(path, state)
             return
-        self.write_bytes(path, encode_miku(state))
+        self.write_bytes(path, encode_miku(state), fence=fence)
 
-    def write_bytes(self, path: str | os.PathLike[str], data: bytes) -> None:
-        """``data`` as ``path``'s row (checked bytes only: :meth:`write` encodes a state)."""
+    def write_bytes(self, path: str | os.PathLike[str], data: bytes, *, fence: Fence | None = None) -> None:
+        """``data`` as ``path``'s row (checked bytes only: :meth:`write` encodes a state), only
+        while ``fence`` (if any) is current, checked in the same transaction (:mod:`storage.fences`)."""
         from sqlalchemy.dialects.postgresql import insert
         from sqlalchemy.exc import SQLAlchemyError
 
+        from isagi.storage.fences import check
         from isagi.storage.history import SessionFileModel
 
         name = self._name(path)
@@ -184,6 +191,8 @@ class DatabaseSessionFiles:
                                           set_={"data": stmt.excluded.data, "updated_at": now})
         try:
             with self.engine.begin() as conn:
+                if fence is not None:
+                    check(conn, fence)  # SessionMoved: another process took the session over
                 conn.execute(stmt)
         except SQLAlchemyError as exc:
             raise StorageError(f"Could not save the session {name} in the session store: "

@@ -46,6 +46,7 @@ from isagi.storage.titles import session_title
 
 if TYPE_CHECKING:
     from isagi.session.store import SessionStore
+    from isagi.storage.fences import Fence
     from isagi.storage.miku import MikuState
 
 FORMAT_VERSION = 2
@@ -270,24 +271,24 @@ def save_session(frame: SessionFrame, session: Session, path: Path, *, files: Se
     state = session_state(frame, session)
     check_session_state(state, "the session")
     if files is not None:
-        files.write(path, state)
+        files.write(path, state, fence=session.lease)  # a shared store: only while its lease is current
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     write_miku(path, state)
 
 
-def retitle_file(path: Path, title: str, *, files: SessionStore | None = None) -> None:
+def retitle_file(path: Path, title: str, *, files: SessionStore | None = None, fence: Fence | None = None) -> None:
     """Give the session saved at ``path`` (in ``files``; None: a local file) the title ``title``
     (its settings' ``title``), rewriting the file atomically; the rest of the file is kept as it
     is. Needs no model: a renamed session's file is read and written as the format's state, not
-    as a living session."""
+    as a living session. ``fence``: the lease held on it meanwhile (a shared store)."""
     from isagi.storage.miku import read_miku, write_miku
 
     state = files.read(path, allow_other_model=True) if files is not None else read_miku(path, allow_other_model=True)
     state.extra["title"] = title
     check_session_state(state, path)
     if files is not None:
-        files.write(path, state)
+        files.write(path, state, fence=fence)
     else:
         write_miku(path, state)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from isagi.ids import is_session_id
 
 if TYPE_CHECKING:
+    from isagi.storage.fences import Fence
     from isagi.storage.miku import MikuState
 
 SUFFIX = ".miku"
@@ -89,8 +90,9 @@ class SessionFiles:
 
         return read_miku(path, expected_fingerprint=expected_fingerprint, allow_other_model=allow_other_model)
 
-    def write(self, path: str | os.PathLike[str], state: MikuState) -> None:
-        """Save ``state`` at ``path`` atomically (:func:`storage.miku.write_miku`), its folder made first."""
+    def write(self, path: str | os.PathLike[str], state: MikuState, *, fence: Fence | None = None) -> None:
+        """Save ``state`` at ``path`` atomically (:func:`storage.miku.write_miku`), its folder made
+        first. ``fence`` is not used: one process owns the directory (there are no leases)."""
         from isagi.storage.miku import write_miku
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,14 @@ without any clock or heartbeat (docs/architecture.md, "Several replicas", says w
 not a lease row). With the default sessions directory there is no lease: one process owns the
 data directory (its flock).
 
+A process can lose a lease while it lives on (its lease connection broke: PostgreSQL restarted,
+a network cut, ``pg_terminate_backend``, a pause past keepalive). So each acquisition also makes
+the session's epoch one higher, in the statement that takes the lock, and the process keeps the
+:class:`~isagi.storage.fences.Fence` it got (:meth:`AdvisoryLeases.fence`): every write of the
+session carries it and is refused once another acquisition has bumped the epoch
+(:mod:`isagi.storage.fences`), so a holder that lost the lease mid-turn writes nothing after the
+new holder took over.
+
 A process that waits for a lease asks its holder to let go (``NOTIFY`` on the channel
 :data:`WANTED_CHANNEL`, with the session id, again every :data:`ASK_AGAIN_S` while it waits);
 each process listens on a connection of its own and tells its registry, which saves and parks
@@ -29,7 +37,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from isagi.errors import StorageError
+from isagi.errors import MOVED, StorageError
+from isagi.storage.fences import ACQUIRE, Fence
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -45,8 +54,8 @@ ASK_AGAIN_S = 1.0  # how often a waiting acquire asks the holder again to let go
 WANTED_CHANNEL = "isagi_lease_wanted"  # NOTIFY channel: the payload is the session id wanted
 LISTEN_POLL_S = 0.5  # how long the listener waits for a notification before it looks at close()
 BUSY_ELSEWHERE = "This chat is open on another ISAGI server; try again in a moment."
-MOVED = ("This chat was taken over by another ISAGI server (this one lost its hold on it); "
-         "reload the page to continue it there.")
+__all__ = ["BUSY_ELSEWHERE", "MOVED", "AdvisoryLeases", "SessionLeases", "lease_key", "maintenance_holds",
+           "process_leases"]
 
 
 class SessionLeases(Protocol):
@@ -55,6 +64,7 @@ class SessionLeases(Protocol):
     def acquire(self, sid: str, timeout: float = 0.0) -> bool: ...
     def release(self, sid: str) -> None: ...
     def held(self, sid: str) -> bool: ...  # this process believes it holds it (no round trip)
+    def fence(self, sid: str) -> Fence | None: ...  # the fencing token of the acquisition held (no round trip)
     def confirm(self, sid: str) -> bool: ...  # the database says it does
     def listen(self, wanted: Callable[[str], None]) -> None: ...  # another process waits for one held here
     def close(self) -> None: ...
@@ -78,7 +88,7 @@ class AdvisoryLeases:
         self.url = url
         self.poll_s = float(poll_s)
         self._guard = threading.Lock()
-        self._held: set[str] = set()
+        self._held: dict[str, Fence] = {}  # each lease held, with the epoch its acquisition got
         self._wanted: list[Callable[[str], None]] = []
         self._listener: threading.Thread | None = None
         self._closing = threading.Event()
@@ -92,7 +102,7 @@ class AdvisoryLeases:
     def _connect(self) -> Connection:
         return self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
-    def _scalar(self, sql: str, **params: object) -> object:
+    def _scalar(self, sql: str, **params: object) -> Any:
         """One query on the lease connection (guard held). A connection that broke has lost every
         lease (PostgreSQL freed them): they are forgotten, a new connection made, the query retried."""
         import sqlalchemy as sa
@@ -122,8 +132,10 @@ class AdvisoryLeases:
         with self._guard:
             if sid in self._held:
                 return True
-            if self._scalar("SELECT pg_try_advisory_lock(:k)", k=lease_key(sid)):
-                self._held.add(sid)
+            # the lock and, once granted, the session's epoch one higher: one statement
+            epoch = self._scalar(ACQUIRE, k=lease_key(sid), sid=sid)
+            if epoch is not None:
+                self._held[sid] = Fence(sid, int(epoch))
                 return True
             return False
 
@@ -204,7 +216,7 @@ class AdvisoryLeases:
         with self._guard:
             if sid not in self._held:
                 return
-            self._held.discard(sid)
+            del self._held[sid]
             try:
                 self._scalar("SELECT pg_advisory_unlock(:k)", k=lease_key(sid))
             except StorageError as exc:  # the connection is gone: PostgreSQL freed it already
@@ -213,6 +225,11 @@ class AdvisoryLeases:
     def held(self, sid: str) -> bool:
         with self._guard:
             return sid in self._held
+
+    def fence(self, sid: str) -> Fence | None:
+        """The fencing token of ``sid``'s lease as this process took it (None: not held here)."""
+        with self._guard:
+            return self._held.get(sid)
 
     def confirm(self, sid: str) -> bool:
         """Whether PostgreSQL still has ``sid``'s lock for this process's connection."""
@@ -228,7 +245,7 @@ class AdvisoryLeases:
             except StorageError:
                 return False
             if not ok:
-                self._held.discard(sid)
+                self._held.pop(sid, None)
             return ok
 
     def close(self) -> None:

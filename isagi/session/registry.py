@@ -39,6 +39,12 @@ and the rollback of a failed turn are the engine's (:class:`isagi.pipeline.engin
   (:meth:`SessionRegistry.hand_over`: saved and parked there once no turn runs in it); once
   free, it is taken over from its last save. With the local sessions directory there are no
   leases (one process: the data directory's flock).
+- Fenced writes: a session made live under a lease carries that acquisition's fence
+  (:attr:`Session.lease <isagi.session.state.Session.lease>`), and every write of it (the file,
+  the history rows) is refused once another process has taken the lease
+  (:class:`~isagi.errors.SessionMoved`, :mod:`isagi.storage.fences`). Such a session is
+  dropped here unsaved: at the end of the turn whose results were refused, or at the save that
+  was; its caller is told it moved (:data:`isagi.errors.MOVED`).
 - Draining (SIGTERM, :meth:`SessionRegistry.drain`): no session is made live and no turn starts
   any more (:class:`~isagi.errors.ServerDraining`); each live session is saved, parked and its
   lease given back as soon as no turn runs in it, so the turns in flight finish and another
@@ -66,9 +72,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isagi.errors import IsagiError, ServerDraining, SessionBusy, SessionLimit
+from isagi.errors import IsagiError, ServerDraining, SessionBusy, SessionLimit, SessionMoved
 from isagi.ids import new_session_id
-from isagi.session.lease import BUSY_ELSEWHERE, MOVED
+from isagi.session.lease import BUSY_ELSEWHERE
 from isagi.session.state import Session
 from isagi.storage.owners import LOCAL_OWNER
 
@@ -77,6 +83,7 @@ if TYPE_CHECKING:
     from isagi.session.files import SessionFrame
     from isagi.session.lease import SessionLeases
     from isagi.session.store import SessionStore
+    from isagi.storage.fences import Fence
 
 SaveFn = Callable[["SessionFrame", Session, Path], None]
 LoadFn = Callable[..., Session]
@@ -271,6 +278,11 @@ class SessionRegistry:
             raise SessionBusy(BUSY_ELSEWHERE)
         return True
 
+    def _fence(self, sid: str) -> Fence | None:
+        """The fence of ``sid``'s lease held here, for the session made live under it (no leases: None)."""
+        leases = self.leases
+        return None if leases is None else leases.fence(sid)
+
     def _unlease(self, *sids: str) -> None:
         """Give back the leases of ``sids`` that are no longer live here (never under the guard)."""
         leases = self.leases
@@ -283,13 +295,14 @@ class SessionRegistry:
             leases.release(sid)
 
     @contextmanager
-    def leased(self, sid: str) -> Iterator[None]:
+    def leased(self, sid: str) -> Iterator[Fence | None]:
         """Hold ``sid``'s lease while its file is read and it is made live (the service's
-        reopen and resume): what is read is its last save, and no other process writes it
-        meanwhile. Given back on leaving unless ``sid`` became live here."""
+        reopen and resume) or written without making it live (a rename): what is read is its
+        last save, and no other process writes it meanwhile. Gives the lease's fence, which such
+        a write carries (None: no leases). Given back on leaving unless ``sid`` became live here."""
         taken = self._lease(sid)
         try:
-            yield
+            yield self._fence(sid)
         finally:
             if taken:
                 self._unlease(sid)
@@ -418,6 +431,7 @@ class SessionRegistry:
         session = self.engine.new_session()
         session.owner = owner
         taken = self._lease(session.id, wait=False)  # a fresh id: free at once
+        session.lease = self._fence(session.id)
         try:
             with self._guard:
                 self._admit(owner, client)
@@ -454,6 +468,7 @@ class SessionRegistry:
                 session.id = new_session_id()
         self._flush_reclaimed()
         taken = self._lease(session.id, wait=not fresh_id)  # SessionBusy: open on another server
+        session.lease = self._fence(session.id)
         try:
             with self._guard:
                 self._admit(owner, client)
@@ -482,6 +497,7 @@ class SessionRegistry:
         with self._guard:
             known = sid in self._entries or sid in self._parked
         taken = False if known else self._lease(sid)  # SessionBusy: open on another server
+        session.lease = self._fence(sid)
         try:
             with self._guard:
                 entry = self._entries.get(sid)
@@ -556,6 +572,7 @@ class SessionRegistry:
             else:
                 session = self.engine.new_session(session_id=sid)
             session.owner = owner
+            session.lease = self._fence(sid)
             with self._guard:
                 entry = self._entries.get(sid)
                 if entry is None:
@@ -622,20 +639,38 @@ class SessionRegistry:
             yield entry
         finally:
             entry.last_used = self._clock()
+            lease = entry.session.lease
+            moved = lease is not None and lease.lost  # a write of this event was refused: taken over
+            if moved:
+                self._drop_moved(entry)
             entry.lock.release()
 
     def _still_leased(self, entry: Entry) -> None:
-        """With leases: :class:`SessionBusy` (and the entry dropped unsaved) when this process has
-        lost the session's lease (its connection broke and another server may have taken it)."""
+        """With leases: :class:`~isagi.errors.SessionMoved` (and the entry dropped unsaved) when
+        this process has lost the session's lease (its connection broke and another server may
+        have taken it), or a write of it found that another server did."""
         leases = self.leases
         sid = entry.session.id
-        if leases is None or leases.confirm(sid):
+        if leases is None:
             return
-        log.warning("lost the lease of session %s: dropped here unsaved (another server may hold it)", sid)
+        lease = entry.session.lease
+        if not (lease is not None and (lease.lost or leases.fence(sid) is not lease)) and leases.confirm(sid):
+            return
+        self._drop_moved(entry)
+        raise SessionMoved()
+
+    def _drop_moved(self, entry: Entry) -> None:
+        """Another server has (or may have) taken ``entry``'s session over: drop it here unsaved
+        and forget its lease (the caller holds its lock)."""
+        sid = entry.session.id
         with self._guard:
-            if self._entries.get(sid) is entry:
+            mine = self._entries.get(sid) is entry
+            if mine:
                 del self._entries[sid]
-        raise SessionBusy(MOVED)
+                self._parkable.pop(sid, None)
+        if mine:
+            log.warning("lost the lease of session %s: dropped here unsaved (another server holds it now)", sid)
+            self._unlease(sid)
 
     def _live(self, sid: str | None, owner: str) -> Entry | None:
         with self._guard:
@@ -724,9 +759,16 @@ class SessionRegistry:
         self._still_leased(entry)  # never overwrite what another server now writes
         path = session.miku_path or self._autosave_path(session.id)
         engine = self.engine
-        self._save_fn()(engine.frame, session, Path(path))
+        try:
+            self._save_fn()(engine.frame, session, Path(path))  # fenced: SessionMoved once taken over
+        except SessionMoved:
+            self._drop_moved(entry)
+            raise
         if engine.keep is not None:
             engine.keep.saved(session)  # a history that still cannot take them keeps them waiting (and logs it)
+        if session.lease is not None and session.lease.lost:  # the history's write found it taken over
+            self._drop_moved(entry)
+            raise SessionMoved()
         return Path(path)
 
     def retry_saves(self) -> list[str]:
@@ -809,6 +851,10 @@ class SessionRegistry:
                         return False
             try:
                 path = self._persist(entry)
+            except SessionMoved:  # taken over by another server: dropped here (logged)
+                if owner is None:
+                    return False
+                raise
             except Exception as exc:  # kept live: dropping it would lose it
                 log.warning("could not save session %s on release (%s); kept in memory", entry.session.id, exc)
                 if owner is None:
@@ -892,6 +938,8 @@ class SessionRegistry:
                     continue  # used meanwhile
                 try:
                     path = self._persist(entry)
+                except SessionMoved:  # taken over by another server: dropped here (logged)
+                    continue
                 except Exception as exc:  # keep it live: dropping would lose it
                     log.warning("could not save idle session %s (%s); kept in memory", sid, exc)
                     continue

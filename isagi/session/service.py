@@ -565,10 +565,18 @@ class SessionService:
             with self.registry.using(sid, owner=owner) as entry:
                 entry.session.title = new
                 entry.session.version += 1  # a page showing it redraws its list
-                self.registry.persist(entry)
-        elif (path := self.saved_file(summary)) is not None:
-            retitle_file(path, new, files=self._files())
-        store.rename_session(sid, new, owner=owner)
+                self.registry.persist(entry)  # SessionMoved: another server holds it now, nothing written
+                store.rename_session(sid, new, owner=owner, fence=entry.session.lease)
+            return new
+        if self.registry.leases is None:
+            if (path := self.saved_file(summary)) is not None:
+                retitle_file(path, new, files=self._files())
+            store.rename_session(sid, new, owner=owner)
+            return new
+        with self.registry.leased(sid) as fence:  # files shared: not while another server writes it
+            if (path := self.saved_file(summary)) is not None:
+                retitle_file(path, new, files=self._files(), fence=fence)
+            store.rename_session(sid, new, owner=owner, fence=fence)
         return new
 
     def export(self, sid: str, owner: str, fmt: Literal["markdown", "json"]) -> str:

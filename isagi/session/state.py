@@ -32,6 +32,7 @@ from isagi.manifold.sameness import content_key
 from isagi.manifold.ugt import Basis
 from isagi.session.turn import Turn, turns_to_messages
 from isagi.session.versions import ReplyVersions
+from isagi.storage.fences import Fence
 from isagi.storage.owners import LOCAL_OWNER
 from isagi.storage.titles import session_title
 
@@ -86,6 +87,11 @@ class Session:
     # Counts every change of the turns (a turn recorded, a rollback): a page showing the session
     # compares it with the count it last drew to know it is stale (another tab's turn).
     version: int = field(default=0, repr=False, compare=False)
+    # The lease this process holds on the session where the session files are shared by several
+    # processes (isagi.session.lease): every write of it carries this fence, and one that finds
+    # the session taken over by another process writes nothing (isagi.storage.fences). Set by the
+    # registry when the session becomes live; None without leases. Never saved.
+    lease: Fence | None = field(default=None, repr=False, compare=False)
 
     # -- changes -----------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
