@@ -22,6 +22,7 @@ from isagi.safety.runtime import (
     SafetyProfile,
     category_of,
     exchange_scores,
+    exchange_states,
     project_safe,
     safe_point,
     teh,
@@ -180,6 +181,34 @@ def test_the_reply_guard_is_fitted_on_replies_and_judges_a_reply_with_its_prompt
     state["reply_centre"] = state["reply_centre"][:-1]
     with pytest.raises(ValueError, match="reply guard"):
         SafetyProfile.from_state(state)
+
+
+def test_the_reply_guard_can_read_the_prompt_probes_logit_and_scores_as_it_streams():
+    """With the prompt probe's out-of-fold logits, the exchange state has one more coordinate;
+    at run time the guard computes the logit itself from the prompt state, and a stored profile
+    keeps the extra scale."""
+    c = _corpus(4)
+    prof = fit_safety_profile(c, LAYERS, C=0.5)
+    ex = _exchanges()
+    # a prompt logit that alone tells harmful from benign, as a good prompt probe's would
+    logits = np.where(ex.labels == 1, 3.0, -3.0) + np.random.default_rng(2).normal(size=len(ex.labels)) * 0.3
+    readout, scales, threshold, det = fit_reply_guard(ex, [D] * len(LAYERS), budget=0.05, C=1.0,
+                                                      prompt_logits=logits)
+    assert scales.shape == (3,) and readout.Q.shape[0] == c.X.shape[1] + D + 1
+    assert det["oof_auc"] > 0.95
+    stacked = dataclasses.replace(prof, reply_Q=readout.Q, reply_centre=readout.centre, reply_scales=scales,
+                                  reply_weights=readout.weights, reply_bias=readout.bias,
+                                  reply_threshold=100.0 / (1.0 + np.exp(-threshold)))
+    p, r = ex.prompt_states[0], ex.reply_states[0]
+    z = float(prof.readout().logits(p)[0])
+    x = exchange_states(p, r, scales, prompt_logit=z)
+    assert x.shape[1] == readout.Q.shape[0] and np.allclose(x[:, -1], z / scales[2])
+    assert ReplyGuard(stacked, p).score(r) == pytest.approx(teh(stacked.reply_readout(), x[-1]))
+    with pytest.raises(ValueError, match="prompt_logit"):
+        exchange_states(p, r, scales)
+    back = SafetyProfile.from_state(stacked.to_state())
+    assert back.reply_scales is not None and back.reply_scales.shape == (3,)
+    assert ReplyGuard(back, p).score(r) == pytest.approx(ReplyGuard(stacked, p).score(r), abs=1e-3)
 
 
 def test_the_reply_sample_takes_every_source_and_label_and_is_fixed():

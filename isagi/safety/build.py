@@ -150,24 +150,34 @@ class Exchanges:
     reply_states: list[np.ndarray]
     labels: np.ndarray  # 1: a reply to a harmful prompt
     cats: np.ndarray
+    # the corpus rows the prompts are (indices into the prompt probe's calibration corpus): with
+    # them the reply guard also reads the prompt probe's out-of-fold logit of each prompt
+    rows: np.ndarray | None = None
 
 
 def fit_reply_guard(ex: Exchanges, blocks: Sequence[int], *, budget: float = REPLY_FPR_BUDGET, k: int = 5,
-                    seed: int = 0, C: float = DEFAULT_C) -> tuple[Readout, np.ndarray, float, dict[str, Any]]:
+                    seed: int = 0, C: float = DEFAULT_C,
+                    prompt_logits: np.ndarray | None = None) -> tuple[Readout, np.ndarray, float, dict[str, Any]]:
     """The exchange probe, its scales and its threshold (logit) at ``budget`` of benign replies out of fold.
 
     ``blocks``: the widths of the prompt state's layers; the reply window is one more block.
+    ``prompt_logits``: the prompt probe's *out-of-fold* logit of each prompt (what it says of a
+    prompt it never saw, as at run time), one more block of width 1 (:func:`exchange_states`).
     Every check point of a reply is a row, weighted so each reply counts once; a reply's
     score is its largest check point, as the streaming guard withholds it at the first one over.
     """
     P = np.asarray(ex.prompt_states, dtype=np.float64)
     width = int(ex.reply_states[0].shape[1]) if ex.reply_states else int(blocks[-1])
     windows = [exchange_states(np.zeros(P.shape[1]), r, np.ones(2))[:, P.shape[1]:] for r in ex.reply_states]
-    scales = np.array([np.linalg.norm(P, axis=1).mean(),
-                       np.mean([np.linalg.norm(w, axis=1).mean() for w in windows if len(w)])])
-    X = [exchange_states(p, r, scales) for p, r in zip(P, ex.reply_states, strict=True)]
+    sizes = [np.linalg.norm(P, axis=1).mean(), np.mean([np.linalg.norm(w, axis=1).mean() for w in windows if len(w)])]
+    z: list[float | None] = [None] * len(P)
+    if prompt_logits is not None:
+        sizes.append(float(np.abs(prompt_logits).mean()) or 1.0)
+        z = [float(v) for v in prompt_logits]
+    scales = np.array(sizes)
+    X = [exchange_states(p, r, scales, prompt_logit=zi) for p, r, zi in zip(P, ex.reply_states, z, strict=True)]
     y = np.asarray(ex.labels)
-    all_blocks = [*blocks, width]
+    all_blocks = [*blocks, width, *([1] if prompt_logits is not None else [])]
 
     def fit(ids: np.ndarray) -> Readout:
         keep = [i for i in ids if len(X[i])]
@@ -235,7 +245,9 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exch
                                            "tpr_at_threshold", "fpr_at_threshold")}),
     )
     if exchanges is not None:
-        r_readout, scales, r_thr, reply_det = fit_reply_guard(exchanges, blocks, C=C)
+        stacked = oof[exchanges.rows] if exchanges.rows is not None else None
+        r_readout, scales, r_thr, reply_det = fit_reply_guard(exchanges, blocks, C=C, prompt_logits=stacked)
+        reply_det["reads_prompt_logit"] = stacked is not None
         reply = {"reply_Q": r_readout.Q.astype(np.float32), "reply_centre": r_readout.centre.astype(np.float32),
                  "reply_scales": scales.astype(np.float32), "reply_weights": r_readout.weights.astype(np.float32),
                  "reply_bias": float(r_readout.bias), "reply_threshold": logit_to_teh(r_thr)}
@@ -304,5 +316,6 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: P
     pick = reply_sample(rows)
     R = generate_reply_states(lm, [chats[i] for i in pick], layers[-1], max_new_tokens=REPLY_CALIBRATION_TOKENS,
                               progress=ticker("Safety: the model's replies, for the reply guard", len(pick)))
-    exchanges = Exchanges(prompt_states=X[pick], reply_states=R, labels=corpus.labels[pick], cats=corpus.cats[pick])
+    exchanges = Exchanges(prompt_states=X[pick], reply_states=R, labels=corpus.labels[pick], cats=corpus.cats[pick],
+                          rows=np.asarray(pick))
     return fit_safety_profile(corpus, layers, exchanges=exchanges, progress=progress)

@@ -79,7 +79,7 @@ class SafetyProfile:
     # model's replies; None: the reply guard scores reply windows in Q against ``reply_threshold``.
     reply_Q: np.ndarray | None = None  # (2d, m_r) orthonormal
     reply_centre: np.ndarray | None = None  # (2d,)
-    reply_scales: np.ndarray | None = None  # (2,): mean norms of prompt states and of reply windows
+    reply_scales: np.ndarray | None = None  # (2,) or (3,): mean sizes of prompt states, reply windows, prompt logits
     # Safe OGD's check of steered replies (isagi.explore.chains): window TEH in Q, above every benign reply
     window_threshold: float | None = None
     # The probe (module docstring, "The probe"): the read-out layers whose states stand side by side
@@ -232,7 +232,10 @@ def _reply_fields(state: dict[str, Any], d: int, width: int) -> dict[str, Any]:
     rQ = np.asarray(state["reply_Q"], dtype=np.float32)
     rc = np.asarray(state["reply_centre"], dtype=np.float32)
     rs = np.asarray(state["reply_scales"], dtype=np.float32)
-    if rQ.ndim != 2 or rQ.shape[0] != d + width or rc.shape != (d + width,) or rs.shape != (2,):
+    # scales (s_p, s_r), or (s_p, s_r, s_z) where the exchange state ends with the prompt probe's logit
+    extra = 1 if rs.shape == (3,) else 0
+    if (rQ.ndim != 2 or rQ.shape[0] != d + width + extra or rc.shape != (d + width + extra,)
+            or rs.shape not in ((2,), (3,)) or (extra and "weights" not in state)):
         raise ValueError(f"reply guard shapes do not match: reply_Q {rQ.shape}, centre {rc.shape}, scales {rs.shape}")
     if "reply_weights" in state:
         out.update(reply_weights=np.asarray(state["reply_weights"], dtype=np.float32).reshape(rQ.shape[1]),
@@ -350,22 +353,40 @@ def _check_points(n: int, every: int) -> list[int]:
 
 
 def exchange_states(prompt_state: np.ndarray, reply_states: np.ndarray, scales: np.ndarray, *,
-                    every: int = 8, window: int = REPLY_WINDOW) -> np.ndarray:
-    """One exchange state (2d,) per check point of a reply: [prompt state / s_p, window mean / s_r].
+                    every: int = 8, window: int = REPLY_WINDOW, prompt_logit: float | None = None) -> np.ndarray:
+    """One exchange state per check point of a reply: [prompt state / s_p, window mean / s_r]
+    and, with a third scale s_z, the prompt probe's logit / s_z as one more coordinate.
 
     The window mean is that of the newest ``window`` reply states at the check
-    point; ``scales`` (s_p, s_r) put both halves at unit mean norm. A reply is
-    judged with the request it answers, as guard models judge a response in
-    the context of its prompt: on the replies of SmolLM2-135M the reply
-    windows alone separate the replies to harmful and to benign calibration
-    prompts poorly, with the prompt beside them well (docs/measurements.md,
-    "How a turn works", step 7).
+    point; ``scales`` put the parts at unit mean size. A reply is judged with
+    the request it answers, as guard models judge a response in the context of
+    its prompt: on the replies of SmolLM2-135M the reply windows alone separate
+    the replies to harmful and to benign calibration prompts poorly, with the
+    prompt beside them well (docs/measurements.md, "How a turn works", step 7).
+    The prompt probe's logit carries what the probe learnt from the whole
+    calibration corpus, which the few hundred replies the reply guard is fitted
+    on cannot teach it about the prompt's raw state (docs/architecture.md, "The
+    reply guard").
     """
     states = np.asarray(reply_states, dtype=np.float64)
     p = np.asarray(prompt_state, dtype=np.float64) / float(scales[0])
-    rows = [np.concatenate([p, states[max(0, k - window):k].mean(axis=0) / float(scales[1])])
+    z = np.zeros(0)
+    if len(scales) > 2:
+        if prompt_logit is None:
+            raise ValueError("this exchange state has the prompt probe's logit: pass prompt_logit")
+        z = np.array([float(prompt_logit) / float(scales[2])])
+    rows = [np.concatenate([p, states[max(0, k - window):k].mean(axis=0) / float(scales[1]), z])
             for k in _check_points(len(states), every)]
-    return np.stack(rows) if rows else np.zeros((0, len(p) + states.shape[-1]))
+    return np.stack(rows) if rows else np.zeros((0, len(p) + states.shape[-1] + len(z)))
+
+
+def probe_logit(profile: SafetyProfile, prompt_state: np.ndarray) -> float | None:
+    """The prompt probe's logit of ``prompt_state`` where the profile's reply guard reads it, else None."""
+    if profile.reply_scales is None or len(profile.reply_scales) < 3 or profile.weights is None:
+        return None
+    readout = profile.readout()
+    assert isinstance(readout, Readout)
+    return float(readout.logits(prompt_state)[0])
 
 
 class ReplyGuard:
@@ -385,6 +406,7 @@ class ReplyGuard:
             raise ValueError("this profile's reply guard judges a reply with its prompt: pass prompt_state")
         self.profile = profile
         self.prompt_state = prompt_state
+        self.prompt_logit = probe_logit(profile, prompt_state) if prompt_state is not None else None
         self.every = every
         self.window = window
         self.max_teh = 0.0
@@ -398,7 +420,8 @@ class ReplyGuard:
         prof = self.profile
         if prof.exchange_guard:
             x = exchange_states(self.prompt_state, states[-self.window:], prof.reply_scales,  # type: ignore[arg-type]
-                                every=len(states[-self.window:]), window=self.window)[-1]
+                                every=len(states[-self.window:]), window=self.window,
+                                prompt_logit=self.prompt_logit)[-1]
             return float(teh(prof.reply_readout(), x))
         return float(teh(window_scorer(prof), states[-self.window :].mean(axis=0)))
 
