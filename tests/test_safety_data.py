@@ -32,6 +32,7 @@ from isagi.data.safety import (
     load_safety_corpus,
     load_safety_public,
     load_safety_twins,
+    load_safety_written,
 )
 from isagi.errors import InputError
 from isagi.evals.sets import benchmark_sources
@@ -126,8 +127,9 @@ def test_benign_rows_are_the_projects_own() -> None:
 
 
 def test_no_duplicate_texts() -> None:
-    """Within and across both files: a twin row that repeats a calibration row adds nothing."""
-    keys = Counter(_norm(r["text"]) for r in (*load_safety_calibration(), *load_safety_twins()))
+    """Within and across the project's files: a row that repeats another adds nothing."""
+    keys = Counter(_norm(r["text"]) for r in (*load_safety_calibration(), *load_safety_twins(),
+                                              *load_safety_written()))
     assert [k for k, n in keys.items() if n > 1] == []
 
 
@@ -145,8 +147,8 @@ def test_harmbench_rows_are_verbatim_harmbench_behaviours() -> None:
     assert [r["text"] for r in rows if r["source"] == "isagi" and _norm(r["text"]) in hb_norm] == []
 
 
-@pytest.mark.parametrize("load", [load_safety_calibration, load_safety_twins, load_safety_public],
-                         ids=["calibration", "twins", "public"])
+@pytest.mark.parametrize("load", [load_safety_calibration, load_safety_twins, load_safety_public,
+                                  load_safety_written], ids=["calibration", "twins", "public", "written"])
 def test_no_row_copies_an_evaluation_prompt(load) -> None:
     bench, n_sets = _benchmark_prompts()
     assert len(bench) == {2: 520 + 450, 3: 520 + 450 + 175}[n_sets], "benchmark prompts were not all read"
@@ -356,8 +358,8 @@ def test_the_corpus_keeps_twin_pairs_in_one_group_and_marks_each_benign_kind() -
     from isagi.data.safety import everyday_requests
 
     rows = load_safety_corpus()
-    assert len(rows) == (len(load_safety_calibration()) + len(load_safety_twins()) + len(load_safety_public())
-                         + len(everyday_requests()))
+    assert len(rows) == (len(load_safety_calibration()) + len(load_safety_twins()) + len(load_safety_written())
+                         + len(load_safety_public()) + len(everyday_requests()))
     # copies of one text are one group: no fold trains on the copy of a row it tests
     group_of_text: dict[str, set[str]] = {}
     for r in rows:
@@ -377,3 +379,42 @@ def test_the_corpus_keeps_twin_pairs_in_one_group_and_marks_each_benign_kind() -
     kinds = Counter(r["benign_kind"] for r in rows if r["label"] == "benign")
     assert kinds["ordinary"] > 1000 and kinds["lookalike"] > 2000
     assert all(r["benign_kind"] == "ordinary" for r in rows if r.get("kind") == "ordinary_task")
+
+
+# --- the written rows (round 6): the register people type ---
+
+
+def test_written_rows_have_the_schema_and_keep_out_the_issues_held_out_objects() -> None:
+    rows = load_safety_written()
+    assert len(rows) >= 1000
+    for row in rows:
+        assert set(row) == {"text", "label", "category", "source", "kind"}
+        assert row["source"] == "isagi" and row["category"] in SAFETY_CATEGORIES
+        assert 3 <= len(row["text"].split()) <= 60 and row["text"] == row["text"].strip()
+        assert not any(obj in row["text"].lower() for obj in HELD_OUT_OBJECTS), row["text"]
+
+
+def test_written_rows_cover_the_kinds_and_read_as_typed_not_one_template() -> None:
+    """Everyday tasks, look-alikes of each kind the XSTest paper describes, short harmful requests;
+    many openings, none dominant; some with a pasted input, some typed in lower case."""
+    rows = load_safety_written()
+    kinds = Counter(r["kind"] for r in rows)
+    assert kinds[ORDINARY_KIND] >= 400 and sum(kinds[k] for k in ("question", "short")) >= 150
+    lookalike = {"homonym", "figurative", "safe_target", "safe_context", "definition", "history",
+                 "public_figure", "discrimination_fact"}
+    assert all(kinds[k] >= 30 for k in lookalike)
+    for group in ([r for r in rows if r["kind"] == ORDINARY_KIND], [r for r in rows if r["kind"] in lookalike],
+                  [r for r in rows if r["label"] == "harmful"]):
+        openers = Counter(r["text"].split()[0].lower() for r in group)
+        assert len(openers) >= 25 and max(openers.values()) <= 0.3 * len(group)
+    assert sum("\n" in r["text"] for r in rows if r["kind"] == ORDINARY_KIND) >= 0.2 * kinds[ORDINARY_KIND]
+    assert sum(r["text"][0].islower() for r in rows) >= 0.1 * len(rows)
+
+
+def test_the_corpus_takes_the_written_rows_as_the_projects_own() -> None:
+    written = {r["text"] for r in load_safety_written()}
+    corpus = [r for r in load_safety_corpus() if r["text"] in written]
+    assert len(corpus) == len(written)
+    assert {r["source_group"] for r in corpus} == {"project"}
+    assert {r["benign_kind"] for r in corpus if r["kind"] == ORDINARY_KIND} == {"ordinary"}
+    assert {r["benign_kind"] for r in corpus if r["label"] == "benign" and r["kind"] != ORDINARY_KIND} == {"lookalike"}

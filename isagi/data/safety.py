@@ -1,13 +1,15 @@
 """The safety calibration corpus: harmful and matched benign prompts, by category.
 
-Owns reading ``safety_calibration.jsonl``, ``safety_twins.jsonl`` and
-``safety_public.jsonl`` (all described in ``SAFETY_DATA.md`` here), checking each
+Owns reading ``safety_calibration.jsonl``, ``safety_twins.jsonl``, ``safety_written.jsonl``
+and ``safety_public.jsonl`` (all described in ``SAFETY_DATA.md`` here), checking each
 row's shape, and joining them into the one corpus the guard is calibrated on
 (:func:`load_safety_corpus`): the prompt guard's probe is fitted on the hidden
 states of these prompts and its threshold set on them (:mod:`isagi.safety.build`).
 Only prompts are stored; no answers. The twins file holds short typed requests,
 each harmful row with benign twins a word or two away; the public file holds
-rows of CatQA, HarmfulQA and CoCoNot under their licences.
+rows of CatQA, HarmfulQA and CoCoNot under their licences; the written file holds the
+project's third round of rows in the register people type (everyday tasks, look-alikes of the
+kinds the XSTest paper describes, short plainly harmful requests).
 
 Nothing here comes from the evaluation sets in ``../shared/benchmarks``;
 ``tests/test_safety_data.py`` checks that. The file is read on call
@@ -35,10 +37,18 @@ __all__ = [
     "load_safety_public",
     "load_safety_calibration",
     "load_safety_twins",
+    "load_safety_written",
+    "WRITTEN_FILE",
 ]
 
 SAFETY_FILE = "safety_calibration.jsonl"
 TWINS_FILE = "safety_twins.jsonl"
+WRITTEN_FILE = "safety_written.jsonl"
+# the kinds a written row may have: the harmful rows' forms, the benign look-alikes' kinds (the
+# calibration file's) and everyday tasks
+WRITTEN_KINDS: tuple[str, ...] = ("question", "short", "homonym", "figurative", "safe_target", "safe_context",
+                                  "definition", "history", "public_figure", "discrimination_fact",
+                                  "ordinary_task")
 SAFETY_CATEGORIES: tuple[str, ...] = (
     "privacy",
     "illegal_advice",
@@ -96,6 +106,20 @@ def load_safety_twins() -> list[dict[str, Any]]:
     return rows
 
 
+def load_safety_written() -> list[dict[str, Any]]:
+    """The project's third round of rows (``safety_written.jsonl``, SAFETY_DATA.md "Round 6"): each
+    has the calibration fields plus ``kind`` (:data:`WRITTEN_KINDS`); harmful rows are ``question``
+    or ``short``. Raises :class:`~isagi.errors.InputError` naming a malformed row."""
+    rows = _checked(WRITTEN_FILE, load_jsonl(WRITTEN_FILE))
+    for lineno, row in enumerate(rows, start=1):
+        harmful_form = row.get("kind") in ("question", "short")
+        if (row.get("kind") not in WRITTEN_KINDS or row.get("source") != "isagi"
+                or harmful_form != (row.get("label") == "harmful")):
+            raise InputError(f"{WRITTEN_FILE} row {lineno} has kind={row.get('kind')!r}, label="
+                             f"{row.get('label')!r}, source={row.get('source')!r}; reinstall ISAGI.")
+    return rows
+
+
 def load_safety_public() -> list[dict[str, Any]]:
     """The public corpora's rows (CatQA, HarmfulQA, CoCoNot), mapped to the project's categories.
 
@@ -112,8 +136,8 @@ def load_safety_public() -> list[dict[str, Any]]:
 
 
 def load_safety_corpus() -> list[dict[str, Any]]:
-    """Every row the prompt guard is calibrated on: the project's calibration rows, the twins and
-    the public rows, in that order, each with three more fields the fit reads:
+    """Every row the prompt guard is calibrated on: the project's calibration rows, the twins, the
+    written rows and the public rows, in that order, each with three more fields the fit reads:
 
     - ``group``: rows that must stay in one fold (a twin pair, copies of one text; otherwise the
       row alone);
@@ -125,7 +149,8 @@ def load_safety_corpus() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     first_group: dict[str, str] = {}
     for part, rows in (("calibration", load_safety_calibration()), ("twins", load_safety_twins()),
-                       ("public", load_safety_public()), ("everyday", everyday_requests())):
+                       ("written", load_safety_written()), ("public", load_safety_public()),
+                       ("everyday", everyday_requests())):
         for i, row in enumerate(rows):
             if row["label"] == "harmful":
                 kind = None
