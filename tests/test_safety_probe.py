@@ -24,6 +24,7 @@ from isagi.safety.runtime import (
     exchange_scores,
     exchange_states,
     project_safe,
+    reply_window_scores,
     safe_point,
     teh,
 )
@@ -206,6 +207,11 @@ def test_the_reply_guard_can_read_the_prompt_probes_logit_and_scores_as_it_strea
     assert ReplyGuard(stacked, p).score(r) == pytest.approx(teh(stacked.reply_readout(), x[-1]))
     with pytest.raises(ValueError, match="prompt_logit"):
         exchange_states(p, r, scales)
+    # Safe OGD's subspace at the profile's layer holds the reply window's direction (the logit's
+    # coordinate is no direction in a layer), and the window check reads it
+    Q_L, c_L = stacked.layer_subspace(stacked.layer)
+    assert Q_L.shape[0] == D and c_L.shape == (D,) and np.allclose(Q_L.T @ Q_L, np.eye(Q_L.shape[1]), atol=1e-9)
+    assert np.all(np.isfinite(reply_window_scores(stacked, r)))
     back = SafetyProfile.from_state(stacked.to_state())
     assert back.reply_scales is not None and back.reply_scales.shape == (3,)
     assert ReplyGuard(back, p).score(r) == pytest.approx(ReplyGuard(stacked, p).score(r), abs=1e-3)
@@ -307,3 +313,19 @@ def test_a_profile_with_the_mlp_probe_round_trips_and_scores_as_its_readout():
     broken["hidden"] = broken["hidden"][:-1]
     with pytest.raises(ValueError, match="hidden layer"):
         SafetyProfile.from_state(broken)
+
+
+def test_a_profile_fitted_with_replies_of_its_corpus_rows_stacks_the_prompt_logit():
+    """The build's path (exchanges that name their corpus rows): the reply guard reads the prompt
+    probe's out-of-fold logit, the window check and Safe OGD's subspace still work."""
+    c = _corpus(6)
+    rng = np.random.default_rng(7)
+    pick = np.arange(0, len(c.labels), 2)
+    R = [rng.normal(size=(int(rng.integers(9, 30)), D)) + (4.0 if c.labels[i] else 0.0) for i in pick]
+    ex = Exchanges(prompt_states=c.X[pick], reply_states=R, labels=c.labels[pick], cats=c.cats[pick], rows=pick)
+    prof = fit_safety_profile(c, LAYERS, exchanges=ex, C=0.5)
+    assert prof.reply_scales is not None and prof.reply_scales.shape == (3,)
+    assert prof.details["reply"]["reads_prompt_logit"] is True
+    assert prof.window_threshold is not None and np.isfinite(prof.window_threshold)
+    p, r = c.X[pick[0]], R[0]
+    assert np.isfinite(ReplyGuard(prof, p).score(r))

@@ -141,10 +141,12 @@ class SafetyProfile:
             cols += [part[:, j] for j in range(part.shape[1]) if np.linalg.norm(part[:, j]) > 1e-8]
             centre = c[i * d:(i + 1) * d]
         if self.reply_Q is not None and layer == self.layer:
-            rQ = np.asarray(self.reply_Q, np.float64)[len(blocks) * d:]
+            # the reply window's block of the exchange state (after the prompt's layers; a stacked
+            # guard's prompt-logit coordinate follows it and is not a direction in this layer)
+            rQ = np.asarray(self.reply_Q, np.float64)[len(blocks) * d:(len(blocks) + 1) * d]
             cols += [rQ[:, j] for j in range(rQ.shape[1]) if np.linalg.norm(rQ[:, j]) > 1e-8]
             if centre is None:
-                centre = np.asarray(self.reply_centre, np.float64)[len(blocks) * d:]
+                centre = np.asarray(self.reply_centre, np.float64)[len(blocks) * d:(len(blocks) + 1) * d]
         if not cols or centre is None:
             raise ValueError(f"the safety profile reads no state at layer {layer} (its layers: {blocks})")
         basis, sv, _ = np.linalg.svd(np.stack(cols, axis=1), full_matrices=False)
