@@ -484,15 +484,26 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
 @sessions_app.command("delete")
 @friendly
 def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
-    """Delete a session, its turns and its autosaved .miku."""
+    """Delete a session, its turns and its autosaved .miku. With a session store that servers
+    share (ISAGI_SESSIONS_URL), refused while one of them has the session open."""
+    from isagi.errors import OPEN_ON_A_SERVER, SessionBusy, SessionMoved
+    from isagi.session.lease import maintenance_holds
     from isagi.session.store import session_files
 
     settings = _settings(home=home)
     store = _store(home)
     summary = _own_summary(store, session_id, owner)
-    if not store.delete_session(session_id, owner=owner):
-        _no_such_session(session_id, owner)
-    removed = session_files(settings).remove(session_id, summary.miku_path)
+    files = session_files(settings)
+    # shared: under the session's lease, the writes fenced (a server saving it would bring it back)
+    with maintenance_holds(files, store) as hold, hold(session_id) as claim:
+        if not claim.free:
+            raise SessionBusy(OPEN_ON_A_SERVER.format(sid=session_id))
+        try:
+            if not store.delete_session(session_id, owner=owner, fence=claim.fence):
+                _no_such_session(session_id, owner)
+            removed = files.remove(session_id, summary.miku_path, fence=claim.fence)
+        except SessionMoved:  # a server took it while this ran: nothing more deleted
+            raise SessionBusy(OPEN_ON_A_SERVER.format(sid=session_id)) from None
     note = f" and {removed[0].name}" if removed else ""
     out.print(f"Deleted session {session_id}{note}.", highlight=False, markup=False)
 

@@ -61,6 +61,12 @@ MOVED = ("This chat was taken over by another ISAGI server (this one lost its ho
          "reload the page to continue it there.")
 
 
+# What `isagi sessions delete` says when a server has the session open (its lease held elsewhere).
+OPEN_ON_A_SERVER = ("Session {sid} is open on an ISAGI server that shares this session store; delete it "
+                    "in that server's page (or its API), or try again once the server has let it go "
+                    "(it does when the chat is idle).")
+
+
 class SessionNotFound(IsagiError):
     """No such session of the caller's (an unknown id and another owner's are the same)."""
 

@@ -592,6 +592,7 @@ class HistoryStore:
 
     def repair_exchanges(
         self, session_id: str, turns: Sequence[TurnRecord], *, owner: str, model_id: str, title: str | None = None,
+        fence: Fence | None = None,
     ) -> tuple[str, int]:
         """Bring ``owner``'s session level with ``turns`` (a session file's, the source of truth),
         in one transaction, deleting nothing but a last exchange that the file replaced.
@@ -602,7 +603,9 @@ class HistoryStore:
         it is missing); ``("replaced", 1)``: only the last exchange differed (an
         interrupted Regenerate) and was replaced; ``("history ahead", n)``: the
         history holds n exchanges beyond the file, kept; ``("disagree", i)``: they
-        differ from exchange i + 1 on, left alone.
+        differ from exchange i + 1 on, left alone. ``fence``: the lease the repair holds on the
+        session (a shared session store): nothing is written unless it is current
+        (:class:`~isagi.errors.SessionMoved`).
         """
         owner = check_owner(owner)
 
@@ -627,7 +630,7 @@ class HistoryStore:
             return "disagree", common
 
         return self._write_session("repair a session's history", session_id, owner=owner, model_id=model_id,
-                                   title=title, then=repair)
+                                   title=title, then=repair, fence=fence)
 
     @staticmethod
     def _exchanges(db: OrmSession, session_id: str) -> list[tuple[str, str, str]]:
@@ -657,15 +660,18 @@ class HistoryStore:
                 .values(miku_path=None if path is None else str(path))
             )
 
-    def delete_session(self, session_id: str, *, owner: str) -> bool:
+    def delete_session(self, session_id: str, *, owner: str, fence: Fence | None = None) -> bool:
         """Delete ``owner``'s session and its turns; False when ``owner`` has no such
         session (another owner's session is left untouched and answers the same False).
 
         The session's ``.miku`` autosave is the caller's to remove
-        (:func:`storage.miku.remove_session_file`); read its ``miku_path`` first.
+        (:meth:`isagi.session.store.SessionStore.remove`); read its ``miku_path`` first.
+        ``fence``: the lease the deleter holds on the session (a shared session store): nothing
+        is deleted unless it is current (:class:`~isagi.errors.SessionMoved`), so a deleter that
+        lost the lease never removes the turns the session's new holder keeps writing.
         """
         owner = check_owner(owner)
-        with self._tx("delete a session") as db:
+        with self._tx("delete a session", fence) as db:
             s = db.get(SessionModel, session_id)
             if s is None or s.owner != owner:
                 return False

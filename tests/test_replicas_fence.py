@@ -363,3 +363,139 @@ def test_a_rename_is_refused_once_the_lease_went_and_one_of_a_chat_not_live_take
     assert not lease_a.held(sid) and sid not in a
     talk(engine_b, b, sid, "two, on b")  # b resumes it from that save
     assert b.entry(sid).session.title == "the new title"
+
+
+# -- deletes, the start-up repair and retention: fenced like the saves -----------------------------
+
+
+def test_a_stale_holders_delete_and_repair_write_nothing(stores, pg_url: str) -> None:
+    files, history, (lease_a, lease_b) = stores
+    sid = new_session_id()
+    path = files.path(sid)
+    assert lease_a.acquire(sid)
+    fence_a = lease_a.fence(sid)
+    files.write(path, _state(sid, 1, seed=1), fence=fence_a)
+    history.record_exchange(sid, Turn("a asked", "a answered"), owner=LOCAL_OWNER, model_id="m", fence=fence_a)
+    cut(pg_url, sid)
+    assert lease_b.acquire(sid)
+    b_state = _state(sid, 2, seed=2)
+    files.write(path, b_state, fence=lease_b.fence(sid))
+    history.record_exchange(sid, Turn("b asked", "b answered"), owner=LOCAL_OWNER, model_id="m",
+                            fence=lease_b.fence(sid))
+
+    with pytest.raises(SessionMoved):
+        history.delete_session(sid, owner=LOCAL_OWNER, fence=fence_a)
+    with pytest.raises(SessionMoved):
+        files.remove(sid, path, fence=fence_a)
+    with pytest.raises(SessionMoved):  # the repair's rewrite of a last exchange
+        history.repair_exchanges(sid, [Turn("a asked", "a answered"), Turn("b asked", "a's other reply")],
+                                 owner=LOCAL_OWNER, model_id="m", fence=fence_a)
+    assert files.find(sid) == path and _texts(files.read(path)) == _texts(b_state)
+    assert [r.text for r in history.get_turns(sid, owner=LOCAL_OWNER)] == [
+        "a asked", "a answered", "b asked", "b answered"]
+    # the holder's own delete goes through
+    assert history.delete_session(sid, owner=LOCAL_OWNER, fence=lease_b.fence(sid))
+    assert files.remove(sid, path, fence=lease_b.fence(sid)) == [path] and files.find(sid) is None
+
+
+def test_a_retention_pass_whose_lease_went_removes_nothing_of_the_session(stores, pg_url: str) -> None:
+    """The pass holds the session's lease (its own connection) when that connection is cut and
+    another process takes the session: its delete is refused, the session counted as kept."""
+    import time
+
+    from isagi.session.retention import prune_sessions
+
+    files, history, (_lease_a, lease_b) = stores
+    sid = new_session_id()
+    files.write(files.path(sid), _state(sid, 1, seed=1))
+    history.record_exchange(sid, Turn("asked", "answered"), owner=LOCAL_OWNER, model_id="m")
+
+    def taken_over_meanwhile(seen: str) -> bool:  # called while the pass holds seen's lease
+        cut(pg_url, seen)
+        assert lease_b.acquire(seen)
+        return False
+
+    pruned = prune_sessions(history, files, 1, now=time.time() + 10 * 86_400, is_live=taken_over_meanwhile)
+    assert pruned.sessions == [] and pruned.files == [] and pruned.kept_live == 1
+    assert files.find(sid) is not None
+    assert [r.text for r in history.get_turns(sid, owner=LOCAL_OWNER)] == ["asked", "answered"]
+
+
+def test_a_repair_whose_lease_went_adds_no_row_after_the_new_holders(stores, pg_url: str, monkeypatch) -> None:
+    from isagi.pipeline.keeping import reconcile_history
+
+    files, history, (_lease_a, lease_b) = stores
+    sid = new_session_id()
+    state = _state(sid, 2, seed=1)
+    state.extra["owner"] = LOCAL_OWNER
+    files.write(files.path(sid), state)  # a file with no history yet: the repair would add both
+    real_read = files.read
+
+    def read_then_lose_the_lease(path, **kwargs):  # the repair holds the lease while it reads
+        cut(pg_url, sid)
+        assert lease_b.acquire(sid)
+        history.record_exchange(sid, Turn("b asked", "b answered"), owner=LOCAL_OWNER, model_id="m",
+                                fence=lease_b.fence(sid))
+        return real_read(path, **kwargs)
+
+    monkeypatch.setattr(files, "read", read_then_lose_the_lease)
+    report = reconcile_history(history, files.root, files=files)
+    assert report.held_elsewhere == [sid] and not report.added and not report.skipped
+    assert [r.text for r in history.get_turns(sid, owner=LOCAL_OWNER)] == ["b asked", "b answered"]
+    assert history.get_session(sid, owner=LOCAL_OWNER).miku_path is None
+
+
+def test_a_delete_takes_the_lease_from_an_idle_holder_and_is_refused_while_its_turn_runs(replicas) -> None:
+    """Deleting a chat that another replica has open: that replica is asked to let go; while a
+    turn runs there it cannot, the delete answers busy and deletes nothing; once idle it hands
+    the chat over and the delete removes the file and the history for good."""
+    from isagi.errors import SessionBusy
+    from isagi.session.lease import BUSY_ELSEWHERE
+    from isagi.session.service import SessionService
+
+    files, ((engine_a, a, _h, lease_a), (_engine_b, b, history, lease_b)) = replicas
+    service_b = SessionService(b)
+    sid = a.create()
+    talk(engine_a, a, sid, "one")
+    arrived, go_on = _pause(engine_a.keep, "save")
+    runner, done = _turn_in_thread(engine_a, a, sid, "two")
+    assert arrived.wait(WAIT_S)
+    with pytest.raises(SessionBusy, match=BUSY_ELSEWHERE):
+        service_b.delete(sid, LOCAL_OWNER)
+    assert not lease_b.held(sid)
+    go_on.set()
+    runner.join(WAIT_S)
+    assert len(done) == 1 and done[0].notice != MOVED
+    assert _kept(files, history, sid) == (["one", "two"],) * 2  # nothing was deleted
+    removed = service_b.delete(sid, LOCAL_OWNER)  # a is idle now: it hands the chat over
+    assert removed == [files.path(sid)] and files.find(sid) is None
+    assert history.list_sessions(owner=LOCAL_OWNER) == []
+    assert sid not in a and not lease_a.held(sid) and not lease_b.held(sid)
+
+
+def test_the_cli_delete_is_refused_while_a_server_holds_the_session(stores, tmp_path: Path, pg_url: str,
+                                                                     monkeypatch) -> None:
+    """`isagi sessions delete` beside servers on the shared store: refused, saying where to delete
+    it, while one holds the session's lease (nothing deleted); done once it is free."""
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    files, history, (lease_a, _lease_b) = stores
+    monkeypatch.setenv("ISAGI_SESSIONS_URL", pg_url)
+    monkeypatch.setenv("ISAGI_DATABASE_URL", pg_url)
+    home = tmp_path / "home"
+    sid = new_session_id()
+    assert lease_a.acquire(sid)
+    path = files.root / f"{sid}.miku"
+    files.write(path, _state(sid, 1, seed=1), fence=lease_a.fence(sid))
+    history.record_exchange(sid, Turn("asked", "answered"), owner=LOCAL_OWNER, model_id="m",
+                            fence=lease_a.fence(sid))
+    run = CliRunner().invoke
+    refused = run(app, ["sessions", "delete", sid, "--home", str(home)])
+    assert refused.exit_code != 0 and "is open on an ISAGI server" in refused.output, refused.output
+    assert files.find(sid) is not None and len(history.get_turns(sid, owner=LOCAL_OWNER)) == 2
+    lease_a.release(sid)
+    done = run(app, ["sessions", "delete", sid, "--home", str(home)])
+    assert done.exit_code == 0, done.output
+    assert files.find(sid) is None and history.list_sessions(owner=LOCAL_OWNER) == []

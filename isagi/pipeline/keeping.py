@@ -35,7 +35,10 @@ With session files several servers share, a live session carries its lease's fen
 another server has taken the session over, the file write or the history write is refused
 (:class:`~isagi.errors.SessionMoved`). That is not a storage failure to retry: the keeper
 forgets what of the session waits, writes nothing more of it, and returns the "moved" notice
-(:data:`isagi.errors.MOVED`); the registry then drops the session here.
+(:data:`isagi.errors.MOVED`); the registry then drops the session here. The start-up repair
+holds each session's lease while it repairs it and carries that lease's fence the same way:
+a repair whose lease connection broke while another server took the session over adds no
+row after that server's (it leaves the session to that server's own saves).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ if TYPE_CHECKING:
     from isagi.session.state import Session
     from isagi.session.store import SessionStore
     from isagi.session.turn import Turn
+    from isagi.storage.fences import Fence
     from isagi.storage.history import HistoryStore
 
 log = logging.getLogger(__name__)
@@ -431,7 +435,7 @@ def reconcile_history(store: HistoryStore, sessions_dir: str | Path, *, files: S
         return report
     if not paths:
         return report
-    with maintenance_holds(store_files) as hold:
+    with maintenance_holds(store_files, store) as hold:
         return _reconcile(store, store_files, paths, hold, report)
 
 
@@ -444,18 +448,23 @@ def _reconcile(store: HistoryStore, store_files: SessionStore, paths: list[Path]
         written = store_files.modified(path)
         if known is not None and written is not None and written <= known[1].timestamp():
             continue  # written before its history's last record: in step
-        with hold(sid) as free:
-            if not free:  # open on a server, whose own saves bring its history up to its file
+        with hold(sid) as claim:
+            if not claim.free:  # open on a server, whose own saves bring its history up to its file
                 report.held_elsewhere.append(sid)
                 continue
             report.checked += 1
-            _reconcile_one(store, store_files, path, known, report)
+            try:
+                _reconcile_one(store, store_files, path, known, report, claim.fence)
+            except SessionMoved:  # its lease went mid-repair and a server took it: its own saves repair it
+                report.held_elsewhere.append(sid)
     return report
 
 
 def _reconcile_one(store: HistoryStore, store_files: SessionStore, path: Path, known: tuple[str, Any] | None,
-                   report: Reconciled) -> None:
-    """:func:`reconcile_history` for one session file written after its history's last record."""
+                   report: Reconciled, fence: Fence | None = None) -> None:
+    """:func:`reconcile_history` for one session file written after its history's last record.
+    ``fence``: the repair's lease of the session (a shared store): its history writes happen
+    only while it is current (:class:`~isagi.errors.SessionMoved` otherwise, nothing written)."""
     from isagi.session.turn import turns_from_messages
 
     sid = path.stem
@@ -478,9 +487,9 @@ def _reconcile_one(store: HistoryStore, store_files: SessionStore, path: Path, k
     turns = turns_from_messages(state.conversation)
     try:
         outcome, n = store.repair_exchanges(sid, turns, owner=owner, model_id=str(state.header["model_id"]),
-                                            title=extra.get("title") or None)
+                                            title=extra.get("title") or None, fence=fence)
         if outcome in ("added", "replaced"):
-            store.set_miku_path(sid, str(path), owner=owner)
+            store.set_miku_path(sid, str(path), owner=owner, fence=fence)
     except StorageError as exc:
         report.skipped[path.name] = f"the history could not be written ({exc})"
         return

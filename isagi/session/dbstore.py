@@ -5,7 +5,9 @@ whole bytes, :class:`storage.history.SessionFileModel`, made by the history's Al
 revision 0003). A save replaces the row in one transaction (an upsert), so a reader sees the
 old bytes or the new ones, never a mix, as the directory's write-and-rename gives. A live
 session's save carries its lease's fence (:mod:`storage.fences`), checked in that transaction:
-a process that lost the session's lease to another writes nothing more of it. The names
+a process that lost the session's lease to another writes nothing more of it. A removal (a
+delete, a retention pass) carries the fence of the lease its remover holds meanwhile, checked
+the same way, so it never removes a file that another process has taken over and saves. The names
 and the rules are the folder's (:class:`~isagi.session.folder.SessionFiles`): only a path
 directly inside the sessions folder is kept here; any other path (a download, ``isagi chat
 --save``) is a local file, written as the folder writes one.
@@ -107,11 +109,16 @@ class DatabaseSessionFiles:
         there = self._existing(names)
         return next((self.root / n for n in names if n in there), None)
 
-    def remove(self, session_id: str, recorded: str | os.PathLike[str] | None = None) -> list[Path]:
-        """Remove a deleted session's file(s); the paths removed."""
+    def remove(self, session_id: str, recorded: str | os.PathLike[str] | None = None, *,
+               fence: Fence | None = None) -> list[Path]:
+        """Remove a deleted session's file(s); the paths removed. ``fence``: the remover's lease of
+        the session, checked in the delete's own transaction (:class:`~isagi.errors.SessionMoved`
+        once another process took the session over, nothing removed): a delete or a retention
+        pass that lost the lease never removes the file its new holder goes on saving."""
         import sqlalchemy as sa
         from sqlalchemy.exc import SQLAlchemyError
 
+        from isagi.storage.fences import check
         from isagi.storage.history import SessionFileModel
 
         names = self._candidates(session_id, recorded)
@@ -119,6 +126,8 @@ class DatabaseSessionFiles:
             return []
         try:
             with self.engine.begin() as conn:
+                if fence is not None:
+                    check(conn, fence)  # SessionMoved: another process took the session over
                 gone = conn.execute(sa.delete(SessionFileModel).where(SessionFileModel.name.in_(names))
                                     .returning(SessionFileModel.name)).scalars().all()
         except SQLAlchemyError as exc:

@@ -65,8 +65,10 @@ class SessionFiles:
         """The session's file inside the folder (its recorded path first, then ``<id>.miku``), or None."""
         return next((p for p in self._candidates(session_id, recorded) if p.is_file()), None)
 
-    def remove(self, session_id: str, recorded: str | os.PathLike[str] | None = None) -> list[Path]:
-        """Remove a deleted session's file(s) inside the folder; the paths removed."""
+    def remove(self, session_id: str, recorded: str | os.PathLike[str] | None = None, *,
+               fence: Fence | None = None) -> list[Path]:
+        """Remove a deleted session's file(s) inside the folder; the paths removed. ``fence`` is
+        not used: one process owns the directory (there are no leases)."""
         removed: list[Path] = []
         for real in self._candidates(session_id, recorded):
             with contextlib.suppress(FileNotFoundError):

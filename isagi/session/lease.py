@@ -30,6 +30,7 @@ drops it idle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -44,8 +45,20 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
 
     from isagi.session.store import SessionStore
+    from isagi.storage.history import HistoryStore
 
-Hold = Callable[[str], contextlib.AbstractContextManager[bool]]  # maintenance_holds' hold(sid)
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a maintenance pass's ``hold(sid)`` got: ``free`` (no server holds the session, and
+    the pass holds its lease until the hold ends) and, with a shared store, the ``fence`` of that
+    lease, which every write of the pass carries (None: a store only this process uses)."""
+
+    free: bool
+    fence: Fence | None = None
+
+
+Hold = Callable[[str], contextlib.AbstractContextManager[Claim]]  # maintenance_holds' hold(sid)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +67,8 @@ ASK_AGAIN_S = 1.0  # how often a waiting acquire asks the holder again to let go
 WANTED_CHANNEL = "isagi_lease_wanted"  # NOTIFY channel: the payload is the session id wanted
 LISTEN_POLL_S = 0.5  # how long the listener waits for a notification before it looks at close()
 BUSY_ELSEWHERE = "This chat is open on another ISAGI server; try again in a moment."
-__all__ = ["BUSY_ELSEWHERE", "MOVED", "AdvisoryLeases", "SessionLeases", "lease_key", "maintenance_holds",
-           "process_leases"]
+__all__ = ["BUSY_ELSEWHERE", "MOVED", "AdvisoryLeases", "Claim", "SessionLeases", "lease_key",
+           "maintenance_holds", "process_leases"]
 
 
 class SessionLeases(Protocol):
@@ -283,27 +296,37 @@ def process_leases(url: str) -> AdvisoryLeases:
 
 
 @contextlib.contextmanager
-def maintenance_holds(files: SessionStore) -> Iterator[Hold]:
+def maintenance_holds(files: SessionStore, history: HistoryStore | None = None) -> Iterator[Hold]:
     """For a pass over stored sessions that writes them (the start-up repair, retention,
-    ``isagi sessions prune``): ``hold(sid)``, a context that says whether the session is free
-    (True: no process holds its lease, and this pass holds it until the context ends, so none
-    takes it meanwhile) or open on a server (False: leave it to that server). Its leases are on
-    a connection of their own, so a session live in this very process counts as held too. With a
-    store only this process uses (the sessions directory), every session is free."""
+    ``isagi sessions prune``, ``isagi sessions delete``): ``hold(sid)``, a context giving a
+    :class:`Claim`: free (no process holds the session's lease, and this pass holds it until the
+    context ends, so none takes it meanwhile) or not (open on a server: leave it to that server).
+    Its leases are on a connection of their own, so a session live in this very process counts as
+    held too. With a store only this process uses (the sessions directory), every session is free.
+
+    Holding the lock is not enough on its own: the pass's lease connection can break while the
+    pass goes on (as a server's can), and another process then takes the session. So each claim
+    carries the fence of its acquisition, and the pass hands it to every write it makes of that
+    session (the file's row, its removal, the history's rows): once another process has taken the
+    session over, those writes raise :class:`~isagi.errors.SessionMoved` and write nothing
+    (:mod:`isagi.storage.fences`). ``history``: the history store the pass writes, told where the
+    epochs are (:meth:`storage.history.HistoryStore.use_leases`) so its writes are fenced too."""
     from isagi.session.dbstore import DatabaseSessionFiles
 
     if not (files.shared and isinstance(files, DatabaseSessionFiles)):
         yield _always_free
         return
+    if history is not None:
+        history.use_leases(files.engine)
     leases = AdvisoryLeases(files.url)
 
     @contextlib.contextmanager
-    def hold(sid: str) -> Iterator[bool]:
+    def hold(sid: str) -> Iterator[Claim]:
         if not leases.acquire(sid, 0.0):
-            yield False
+            yield Claim(False)
             return
         try:
-            yield True
+            yield Claim(True, leases.fence(sid))
         finally:
             leases.release(sid)
 
@@ -314,5 +337,5 @@ def maintenance_holds(files: SessionStore) -> Iterator[Hold]:
 
 
 @contextlib.contextmanager
-def _always_free(_sid: str) -> Iterator[bool]:
-    yield True
+def _always_free(_sid: str) -> Iterator[Claim]:
+    yield Claim(True)

@@ -342,9 +342,10 @@ class SessionRegistry:
         with self._guard:
             return (sid or "") in self._entries or (sid or "") in self._parked
 
-    def discard(self, sid: str, owner: str, *, timeout: float = 10.0) -> bool:
+    def discard(self, sid: str, owner: str, *, timeout: float = 10.0, keep_lease: bool = False) -> bool:
         """Drop ``owner``'s live ``sid`` without saving it (its session is being deleted), once no
-        event holds it; whether it was live. :class:`SessionBusy` while a turn still runs."""
+        event holds it; whether it was live. :class:`SessionBusy` while a turn still runs.
+        ``keep_lease``: its lease stays held (:meth:`deleting` gives it back after the delete)."""
         with self._guard:
             entry = self._entries.get(sid)
         if entry is None or entry.owner != owner:
@@ -358,8 +359,29 @@ class SessionRegistry:
                 self._parkable.pop(sid, None)
         finally:
             entry.lock.release()
-        self._unlease(sid)
+        if not keep_lease:
+            self._unlease(sid)
         return True
+
+    @contextmanager
+    def deleting(self, sid: str, owner: str) -> Iterator[Fence | None]:
+        """For deleting ``owner``'s session ``sid``: hold its lease (waiting, bounded, while another
+        process keeps it and asking that one to let go; :class:`SessionBusy` past the wait), drop
+        its live copy here unsaved (:class:`SessionBusy` while a turn runs in it, before anything
+        is deleted) and give the fence that the delete's writes carry (None: no leases). Without
+        the lease, a server that has the session open would save it again after the delete (its
+        file and its history rows back), and a deleter whose lease went would delete what the
+        new holder writes. The lease is given back on leaving."""
+        leases = self.leases
+        taken = leases is not None and self._lease(sid)
+        live_here = False
+        try:
+            live_here = self.discard(sid, owner, keep_lease=True)
+            self.forget(sid, owner)
+            yield self._fence(sid)
+        finally:
+            if taken or live_here:
+                self._unlease(sid)
 
     def forget(self, sid: str, owner: str) -> bool:
         """Drop ``owner``'s parked (evicted) id, e.g. after its session was deleted."""

@@ -6,7 +6,11 @@ delete`` removes. A session is old when its last update (the history's ``updated
 file with no history row, the file's modification time) lies more than ``older_than_days``
 before now. A session open in the server (``is_live``) is never removed, however old, nor one
 another replica holds (its lease, :func:`isagi.session.lease.maintenance_holds`: each removal
-holds the session's lease while it runs).
+holds the session's lease while it runs). With the store shared by replicas, each removal also
+carries that lease's fence (its history rows and its file are deleted only while it is
+current, :mod:`isagi.storage.fences`): a pass whose lease connection broke mid-pass, while
+another replica took the session and went on writing it, removes nothing of it (the
+session is counted as kept, left to that replica) instead of deleting what it still writes.
 
 ``ISAGI_SESSION_RETENTION`` (days; unset: keep everything) has the server run this at its start
 and daily after (:class:`RetentionTimer`); ``isagi sessions prune --older-than DAYS`` runs it
@@ -23,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from isagi.errors import SessionMoved
 
 if TYPE_CHECKING:
     from isagi.session.lease import Hold
@@ -61,7 +67,7 @@ def prune_sessions(
 
     if not older_than_days > 0:
         raise ValueError(f"older_than_days must be above 0, not {older_than_days!r}")
-    with maintenance_holds(files) as hold:
+    with maintenance_holds(files, store) as hold:
         return _prune(store, files, older_than_days, now=now, is_live=is_live, dry_run=dry_run, hold=hold)
 
 
@@ -77,8 +83,8 @@ def _prune(store: HistoryStore | None, files: SessionStore, older_than_days: flo
             known.add(sid)
             if updated.timestamp() >= cutoff:
                 continue
-            with hold(sid) as free:
-                if live(sid) or not free:
+            with hold(sid) as claim:
+                if live(sid) or not claim.free:
                     out.kept_live += 1
                     continue
                 recorded = None
@@ -89,9 +95,12 @@ def _prune(store: HistoryStore | None, files: SessionStore, older_than_days: flo
                     found = files.find(sid, recorded)
                     out.files += [found] if found else []
                     continue
-                if store.delete_session(sid, owner=owner):
-                    out.sessions.append(sid)
-                    out.files += files.remove(sid, recorded)
+                try:
+                    if store.delete_session(sid, owner=owner, fence=claim.fence):
+                        out.sessions.append(sid)
+                        out.files += files.remove(sid, recorded, fence=claim.fence)
+                except SessionMoved:  # another replica took it over meanwhile: its to keep
+                    out.kept_live += 1
     for path in files.all():  # files the history does not know (no store, or a row lost)
         sid = path.stem
         if sid in known:
@@ -99,15 +108,20 @@ def _prune(store: HistoryStore | None, files: SessionStore, older_than_days: flo
         written = files.modified(path)
         if written is None or written >= cutoff:
             continue
-        with hold(sid) as free:
-            if live(sid) or not free:
+        with hold(sid) as claim:
+            if live(sid) or not claim.free:
+                out.kept_live += 1
+                continue
+            if dry_run:
+                out.sessions.append(sid)
+                out.files.append(path)
+                continue
+            try:
+                out.files += files.remove(sid, fence=claim.fence)
+            except SessionMoved:
                 out.kept_live += 1
                 continue
             out.sessions.append(sid)
-            if dry_run:
-                out.files.append(path)
-            else:
-                out.files += files.remove(sid)
     return out
 
 

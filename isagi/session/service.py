@@ -591,14 +591,20 @@ class SessionService:
     def delete(self, sid: str, owner: str) -> list[Path]:
         """Delete ``owner``'s session ``sid``: its history rows, its saved file, and its live copy
         if a page has it open (dropped unsaved; :class:`~isagi.errors.SessionBusy` while a turn
-        runs in it). Returns the files removed; :class:`SessionNotFound` when it is not theirs."""
+        runs in it). With files shared by replicas, only under its lease (another server that has
+        it open is asked to let go; :class:`~isagi.errors.SessionBusy` while it keeps it), and
+        the writes carry the lease's fence (:meth:`SessionRegistry.deleting`).
+        Returns the files removed; :class:`SessionNotFound` when it is not theirs."""
         summary = self.summary(sid, owner)
         store = self.store
-        if summary is None or store is None or not store.delete_session(sid, owner=owner):
+        if summary is None or store is None:
             raise SessionNotFound(f"No session {sid[:64]} in your history.")
-        self.registry.discard(sid, owner)  # open in a page (the chat list deletes the open chat)
-        self.registry.forget(sid, owner)
-        return self._files().remove(sid, summary.miku_path)
+        # its lease held (files shared: another server open on it lets go, or SessionBusy) and
+        # its live copy here dropped (the chat list deletes the open chat); the writes fenced
+        with self.registry.deleting(sid, owner) as fence:
+            if not store.delete_session(sid, owner=owner, fence=fence):
+                raise SessionNotFound(f"No session {sid[:64]} in your history.")
+            return self._files().remove(sid, summary.miku_path, fence=fence)
 
     def prune(self, older_than_days: float) -> Pruned:
         """Remove sessions last updated more than ``older_than_days`` ago, never a live one
