@@ -42,6 +42,14 @@ Every failure is an OpenAI-shaped error ``{"error": {"message", "type",
 bare 500. A turn whose client disconnects before its answer (streamed or not)
 is dropped: the engine rolls it back and no turn is kept (:meth:`isagi.session.service.TurnRun.end`).
 
+With several replicas (a shared session store), a turn whose server lost the session to another
+meanwhile (:class:`~isagi.errors.SessionMoved`) and whose reply was not kept is a 503
+``session_moved`` saying to send the request again (the balancer retries a 503 elsewhere; a
+client sends it again with its ``X-Isagi-Session``): the page's "reload the page" means nothing
+to an API client. A streamed reply already under way ends with that error instead of its last
+chunk. A reply saved just before the takeover is answered as usual, its ``isagi.notice`` saying
+that the next request goes on with the conversation (:data:`isagi.errors.MOVED_SAVED_API`).
+
 This module only translates: the request is read by :mod:`app.api_request`, every session
 action is one call of the service, and the turn's typed events (:mod:`isagi.pipeline.events`)
 become OpenAI JSON or server-sent chunks.
@@ -70,7 +78,18 @@ from starlette.responses import StreamingResponse
 
 from isagi.app.api_request import ApiError, ChatRequest, parse_api_keys, parse_request
 from isagi.app.loader import EngineHolder, EngineLoading
-from isagi.errors import ConversationChanged, IsagiError, ServerDraining, SessionBusy, SessionLimit
+from isagi.errors import (
+    MOVED,
+    MOVED_API,
+    MOVED_SAVED,
+    MOVED_SAVED_API,
+    ConversationChanged,
+    IsagiError,
+    ServerDraining,
+    SessionBusy,
+    SessionLimit,
+    SessionMoved,
+)
 from isagi.ids import is_session_id
 from isagi.pipeline.events import Done, TurnEvent, shown_text
 from isagi.session.service import LOCAL_OWNER, SessionService
@@ -99,6 +118,12 @@ DRAINING = ("This server is shutting down (nothing of this request was done); se
 def draining_error() -> ApiError:
     """A request refused by a draining server (SIGTERM): a 503 the balancer retries elsewhere."""
     return ApiError(503, DRAINING, type="server_error", code="server_draining", headers={"Retry-After": "1"})
+
+
+def moved_error() -> ApiError:
+    """A turn whose session another server took over before its reply was kept: a 503 that the
+    balancer retries (it reaches that server) and a client sends again; nothing of it was kept."""
+    return ApiError(503, MOVED_API, type="server_error", code="session_moved", headers={"Retry-After": "1"})
 
 
 def _is_loopback(host: str | None) -> bool:
@@ -292,16 +317,19 @@ class Api:
                 except IsagiError as exc:  # e.g. a session at its most turns
                     raise ApiError(400, " ".join(str(exc).split()), param="messages") from None
                 started()
+                answered = Answered(None)
                 event = first
                 while event is not None:
                     if isinstance(event, Done):
-                        return Answered(event.turn, run.answer_notice(event))
+                        answered = Answered(event.turn, run.answer_notice(event))
+                        break
                     if not emit(event):
                         break
                     event = next(events, None)
-                return Answered(None)
         except ConversationChanged as exc:
             raise ApiError(409, str(exc), code="conversation_changed") from None
+        except SessionMoved:  # another server took the session over: this request was not kept
+            raise moved_error() from None
         except ServerDraining:
             raise draining_error() from None
         except SessionBusy as exc:
@@ -309,6 +337,11 @@ class Api:
         except KeyError:
             raise ApiError(404, "This session was closed meanwhile; send the conversation again.",
                            code="session_not_found") from None
+        if answered.notice == MOVED:  # the page's words: this reply was not kept, the page reloads
+            raise moved_error()
+        if answered.notice == MOVED_SAVED:
+            answered.notice = MOVED_SAVED_API
+        return answered
 
     def prepare(self, request: Request, owner: str, raw: bytes | None) -> PreparedRequest:
         """What ``owner`` (:meth:`caller`) asks, in which session. ``raw``: the body, None when it

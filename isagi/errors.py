@@ -56,9 +56,20 @@ class SessionMoved(SessionBusy):
         super().__init__(message or MOVED)
 
 
-# What a user is told when their chat was taken over by another server (SessionMoved).
+# What a user is told when their chat was taken over by another server (SessionMoved): MOVED
+# when the turn was not saved (it is not in the chat the other server continues), MOVED_SAVED
+# when its file was saved before the takeover (that server has the turn). The page's words.
 MOVED = ("This chat was taken over by another ISAGI server (this one lost its hold on it); "
          "reload the page to continue it there.")
+MOVED_SAVED = ("This chat was taken over by another ISAGI server just after this reply was saved; "
+               "reload the page to continue it there.")
+# The API's words for the same two (an API client has no page to reload; app/api.py answers
+# the first with a 503 that the balancer, or the client, sends again).
+MOVED_API = ("Another ISAGI server now holds this conversation (this one lost its hold on it), and nothing "
+             "of this request was kept; send the request again, with the same X-Isagi-Session header: "
+             "behind the balancer it reaches that server.")
+MOVED_SAVED_API = ("Another ISAGI server now holds this conversation; this reply was saved before it took "
+                   "over, so send your next request as usual (same X-Isagi-Session header), not this one again.")
 
 
 # What `isagi sessions delete` says when a server has the session open (its lease held elsewhere).

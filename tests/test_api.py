@@ -702,3 +702,52 @@ def test_a_failed_load_is_a_503_without_its_detail(tmp_path):
         assert not app.state.isagi_holder.wait(30)  # loading ended, not ready
         err = _assert_openai_error(client.get("/v1/models"), 503)
         assert err["code"] == "model_failed" and "secret" not in err["message"]
+
+
+# --------------------------------------------------------------------------- a session moved away
+
+
+def _moved_save(served: Served, monkeypatch, where: str) -> None:
+    """The next turn's save (``where``: "file", the whole turn not kept; "history", after its
+    file was saved) is refused as a fenced write is once another replica took the session over."""
+    from isagi.errors import SessionMoved
+
+    keep = served.engine.keep
+    if where == "file":
+        def refused(*_a: Any, **_k: Any) -> None:
+            raise SessionMoved()
+
+        monkeypatch.setattr(keep, "save", refused)
+    else:
+        def history_refused(*_a: Any, **_k: Any) -> Any:
+            raise SessionMoved()
+
+        monkeypatch.setattr(served.engine.store, "record_exchanges", history_refused)
+        monkeypatch.setattr(served.engine.store, "record_exchange", history_refused)
+
+
+def test_a_turn_taken_over_before_its_save_is_a_503_saying_to_send_it_again(served, monkeypatch):
+    from isagi.errors import MOVED_API
+
+    _moved_save(served, monkeypatch, "file")
+    r = _raw(served, {"model": served.model, "messages": [{"role": "user", "content": "moved before saved"}]})
+    err = _assert_openai_error(r, 503)
+    assert err["code"] == "session_moved" and err["message"] == MOVED_API
+    assert "send the request again" in err["message"] and "reload" not in err["message"]
+    assert r.headers["Retry-After"] == "1" and r.headers["X-Isagi-Session"]
+
+
+def test_a_streamed_turn_taken_over_ends_with_the_moved_error(served, monkeypatch):
+    _moved_save(served, monkeypatch, "file")
+    with pytest.raises(openai.APIError, match="send the request again"):
+        _stream(served, "key-alice", [{"role": "user", "content": "moved while streamed"}])
+
+
+def test_a_turn_saved_just_before_the_takeover_is_answered_saying_to_go_on(served, monkeypatch):
+    from isagi.errors import MOVED_SAVED_API
+
+    _moved_save(served, monkeypatch, "history")
+    r = _raw(served, {"model": served.model, "messages": [{"role": "user", "content": "saved then moved"}]})
+    assert r.status_code == 200, r.text
+    notice = r.json()["isagi"]["notice"]
+    assert notice == MOVED_SAVED_API and "reload" not in notice

@@ -387,3 +387,25 @@ def test_a_long_sessions_page_updates_stay_bounded(ui, monkeypatch):
     xs = [x for trace in growth.data for x in trace.x]
     total = len(session.turns)
     assert total == window + 51 and min(xs) == total - 20 + 1 and max(xs) == total
+
+
+@pytest.mark.parametrize("where", ["file", "history"])
+def test_a_chat_taken_over_by_another_server_tells_the_page_to_reload(tmp_path, monkeypatch, where):
+    """The page keeps the "reload the page" words of a session moved to another replica (the API
+    answers it in its own words: tests/test_api.py)."""
+    from isagi.errors import MOVED, MOVED_SAVED, SessionMoved
+
+    ui, engine = make_ui(tmp_path)
+    sid = ui.page.registry.create()
+
+    def refused(*_a, **_k):
+        raise SessionMoved()
+
+    if where == "file":
+        monkeypatch.setattr(engine.keep, "save", refused)
+    else:
+        monkeypatch.setattr(engine.store, "record_exchanges", refused)
+        monkeypatch.setattr(engine.store, "record_exchange", refused)
+    outs = run(ui.chat.send("a question", sid, 8))
+    alert = outs[-1].alert
+    assert (MOVED if where == "file" else MOVED_SAVED) in alert and "reload the page" in alert

@@ -35,7 +35,8 @@ With session files several servers share, a live session carries its lease's fen
 another server has taken the session over, the file write or the history write is refused
 (:class:`~isagi.errors.SessionMoved`). That is not a storage failure to retry: the keeper
 forgets what of the session waits, writes nothing more of it, and returns the "moved" notice
-(:data:`isagi.errors.MOVED`); the registry then drops the session here. The start-up repair
+(:data:`isagi.errors.MOVED`; :data:`~isagi.errors.MOVED_SAVED` when the file was written before
+the takeover, so the new holder has the turn); the registry then drops the session here. The start-up repair
 holds each session's lease while it repairs it and carries that lease's fence the same way:
 a repair whose lease connection broke while another server took the session over adds no
 row after that server's (it leaves the session to that server's own saves).
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from isagi.errors import (
+    MOVED_SAVED,
     IsagiError,
     SessionMoved,
     StorageError,
@@ -205,7 +207,7 @@ class TurnKeeper:
             return None
         if isinstance(exc, SessionMoved):  # its file was written before another server took it over
             self._forget(session)
-            return str(exc)
+            return MOVED_SAVED  # so the turn is in the chat that server continues
         waiting = len(backlog.ops)
         cause = storage_cause(exc)
         turns = "This turn is" if waiting == 1 else f"These {waiting} turns are"
