@@ -114,3 +114,22 @@ def test_docker_compose_config_accepts_the_profile() -> None:
     run = subprocess.run([*cmd, "-f", str(COMPOSE), "--profile", "replicas", "config", "--quiet"],
                          capture_output=True, text=True, cwd=COMPOSE.parent)
     assert run.returncode == 0, run.stderr
+
+
+def test_haproxy_accepts_the_config_as_two_peered_balancers_and_names_a_wrong_peer() -> None:
+    """ISAGI_LB_PEER_*: the API's stick table synced between two balancers (a "peers" section);
+    each of lb1 and lb2 passes `haproxy -c` clean, and a name that is neither is reported (its
+    table would silently stay unsynced)."""
+    exe = _haproxy()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ISAGI_")}
+    peered = {**base, "ISAGI_REPLICA_1": "127.0.0.1:7861", "ISAGI_REPLICA_2": "127.0.0.1:7862",
+              "ISAGI_LB_PEER_1": "127.0.0.1:10001", "ISAGI_LB_PEER_2": "127.0.0.1:10002"}
+    for name in ("lb1", "lb2"):
+        check = subprocess.run([exe, "-c", "-f", str(HAPROXY_CFG)], env={**peered, "ISAGI_LB_PEER_NAME": name},
+                               capture_output=True, text=True)
+        said = check.stdout + check.stderr
+        assert check.returncode == 0 and "[WARNING]" not in said, said
+    wrong = subprocess.run([exe, "-c", "-f", str(HAPROXY_CFG)], env={**peered, "ISAGI_LB_PEER_NAME": "lb3"},
+                           capture_output=True, text=True)
+    assert "no peer named 'lb3'" in wrong.stdout + wrong.stderr
+    assert "peers isagi_balancers" in HAPROXY_CFG.read_text()
