@@ -11,8 +11,8 @@ from __future__ import annotations
 
 # What `isagi eval safety --benchmarks DIR --json` measured for the shipped llama.cpp profile
 # (docs/measurements.md, "The probe over several layers"); remeasure and change together.
-GUARD_RATES = ("on public sets it refused 95 % of AdvBench's harmful requests and 59 % of XSTest's unsafe "
-               "prompts, and 13 % of XSTest's safe prompts and 4 % of ordinary Alpaca tasks "
+GUARD_RATES = ("on public sets it refused 97 % of AdvBench's harmful requests and 58 % of XSTest's unsafe "
+               "prompts, and 6 % of XSTest's safe prompts and 4 % of ordinary Alpaca tasks "
                "(isagi eval safety --benchmarks DIR).")
 
 # What a badge says, by its technical name: the README's words for the four tiers
