@@ -460,9 +460,13 @@ def _own_summary(store: Any, session_id: str, owner: str) -> Any:
 @friendly
 def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Give a session a new TITLE: in the history store and in its saved .miku (the page's chat
-    list shows it). Refused while a server uses the data directory: rename in its page instead."""
+    list shows it). Refused while a server uses the data directory, or (with a session store that
+    servers share, ISAGI_SESSIONS_URL) while one of them has the session open: rename it in that
+    server's page instead."""
     from isagi.datadir import no_other_process
+    from isagi.errors import OPEN_ON_A_SERVER_RENAME, SessionBusy, SessionMoved
     from isagi.session.files import retitle_file
+    from isagi.session.lease import maintenance_holds
     from isagi.session.store import session_files
     from isagi.storage.titles import make_title
 
@@ -474,10 +478,17 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
     new = make_title(title)
     with no_other_process(settings, "renaming a session", "rename it in the server's page"):  # a server's open copy would save its old title
         files = session_files(settings)
-        path = files.find(session_id, summary.miku_path)
-        if path is not None:
-            retitle_file(path, new, files=files)
-        store.rename_session(session_id, new, owner=owner)
+        # shared: under the session's lease, the writes fenced (a server's open copy would save its old title)
+        with maintenance_holds(files, store) as hold, hold(session_id) as claim:
+            if not claim.free:
+                raise SessionBusy(OPEN_ON_A_SERVER_RENAME.format(sid=session_id))
+            try:
+                path = files.find(session_id, summary.miku_path)
+                if path is not None:
+                    retitle_file(path, new, files=files, fence=claim.fence)
+                store.rename_session(session_id, new, owner=owner, fence=claim.fence)
+            except SessionMoved:  # a server took it while this ran
+                raise SessionBusy(OPEN_ON_A_SERVER_RENAME.format(sid=session_id)) from None
     out.print(f"Session {session_id} is now titled {new!r}.", highlight=False, markup=False)
 
 

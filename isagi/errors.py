@@ -77,6 +77,11 @@ OPEN_ON_A_SERVER = ("Session {sid} is open on an ISAGI server that shares this s
                     "in that server's page (or its API), or try again once the server has let it go "
                     "(it does when the chat is idle).")
 
+# ... and `isagi sessions rename`.
+OPEN_ON_A_SERVER_RENAME = ("Session {sid} is open on an ISAGI server that shares this session store; rename it "
+                           "in that server's page, or try again once the server has let it go (it does when "
+                           "the chat is idle).")
+
 
 class SessionNotFound(IsagiError):
     """No such session of the caller's (an unknown id and another owner's are the same)."""

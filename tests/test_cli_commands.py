@@ -139,6 +139,23 @@ def test_sessions_delete_removes_the_rows(tmp_path: Path, monkeypatch: pytest.Mo
     assert invoke("sessions", "delete", summary.id, "--home", home).exit_code == 1  # nothing left to delete
 
 
+def test_sessions_rename_retitles_the_history_and_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from isagi.storage.miku import read_miku
+
+    monkeypatch.setattr(cli, "_engine", _tiny_start)
+    home = str(tmp_path)
+    assert invoke("chat", "--home", home, "--max-new-tokens", "4", input=f"{PLANTS}\n").exit_code == 0
+    store = HistoryStore(load_settings(environ={}, home=tmp_path).resolved_database_url)
+    (summary,) = store.list_sessions(owner="local")
+    done = invoke("sessions", "rename", summary.id, "  Plants\nand light ", "--home", home)
+    assert done.exit_code == 0, done.output
+    assert store.get_session(summary.id, owner="local").title == "Plants and light"
+    assert read_miku(Path(summary.miku_path), allow_other_model=True).extra["title"] == "Plants and light"
+    empty = invoke("sessions", "rename", summary.id, "   ", "--home", home)
+    assert empty.exit_code != 0 and "at least one character" in empty.output
+    assert invoke("sessions", "rename", "nosuchsession", "x", "--home", home).exit_code == 1
+
+
 def test_import_legacy_then_chat_with_the_imported_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.test_legacy import v1_pair
 

@@ -499,3 +499,35 @@ def test_the_cli_delete_is_refused_while_a_server_holds_the_session(stores, tmp_
     done = run(app, ["sessions", "delete", sid, "--home", str(home)])
     assert done.exit_code == 0, done.output
     assert files.find(sid) is None and history.list_sessions(owner=LOCAL_OWNER) == []
+
+
+def test_the_cli_rename_is_refused_while_a_server_holds_the_session(stores, tmp_path: Path, pg_url: str,
+                                                                     monkeypatch) -> None:
+    """`isagi sessions rename` beside servers on the shared store: refused while one holds the
+    session's lease (the title unchanged in the file and the history: the server's open copy
+    would save its own title over it); done, in both, once it is free."""
+    from typer.testing import CliRunner
+
+    from isagi.cli import app
+
+    files, history, (lease_a, _lease_b) = stores
+    monkeypatch.setenv("ISAGI_SESSIONS_URL", pg_url)
+    monkeypatch.setenv("ISAGI_DATABASE_URL", pg_url)
+    home = tmp_path / "home"
+    sid = new_session_id()
+    assert lease_a.acquire(sid)
+    path = files.root / f"{sid}.miku"
+    files.write(path, _state(sid, 1, seed=1), fence=lease_a.fence(sid))
+    history.record_exchange(sid, Turn("asked", "answered"), owner=LOCAL_OWNER, model_id="m",
+                            fence=lease_a.fence(sid))
+    before = history.get_session(sid, owner=LOCAL_OWNER).title
+    run = CliRunner().invoke
+    refused = run(app, ["sessions", "rename", sid, "A new name", "--home", str(home)])
+    assert refused.exit_code != 0 and "is open on an ISAGI server" in refused.output, refused.output
+    assert history.get_session(sid, owner=LOCAL_OWNER).title == before
+    assert files.read(files.find(sid), allow_other_model=True).extra.get("title") != "A new name"
+    lease_a.release(sid)
+    done = run(app, ["sessions", "rename", sid, "A new name", "--home", str(home)])
+    assert done.exit_code == 0, done.output
+    assert history.get_session(sid, owner=LOCAL_OWNER).title == "A new name"
+    assert files.read(files.find(sid), allow_other_model=True).extra["title"] == "A new name"
