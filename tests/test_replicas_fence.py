@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -473,10 +474,9 @@ def test_a_delete_takes_the_lease_from_an_idle_holder_and_is_refused_while_its_t
     assert sid not in a and not lease_a.held(sid) and not lease_b.held(sid)
 
 
-def test_the_cli_delete_is_refused_while_a_server_holds_the_session(stores, tmp_path: Path, pg_url: str,
-                                                                     monkeypatch) -> None:
-    """`isagi sessions delete` beside servers on the shared store: refused, saying where to delete
-    it, while one holds the session's lease (nothing deleted); done once it is free."""
+def _cli_beside_a_holder(stores, tmp_path: Path, pg_url: str, monkeypatch) -> tuple[Any, str, str]:
+    """The CLI on the shared store while a server (lease a) holds a session with one saved turn:
+    (a function running it, the session id, the --home it runs with)."""
     from typer.testing import CliRunner
 
     from isagi.cli import app
@@ -484,19 +484,25 @@ def test_the_cli_delete_is_refused_while_a_server_holds_the_session(stores, tmp_
     files, history, (lease_a, _lease_b) = stores
     monkeypatch.setenv("ISAGI_SESSIONS_URL", pg_url)
     monkeypatch.setenv("ISAGI_DATABASE_URL", pg_url)
-    home = tmp_path / "home"
     sid = new_session_id()
     assert lease_a.acquire(sid)
-    path = files.root / f"{sid}.miku"
-    files.write(path, _state(sid, 1, seed=1), fence=lease_a.fence(sid))
+    files.write(files.root / f"{sid}.miku", _state(sid, 1, seed=1), fence=lease_a.fence(sid))
     history.record_exchange(sid, Turn("asked", "answered"), owner=LOCAL_OWNER, model_id="m",
                             fence=lease_a.fence(sid))
-    run = CliRunner().invoke
-    refused = run(app, ["sessions", "delete", sid, "--home", str(home)])
+    return (lambda *args: CliRunner().invoke(app, list(args))), sid, str(tmp_path / "home")
+
+
+def test_the_cli_delete_is_refused_while_a_server_holds_the_session(stores, tmp_path: Path, pg_url: str,
+                                                                     monkeypatch) -> None:
+    """`isagi sessions delete` beside servers on the shared store: refused, saying where to delete
+    it, while one holds the session's lease (nothing deleted); done once it is free."""
+    files, history, (lease_a, _lease_b) = stores
+    cli, sid, home = _cli_beside_a_holder(stores, tmp_path, pg_url, monkeypatch)
+    refused = cli("sessions", "delete", sid, "--home", home)
     assert refused.exit_code != 0 and "is open on an ISAGI server" in refused.output, refused.output
     assert files.find(sid) is not None and len(history.get_turns(sid, owner=LOCAL_OWNER)) == 2
     lease_a.release(sid)
-    done = run(app, ["sessions", "delete", sid, "--home", str(home)])
+    done = cli("sessions", "delete", sid, "--home", home)
     assert done.exit_code == 0, done.output
     assert files.find(sid) is None and history.list_sessions(owner=LOCAL_OWNER) == []
 
@@ -506,28 +512,15 @@ def test_the_cli_rename_is_refused_while_a_server_holds_the_session(stores, tmp_
     """`isagi sessions rename` beside servers on the shared store: refused while one holds the
     session's lease (the title unchanged in the file and the history: the server's open copy
     would save its own title over it); done, in both, once it is free."""
-    from typer.testing import CliRunner
-
-    from isagi.cli import app
-
     files, history, (lease_a, _lease_b) = stores
-    monkeypatch.setenv("ISAGI_SESSIONS_URL", pg_url)
-    monkeypatch.setenv("ISAGI_DATABASE_URL", pg_url)
-    home = tmp_path / "home"
-    sid = new_session_id()
-    assert lease_a.acquire(sid)
-    path = files.root / f"{sid}.miku"
-    files.write(path, _state(sid, 1, seed=1), fence=lease_a.fence(sid))
-    history.record_exchange(sid, Turn("asked", "answered"), owner=LOCAL_OWNER, model_id="m",
-                            fence=lease_a.fence(sid))
+    cli, sid, home = _cli_beside_a_holder(stores, tmp_path, pg_url, monkeypatch)
     before = history.get_session(sid, owner=LOCAL_OWNER).title
-    run = CliRunner().invoke
-    refused = run(app, ["sessions", "rename", sid, "A new name", "--home", str(home)])
+    refused = cli("sessions", "rename", sid, "A new name", "--home", home)
     assert refused.exit_code != 0 and "is open on an ISAGI server" in refused.output, refused.output
     assert history.get_session(sid, owner=LOCAL_OWNER).title == before
     assert files.read(files.find(sid), allow_other_model=True).extra.get("title") != "A new name"
     lease_a.release(sid)
-    done = run(app, ["sessions", "rename", sid, "A new name", "--home", str(home)])
+    done = cli("sessions", "rename", sid, "A new name", "--home", home)
     assert done.exit_code == 0, done.output
     assert history.get_session(sid, owner=LOCAL_OWNER).title == "A new name"
     assert files.read(files.find(sid), allow_other_model=True).extra["title"] == "A new name"
