@@ -53,22 +53,23 @@ def test_switching_a_version_changes_what_the_chat_continues_from_everywhere(ui)
     reloaded = load_session(ui.page.engine.frame, s.miku_path)
     assert reloaded.versions[0].current == 1 and reloaded.turns[0].reply_text == replies[1]
     assert [t.reply_text for t in reloaded.versions[0].replies] == replies, "every version survives the file"
-    # memory answers the same question with the version shown (the tiny model's reply may be
-    # empty: memory holds no empty reply, so it keeps the newest version's)
+    # memory answers the same question with the version shown; a version memory cannot hold
+    # (the tiny model's reply may be empty: not accepted) leaves it with the newest version's
     final = run(ui.chat.send(A, sid, 6))[-1]
     assert badges(final.chat)[-1] == "retrieve"
     remembered = replies[1] if replies[1] else replies[2]
     assert ui.page.registry.entry(sid).session.turns[-1].reply_text == remembered
 
 
-def test_an_empty_reply_is_not_remembered_and_switching_to_it_keeps_memorys_answer(ui, monkeypatch):
-    """Memory holds only replies a later prompt may take (an ``ok`` verdict, some text): an empty
-    version is never what a RETRIEVE answers with."""
+
+def test_switching_to_an_empty_version_leaves_memory_with_the_reply_it_held(ui, monkeypatch):
+    """A version memory cannot hold (an empty reply is not accepted) does not replace the stored
+    reply: asking again is answered with the last accepted version shown, never with nothing."""
     from isagi.pipeline import engine as engine_module
 
     sid = ui.page.registry.create()
     real = engine_module._generate
-    outputs = iter(["", "a kept answer"])
+    outputs = iter(["a kept answer", ""])
 
     def scripted(*args, **kwargs):
         out = yield from real(*args, **kwargs)
@@ -77,16 +78,15 @@ def test_an_empty_reply_is_not_remembered_and_switching_to_it_keeps_memorys_answ
 
     monkeypatch.setattr(engine_module, "_generate", scripted)
     run(ui.chat.send(A, sid, 6))
-    s = ui.page.registry.entry(sid).session
-    assert s.turns[0].reply_text == "" and s.turns[0].memory_id is None and len(s.memory) == 0
     run(ui.chat.regenerate(sid, 6))
-    assert s.turns[0].reply_text == "a kept answer" and len(s.memory) == 1
-    ui.chat.version(sid, "tier", -1)
-    assert s.turns[0].reply_text == "" and s.versions[0].current == 0
+    s = ui.page.registry.entry(sid).session
+    assert [t.reply_text for t in s.versions[0].replies] == ["a kept answer", ""]
+    ui.chat.version(sid, "tier", -1)  # to the kept answer: memory answers with it
+    ui.chat.version(sid, "tier", 1)  # back to the empty one: memory keeps the kept answer
+    assert s.turns[0].reply_text == "" and s.versions[0].current == 1
     monkeypatch.setattr(engine_module, "_generate", real)
     run(ui.chat.send(A, sid, 6))
     assert s.turns[-1].tier == "RETRIEVE" and s.turns[-1].reply_text == "a kept answer"
-
 
 def test_no_version_past_either_end_and_earlier_turns_keep_theirs(ui):
     sid, replies = _three_versions(ui)

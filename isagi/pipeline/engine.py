@@ -570,15 +570,13 @@ class Engine:
         turn.reply_text, turn.verdict, turn.teh_reply = out.reply, out.verdict, out.teh_reply
         turn.prompt_tokens, turn.new_tokens, turn.generated = out.prompt_tokens, out.new_tokens, True
         turn.cut = out.cut
-        if not turn.accepted:
-            pass  # refused, withheld, stopped or empty: memory and the metric learn nothing from it
-        elif replacing is not None:
+        if out.verdict == "ok" and replacing is not None:
             # the question is not new: no metric update, the stored record gets the new reply
             reply_x = project(session.basis, out.reply_states.mean(axis=0)) if len(out.reply_states) \
                 else np.zeros_like(p.x)
             session.memory.replace_reply(replacing.id, reply_x, out.reply)
             turn.cluster = int(replacing.record["cluster"])
-        else:
+        elif out.verdict == "ok":
             turn.cluster, turn.memory_id = self._learn(session, p, out.reply, out.reply_states, d)
         return turn
 
