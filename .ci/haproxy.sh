@@ -24,4 +24,5 @@ if [ ! -x /usr/sbin/haproxy ]; then
     [ -n "$policy" ] && rm -f "$policy"
 fi
 
-/usr/sbin/haproxy -v | head -n 1
+# sed reads to the end: with pipefail, `head` closing the pipe early made haproxy die of SIGPIPE
+/usr/sbin/haproxy -v | sed -n 1p

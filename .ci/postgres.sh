@@ -26,7 +26,7 @@ if ! command -v pg_lsclusters >/dev/null 2>&1 || [ -z "$(ls /usr/lib/postgresql 
 fi
 
 PGVER="$(ls /usr/lib/postgresql | sort -V | tail -n 1)"
-if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$PGVER main"; then
+if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -x "$PGVER main" >/dev/null; then
     pg_createcluster "$PGVER" main --port "$PGPORT" >&2
 fi
 

