@@ -259,3 +259,17 @@ def test_the_compiled_callback_cuts_only_past_an_armed_deadline():
         abort.arm_deadline(60.0)
         assert says_abort(1)  # a Stop aborts at once...
         assert not abort.disarm_deadline()  # ...and is not a deadline's cut
+
+
+def test_comparisons_and_tries_take_small_decodes_unless_only_prompts_come():
+    clock = Clock()
+    policy = ThreadPolicy(2, clock=clock)
+    prompt = kind_of(50)
+    for _ in range(4):
+        _step(policy, clock, FAST, ON_ONE, n=1)
+        _step(policy, clock, FAST / 5, ON_ONE / 4, n=50)
+    clock.now += th.CHECK_S + 1.0  # a pause: the comparison is due, and a turn's prompt comes first
+    assert not policy.choose(50, prompt).probe
+    assert policy.choose(1, ONE).probe
+    clock.now += th.PROBE_MAX_S  # only prompts for a long while (calibration): they take it
+    assert policy.choose(50, prompt).probe

@@ -17,8 +17,9 @@ thread, and moves between the two:
 
 - With the full count, each decode gets a deadline, :data:`SLOW` times its kind's recent
   time (a kind not timed yet is bounded by the others; the very first decode, bounded by
-  nothing, runs on one thread); a decode past it is cut (the abort callback, :mod:`isagi.engines.llamacpp.abort`:
-  llama.cpp then removes its positions from the KV cache) and made again on one thread.
+  nothing, runs on one thread); a decode past it is cut (the abort callback,
+  :mod:`isagi.engines.llamacpp.abort`: llama.cpp then removes its positions from the KV
+  cache) and made again on one thread.
   :data:`STRIKES` such decodes in a row and the policy moves to one thread. Now and then
   (:data:`CHECK_S`) one decode runs on one thread instead; when that is clearly faster
   (:data:`DROP_MARGIN`) the policy moves too: a machine loaded all along gives no slow
@@ -27,6 +28,8 @@ thread, and moves between the two:
   :data:`PROBE_MAX_S`) one decode tries the full count with a deadline at what one thread
   takes (:data:`BACK_MARGIN` of it): done in time, the policy moves back; cut, it is made
   again on one thread, so a try costs at most about one decode more.
+
+Comparisons and tries take small decodes (:data:`PROBE_TOKENS`), not a turn's prompt.
 
 The counts give the same numbers (llama.cpp splits each node's rows among the threads), so
 moving changes no token. ``ISAGI_ADAPT_THREADS=0`` keeps the full count always.
@@ -51,6 +54,11 @@ PROBE_S = 1.0  # on one thread: the first wait before a decode tries the full co
 PROBE_MAX_S = 8.0  # ...doubled after each try that failed, up to this
 BACK_MARGIN = 0.9  # a try moves back when it took less than this share of one thread's time
 WINDOW = 16  # recent decodes kept per kind and count
+# A comparison or a try runs on a decode of at most this many tokens (a reply's token, a few
+# replies' tokens), where the other count's cost is small; on any decode once it is PROBE_MAX_S
+# overdue (prompts only: calibration). Else the first decode after a pause, a turn's prompt,
+# would take it and the reply's first token would come later.
+PROBE_TOKENS = 8
 
 Kind = tuple[int, bool]  # (the number of tokens' bit length, whether the graph stops early)
 
@@ -128,7 +136,8 @@ class ThreadPolicy:
         """How to run the next decode, of ``n_tokens`` tokens of ``kind``."""
         if self.full == 1:
             return Choice(1)
-        due = self._clock() >= self._next_probe
+        now = self._clock()
+        due = now >= self._next_probe and (n_tokens <= PROBE_TOKENS or now >= self._next_probe + PROBE_MAX_S)
         if self.threads == self.full:
             if due and self.estimate(self.full, kind) is not None:
                 return Choice(1, probe=True)
