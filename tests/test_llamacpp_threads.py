@@ -69,10 +69,14 @@ def test_a_busy_core_drops_to_one_thread_within_a_few_decodes():
     clock = Clock()
     policy = ThreadPolicy(2, clock=clock)
     _run(policy, clock, 5.0, FAST, ON_ONE)
-    hog = [_step(policy, clock, 40 * FAST, 1.3 * ON_ONE) for _ in range(th.STRIKES)]
+    hog = []
+    while policy.threads == 2 and len(hog) < 2 * th.STRIKES:
+        hog.append(_step(policy, clock, 40 * FAST, 1.3 * ON_ONE))
     assert policy.threads == 1 and policy.drops == 1
+    on_full = [c for c in hog if c.threads == 2]
+    assert len(on_full) == th.STRIKES  # STRIKES cut decodes in a row (a comparison may come between)
     # each slow decode was cut at its deadline: SLOW times the quiet time, not 40 times
-    assert all(c.deadline_s is not None and c.deadline_s <= th.SLOW * FAST * 1.01 for c in hog)
+    assert all(c.deadline_s is not None and c.deadline_s <= th.SLOW * FAST * 1.01 for c in on_full)
 
 
 def test_one_slow_decode_is_not_enough_to_drop():
@@ -82,7 +86,8 @@ def test_one_slow_decode_is_not_enough_to_drop():
     for _ in range(5):
         for _ in range(th.STRIKES - 1):
             _step(policy, clock, 40 * FAST, ON_ONE)
-        _step(policy, clock, FAST, ON_ONE)
+        while _step(policy, clock, FAST, ON_ONE).threads != 2:  # one fast decode on the full count
+            pass
     assert policy.threads == 2 and policy.drops == 0
 
 
@@ -273,3 +278,19 @@ def test_comparisons_and_tries_take_small_decodes_unless_only_prompts_come():
     assert policy.choose(1, ONE).probe
     clock.now += th.PROBE_MAX_S  # only prompts for a long while (calibration): they take it
     assert policy.choose(50, prompt).probe
+
+
+def test_a_core_taken_now_and_then_moves_the_mean_and_the_policy():
+    """One full-count decode in three slowed (under its deadline, so never cut) leaves the
+    median where it was; the comparison reads the mean, what a reply waits for, and moves."""
+    clock = Clock()
+    policy = ThreadPolicy(2, clock=clock)
+    _run(policy, clock, 5.0, FAST, ON_ONE)
+    slow = 2.4 * FAST  # under SLOW times the quiet time: not cut
+    end = clock.now + 4 * th.CHECK_S
+    k = 0
+    while clock.now < end and policy.threads == 2:
+        _step(policy, clock, slow if k % 3 == 2 else FAST, 1.1 * FAST)
+        k += 1
+    assert policy.estimate(2, ONE) == pytest.approx(FAST)  # the median did not move
+    assert policy.threads == 1 and policy.drops == 1

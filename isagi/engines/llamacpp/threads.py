@@ -37,6 +37,7 @@ moving changes no token. ``ISAGI_ADAPT_THREADS=0`` keeps the full count always.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -48,7 +49,7 @@ from isagi.engines.llamacpp.abort import ABORTED
 
 SLOW = 2.5  # a full-count decode past this many times its kind's recent seconds per token is cut
 STRIKES = 3  # cut decodes in a row that move the policy to one thread
-CHECK_S = 2.0  # with the full count: how often one decode runs on one thread to compare
+CHECK_S = 1.0  # with the full count: how often one decode runs on one thread to compare
 DROP_MARGIN = 0.8  # ...and moves the policy when it took less than this share of the full count's time
 PROBE_S = 1.0  # on one thread: the first wait before a decode tries the full count again
 PROBE_MAX_S = 8.0  # ...doubled after each try that failed, up to this
@@ -59,6 +60,8 @@ WINDOW = 16  # recent decodes kept per kind and count
 # overdue (prompts only: calibration). Else the first decode after a pause, a turn's prompt,
 # would take it and the reply's first token would come later.
 PROBE_TOKENS = 8
+
+log = logging.getLogger(__name__)
 
 Kind = tuple[int, bool]  # (the number of tokens' bit length, whether the graph stops early)
 
@@ -102,6 +105,13 @@ class ThreadPolicy:
         """The recent seconds per token of ``kind`` on ``threads`` threads (their median), if any."""
         got = self._times.get((threads, kind))
         return statistics.median(got) if got else None
+
+    def mean(self, threads: int, kind: Kind) -> float | None:
+        """The mean seconds per token of the recent decodes of ``kind`` on ``threads`` threads. A
+        comparison reads this, not the median: a core taken now and then slows some decodes a lot
+        and leaves the rest as they were, which moves the mean (what a reply waits for), not the median."""
+        got = self._times.get((threads, kind))
+        return statistics.fmean(got) if got else None
 
     def _bound(self, n_tokens: int, kind: Kind) -> float | None:
         """Seconds a full-count decode of ``n_tokens`` tokens of ``kind`` should take at most:
@@ -160,7 +170,7 @@ class ThreadPolicy:
             self._times.setdefault((choice.threads, kind), deque(maxlen=WINDOW)).append(per_token)
         if choice.threads == 1:
             if choice.probe:  # with the full count, one decode on one thread
-                full = self.estimate(self.full, kind)
+                full = self.mean(self.full, kind)
                 self._next_probe = now + CHECK_S
                 if full is not None and per_token < DROP_MARGIN * full:
                     self._drop(now)
@@ -173,6 +183,7 @@ class ThreadPolicy:
                 self.threads, self._strikes = self.full, 0
                 self.returns += 1
                 self._returned_at = now
+                log.info("llama.cpp decodes back on %d threads (a try took %.1f ms per token)", self.full, per_token * 1e3)
                 self._next_probe = now + CHECK_S
             return
         if cut:
@@ -183,6 +194,7 @@ class ThreadPolicy:
             self._strikes = 0
 
     def _drop(self, now: float) -> None:
+        log.info("llama.cpp decodes moved to 1 thread (%d threads ran slow: another program holds a core?)", self.full)
         self.threads, self._strikes = 1, 0
         self.drops += 1
         # back only a moment ago: that try was a fluke, so the wait goes on growing
