@@ -153,32 +153,79 @@ def test_one_thread_or_no_adapting_never_changes_anything():
 # -- AdaptiveThreads on a stand-in for llama.cpp ------------------------------------------------------
 
 
+class _Batch:
+    """A llama_batch stand-in: ``n`` tokens, with positions and sequences (``pos`` None: they
+    follow sequence 0, as ``llama_batch_get_one``'s)."""
+
+    def __init__(self, n: int, pos: list[int] | None = None, seqs: list[int] | None = None) -> None:
+        self.n, self.pos = n, pos
+        self.seq_id = [[s] for s in seqs] if seqs is not None else None
+
+
 class _Llama:
     """llama_decode stand-in: each call takes what the test says for its thread count; a call
-    past the armed deadline is cut as the compiled callback would (status 2)."""
+    past the armed deadline is cut as the compiled callback would (status 2). It keeps the KV
+    cache's positions per sequence as llama.cpp does: a batch runs in micro-batches of
+    ``UBATCH`` tokens, a cut removes only the positions of the one it was cut in, and a batch
+    whose positions do not follow a sequence's is refused (status -1)."""
+
+    UBATCH = 2
 
     def __init__(self, abort: PromptAbort, clock: Clock, per_token: dict[int, float]) -> None:
         self.abort, self.clock, self.per_token = abort, clock, per_token
         self.threads = 2
         self.calls: list[int] = []  # the thread count of each llama_decode
         self.stop_next = False
+        self.kv: dict[int, list[int]] = {}  # sequence: its positions, in order
 
     def llama_set_n_threads(self, ctx: object, n: int, n_batch: int) -> None:
         assert n == n_batch
         self.threads = n
 
-    def llama_decode(self, ctx: object, batch: int) -> int:
+    def llama_get_memory(self, ctx: object) -> str:
+        return "mem"
+
+    def llama_memory_seq_pos_max(self, mem: str, seq: int) -> int:
+        return self.kv[seq][-1] if self.kv.get(seq) else -1
+
+    def llama_memory_seq_rm(self, mem: str, seq: int, p0: int, p1: int) -> bool:
+        assert p1 == -1
+        self.kv[seq] = [p for p in self.kv.get(seq, []) if p < p0]
+        return True
+
+    def _tokens(self, batch: _Batch) -> list[tuple[int, int]]:
+        if batch.pos is None:
+            start = self.llama_memory_seq_pos_max("mem", 0) + 1
+            return [(0, start + i) for i in range(batch.n)]
+        assert batch.seq_id is not None
+        return [(batch.seq_id[i][0], batch.pos[i]) for i in range(batch.n)]
+
+    def llama_decode(self, ctx: object, batch: _Batch) -> int:
         self.calls.append(self.threads)
+        tokens = self._tokens(batch)
+        for seq in {s for s, _ in tokens}:
+            first = min(p for s, p in tokens if s == seq)
+            if first != self.llama_memory_seq_pos_max("mem", seq) + 1:
+                return -1  # llama.cpp: "inconsistent sequence positions"
         if self.stop_next:  # a Stop pressed while this decode ran
             self.stop_next = False
             return ABORTED
-        took = self.per_token[self.threads] * batch
+        took = self.per_token[self.threads] * batch.n
         ctl = self.abort.ctl
         deadline_s = (int(ctl[2]) - _now_ns()) / 1e9 if int(ctl[2]) else None
+        ubatches = [tokens[i:i + self.UBATCH] for i in range(0, len(tokens), self.UBATCH)]
         if deadline_s is not None and took > deadline_s:
             ctl[3] = 1  # what the compiled callback notes when it cuts
             self.clock.now += deadline_s
+            done = max(1, int(len(ubatches) * deadline_s / took))  # cut in this micro-batch
+            for ub in ubatches[:done]:
+                for seq, pos in ub:
+                    self.kv.setdefault(seq, []).append(pos)
+            for seq in {s for s, _ in ubatches[done - 1]}:  # llama.cpp removes only the cut one's
+                self.llama_memory_seq_rm("mem", seq, min(p for s, p in ubatches[done - 1] if s == seq), -1)
             return ABORTED
+        for seq, pos in tokens:
+            self.kv.setdefault(seq, []).append(pos)
         self.clock.now += took
         return 0
 
@@ -206,16 +253,45 @@ def test_a_decode_cut_at_its_deadline_is_made_again_on_one_thread(monkeypatch):
     monkeypatch.setattr(th.time, "perf_counter", clock)
     dec = AdaptiveThreads(ll, object(), abort, capture, 2, clock=clock)
     for _ in range(10):
-        assert dec.decode(1, 1) == 0
+        assert dec.decode(_Batch(1), 1) == 0
     assert ll.calls[0] == 1 and set(ll.calls[1:]) == {2} and capture.restarts == 0
     ll.per_token[2] = 40 * FAST  # a busy core
     ll.calls.clear()
     for _ in range(th.STRIKES):
-        assert dec.decode(1, 1) == 0
+        assert dec.decode(_Batch(1), 1) == 0
     assert ll.calls == [2, 1] * th.STRIKES and capture.restarts == th.STRIKES
     assert dec.threads == 1
     ll.calls.clear()
-    assert dec.decode(1, 1) == 0 and ll.calls == [1]
+    assert dec.decode(_Batch(1), 1) == 0 and ll.calls == [1]
+
+
+@pytest.mark.parametrize("kind", ["sequence 0", "several sequences"])
+def test_a_batch_cut_after_some_micro_batches_is_made_again_with_each_position_once(monkeypatch, kind):
+    """llama.cpp removes only the positions of the micro-batch a cut ended in; the ones before
+    it stay in the KV cache, and the batch made again would find them (refused: status -1) or,
+    following sequence 0, be put after them. The decoder removes what the batch wrote first."""
+    clock = Clock()
+    abort = PromptAbort()
+    ll = _Llama(abort, clock, {2: FAST, 1: ON_ONE})
+    monkeypatch.setattr(th.time, "perf_counter", clock)
+    dec = AdaptiveThreads(ll, object(), abort, _Capture(), 2, clock=clock)
+    n = 8  # four micro-batches
+    if kind == "sequence 0":
+        for _ in range(5):
+            assert dec.decode(_Batch(n), n) == 0
+        start = ll.kv[0][-1] + 1
+        ll.per_token[2] = 3 * FAST  # past SLOW times its usual: cut in its third micro-batch
+        assert dec.decode(_Batch(n), n) == 0
+        assert ll.calls[-2:] == [2, 1]
+        assert ll.kv[0] == list(range(start + n))  # each position once, in order
+    else:
+        seqs, pos = [0, 1, 2, 3] * 2, [0] * 4 + [1] * 4
+        for k in range(5):
+            assert dec.decode(_Batch(n, [p + 2 * k for p in pos], seqs), n) == 0
+        ll.per_token[2] = 3 * FAST
+        assert dec.decode(_Batch(n, [p + 10 for p in pos], seqs), n) == 0
+        assert ll.calls[-2:] == [2, 1]
+        assert all(ll.kv[s] == list(range(12)) for s in range(4))
 
 
 def test_a_stop_is_not_taken_for_a_deadline(monkeypatch):
@@ -225,10 +301,10 @@ def test_a_stop_is_not_taken_for_a_deadline(monkeypatch):
     monkeypatch.setattr(th.time, "perf_counter", clock)
     dec = AdaptiveThreads(ll, object(), abort, _Capture(), 2, clock=clock)
     for _ in range(5):
-        dec.decode(1, 1)
+        dec.decode(_Batch(1), 1)
     ll.calls.clear()
     ll.stop_next = True
-    assert dec.decode(8, 8) == ABORTED  # returned as it is: the caller raises PrefillStopped
+    assert dec.decode(_Batch(8), 8) == ABORTED  # returned as it is: the caller raises PrefillStopped
     assert ll.calls == [2] and dec.policy.drops == 0
 
 
@@ -238,7 +314,7 @@ def test_not_adapting_calls_llama_decode_on_the_full_count_only():
     ll = _Llama(abort, clock, {2: 40 * FAST, 1: ON_ONE})
     dec = AdaptiveThreads(ll, object(), abort, _Capture(), 2, adapt=False, clock=clock)
     for _ in range(20):
-        assert dec.decode(1, 1) == 0
+        assert dec.decode(_Batch(1), 1) == 0
     assert set(ll.calls) == {2} and dec.threads == 2
 
 

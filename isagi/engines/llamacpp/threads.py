@@ -240,6 +240,8 @@ class AdaptiveThreads:
         abort = self._abort
         if choice.deadline_s is not None:
             abort.arm_deadline(choice.deadline_s)
+        # a batch without positions follows sequence 0: where it starts, for a rollback
+        first = None if choice.deadline_s is None or batch.pos else self._next_position(0)
         start = time.perf_counter()
         try:
             status = int(self._ll.llama_decode(self._ctx, batch))
@@ -251,6 +253,7 @@ class AdaptiveThreads:
                 policy.record(choice, n_tokens, kind, seconds)
             return status
         policy.record(choice, n_tokens, kind, seconds, cut=True)
+        self._roll_back(batch, n_tokens, first)
         again = Choice(1)
         self._use(1)
         self._capture.restart()
@@ -259,3 +262,22 @@ class AdaptiveThreads:
         if status == 0:
             policy.record(again, n_tokens, kind, time.perf_counter() - start)
         return status
+
+    def _next_position(self, seq: int) -> int:
+        return int(self._ll.llama_memory_seq_pos_max(self._ll.llama_get_memory(self._ctx), seq)) + 1
+
+    def _roll_back(self, batch: Any, n_tokens: int, first: int | None) -> None:
+        """Remove from the KV cache every position the cut ``batch`` may have written, so that it
+        can be made again. llama.cpp removes only those of the micro-batch it was cut in; a batch
+        of several sequences, or longer than a micro-batch, has written others before it."""
+        ll = self._ll
+        mem = ll.llama_get_memory(self._ctx)
+        if not batch.pos:  # positions follow sequence 0 from where it stood
+            ll.llama_memory_seq_rm(mem, 0, int(first or 0), -1)
+            return
+        starts: dict[int, int] = {}
+        for i in range(n_tokens):
+            seq, pos = int(batch.seq_id[i][0]), int(batch.pos[i])
+            starts[seq] = min(pos, starts.get(seq, pos))
+        for seq, pos in starts.items():
+            ll.llama_memory_seq_rm(mem, seq, pos, -1)
