@@ -22,7 +22,7 @@ thread, and moves between the two:
   cache) and made again on one thread.
   :data:`STRIKES` such decodes in a row and the policy moves to one thread. Now and then
   (:data:`CHECK_S`) one decode runs on one thread instead; when that is clearly faster
-  (:data:`DROP_MARGIN`) the policy moves too: a machine loaded all along gives no slow
+  (:data:`DROP_MARGIN`) than the mean of the full count's recent ones, the policy moves too: a machine loaded all along gives no slow
   decodes against its own recent times.
 - On one thread, now and then (:data:`PROBE_S`, doubled after each failed try up to
   :data:`PROBE_MAX_S`) one decode tries the full count with a deadline at what one thread
