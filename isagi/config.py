@@ -45,6 +45,9 @@ class Settings:
     device: str = "auto"
     backend: str = "auto"  # auto | llamacpp | transformers (isagi.engines.choose_backend)
     threads: int | None = None  # llama.cpp threads; None: every core (os.cpu_count())
+    # llama.cpp: run on one thread while decodes on ``threads`` run much slower than usual (another
+    # program holds a core), trying ``threads`` again now and then (isagi.engines.llamacpp.threads)
+    adapt_threads: bool = True
     # llama.cpp: replies decoded at once, each in a sequence slot of one context (their
     # single-token steps share one llama_decode; isagi.engines.llamacpp_steps). Each slot
     # holds a whole context's KV cache (isagi info states what they cost). None: the command's
@@ -286,6 +289,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["backend"] = v.lower()
     if v := env.get("ISAGI_THREADS"):
         values["threads"] = _int("ISAGI_THREADS", v)
+    if v := env.get("ISAGI_ADAPT_THREADS"):
+        values["adapt_threads"] = _switch("ISAGI_ADAPT_THREADS", v)
     if v := env.get("ISAGI_PARALLEL"):
         values["parallel"] = _int("ISAGI_PARALLEL", v)
     if v := env.get("ISAGI_DATABASE_URL"):

@@ -122,7 +122,8 @@ def load_engine(settings: Settings) -> ModelEngine:
             raise ModelLoadError(f"Model file {settings.model!r} does not exist; give the path of a .gguf file.")
         model_id = path.stem
     return LlamaCppEngine(path, model_id=model_id, fingerprint=gguf_fingerprint(path), n_threads=settings.threads,
-                          n_ctx=context_per_slot(settings), backend_reason=why, slots=settings.slots)
+                          n_ctx=context_per_slot(settings), backend_reason=why, slots=settings.slots,
+                          adapt_threads=settings.adapt_threads)
 
 
 def context_per_slot(settings: Settings) -> int:

@@ -179,6 +179,16 @@ class LayerCapture:
         self.wanted = wanted
         ctl[_ACTIVE] = 1
 
+    def restart(self) -> None:
+        """Copy the same nodes again in the next compute (a decode cut and made again); nothing
+        when no capture is armed."""
+        if self.wanted is None:
+            return
+        ctl = self.ctl
+        for j in range(len(self._layers)):
+            ctl[_HEADER + j * _SLOT + _WRITTEN] = 0
+        ctl[_PENDING], ctl[_MISSED], ctl[_DONE] = len(self.wanted), 0, 0
+
     def stop(self) -> None:
         self.ctl[_ACTIVE] = 0
         self.wanted = None

@@ -4,7 +4,8 @@ llama.cpp context with several sequence slots (``ISAGI_PARALLEL``).
 Owns :class:`StepRunner`. Each decoding thread hands it a :class:`Step` (its sequence's
 tokens at their positions, whether it wants logits and which layers' states) and waits.
 The runner's loop lives on the llama.cpp thread (:mod:`isagi.engines.llama_thread`) while
-steps are pending, so every decode of the context comes from that one thread: it puts
+steps are pending, so every decode of the context comes from that one thread (on the thread
+count :mod:`isagi.engines.llamacpp.threads` chooses): it puts
 every waiting single-token step into one batch (ascending sequence order), runs
 ``llama_decode`` once, copies each step's logits and captured rows out, and wakes their
 threads. A prompt (more than one token) runs in chunks of its own, taking turns with the
@@ -74,10 +75,13 @@ class StepRunner:
     """Runs the steps of every sequence of one context, batching single-token steps."""
 
     def __init__(self, ll: Any, ctx: Any, capture: Any, n_vocab: int, *, n_seq_max: int, lock: Any,
-                 n_batch: int = 512, abort: PromptAbort | None = None) -> None:
+                 n_batch: int = 512, abort: PromptAbort | None = None, decoder: Any = None) -> None:
         """``lock``: the engine's, held around each ``llama_decode`` (and by its KV state reads and
-        writes); ``abort``: the context's abort callback, which ends a stopped prompt's chunk."""
+        writes); ``abort``: the context's abort callback, which ends a stopped prompt's chunk;
+        ``decoder``: what makes each ``llama_decode`` on the thread count chosen
+        (:class:`~isagi.engines.llamacpp.threads.AdaptiveThreads`; None: ``ll.llama_decode`` as it is)."""
         self._ll, self._ctx, self._capture, self._n_vocab = ll, ctx, capture, n_vocab
+        self._decoder = decoder
         self._abort = abort
         self._lock = lock
         self._n_batch = n_batch
@@ -245,6 +249,11 @@ class StepRunner:
             b.seq_id[i][0] = seq
         b.n_tokens = len(items)
 
+    def _llama_decode(self, n: int, truncate: bool) -> int:
+        if self._decoder is None:
+            return int(self._ll.llama_decode(self._ctx, self._batch))
+        return int(self._decoder.decode(self._batch, n, truncate))
+
     def _decode(self, n: int, capture: dict[bytes, int] | None, truncate: bool,
                 stop: StopWatch | None = None) -> dict[int, np.ndarray]:
         cap = self._capture
@@ -254,9 +263,9 @@ class StepRunner:
             try:
                 if stop is not None and self._abort is not None:
                     with self._abort.running(stop):
-                        status = int(self._ll.llama_decode(self._ctx, self._batch))
+                        status = self._llama_decode(n, truncate)
                 else:
-                    status = int(self._ll.llama_decode(self._ctx, self._batch))
+                    status = self._llama_decode(n, truncate)
             finally:
                 cap.stop()
         if status == ABORTED and stop is not None:

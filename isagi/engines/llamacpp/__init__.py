@@ -4,6 +4,9 @@ One engine in modules that each own one part of it:
 
 - :mod:`.load`: loading the GGUF and opening the engine's one context (the
   attention kernel, :data:`FLASH_ATTN`; one KV stream per slot; the eval callback);
+- :mod:`.threads`: the thread count of each ``llama_decode``, chosen by timing them
+  (one thread while another program holds a core);
+- :mod:`.abort`: the abort callback (a Stop inside a prompt's decode, a decode's deadline);
 - :mod:`.text`: the GGUF's chat template, tokenising, token pieces to text;
 - :mod:`.forward`: forward passes in one sequence, layer outputs read in the
   eval callback, the logits;

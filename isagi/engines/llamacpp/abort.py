@@ -17,28 +17,75 @@ told about, so a stoppable prompt has a watcher thread (:meth:`PromptAbort.watch
 polls it and, once it is set, asks for the abort while that prompt's decode runs, and only
 then: with one sequence several turns' prompts may wait for the engine's lock, and a Stop
 of a waiting one must not end another's decode.
+
+The same callback cuts a decode that runs past a deadline (:meth:`PromptAbort.arm_deadline`):
+the thread count's policy (:mod:`isagi.engines.llamacpp.threads`) gives one to decodes on
+several threads, which a busy CPU can slow many times over. The callback reads the monotonic
+clock itself (``clock_gettime``, every few nodes, and only while a deadline is armed), so no
+thread has to wake to cut a decode; it notes that the deadline cut it, so a cut is not taken
+for a Stop.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, cfunc, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-_RUNNING, _ABORT = 0, 1  # the control array's words
+# the control array's words: the running stoppable prompt's key, whether to abort it, the
+# deadline (CLOCK_MONOTONIC nanoseconds, 0: none), whether the deadline cut the decode, and
+# the nodes asked about since the deadline was armed
+_RUNNING, _ABORT, _DEADLINE, _EXPIRED, _NODES = range(5)
+_CTL_LEN = 5
+_CLOCK_EVERY = 8  # nodes between two readings of the clock (a node takes microseconds)
+_CLOCK_MONOTONIC = 1  # as in <time.h> on Linux; time.monotonic_ns reads the same clock
 ABORTED = 2  # llama_decode's status when the abort callback ended the compute
 POLL_S = 0.02  # how often a watcher looks at its Stop: what it may add to a Stop's latency
 
 
+@intrinsic
+def _monotonic_ns(typingctx: Any) -> Any:
+    """``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds, called by name (so numba can cache
+    the compiled callback; a ctypes function would be a dynamic global)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        ts = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))  # struct timespec
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32, cgutils.voidptr_t]),
+                                            "clock_gettime")
+        builder.call(fn, [ir.Constant(i32, _CLOCK_MONOTONIC), builder.bitcast(ts, cgutils.voidptr_t)])
+        sec = builder.load(builder.gep(ts, [ir.Constant(i32, 0), ir.Constant(i32, 0)]))
+        nsec = builder.load(builder.gep(ts, [ir.Constant(i32, 0), ir.Constant(i32, 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1_000_000_000)), nsec)
+
+    return types.int64(), codegen
+
+
 def _callback(user: Any) -> bool:
-    ctl = carray(user, (2,), np.int64)
-    return ctl[_ABORT] != 0
+    ctl = carray(user, (_CTL_LEN,), np.int64)
+    if ctl[_ABORT] != 0:
+        return True
+    if ctl[_DEADLINE] == 0:
+        return False
+    ctl[_NODES] += 1
+    if ctl[_NODES] % _CLOCK_EVERY != 0:
+        return False
+    # numba's stub types an @intrinsic with its typing context as the first argument, which
+    # compiled code never passes
+    if _monotonic_ns() > ctl[_DEADLINE]:  # type: ignore[call-arg]
+        ctl[_EXPIRED] = 1
+        return True
+    return False
 
 
 _COMPILED: Any = None
@@ -69,7 +116,7 @@ class PromptAbort:
     """The abort callback's state: which stoppable prompt's decode runs, and whether to end it."""
 
     def __init__(self) -> None:
-        self.ctl = np.zeros(2, dtype=np.int64)
+        self.ctl = np.zeros(_CTL_LEN, dtype=np.int64)
         self.pointer = compiled_callback().address  # llama.cpp's abort_callback
         self.user_data = int(self.ctl.ctypes.data)  # and its data: the control array
         self._lock = threading.Lock()
@@ -109,3 +156,15 @@ class PromptAbort:
         finally:
             with self._lock:
                 self.ctl[_RUNNING], self.ctl[_ABORT] = 0, 0
+
+    def arm_deadline(self, seconds: float) -> None:
+        """The next ``llama_decode`` (on this thread) is cut ``seconds`` from now, unless it ends before."""
+        ctl = self.ctl
+        ctl[_EXPIRED], ctl[_NODES] = 0, 0
+        ctl[_DEADLINE] = time.monotonic_ns() + max(1, int(seconds * 1e9))
+
+    def disarm_deadline(self) -> bool:
+        """No deadline any more; whether it cut the decode."""
+        ctl = self.ctl
+        ctl[_DEADLINE] = 0
+        return bool(ctl[_EXPIRED])

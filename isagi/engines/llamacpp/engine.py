@@ -58,6 +58,7 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         n_ctx: int = 4096,
         backend_reason: str = "",
         slots: int = 1,
+        adapt_threads: bool = True,
     ) -> None:
         import llama_cpp
 
@@ -66,7 +67,8 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
         self.model_id, self.source, self.fingerprint = model_id, str(path), fingerprint
         self.backend_reason = backend_reason
         self.n_threads = int(n_threads or os.cpu_count() or 1)
-        self.device_reason = f"llama.cpp runs GGUF models on the CPU ({self.n_threads} threads)"
+        self.device_reason = f"llama.cpp runs GGUF models on the CPU ({self.n_threads} threads" + (
+            ", one while decodes on them run slow)" if adapt_threads and self.n_threads > 1 else ")")
         self._model = load_model(ll, path)
         self._vocab = ll.llama_model_get_vocab(self._model)
         self._n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
@@ -88,11 +90,15 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
                                  cb_eval=self._cb, cb_eval_user_data=self._capture.user_data, path=path,
                                  abort=self._abort_cb, abort_user_data=self._abort.user_data)
         self._mem = ll.llama_get_memory(self._ctx)
+        from isagi.engines.llamacpp.threads import AdaptiveThreads
         from isagi.engines.llamacpp_steps import StepRunner
+
+        # every llama_decode of the context, by either path, on the count its policy chooses
+        self.decoder = AdaptiveThreads(ll, self._ctx, self._abort, self._capture, self.n_threads, adapt=adapt_threads)
 
         self.lock = threading.Lock()  # one llama_decode at a time; never held across a yield
         self.steps = StepRunner(ll, self._ctx, self._capture, self._n_vocab, n_seq_max=self.slots, lock=self.lock,
-                                abort=self._abort)
+                                abort=self._abort, decoder=self.decoder)
         # Free sequences, a heap (several slots only): a turn takes the lowest. llama.cpp's
         # attention over a batch spans every KV stream from its lowest sequence to its highest,
         # so the sequences in use are kept together at the bottom.

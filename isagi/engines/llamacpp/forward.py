@@ -7,7 +7,8 @@ for while the graph runs, and the logits. With several slots the step runner
 (:mod:`isagi.engines.llamacpp_steps`) makes the passes instead, with the same
 capture and the same layer names (:meth:`ForwardPasses._names`). Every
 ``llama_decode`` runs on the llama.cpp thread (:mod:`isagi.engines.llama_thread`)
-under the engine's lock. The capture is armed for one ``llama_decode`` and
+under the engine's lock, on the thread count the engine's decoder chooses
+(:mod:`isagi.engines.llamacpp.threads`). The capture is armed for one ``llama_decode`` and
 disarmed in a ``finally``; the callback itself is a parameter of the context,
 installed when it is made (:mod:`isagi.engines.llamacpp.load`).
 
@@ -62,6 +63,7 @@ class ForwardPasses:
     _ctx: Any
     _capture: Any  # isagi.engines.layer_capture.LayerCapture, the context's eval callback
     _abort: Any  # isagi.engines.llamacpp.abort.PromptAbort, the context's abort callback
+    decoder: Any  # isagi.engines.llamacpp.threads.AdaptiveThreads: llama_decode on the chosen thread count
     lock: Any  # threading.Lock: one llama_decode at a time
     _one_id: Any  # the batch of one fed-back reply token, made once
     _one_batch: Any
@@ -88,13 +90,13 @@ class ForwardPasses:
     def _decode_token(self, token: int, capture: dict[bytes, int] | None) -> dict[int, np.ndarray]:
         """:meth:`_decode` of one token at the sequence's next position (a fed-back reply token),
         without the batching: the per-token path of every reply, kept lean."""
-        ll, cap = self._ll, self._capture
+        cap = self._capture
         with self.lock:
             if capture:
                 cap.start(capture, 1)
             self._one_id[0] = token
             try:
-                status = int(on_llama_thread(ll.llama_decode, self._ctx, self._one_batch))
+                status = on_llama_thread(self.decoder.decode, self._one_batch, 1)
             finally:
                 cap.stop()
             self._check(status, capture)
@@ -119,8 +121,7 @@ class ForwardPasses:
                 self._capture.start(capture, len(chunk), truncate=truncate)
             try:
                 with self._abort.running(stop):
-                    status = self._run_batch(chunk, start + off, all_logits=all_logits,
-                                             last=off + len(chunk) == len(ids))
+                    status = self._run_batch(chunk, start + off, all_logits=all_logits, truncate=truncate)
             finally:
                 self._capture.stop()
             if status == ABORTED and stop is not None:
@@ -131,11 +132,11 @@ class ForwardPasses:
                 rows[layer].append(got)
         return {layer: np.concatenate(parts) if len(parts) > 1 else parts[0] for layer, parts in rows.items() if parts}
 
-    def _run_batch(self, chunk: list[int], pos: int, *, all_logits: bool, last: bool) -> int:
+    def _run_batch(self, chunk: list[int], pos: int, *, all_logits: bool, truncate: bool) -> int:
         ll = self._ll
         if not all_logits:  # positions follow the sequence; logits for the last token only
             arr = (ll.llama_token * len(chunk))(*chunk)
-            return int(on_llama_thread(ll.llama_decode, self._ctx, ll.llama_batch_get_one(arr, len(chunk))))
+            return on_llama_thread(self.decoder.decode, ll.llama_batch_get_one(arr, len(chunk)), len(chunk), truncate)
         batch = ll.llama_batch_init(len(chunk), 0, 1)
         try:
             for i, tok in enumerate(chunk):
@@ -145,7 +146,7 @@ class ForwardPasses:
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = True
             batch.n_tokens = len(chunk)
-            return int(on_llama_thread(ll.llama_decode, self._ctx, batch))
+            return on_llama_thread(self.decoder.decode, batch, len(chunk), truncate)
         finally:
             ll.llama_batch_free(batch)
 

@@ -17,8 +17,10 @@ cache (``isagi bench attention`` measures both; docs/measurements.md has the
 figures).
 
 Under CPU contention (several processes on two cores) llama.cpp's threads
-wait on each other at every node; ``ISAGI_THREADS=1`` then runs faster than
-two threads. Benchmarks in this repository are rough for that reason.
+wait on each other at every node, and one thread runs faster than two: the
+context is made with ``ISAGI_THREADS`` threads and
+:mod:`isagi.engines.llamacpp.threads` moves it to one while that is so.
+Benchmarks in this repository are rough for that reason.
 """
 
 from __future__ import annotations
