@@ -56,3 +56,11 @@ def test_trusted_proxies_are_addresses_or_networks_written_canonically(tmp_path:
 def test_the_context_shift_is_a_switch(value: str, on: bool) -> None:
     assert load_settings({}).context_shift is True
     assert load_settings({"ISAGI_CONTEXT_SHIFT": value}).context_shift is on
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("no", False), ("1", True)])
+def test_adapting_the_thread_count_is_a_switch_on_by_default(value: str, on: bool) -> None:
+    assert load_settings({}).adapt_threads is True
+    assert load_settings({"ISAGI_ADAPT_THREADS": value}).adapt_threads is on
+    with pytest.raises(ConfigError, match="ISAGI_ADAPT_THREADS"):
+        load_settings({"ISAGI_ADAPT_THREADS": "sometimes"})
