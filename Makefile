@@ -7,7 +7,9 @@
 #   make openwebui-test   install Open WebUI in .isagi/owui-venv (2.9 GB) and chat with ISAGI
 #               through it in Chromium (tests/e2e/test_openwebui.py)
 #   make docker-test      install Docker (Debian's docker.io) if missing, build the CPU image
-#               from a local Debian base and run the container tests (docker/test.sh)
+#               (and the replicas profile's HAProxy and PostgreSQL images) from a local Debian
+#               base and run the container tests, the replicas profile's failover included
+#               (docker/test.sh)
 #   make rebuild-test     calibrate the default backend's shipped profile again from scratch
 #               and compare it with the shipped file (about 15 min; not in CI)
 #   make docker-test-gpu  the same for the GPU image (not in CI: torch's CUDA build is several GB)

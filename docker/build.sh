@@ -4,6 +4,11 @@
 #
 #   docker/build.sh cpu    # docker/cpu.Dockerfile -> isagi:cpu
 #   docker/build.sh gpu    # docker/Dockerfile     -> isagi:gpu
+#   docker/build.sh haproxy   # docker/haproxy.Dockerfile  -> isagi-haproxy:bookworm
+#   docker/build.sh postgres  # docker/postgres.Dockerfile -> isagi-postgres:bookworm
+#
+# (the last two: Debian's haproxy and postgresql-15 for docker/compose.yaml's replicas
+# profile where Docker Hub cannot be reached; no wheels, BASE_IMAGE the local base.)
 #
 # Before the build, docker/wheels/ (the build context) gets
 #   - torch's CPU build (cpu only): the wheel of the version installed in the
@@ -32,9 +37,13 @@ flavor="${1:?usage: docker/build.sh cpu|gpu}"
 case "$flavor" in
   cpu) dockerfile=docker/cpu.Dockerfile ;;
   gpu) dockerfile=docker/Dockerfile ;;
-  *) echo "build.sh: flavour is cpu or gpu, not $flavor" >&2; exit 2 ;;
+  haproxy | postgres) dockerfile="docker/$flavor.Dockerfile" ;;
+  *) echo "build.sh: flavour is cpu, gpu, haproxy or postgres, not $flavor" >&2; exit 2 ;;
 esac
-tag="${TAG:-isagi:$flavor}"
+case "$flavor" in
+  cpu | gpu) tag="${TAG:-isagi:$flavor}" ;;
+  *) tag="${TAG:-isagi-$flavor:bookworm}" ;;
+esac
 venv="${ISAGI_VENV:-$root/.venv}"
 py="$venv/bin/python"
 wheels="$root/docker/wheels"
@@ -46,7 +55,7 @@ LIBRARY_ONLY="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF 
 
 installed() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
 
-if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
+if [[ "$flavor" == cpu || "$flavor" == gpu ]] && [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
   if [[ "$flavor" == cpu ]] && torch_v="$(installed torch)"; then
     for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
       for whl in "$dir"/torch-"$torch_v"-*.whl; do
@@ -84,10 +93,10 @@ if [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
   fi
 fi
 for whl in "$wheels"/*.whl; do
-  [[ -f "$whl" ]] || continue
+  [[ -f "$whl" && ( "$flavor" == cpu || "$flavor" == gpu ) ]] || continue
   [[ " ${keep[*]:-} " == *" ${whl##*/} "* ]] || rm -f "$whl"
 done
-ls -l "$wheels" >&2
+[[ "$flavor" == cpu || "$flavor" == gpu ]] && ls -l "$wheels" >&2
 
 args=(--network host -f "$dockerfile" -t "$tag")
 [[ -n "${BASE_IMAGE:-}" ]] && args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")

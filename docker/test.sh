@@ -8,8 +8,11 @@
 #      containers and the builds use the host's network) and stops it at the
 #      end, only if it started it;
 #   3. makes the local base image (docker/base.sh, cached under .isagi/docker-base/);
-#   4. builds the image (docker/build.sh) from that base;
-#   5. runs the container tests (pytest -m docker tests/test_docker_containers.py),
+#   4. builds the image (docker/build.sh) from that base, and for cpu also the HAProxy and
+#      PostgreSQL images of docker/compose.yaml's replicas profile (docker/build.sh
+#      haproxy|postgres: Debian's packages, Docker Hub's images cannot be pulled here);
+#   5. runs the container tests (pytest -m docker tests/test_docker_containers.py, and for
+#      cpu tests/test_docker_replicas.py: the replicas profile, failover through HAProxy),
 #      with a Compose v2 from docker/compose.sh for the compose tests;
 #   6. prints the figures: base, build time, image size, start to healthy, total.
 #
@@ -86,6 +89,20 @@ else
   built="$(BASE_IMAGE="$base" ISAGI_VENV="$venv" bash docker/build.sh cpu | tail -n 1)"
 fi
 eval "$built"  # build_s, size_bytes, image
+side=""  # the replicas profile's HAProxy and PostgreSQL images (cpu), for the figures
+if [[ "$flavor" == cpu ]]; then
+  for part in haproxy postgres; do
+    echo "== docker-test: build $part image"
+    out="$(BASE_IMAGE="$base" bash docker/build.sh "$part" | tail -n 1)"
+    part_s="${out#build_s=}" part_size="${out#*size_bytes=}" part_image="${out##*image=}"
+    side+="   $part image ($part_image): built in ${part_s%% *} s, $(( ${part_size%% *} / 1000000 )) MB"$'\n'
+    if [[ "$part" == haproxy ]]; then
+      export ISAGI_DOCKER_HAPROXY_IMAGE="$part_image"
+    else
+      export ISAGI_DOCKER_POSTGRES_IMAGE="$part_image"
+    fi
+  done
+fi
 
 # 5. the container tests ---------------------------------------------------
 echo "== docker-test: container tests ($image)"
@@ -100,14 +117,16 @@ else
   export ISAGI_DOCKER_IMAGE="$image"
   select=(-k "not gpu_image")
 fi
+files=(tests/test_docker_containers.py)
 if [[ "$flavor" == cpu ]]; then
+  files+=(tests/test_docker_replicas.py)
   # Compose v2 for the compose tests (.isagi/docker-tools/ unless one is installed)
   ISAGI_VENV="$venv" bash docker/compose.sh >/dev/null || echo "   no Compose v2: the compose tests will say so"
 fi
 s=$(date +%s)
 rc=0
 ISAGI_DOCKER_FIGURES="$figures" "$venv/bin/python" -m pytest -m docker -p no:cacheprovider -v -rs \
-  "${select[@]}" tests/test_docker_containers.py || rc=$?
+  "${select[@]}" "${files[@]}" || rc=$?
 tests_s=$(( $(date +%s) - s ))
 
 # 6. the figures -----------------------------------------------------------
@@ -115,6 +134,7 @@ echo "== docker-test ($flavor) figures"
 echo "   base image ($base):     ${base_s} s"
 echo "   image build ($image):  ${build_s} s"
 echo "   image size:              $(( size_bytes / 1000000 )) MB"
+printf '%s' "$side"
 if [[ -f "$figures" ]]; then
   "$venv/bin/python" - "$figures" <<'EOF'
 import json, sys

@@ -3,7 +3,8 @@
 Owns: whether Docker can run here (and why not), the image under test, and one
 container's life: ``docker run`` on the host's network with a free port
 (``ISAGI_PORT``), waiting for ``/health`` and for Docker's own health status,
-``docker stop``/``rm -f``, named volumes made and removed by the tests. The
+``docker stop``/``rm -f``, named volumes made and removed by the tests, and the Compose v2
+command the compose tests use. The
 daemon ``make docker-test`` starts has no bridge network, so every container
 runs with ``--network host``: it listens on 127.0.0.1 at the port it is given.
 """
@@ -24,8 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 CPU_IMAGE = os.environ.get("ISAGI_DOCKER_IMAGE", "isagi:cpu")
 GPU_IMAGE = os.environ.get("ISAGI_DOCKER_GPU_IMAGE", "isagi:gpu")
+# docker/compose.yaml's replicas profile on images built here from the local base (docker/build.sh
+# haproxy|postgres), where Docker Hub's haproxy and postgres images cannot be pulled
+HAPROXY_IMAGE = os.environ.get("ISAGI_DOCKER_HAPROXY_IMAGE", "isagi-haproxy:bookworm")
+POSTGRES_IMAGE = os.environ.get("ISAGI_DOCKER_POSTGRES_IMAGE", "isagi-postgres:bookworm")
 START_TIMEOUT_S = float(os.environ.get("ISAGI_DOCKER_START_TIMEOUT", "600"))
 
 
@@ -177,3 +183,18 @@ def volumes(*roles: str) -> Iterator[dict[str, str]]:
     finally:
         for name in names.values():
             docker("volume", "rm", "-f", name, check=False)
+
+
+def compose_command() -> list[str] | None:
+    """A Compose v2 command: ``docker compose`` (plugin), or a ``docker-compose`` v2 on PATH
+    or in .isagi/docker-tools/ (docker/compose.sh puts it there); None otherwise."""
+    candidates = [["docker", "compose"]]
+    for path in (shutil.which("docker-compose"), str(REPO / ".isagi" / "docker-tools" / "docker-compose")):
+        if path and os.access(path, os.X_OK):
+            candidates.append([path])
+    for cmd in candidates:
+        out = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip().lstrip("v")[:1].isdigit() \
+                and int(out.stdout.strip().lstrip("v").split(".")[0]) >= 2:
+            return cmd
+    return None

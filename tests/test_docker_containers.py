@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -35,6 +34,7 @@ import pytest
 from tests.docker_env import (
     CPU_IMAGE,
     GPU_IMAGE,
+    compose_command,
     container,
     docker,
     free_port,
@@ -228,21 +228,6 @@ def test_the_history_store_on_the_tests_postgresql_server(cpu_image: str) -> Non
 
 
 # ------------------------------------------------------------------ Compose --
-
-
-def compose_command() -> list[str] | None:
-    """A Compose v2 command: ``docker compose`` (plugin), or a ``docker-compose`` v2 on PATH
-    or in .isagi/docker-tools/ (docker/compose.sh puts it there); None otherwise."""
-    candidates = [["docker", "compose"]]
-    for path in (shutil.which("docker-compose"), str(REPO / ".isagi" / "docker-tools" / "docker-compose")):
-        if path and os.access(path, os.X_OK):
-            candidates.append([path])
-    for cmd in candidates:
-        out = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True)
-        if out.returncode == 0 and out.stdout.strip().lstrip("v")[:1].isdigit() \
-                and int(out.stdout.strip().lstrip("v").split(".")[0]) >= 2:
-            return cmd
-    return None
 
 
 @pytest.fixture(scope="module")

@@ -64,21 +64,25 @@ def both(lb: Cluster) -> Cluster:
 
 
 def ask(url: str, text: str, sid: str | None = None, *, history: list[dict] | None = None,
-        timeout: float = 120.0) -> httpx.Response:
-    """One chat completion (not streamed), in session ``sid`` when given."""
-    body = {"model": model_of(url), "messages": [*(history or []), {"role": "user", "content": text}],
+        timeout: float = 120.0, key: str | None = None) -> httpx.Response:
+    """One chat completion (not streamed), in session ``sid`` when given, with API key ``key``
+    when given (replicas that answer more than loopback clients want one)."""
+    body = {"model": model_of(url, key), "messages": [*(history or []), {"role": "user", "content": text}],
             "max_tokens": MAX_TOKENS, "temperature": 0}
-    return httpx.post(url + "/v1/chat/completions", json=body, headers={SESSION: sid} if sid else {},
-                      timeout=timeout)
+    headers = {SESSION: sid} if sid else {}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout)
 
 
 _models: dict[str, str] = {}
 
 
-def model_of(url: str) -> str:
+def model_of(url: str, key: str | None = None) -> str:
     """The model the replicas serve (asked once)."""
     if "id" not in _models:
-        _models["id"] = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        _models["id"] = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     return _models["id"]
 
 

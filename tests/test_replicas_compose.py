@@ -41,7 +41,12 @@ def test_the_profile_starts_replicas_postgres_and_haproxy() -> None:
     assert "container_name" not in replica and not _ports(replica)  # scalable; reached through the balancer
     assert replica["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert "/health" in " ".join(replica["healthcheck"]["test"])
+    # the public images by default; ISAGI_HAPROXY_IMAGE / ISAGI_POSTGRES_IMAGE name local ones
+    # (docker/build.sh haproxy|postgres, where Docker Hub cannot be reached)
     assert _interpolate_defaults(services["haproxy"]["image"]).startswith("haproxy:2.6")
+    assert _interpolate_defaults(services["postgres"]["image"]).startswith("postgres:17")
+    assert "ISAGI_HAPROXY_IMAGE" in services["haproxy"]["image"]
+    assert "ISAGI_POSTGRES_IMAGE" in services["postgres"]["image"]
 
 
 def test_every_replica_shares_the_history_and_the_sessions_on_postgres() -> None:
