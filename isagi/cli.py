@@ -458,13 +458,15 @@ def _own_summary(store: Any, session_id: str, owner: str) -> Any:
 
 
 @contextmanager
-def _held_here(files: Any, store: Any, session_id: str, refusal: str) -> Iterator[Any]:
-    """The CLI's hold on a session it writes (rename, delete): with a session store that servers
-    share, its lease, giving the fence its writes carry (None: a local folder, no leases);
-    :class:`SessionBusy` saying ``refusal`` while a server holds it or takes it meanwhile."""
-    from isagi.errors import SessionBusy, SessionMoved
+def _held_here(files: Any, store: Any, session_id: str, verb: str) -> Iterator[Any]:
+    """The CLI's hold on a session it writes (``verb``: rename, delete): with a session store that
+    servers share, its lease, giving the fence its writes carry (None: a local folder, no leases);
+    :class:`SessionBusy` (:data:`~isagi.errors.OPEN_ON_A_SERVER`) while a server holds it or takes
+    it meanwhile."""
+    from isagi.errors import OPEN_ON_A_SERVER, SessionBusy, SessionMoved
     from isagi.session.lease import maintenance_holds
 
+    refusal = OPEN_ON_A_SERVER.format(sid=session_id, verb=verb)
     with maintenance_holds(files, store) as hold, hold(session_id) as claim:
         if not claim.free:
             raise SessionBusy(refusal)
@@ -482,7 +484,6 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
     servers share, ISAGI_SESSIONS_URL) while one of them has the session open: rename it in that
     server's page instead."""
     from isagi.datadir import no_other_process
-    from isagi.errors import OPEN_ON_A_SERVER_RENAME
     from isagi.session.files import retitle_file
     from isagi.session.store import session_files
     from isagi.storage.titles import make_title
@@ -496,7 +497,7 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
     with no_other_process(settings, "renaming a session", "rename it in the server's page"):  # a server's open copy would save its old title
         files = session_files(settings)
         # shared: under the session's lease, the writes fenced (a server's open copy would save its old title)
-        with _held_here(files, store, session_id, OPEN_ON_A_SERVER_RENAME.format(sid=session_id)) as fence:
+        with _held_here(files, store, session_id, "rename") as fence:
             path = files.find(session_id, summary.miku_path)
             if path is not None:
                 retitle_file(path, new, files=files, fence=fence)
@@ -509,7 +510,6 @@ def sessions_rename(session_id: str, title: str, home: HomeOpt = None, owner: Ow
 def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOCAL_OWNER) -> None:
     """Delete a session, its turns and its autosaved .miku. With a session store that servers
     share (ISAGI_SESSIONS_URL), refused while one of them has the session open."""
-    from isagi.errors import OPEN_ON_A_SERVER
     from isagi.session.store import session_files
 
     settings = _settings(home=home)
@@ -517,7 +517,7 @@ def sessions_delete(session_id: str, home: HomeOpt = None, owner: OwnerOpt = LOC
     summary = _own_summary(store, session_id, owner)
     files = session_files(settings)
     # shared: under the session's lease, the writes fenced (a server saving it would bring it back)
-    with _held_here(files, store, session_id, OPEN_ON_A_SERVER.format(sid=session_id)) as fence:
+    with _held_here(files, store, session_id, "delete") as fence:
         if not store.delete_session(session_id, owner=owner, fence=fence):
             _no_such_session(session_id, owner)
         removed = files.remove(session_id, summary.miku_path, fence=fence)

@@ -72,15 +72,11 @@ MOVED_SAVED_API = ("Another ISAGI server now holds this conversation; this reply
                    "over, so send your next request as usual (same X-Isagi-Session header), not this one again.")
 
 
-# What `isagi sessions delete` says when a server has the session open (its lease held elsewhere).
-OPEN_ON_A_SERVER = ("Session {sid} is open on an ISAGI server that shares this session store; delete it "
-                    "in that server's page (or its API), or try again once the server has let it go "
+# What `isagi sessions delete` and `rename` say when a server has the session open (its lease
+# held elsewhere); {verb}: delete or rename.
+OPEN_ON_A_SERVER = ("Session {sid} is open on an ISAGI server that shares this session store; {verb} it "
+                    "in that server's page (the API has no {verb}), or try again once the server has let it go "
                     "(it does when the chat is idle).")
-
-# ... and `isagi sessions rename`.
-OPEN_ON_A_SERVER_RENAME = ("Session {sid} is open on an ISAGI server that shares this session store; rename it "
-                           "in that server's page, or try again once the server has let it go (it does when "
-                           "the chat is idle).")
 
 
 class SessionNotFound(IsagiError):

@@ -128,12 +128,19 @@ def test_inspect_reads_the_autosaved_file(chatted: dict[str, Any]) -> None:
     assert missing.exit_code == 2 and "Traceback" not in missing.output
 
 
-def test_sessions_delete_removes_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _one_chat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, HistoryStore, Any]:
+    """A data directory with one chat of the tiny model about plants: (its path, its history
+    store, the session's summary)."""
     monkeypatch.setattr(cli, "_engine", _tiny_start)
     home = str(tmp_path)
     assert invoke("chat", "--home", home, "--max-new-tokens", "4", input=f"{PLANTS}\n").exit_code == 0
     store = HistoryStore(load_settings(environ={}, home=tmp_path).resolved_database_url)
     (summary,) = store.list_sessions(owner="local")
+    return home, store, summary
+
+
+def test_sessions_delete_removes_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home, store, summary = _one_chat(tmp_path, monkeypatch)
     assert invoke("sessions", "delete", summary.id, "--home", home).exit_code == 0
     assert store.list_sessions(owner="local") == [] and store.search("plants", owner="local") == []
     assert invoke("sessions", "delete", summary.id, "--home", home).exit_code == 1  # nothing left to delete
@@ -142,11 +149,7 @@ def test_sessions_delete_removes_the_rows(tmp_path: Path, monkeypatch: pytest.Mo
 def test_sessions_rename_retitles_the_history_and_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from isagi.storage.miku import read_miku
 
-    monkeypatch.setattr(cli, "_engine", _tiny_start)
-    home = str(tmp_path)
-    assert invoke("chat", "--home", home, "--max-new-tokens", "4", input=f"{PLANTS}\n").exit_code == 0
-    store = HistoryStore(load_settings(environ={}, home=tmp_path).resolved_database_url)
-    (summary,) = store.list_sessions(owner="local")
+    home, store, summary = _one_chat(tmp_path, monkeypatch)
     done = invoke("sessions", "rename", summary.id, "  Plants\nand light ", "--home", home)
     assert done.exit_code == 0, done.output
     assert store.get_session(summary.id, owner="local").title == "Plants and light"
