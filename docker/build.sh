@@ -40,9 +40,10 @@ case "$flavor" in
   haproxy | postgres) dockerfile="docker/$flavor.Dockerfile" ;;
   *) echo "build.sh: flavour is cpu, gpu, haproxy or postgres, not $flavor" >&2; exit 2 ;;
 esac
+# only ISAGI's own images take wheels from docker/wheels/
 case "$flavor" in
-  cpu | gpu) tag="${TAG:-isagi:$flavor}" ;;
-  *) tag="${TAG:-isagi-$flavor:bookworm}" ;;
+  cpu | gpu) tag="${TAG:-isagi:$flavor}" with_wheels=true ;;
+  *) tag="${TAG:-isagi-$flavor:bookworm}" with_wheels=false ;;
 esac
 venv="${ISAGI_VENV:-$root/.venv}"
 py="$venv/bin/python"
@@ -55,7 +56,7 @@ LIBRARY_ONLY="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF 
 
 installed() { "$py" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null; }
 
-if [[ "$flavor" == cpu || "$flavor" == gpu ]] && [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
+if $with_wheels && [[ "${ISAGI_WHEELS:-host}" != none && -x "$py" ]]; then
   if [[ "$flavor" == cpu ]] && torch_v="$(installed torch)"; then
     for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
       for whl in "$dir"/torch-"$torch_v"-*.whl; do
@@ -93,10 +94,10 @@ if [[ "$flavor" == cpu || "$flavor" == gpu ]] && [[ "${ISAGI_WHEELS:-host}" != n
   fi
 fi
 for whl in "$wheels"/*.whl; do
-  [[ -f "$whl" && ( "$flavor" == cpu || "$flavor" == gpu ) ]] || continue
+  [[ -f "$whl" ]] && $with_wheels || continue
   [[ " ${keep[*]:-} " == *" ${whl##*/} "* ]] || rm -f "$whl"
 done
-[[ "$flavor" == cpu || "$flavor" == gpu ]] && ls -l "$wheels" >&2
+if $with_wheels; then ls -l "$wheels" >&2; fi
 
 args=(--network host -f "$dockerfile" -t "$tag")
 [[ -n "${BASE_IMAGE:-}" ]] && args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")

@@ -4,7 +4,7 @@ llama.cpp's CPU backend (as llama-cpp-python builds it) runs a decode on an Open
 its threads meet at a barrier after every node of the graph (hundreds per token). When
 another program takes one of the cores, one of the team's threads waits for a core while the
 others spin at the barrier: on the project's 2-core machine a one-core busy loop made
-two-thread decodes tens of times slower, where one thread kept near its usual speed
+two-thread turns several times slower, where one thread kept near its usual speed
 (docs/measurements.md, "A busy core beside the server"). No thread count is best for both:
 on a quiet machine more threads decode faster. So the count is chosen by timing the decodes.
 
@@ -18,12 +18,13 @@ thread, and moves between the two:
 - With the full count, each decode gets a deadline, :data:`SLOW` times its kind's recent
   time (a kind not timed yet is bounded by the others; the very first decode, bounded by
   nothing, runs on one thread); a decode past it is cut (the abort callback,
-  :mod:`isagi.engines.llamacpp.abort`: llama.cpp then removes its positions from the KV
-  cache) and made again on one thread.
+  :mod:`isagi.engines.llamacpp.abort`), the positions it wrote are removed from the KV cache
+  (llama.cpp removes only those of the micro-batch it was cut in) and it is made again on
+  one thread.
   :data:`STRIKES` such decodes in a row and the policy moves to one thread. Now and then
   (:data:`CHECK_S`) one decode runs on one thread instead; when that is clearly faster
-  (:data:`DROP_MARGIN`) than the mean of the full count's recent ones, the policy moves too: a machine loaded all along gives no slow
-  decodes against its own recent times.
+  (:data:`DROP_MARGIN`) than the mean of the full count's recent ones, the policy moves
+  too: a machine loaded all along gives no slow decodes against its own recent times.
 - On one thread, now and then (:data:`PROBE_S`, doubled after each failed try up to
   :data:`PROBE_MAX_S`) one decode tries the full count with a deadline at what one thread
   takes (:data:`BACK_MARGIN` of it): done in time, the policy moves back; cut, it is made
@@ -238,10 +239,11 @@ class AdaptiveThreads:
         choice = policy.choose(n_tokens, kind)
         self._use(choice.threads)
         abort = self._abort
+        # a batch without positions follows sequence 0: where it starts, for a rollback (one
+        # token is one micro-batch, which llama.cpp rolls back itself: no query per reply token)
+        first = self._next_position(0) if choice.deadline_s is not None and not batch.pos and n_tokens > 1 else None
         if choice.deadline_s is not None:
             abort.arm_deadline(choice.deadline_s)
-        # a batch without positions follows sequence 0: where it starts, for a rollback
-        first = None if choice.deadline_s is None or batch.pos else self._next_position(0)
         start = time.perf_counter()
         try:
             status = int(self._ll.llama_decode(self._ctx, batch))
@@ -272,8 +274,9 @@ class AdaptiveThreads:
         of several sequences, or longer than a micro-batch, has written others before it."""
         ll = self._ll
         mem = ll.llama_get_memory(self._ctx)
-        if not batch.pos:  # positions follow sequence 0 from where it stood
-            ll.llama_memory_seq_rm(mem, 0, int(first or 0), -1)
+        if not batch.pos:  # positions follow sequence 0 from where it stood (None: one token)
+            if first is not None:
+                ll.llama_memory_seq_rm(mem, 0, first, -1)
             return
         starts: dict[int, int] = {}
         for i in range(n_tokens):
