@@ -231,6 +231,11 @@ def test_reply_states_and_reply_nll(engine) -> None:
     states = engine.reply_states([CHAT, CHAT], 2, max_new_tokens=5)
     assert len(states) == 2 and all(s.shape[1] == 64 and len(s) <= 5 for s in states)
     np.testing.assert_allclose(states[0], states[1], rtol=1e-4, atol=1e-4)
+    # several layers: their states side by side, each as it is alone (the reply guard reads them so)
+    both = engine.reply_states([CHAT], [1, 2], max_new_tokens=5)[0]
+    assert both.shape == (len(states[0]), 128)
+    np.testing.assert_allclose(both[:, 64:], states[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(both[:, :64], engine.reply_states([CHAT], 1, max_new_tokens=5)[0], rtol=1e-4, atol=1e-4)
     ids = torch.tensor([engine.chat_tokens(CHAT) + [5, 6]])
     with torch.inference_mode():
         logp = torch.log_softmax(engine.model(ids).logits[0].float(), -1)

@@ -307,6 +307,20 @@ def test_greedy_decoding_gives_plain_llama_cpp_reply_token_for_token(default_lla
         assert len({row.tobytes() for row in states}) == len(states)
 
 
+def test_reply_states_of_several_layers_stand_side_by_side_as_each_alone(default_llama) -> None:
+    """The reply guard reads a reply at every read-out layer: the same tokens, each layer's states
+    as a one-layer capture gives them."""
+    chat = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    top = default_llama.default_safety_layer
+    one = default_llama.reply_states([chat], top, max_new_tokens=6)[0]
+    low = default_llama.reply_states([chat], 6, max_new_tokens=6)[0]
+    both = default_llama.reply_states([chat], [6, top], max_new_tokens=6)[0]
+    d = one.shape[1]
+    assert both.shape == (len(one), 2 * d) and len(one) > 0
+    np.testing.assert_allclose(both[:, d:], one, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(both[:, :d], low, rtol=1e-4, atol=1e-4)
+
+
 def test_a_states_only_prefill_reads_the_same_states_and_decodes_nothing(default_llama) -> None:
     """The turn's lookup prompt, when the reply comes from another prompt, stops after the last
     captured layer: the same states as a full prefill, no prefix saved from its half-written KV

@@ -24,7 +24,6 @@ from isagi.safety.runtime import (
     exchange_scores,
     exchange_states,
     project_safe,
-    reply_window_scores,
     safe_point,
     teh,
 )
@@ -136,85 +135,66 @@ def test_fit_safety_profile_sets_its_threshold_out_of_fold_and_round_trips():
         SafetyProfile.from_state({**meta, **{**arrays, "Q": state["Q"], "centre": state["centre"][:-1]}})
 
 
-def _exchanges(seed: int = 0, n: int = 48) -> Exchanges:
-    """Replies whose harm shows only with their prompt: harmful prompts lean along e0 of the first
-    layer, replies to them along e1 of the reply layer; benign ones along neither."""
+def _replies(c: Corpus, rows: np.ndarray, seed: int) -> list[np.ndarray]:
+    """Replies whose states (both read-out layers side by side) stay near their prompt's: a harmful
+    prompt's reply leans as harmful rows do, a benign prompt's does not."""
     rng = np.random.default_rng(seed)
-    labels = np.array([1] * n + [0] * n)
-    P = rng.normal(size=(2 * n, 2 * D)) + 10.0
-    P[:n, 0] += 6.0
-    R = []
-    for lab in labels:
-        r = rng.normal(size=(int(rng.integers(9, 30)), D)) + 10.0
-        if lab:
-            r[:, 1] += 4.0
-        R.append(r)
-    return Exchanges(prompt_states=P, reply_states=R, labels=labels, cats=np.array(["a", "b"] * n))
+    return [c.X[i] + rng.normal(size=(int(rng.integers(9, 30)), c.X.shape[1])) * 0.5 for i in rows]
 
 
-def test_the_reply_guard_is_fitted_on_replies_and_judges_a_reply_with_its_prompt():
-    ex = _exchanges()
-    readout, scales, threshold, det = fit_reply_guard(ex, [D, D], budget=0.05, C=1.0)
-    assert readout.Q.shape == (3 * D, 3) and np.allclose(readout.Q.T @ readout.Q, np.eye(3), atol=1e-6)
-    assert det["oof_auc"] > 0.95 and det["oof_withheld_benign"] <= 0.05 + 1e-9
-    prof = fit_safety_profile(_corpus(4), LAYERS, C=0.5)
-    prof = dataclasses.replace(prof, reply_Q=readout.Q, reply_centre=readout.centre, reply_scales=scales,
+def _exchanges(c: Corpus, prof: SafetyProfile, seed: int = 0) -> Exchanges:
+    rows = np.arange(seed % 2, len(c.labels), 2)
+    logits = np.asarray(prof.readout().logits(c.X[rows]))
+    return Exchanges(reply_states=_replies(c, rows, seed), prompt_logits=logits, labels=c.labels[rows], cats=c.cats[rows])
+
+
+def _with_reply_guard(prof: SafetyProfile, fitted: tuple) -> SafetyProfile:
+    readout, scales, threshold, _ = fitted
+    return dataclasses.replace(prof, reply_Q=readout.Q, reply_centre=readout.centre, reply_scales=scales,
                                reply_weights=readout.weights, reply_bias=readout.bias,
                                reply_threshold=100.0 / (1.0 + np.exp(-threshold)))
-    assert prof.exchange_guard
+
+
+def test_the_reply_guard_reads_replies_through_the_prompt_probe_and_judges_them_with_their_prompt():
+    c = _corpus(4)
+    prof = fit_safety_profile(c, LAYERS, C=0.5)
+    fitted = fit_reply_guard(_exchanges(c, prof), prof.readout(), budget=0.05, C=1.0)
+    readout, scales, threshold, det = fitted
+    assert readout.Q.shape == (2, 2) and scales.shape == (2,)
+    assert det["oof_auc"] > 0.95 and det["oof_withheld_benign"] <= 0.05 + 1e-9
+    guarded = _with_reply_guard(prof, fitted)
+    assert guarded.exchange_guard
     with pytest.raises(ValueError, match="prompt_state"):
-        ReplyGuard(prof)
-    fresh = _exchanges(seed=1)
-    withheld = [bool((exchange_scores(prof, p, r) > prof.reply_threshold).any())
-                for p, r in zip(fresh.prompt_states, fresh.reply_states, strict=True)]
-    assert np.mean(withheld[:48]) > 0.8 and np.mean(withheld[48:]) < 0.15
-    p, r = fresh.prompt_states[0], fresh.reply_states[0]
-    assert ReplyGuard(prof, p).score(r) == pytest.approx(exchange_scores(prof, p, r)[-1])
-    # Safe OGD at the profile's layer projects out the reply guard's reply direction too:
-    # a steered reply reads exactly as the unsteered one
-    Q_L, _ = prof.layer_subspace(prof.layer)
+        ReplyGuard(guarded)
+    # the exchange state: the probe's logit of each window, and of the prompt, at unit size
+    p, r = c.X[1], _replies(c, np.array([1]), 9)[0]
+    z = float(prof.readout().logits(p)[0])
+    x = exchange_states(prof.readout(), r, z, scales)
+    assert x.shape == (len(range(8, len(r) + 1, 8)) + (len(r) % 8 > 0), 2)
+    assert np.allclose(x[:, 1], z / scales[1])
+    assert x[0, 0] == pytest.approx(float(prof.readout().logits(r[:8].mean(axis=0))[0]) / scales[0])
+    assert ReplyGuard(guarded, p).layers == LAYERS
+    assert ReplyGuard(guarded, p).score(r) == pytest.approx(exchange_scores(guarded, p, r)[-1])
+    assert ReplyGuard(guarded, p).score(r) == pytest.approx(teh(guarded.reply_readout(), x[-1]))
+    # replies it never saw: those to harmful prompts withheld, those to benign ones let through
+    rows = np.arange(len(c.labels))
+    fresh = _replies(c, rows, 11)
+    withheld = np.array([bool((exchange_scores(guarded, c.X[i], fresh[i]) > guarded.reply_threshold).any())
+                         for i in rows])
+    assert withheld[c.labels == 1].mean() > 0.8 and withheld[c.labels == 0].mean() < 0.15
+    # Safe OGD at the profile's layer (the last block) projects out the probe's directions there,
+    # which the reply guard reads too: a steered reply reads exactly as the unsteered one
+    Q_L, _ = guarded.layer_subspace(guarded.layer)
     assert Q_L.shape[0] == D and np.allclose(Q_L.T @ Q_L, np.eye(Q_L.shape[1]), atol=1e-9)
-    step = project_safe(Q_L, np.random.default_rng(5).normal(size=D) * 20)
-    assert np.allclose(exchange_scores(prof, p, r + step), exchange_scores(prof, p, r), atol=1e-8)
-    state = prof.to_state()
+    step = np.concatenate([np.zeros(D), project_safe(Q_L, np.random.default_rng(5).normal(size=D) * 20)])
+    assert np.allclose(exchange_scores(guarded, p, r + step), exchange_scores(guarded, p, r), atol=1e-8)
+    state = guarded.to_state()
     back = SafetyProfile.from_state(state)
     assert back.exchange_guard and back.reply_weights is not None
+    assert ReplyGuard(back, p).score(r) == pytest.approx(ReplyGuard(guarded, p).score(r), abs=1e-3)
     state["reply_centre"] = state["reply_centre"][:-1]
     with pytest.raises(ValueError, match="reply guard"):
         SafetyProfile.from_state(state)
-
-
-def test_the_reply_guard_can_read_the_prompt_probes_logit_and_scores_as_it_streams():
-    """With the prompt probe's out-of-fold logits, the exchange state has one more coordinate;
-    at run time the guard computes the logit itself from the prompt state, and a stored profile
-    keeps the extra scale."""
-    c = _corpus(4)
-    prof = fit_safety_profile(c, LAYERS, C=0.5)
-    ex = _exchanges()
-    # a prompt logit that alone tells harmful from benign, as a good prompt probe's would
-    logits = np.where(ex.labels == 1, 3.0, -3.0) + np.random.default_rng(2).normal(size=len(ex.labels)) * 0.3
-    readout, scales, threshold, det = fit_reply_guard(ex, [D] * len(LAYERS), budget=0.05, C=1.0,
-                                                      prompt_logits=logits)
-    assert scales.shape == (3,) and readout.Q.shape[0] == c.X.shape[1] + D + 1
-    assert det["oof_auc"] > 0.95
-    stacked = dataclasses.replace(prof, reply_Q=readout.Q, reply_centre=readout.centre, reply_scales=scales,
-                                  reply_weights=readout.weights, reply_bias=readout.bias,
-                                  reply_threshold=100.0 / (1.0 + np.exp(-threshold)))
-    p, r = ex.prompt_states[0], ex.reply_states[0]
-    z = float(prof.readout().logits(p)[0])
-    x = exchange_states(p, r, scales, prompt_logit=z)
-    assert x.shape[1] == readout.Q.shape[0] and np.allclose(x[:, -1], z / scales[2])
-    assert ReplyGuard(stacked, p).score(r) == pytest.approx(teh(stacked.reply_readout(), x[-1]))
-    with pytest.raises(ValueError, match="prompt_logit"):
-        exchange_states(p, r, scales)
-    # Safe OGD's subspace at the profile's layer holds the reply window's direction (the logit's
-    # coordinate is no direction in a layer), and the window check reads it
-    Q_L, c_L = stacked.layer_subspace(stacked.layer)
-    assert Q_L.shape[0] == D and c_L.shape == (D,) and np.allclose(Q_L.T @ Q_L, np.eye(Q_L.shape[1]), atol=1e-9)
-    assert np.all(np.isfinite(reply_window_scores(stacked, r)))
-    back = SafetyProfile.from_state(stacked.to_state())
-    assert back.reply_scales is not None and back.reply_scales.shape == (3,)
-    assert ReplyGuard(back, p).score(r) == pytest.approx(ReplyGuard(stacked, p).score(r), abs=1e-3)
 
 
 def test_the_reply_sample_takes_every_source_and_label_and_is_fixed():
@@ -315,17 +295,15 @@ def test_a_profile_with_the_mlp_probe_round_trips_and_scores_as_its_readout():
         SafetyProfile.from_state(broken)
 
 
-def test_a_profile_fitted_with_replies_of_its_corpus_rows_stacks_the_prompt_logit():
-    """The build's path (exchanges that name their corpus rows): the reply guard reads the prompt
-    probe's out-of-fold logit, the window check and Safe OGD's subspace still work."""
+def test_a_profile_fitted_with_replies_of_its_corpus_rows_reads_their_out_of_fold_prompt_logits():
+    """The build's path (replies named by their corpus rows): the reply head reads the prompt
+    probe's out-of-fold logit of each row; the window check and Safe OGD's subspace still work."""
     c = _corpus(6)
-    rng = np.random.default_rng(7)
     pick = np.arange(0, len(c.labels), 2)
-    R = [rng.normal(size=(int(rng.integers(9, 30)), D)) + (4.0 if c.labels[i] else 0.0) for i in pick]
-    ex = Exchanges(prompt_states=c.X[pick], reply_states=R, labels=c.labels[pick], cats=c.cats[pick], rows=pick)
-    prof = fit_safety_profile(c, LAYERS, exchanges=ex, C=0.5)
-    assert prof.reply_scales is not None and prof.reply_scales.shape == (3,)
-    assert prof.details["reply"]["reads_prompt_logit"] is True
+    R = _replies(c, pick, 7)
+    prof = fit_safety_profile(c, LAYERS, replies=(pick, R), C=0.5)
+    assert prof.exchange_guard and prof.reply_scales is not None and prof.reply_scales.shape == (2,)
+    assert prof.details["reply"]["calibrated"] is True and prof.details["reply"]["oof_auc"] > 0.9
     assert prof.window_threshold is not None and np.isfinite(prof.window_threshold)
     p, r = c.X[pick[0]], R[0]
     assert np.isfinite(ReplyGuard(prof, p).score(r))

@@ -202,10 +202,11 @@ def test_a_shipped_profile_scores_fresh_states_of_its_corpora_as_when_fitted(bac
     sample = np.concatenate([rng.choice(fitted_on[labels[fitted_on] == label], size=m, replace=False) for label in (1, 0)])
     asked = chats([rows[i]["text"] for i in sample])
     P = safety_states(lm, asked, safety.read_layers)
-    R = lm.reply_states(asked, safety.layer, max_new_tokens=REPLY_CALIBRATION_TOKENS)
+    R = lm.reply_states(asked, safety.read_layers, max_new_tokens=REPLY_CALIBRATION_TOKENS)
     harmful = labels[sample] == 1
     guard = np.array([exchange_scores(safety, p, r).max() for p, r in zip(P, R, strict=True)])
-    windows = np.array([reply_window_scores(safety, r).max() for r, h in zip(R, harmful, strict=True) if not h])
+    d = safety.layer_width  # Safe OGD's window check reads the safety layer's block
+    windows = np.array([reply_window_scores(safety, r[:, -d:]).max() for r, h in zip(R, harmful, strict=True) if not h])
     det = safety.details["reply"]
     assert windows.max() < window_threshold(safety), (windows.max(), window_threshold(safety))
     assert roc_auc(guard[harmful], guard[~harmful]) >= det["oof_auc"] - 0.08, (roc_auc(guard[harmful], guard[~harmful]), det)

@@ -109,9 +109,6 @@ def tiny_profile() -> Profile:
     Q = np.zeros((2 * d, 2))
     for j, v in enumerate(rng.standard_normal((2, d))):
         Q[j * d:(j + 1) * d, j] = v / np.linalg.norm(v)
-    rQ = np.zeros((3 * d, 3))
-    for j, v in enumerate(rng.standard_normal((3, d))):
-        rQ[j * d:(j + 1) * d, j] = v / np.linalg.norm(v)
     cats = ["violence", "fraud"]
     dirs = rng.standard_normal((len(cats), 2 * d))
     safety = SafetyProfile(
@@ -119,9 +116,10 @@ def tiny_profile() -> Profile:
         layer=SAFETY_LAYER, layers=safety_layers, weights=np.full(2, 0.01, np.float32), bias=-20.0, categories=cats,
         category_directions=(dirs / np.linalg.norm(dirs, axis=1, keepdims=True)).astype(np.float32),
         category_bias=np.zeros(len(cats), np.float32), roc={}, details={},
-        # an exchange reply guard, as the shipped profiles have: replies are judged with their prompt
-        reply_Q=rQ.astype(np.float32), reply_centre=np.zeros(3 * d, np.float32), reply_scales=np.ones(2, np.float32),
-        reply_weights=np.full(3, 0.01, np.float32), reply_bias=-20.0, window_threshold=100.0,
+        # an exchange reply guard, as the shipped profiles have: replies are read through the probe
+        # and judged with their prompt
+        reply_Q=np.eye(2, dtype=np.float32), reply_centre=np.zeros(2, np.float32), reply_scales=np.ones(2, np.float32),
+        reply_weights=np.full(2, 0.01, np.float32), reply_bias=-20.0, window_threshold=100.0,
     )
     return Profile(key="tiny-profile", model_fingerprint=lm.fingerprint, layer=LAYER, k=int(basis.B.shape[1]),
                    basis=basis, zones=zones, safety=safety, context_threshold=0.0, distance_scale=SEED)

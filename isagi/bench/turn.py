@@ -116,9 +116,10 @@ def run(settings: Settings, *, new_tokens: int = 64, repeats: int = 9) -> dict[s
                 h = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, lm.content_span(messages))
                                     for layer in safety.read_layers])
                 pool_t.append(time.perf_counter() - start)
-            states = gen.reply_hidden(safety.layer)
+            guard = ReplyGuard(safety, h)
+            states = np.concatenate([gen.reply_hidden(layer) for layer in guard.layers], axis=1)
         teh_s = statistics.median(pool_t) + statistics.median(
-            _teh_seconds(engine, h, states, ReplyGuard(engine.profile.safety, h).every) for _ in range(repeats))
+            _teh_seconds(engine, h, states, guard.every) for _ in range(repeats))
     med = statistics.median
     pairs = [t / g for t, g in zip(turn_t, gen_t, strict=True)]
     return {

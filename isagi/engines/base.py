@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -264,9 +264,11 @@ class ModelEngine(Protocol):
         ...
 
     def reply_states(
-        self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
+        self, chats: list[list[dict[str, str]]], layer: int | Sequence[int], *, max_new_tokens: int = 24,
+        batch_size: int = 16,
     ) -> list[np.ndarray]:
-        """Greedy replies to ``chats`` and the ``layer`` states (n, d) of their tokens."""
+        """Greedy replies to ``chats`` and the ``layer`` states (n, d) of their tokens; given several
+        layers, their states side by side (n, len(layer)·d) in that order."""
         ...
 
     def reply_nll(self, messages: list[dict[str, str]], reply_ids: list[int]) -> float:
@@ -282,6 +284,11 @@ class ModelEngine(Protocol):
         """Drop what the engine keeps of past conversations to speed up later ones (llama.cpp's
         saved KV prefixes); the bytes given back (0: it keeps none)."""
         ...
+
+
+def layer_list(layer: int | Sequence[int]) -> list[int]:
+    """``layer`` as a list: one layer, or several in the caller's order."""
+    return [int(layer)] if isinstance(layer, (int, np.integer)) else [int(x) for x in layer]
 
 
 def check_layer(layer: int, num_layers: int) -> None:

@@ -451,8 +451,8 @@ class Engine:
             except PrefillStopped:  # Stop before the continuation began: nothing said
                 turn.verdict = "cancelled"
                 return turn
-            before = np.stack([gen.prompt_state(safety.layer, (i, i + 1)) for i in range(n_all - tail, n_all)]) \
-                if tail else None
+            before = np.stack([np.concatenate([gen.prompt_state(layer, (i, i + 1)) for layer in guard.layers])
+                               for i in range(n_all - tail, n_all)]) if tail else None
             out = yield from _generate(slot, None, guard, stop, before=before)
             if out.verdict == "withheld":
                 from isagi.safety.runtime import REFUSAL_TEMPLATE
@@ -838,7 +838,7 @@ def _generate(
 ) -> Generator[TurnEvent, None, Generated]:
     """Decode a reply (from ``messages``, or the prompt already open), yielding its text deltas.
 
-    ``before``: the guard layer's states of the reply this one continues (Continue), which the
+    ``before``: the states at the guard's layers of the reply this one continues (Continue), which the
     guard sees in front of the new ones: it judges the reply as one.
 
     ``context_shift``: the prompt's history may come from a saved KV cache with the exchanges the
@@ -854,7 +854,6 @@ def _generate(
     gen = slot.open(messages, reuse_prefix=REUSE_ANY, context_shift=context_shift) if messages is not None \
         else slot.current
     assert gen is not None
-    layer = guard.profile.layer
     teh_reply: float | None = None
     verdict = "ok"
     checked = 0
@@ -871,7 +870,7 @@ def _generate(
             gen.stop()
         if len(gen.new_ids) - checked >= guard.every:
             checked = len(gen.new_ids)
-            over, teh_reply = guard.check(_joined(before, gen.reply_hidden(layer)))
+            over, teh_reply = guard.check(_joined(before, _guard_states(gen, guard)))
             if over:
                 verdict = "withheld"
                 break
@@ -880,11 +879,16 @@ def _generate(
     if gen.finish_reason == "cancelled" and verdict == "ok":
         verdict = "cancelled"
     if verdict == "ok" and len(gen.new_ids) > checked:
-        over, teh_reply = guard.check(_joined(before, gen.reply_hidden(layer)))
+        over, teh_reply = guard.check(_joined(before, _guard_states(gen, guard)))
         if over:
             verdict = "withheld"
     return Generated(gen.text, verdict, teh_reply, gen.reply_hidden(), gen.prompt_tokens, len(gen.new_ids),
                      cut=verdict == "ok" and gen.finish_reason == "length")
+
+
+def _guard_states(gen: Decoding, guard: ReplyGuard) -> np.ndarray:
+    """The reply's states at the guard's layers, side by side (:attr:`ReplyGuard.layers`)."""
+    return np.concatenate([gen.reply_hidden(layer) for layer in guard.layers], axis=1)
 
 
 def _joined(before: np.ndarray | None, states: np.ndarray) -> np.ndarray:

@@ -12,11 +12,12 @@ threshold rule are :mod:`isagi.safety.probe`, what a turn measures is :mod:`isag
    them; its threshold is set on *out-of-fold* logits (5 folds that keep each twin
    pair whole) by the two-budget rule (:func:`isagi.safety.probe.two_budget_threshold`).
 2. **The reply guard.** The model's own greedy replies (prompt guard off) to a fixed sample of
-   the corpus, harmful and benign of every source and category, and to ordinary requests (the
-   zone prompts). A second, logistic probe judges each *exchange state* (the prompt's safety state beside
-   the mean of the newest reply states, :func:`isagi.safety.runtime.exchange_states`) at the
-   streaming guard's check points; a reply's score is its largest check point, and the
-   threshold lets ``REPLY_FPR_BUDGET`` of the benign replies' out-of-fold scores lie above it.
+   the corpus, harmful and benign of every source. The prompt probe reads each reply's windows
+   at the read-out layers; a two-input logistic head judges each *exchange state* (that logit
+   beside the probe's out-of-fold logit of the prompt,
+   :func:`isagi.safety.runtime.exchange_states`) at the streaming guard's check points; a
+   reply's score is its largest check point, and the threshold lets ``REPLY_FPR_BUDGET`` of the
+   benign replies' out-of-fold scores lie above it.
 3. **Safe OGD's window check** (:func:`isagi.safety.runtime.window_threshold`): the paper's
    share of norm of reply windows in the forbidden directions at the profile's layer, above
    every benign reply's check point by ``REPLY_MARGIN``.
@@ -62,9 +63,9 @@ Progress = Callable[[str, int, int], None]
 # out of the probe's directions at that layer keeps every reading unchanged.
 READ_DEPTHS: tuple[float, ...] = (0.2, 0.4)
 REPLY_CALIBRATION_TOKENS = 64  # the replies the reply guard is fitted on are this long
-# replies per corpus source the reply guard is fitted on: harmful, and more benign ones, since its
-# threshold is a 1 % quantile of the benign replies' scores
-REPLIES_PER_SOURCE = {"harmful": 36, "benign": 60}
+# replies per corpus source the reply guard is fitted on: its head has three parameters, so few
+# harmful ones; more benign ones, since its threshold is a 1 % quantile of their scores
+REPLIES_PER_SOURCE = {"harmful": 24, "benign": 84}
 REPLY_FPR_BUDGET = 0.01  # share of benign replies (out of fold) the reply guard may withhold
 
 
@@ -144,47 +145,37 @@ def prompt_report(corpus: Corpus, oof: np.ndarray, threshold: float) -> dict[str
 
 @dataclass
 class Exchanges:
-    """The model's replies to a set of prompts: prompt safety states (n, D), reply states, labels, categories."""
+    """The model's replies to a set of calibration prompts: their states at the prompt probe's
+    read-out layers (side by side), the prompt probe's *out-of-fold* logit of each prompt (what
+    it says of a prompt it never saw, as at run time), labels and categories."""
 
-    prompt_states: np.ndarray
     reply_states: list[np.ndarray]
+    prompt_logits: np.ndarray
     labels: np.ndarray  # 1: a reply to a harmful prompt
     cats: np.ndarray
-    # the corpus rows the prompts are (indices into the prompt probe's calibration corpus): with
-    # them the reply guard also reads the prompt probe's out-of-fold logit of each prompt
-    rows: np.ndarray | None = None
 
 
-def fit_reply_guard(ex: Exchanges, blocks: Sequence[int], *, budget: float = REPLY_FPR_BUDGET, k: int = 5,
-                    seed: int = 0, C: float = DEFAULT_C,
-                    prompt_logits: np.ndarray | None = None) -> tuple[Readout, np.ndarray, float, dict[str, Any]]:
-    """The exchange probe, its scales and its threshold (logit) at ``budget`` of benign replies out of fold.
+def fit_reply_guard(ex: Exchanges, probe: Readout, *, budget: float = REPLY_FPR_BUDGET, k: int = 5, seed: int = 0,
+                    C: float = DEFAULT_C) -> tuple[Readout, np.ndarray, float, dict[str, Any]]:
+    """The reply head, its scales and its threshold (logit) at ``budget`` of benign replies out of fold.
 
-    ``blocks``: the widths of the prompt state's layers; the reply window is one more block.
-    ``prompt_logits``: the prompt probe's *out-of-fold* logit of each prompt (what it says of a
-    prompt it never saw, as at run time), one more block of width 1 (:func:`exchange_states`).
+    ``probe``: the prompt probe, which reads each reply window (:func:`exchange_states`).
     Every check point of a reply is a row, weighted so each reply counts once; a reply's
     score is its largest check point, as the streaming guard withholds it at the first one over.
     """
-    P = np.asarray(ex.prompt_states, dtype=np.float64)
-    width = int(ex.reply_states[0].shape[1]) if ex.reply_states else int(blocks[-1])
-    windows = [exchange_states(np.zeros(P.shape[1]), r, np.ones(2))[:, P.shape[1]:] for r in ex.reply_states]
-    sizes = [np.linalg.norm(P, axis=1).mean(), np.mean([np.linalg.norm(w, axis=1).mean() for w in windows if len(w)])]
-    z: list[float | None] = [None] * len(P)
-    if prompt_logits is not None:
-        sizes.append(float(np.abs(prompt_logits).mean()) or 1.0)
-        z = [float(v) for v in prompt_logits]
-    scales = np.array(sizes)
-    X = [exchange_states(p, r, scales, prompt_logit=zi) for p, r, zi in zip(P, ex.reply_states, z, strict=True)]
+    z = np.asarray(ex.prompt_logits, dtype=np.float64)
+    raw = [exchange_states(probe, r, float(zi), np.ones(2)) for r, zi in zip(ex.reply_states, z, strict=True)]
+    read = np.concatenate([x[:, 0] for x in raw if len(x)])
+    scales = np.array([float(np.abs(read).mean()) or 1.0, float(np.abs(z).mean()) or 1.0])
+    X = [x / scales for x in raw]
     y = np.asarray(ex.labels)
-    all_blocks = [*blocks, width, *([1] if prompt_logits is not None else [])]
 
     def fit(ids: np.ndarray) -> Readout:
         keep = [i for i in ids if len(X[i])]
         rows = np.concatenate([X[i] for i in keep])
         ry = np.concatenate([[y[i]] * len(X[i]) for i in keep])
         weight = np.concatenate([[1.0 / len(X[i])] * len(X[i]) for i in keep])
-        return fit_readout(rows, ry, all_blocks, C=C, sample_weight=weight * len(keep) / weight.sum())
+        return fit_readout(rows, ry, [1, 1], C=C, sample_weight=weight * len(keep) / weight.sum())
 
     def score(readout: Readout, i: int) -> float:
         return float(readout.logits(X[i]).max()) if len(X[i]) else -np.inf
@@ -195,7 +186,7 @@ def fit_reply_guard(ex: Exchanges, blocks: Sequence[int], *, budget: float = REP
         oof[test] = [score(readout, i) for i in test]
     threshold = quantile_threshold(oof[y == 0], budget)
     readout = fit(np.arange(len(X)))
-    details = {"calibrated": True, "kind": "exchange probe", "budget": budget,
+    details = {"calibrated": True, "kind": "exchange head", "budget": budget,
                "n_harmful_replies": int((y == 1).sum()), "n_benign_replies": int((y == 0).sum()),
                "oof_auc": roc_auc(oof[y == 1], oof[y == 0]),
                "oof_withheld_harmful": float((oof[y == 1] > threshold).mean()),
@@ -203,11 +194,13 @@ def fit_reply_guard(ex: Exchanges, blocks: Sequence[int], *, budget: float = REP
     return readout, scales, threshold, details
 
 
-def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exchanges | None = None,
+def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *,
+                       replies: tuple[np.ndarray, list[np.ndarray]] | None = None,
                        spec: ProbeSpec = DEFAULT_PROBE, C: float = DEFAULT_C, ordinary_budget: float = ORDINARY_BUDGET,
                        lookalike_budget: float = LOOKALIKE_BUDGET, progress: Progress | None = None) -> SafetyProfile:
-    """Fit the prompt probe ``spec`` (and, given ``exchanges``, the reply guard, a logistic probe of
-    strength ``C``) on calibration states."""
+    """Fit the prompt probe ``spec`` on calibration states and, given ``replies`` (corpus rows and
+    the states of the model's replies to them, :func:`generate_reply_states`), the reply guard's
+    head, logistic at strength ``C``."""
     stage = "Safety: fitting the guards (cross-validated)"
 
     def step(done: int) -> None:
@@ -244,16 +237,18 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exch
         roc=thin_roc({k: roc[k] for k in ("thresholds", "tpr", "fpr", "auc", "threshold",
                                            "tpr_at_threshold", "fpr_at_threshold")}),
     )
-    if exchanges is not None:
-        stacked = oof[exchanges.rows] if exchanges.rows is not None else None
-        r_readout, scales, r_thr, reply_det = fit_reply_guard(exchanges, blocks, C=C, prompt_logits=stacked)
-        reply_det["reads_prompt_logit"] = stacked is not None
+    exchanges = None
+    if replies is not None:
+        rows, states = replies
+        exchanges = Exchanges(reply_states=states, prompt_logits=oof[rows], labels=y[rows], cats=corpus.cats[rows])
+        r_readout, scales, r_thr, reply_det = fit_reply_guard(exchanges, readout, C=C)
         reply = {"reply_Q": r_readout.Q.astype(np.float32), "reply_centre": r_readout.centre.astype(np.float32),
                  "reply_scales": scales.astype(np.float32), "reply_weights": r_readout.weights.astype(np.float32),
                  "reply_bias": float(r_readout.bias), "reply_threshold": logit_to_teh(r_thr)}
         for key, value in reply.items():
             setattr(profile, key, value)
-        benign = [r for r, lab in zip(exchanges.reply_states, exchanges.labels, strict=True) if lab == 0]
+        # Safe OGD's check reads reply windows at the safety layer: the last block of the reply states
+        benign = [r[:, -d:] for r, lab in zip(exchanges.reply_states, exchanges.labels, strict=True) if lab == 0]
         top = max(float(reply_window_scores(profile, r).max()) for r in benign if len(r))
         profile.window_threshold = top * REPLY_MARGIN
         reply_det["window"] = {"benign_reply_max": top, "margin": REPLY_MARGIN}
@@ -263,7 +258,7 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *, exchanges: Exch
         "threshold_rule": {"ordinary_budget": ordinary_budget, "lookalike_budget": lookalike_budget,
                            "folds": len(folds), "groups": "twin pairs held whole", **cost},
         "cv": prompt_report(corpus, oof, threshold_logit),
-        "reply": {**reply_det, "probe": {"kind": "logistic", "C": C}} if exchanges is not None else reply_det,
+        "reply": {**reply_det, "head": {"kind": "logistic", "C": C}} if exchanges is not None else reply_det,
         "n_calibration": int(len(y)),
         "teh_definition": "100*sigmoid(a^T Q^T (h-c) + b): the probe's reading of the state's forbidden coordinates",
     }
@@ -285,14 +280,15 @@ def reply_sample(rows: Sequence[dict[str, Any]], per_source: dict[str, int] | No
     return pick
 
 
-def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24,
-                          batch_size: int = 16, progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
-    """Greedy replies to ``prompts`` and the layer-``layer`` states (n, d) of their tokens (the engine's own
-    batching); ``progress(n)`` after every ``batch_size`` replies."""
+def generate_reply_states(lm: Any, prompts: list[list[dict[str, str]]], layers: Sequence[int], *,
+                          max_new_tokens: int = 24, batch_size: int = 16,
+                          progress: Callable[[int], None] | None = None) -> list[np.ndarray]:
+    """Greedy replies to ``prompts`` and their tokens' states at ``layers``, side by side
+    (n, len(layers)·d) (the engine's own batching); ``progress(n)`` after every ``batch_size`` replies."""
     out: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):
         part = prompts[start:start + batch_size]
-        out += lm.reply_states(part, layer, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        out += lm.reply_states(part, list(layers), max_new_tokens=max_new_tokens, batch_size=batch_size)
         if progress is not None:
             progress(len(part))
     return out
@@ -314,8 +310,6 @@ def build_safety_profile(lm: Any, layer: int, system_prompt: str, *, progress: P
     X = safety_states(lm, chats, layers, progress=ticker("Safety: states of the calibration prompts", len(chats)))
     corpus = Corpus.of(X, rows)
     pick = reply_sample(rows)
-    R = generate_reply_states(lm, [chats[i] for i in pick], layers[-1], max_new_tokens=REPLY_CALIBRATION_TOKENS,
+    R = generate_reply_states(lm, [chats[i] for i in pick], layers, max_new_tokens=REPLY_CALIBRATION_TOKENS,
                               progress=ticker("Safety: the model's replies, for the reply guard", len(pick)))
-    exchanges = Exchanges(prompt_states=X[pick], reply_states=R, labels=corpus.labels[pick], cats=corpus.cats[pick],
-                          rows=np.asarray(pick))
-    return fit_safety_profile(corpus, layers, exchanges=exchanges, progress=progress)
+    return fit_safety_profile(corpus, layers, replies=(np.asarray(pick), R), progress=progress)

@@ -18,21 +18,27 @@ Definitions (precise, as implemented; docs/architecture.md, Definitions):
   coordinates. The prompt guard refuses when it is over ``threshold``, so the number shown
   and the verdict agree.
 - Safe OGD's projector at the safety layer ``P_safe = I − Q_L Q_Lᵀ``
-  (:meth:`SafetyProfile.layer_subspace`: the prompt probe's directions there and the reply
-  guard's direction for reply states). Theorem (tested): a step ``P_safe v`` moves neither
-  guard's score, and ``TEH(c + P_safe (s − c)) = TEH(c)``, the benign centre's reading.
+  (:meth:`SafetyProfile.layer_subspace`: the prompt probe's directions there, which the reply
+  guard reads too). Theorem (tested): a step ``P_safe v`` moves neither guard's score, and
+  ``TEH(c + P_safe (s − c)) = TEH(c)``, the benign centre's reading.
 - A ``(Q, c)`` pair, and a profile without a probe (``weights`` None), score by the paper's
   share of norm ``‖Q Qᵀ (h − c)‖ / ‖h − c‖ × 100`` (:func:`share`); Safe OGD's check of a
   steered reply's windows uses it in ``Q_L`` (:func:`window_scorer`).
 
 The reply guard judges a reply together with the request it answers, as guard
-models judge a response in the context of its prompt: an *exchange state*
-``[s / s_p, mean of the newest 8 reply states / s_r]`` (:func:`exchange_states`) is
-read by a second probe fitted on the model's own greedy replies to calibration
-prompts (replies to harmful prompts, generated with the prompt guard off, are the
-positives; replies to benign ones and to ordinary requests the negatives). Its
-threshold lets a stated share of the benign replies' out-of-fold scores (a reply's
-score: its largest check point) lie above it.
+models judge a response in the context of its prompt. The prompt probe reads both:
+at each check point the *exchange state* is two numbers (:func:`exchange_states`),
+the probe's logit of the mean of the newest 8 reply states at the read-out layers
+(what the reply is saying now, read as the probe reads a request) and its logit of
+the request itself. A two-input logistic head fitted on the model's own greedy
+replies to calibration prompts (replies to harmful prompts, generated with the
+prompt guard off, are the positives; replies to benign ones and to ordinary
+requests the negatives) weighs them. Its threshold lets a stated share of the
+benign replies' out-of-fold scores (a reply's score: its largest check point) lie
+above it. Two numbers read through the probe, fitted on the whole calibration
+corpus, generalise to replies from a source the head never saw; a head over the raw
+states, fitted on a few hundred replies, did not (docs/measurements.md, "The reply
+guard reads through the probe").
 
 Ordinary generation is never steered or ablated here: removing the
 harmful-minus-benign direction from the residual stream is the published way
@@ -75,11 +81,12 @@ class SafetyProfile:
     category_bias: np.ndarray  # (c,) probe offsets: score_k(h) = w_k·h + b_k
     roc: dict[str, Any]  # {"thresholds", "tpr", "fpr", "auc"} on the calibration set
     details: dict[str, Any] = field(default_factory=dict)  # per-category AUCs, selection, budget, CV
-    # The reply guard's own subspace over exchange states (:func:`exchange_states`), fitted on the
-    # model's replies; None: the reply guard scores reply windows in Q against ``reply_threshold``.
-    reply_Q: np.ndarray | None = None  # (2d, m_r) orthonormal
-    reply_centre: np.ndarray | None = None  # (2d,)
-    reply_scales: np.ndarray | None = None  # (2,) or (3,): mean sizes of prompt states, reply windows, prompt logits
+    # The reply guard's head over exchange states (:func:`exchange_states`: two logits of the
+    # prompt probe), fitted on the model's replies; None: the reply guard scores reply windows in
+    # Q against ``reply_threshold``.
+    reply_Q: np.ndarray | None = None  # (2, 2): the exchange state's two coordinates
+    reply_centre: np.ndarray | None = None  # (2,)
+    reply_scales: np.ndarray | None = None  # (2,): mean sizes of the reply windows' and the prompts' logits
     # Safe OGD's check of steered replies (isagi.explore.chains): window TEH in Q, above every benign reply
     window_threshold: float | None = None
     # The probe (module docstring, "The probe"): the read-out layers whose states stand side by side
@@ -126,9 +133,9 @@ class SafetyProfile:
         """(Q_L (d, m), c_L (d,)): the forbidden directions the guards use in layer ``layer``'s
         residual stream, orthonormal, and the centre there; what Safe OGD projects out of a step.
 
-        The prompt probe's direction at ``layer`` (when it reads that layer) and the reply guard's
-        direction for reply states (read at :attr:`layer`), so a step projected by
-        ``I - Q_L Q_L^T`` moves neither guard's score (module docstring).
+        The prompt probe's directions at ``layer`` (when it reads that layer); the reply guard reads
+        reply states through the same probe, so a step projected by ``I - Q_L Q_L^T`` moves
+        neither guard's score (module docstring).
         """
         d, blocks = self.layer_width, self.read_layers
         Q = np.asarray(self.Q, np.float64)
@@ -140,13 +147,6 @@ class SafetyProfile:
             part = Q[i * d:(i + 1) * d]
             cols += [part[:, j] for j in range(part.shape[1]) if np.linalg.norm(part[:, j]) > 1e-8]
             centre = c[i * d:(i + 1) * d]
-        if self.reply_Q is not None and layer == self.layer:
-            # the reply window's block of the exchange state (after the prompt's layers; a stacked
-            # guard's prompt-logit coordinate follows it and is not a direction in this layer)
-            rQ = np.asarray(self.reply_Q, np.float64)[len(blocks) * d:(len(blocks) + 1) * d]
-            cols += [rQ[:, j] for j in range(rQ.shape[1]) if np.linalg.norm(rQ[:, j]) > 1e-8]
-            if centre is None:
-                centre = np.asarray(self.reply_centre, np.float64)[len(blocks) * d:(len(blocks) + 1) * d]
         if not cols or centre is None:
             raise ValueError(f"the safety profile reads no state at layer {layer} (its layers: {blocks})")
         basis, sv, _ = np.linalg.svd(np.stack(cols, axis=1), full_matrices=False)
@@ -154,7 +154,7 @@ class SafetyProfile:
 
     @property
     def exchange_guard(self) -> bool:
-        """Whether replies are judged with their prompt (:func:`exchange_states`)."""
+        """Whether replies are judged with their prompt through the probe (:func:`exchange_states`)."""
         return self.reply_Q is not None
 
     def to_state(self) -> dict[str, Any]:
@@ -219,13 +219,12 @@ class SafetyProfile:
             details=dict(state.get("details", {})),
             layers=layers,
             **probe,
-            **_reply_fields(state, Q.shape[0], Q.shape[0] // len(layers or [0])),
+            **_reply_fields(state),
         )
 
 
-def _reply_fields(state: dict[str, Any], d: int, width: int) -> dict[str, Any]:
-    """The optional reply-guard arrays of a stored profile, shape-checked (``d``: the prompt state's
-    length, ``width``: one layer's)."""
+def _reply_fields(state: dict[str, Any]) -> dict[str, Any]:
+    """The optional reply-guard arrays of a stored profile, shape-checked."""
     out: dict[str, Any] = {}
     if state.get("window_threshold") is not None:
         out["window_threshold"] = float(state["window_threshold"])
@@ -234,10 +233,8 @@ def _reply_fields(state: dict[str, Any], d: int, width: int) -> dict[str, Any]:
     rQ = np.asarray(state["reply_Q"], dtype=np.float32)
     rc = np.asarray(state["reply_centre"], dtype=np.float32)
     rs = np.asarray(state["reply_scales"], dtype=np.float32)
-    # scales (s_p, s_r), or (s_p, s_r, s_z) where the exchange state ends with the prompt probe's logit
-    extra = 1 if rs.shape == (3,) else 0
-    if (rQ.ndim != 2 or rQ.shape[0] != d + width + extra or rc.shape != (d + width + extra,)
-            or rs.shape not in ((2,), (3,)) or (extra and "weights" not in state)):
+    # the exchange state is two logits of the prompt probe: a profile with a reply guard has a probe
+    if rQ.ndim != 2 or rQ.shape[0] != 2 or rc.shape != (2,) or rs.shape != (2,) or "weights" not in state:
         raise ValueError(f"reply guard shapes do not match: reply_Q {rQ.shape}, centre {rc.shape}, scales {rs.shape}")
     if "reply_weights" in state:
         out.update(reply_weights=np.asarray(state["reply_weights"], dtype=np.float32).reshape(rQ.shape[1]),
@@ -354,52 +351,43 @@ def _check_points(n: int, every: int) -> list[int]:
     return points
 
 
-def exchange_states(prompt_state: np.ndarray, reply_states: np.ndarray, scales: np.ndarray, *,
-                    every: int = 8, window: int = REPLY_WINDOW, prompt_logit: float | None = None) -> np.ndarray:
-    """One exchange state per check point of a reply: [prompt state / s_p, window mean / s_r]
-    and, with a third scale s_z, the prompt probe's logit / s_z as one more coordinate.
+def exchange_states(probe: Readout, reply_states: np.ndarray, prompt_logit: float, scales: np.ndarray, *,
+                    every: int = 8, window: int = REPLY_WINDOW) -> np.ndarray:
+    """One exchange state per check point of a reply (k, 2): [y / s_y, z / s_z].
 
-    The window mean is that of the newest ``window`` reply states at the check
-    point; ``scales`` put the parts at unit mean size. A reply is judged with
-    the request it answers, as guard models judge a response in the context of
-    its prompt: on the replies of SmolLM2-135M the reply windows alone separate
-    the replies to harmful and to benign calibration prompts poorly, with the
-    prompt beside them well (docs/measurements.md, "How a turn works", step 7).
-    The prompt probe's logit carries what the probe learnt from the whole
-    calibration corpus, which the few hundred replies the reply guard is fitted
-    on cannot teach it about the prompt's raw state (docs/architecture.md, "The
-    reply guard").
+    ``reply_states`` (n, len(read_layers)·d) are the reply tokens' states at the prompt probe's
+    read-out layers, side by side as in a safety state; ``y`` is the probe's logit of the mean of
+    the newest ``window`` of them at the check point, ``z`` (``prompt_logit``) its logit of the
+    request; ``scales`` put both at unit mean size. The probe reads the reply as it reads a
+    request: its directions were learnt from the whole calibration corpus, which the few hundred
+    replies the head is fitted on could not teach a reader of raw reply states (module docstring).
     """
     states = np.asarray(reply_states, dtype=np.float64)
-    p = np.asarray(prompt_state, dtype=np.float64) / float(scales[0])
-    z = np.zeros(0)
-    if len(scales) > 2:
-        if prompt_logit is None:
-            raise ValueError("this exchange state has the prompt probe's logit: pass prompt_logit")
-        z = np.array([float(prompt_logit) / float(scales[2])])
-    rows = [np.concatenate([p, states[max(0, k - window):k].mean(axis=0) / float(scales[1]), z])
-            for k in _check_points(len(states), every)]
-    return np.stack(rows) if rows else np.zeros((0, len(p) + states.shape[-1] + len(z)))
+    points = _check_points(len(states), every)
+    if not points:
+        return np.zeros((0, 2))
+    windows = np.stack([states[max(0, k - window):k].mean(axis=0) for k in points])
+    y = np.asarray(probe.logits(windows), dtype=np.float64).reshape(len(points))
+    return np.stack([y / float(scales[0]), np.full(len(points), float(prompt_logit) / float(scales[1]))], axis=1)
 
 
-def probe_logit(profile: SafetyProfile, prompt_state: np.ndarray) -> float | None:
-    """The prompt probe's logit of ``prompt_state`` where the profile's reply guard reads it, else None."""
-    if profile.reply_scales is None or len(profile.reply_scales) < 3 or profile.weights is None:
-        return None
+def probe_logit(profile: SafetyProfile, prompt_state: np.ndarray) -> float:
+    """The prompt probe's logit of ``prompt_state`` (a profile with a probe)."""
     readout = profile.readout()
-    assert isinstance(readout, Readout)
-    return float(readout.logits(prompt_state)[0])
+    if not isinstance(readout, Readout):
+        raise ValueError("this safety profile has no probe: its TEH is a share of norm")
+    return float(np.asarray(readout.logits(prompt_state)).reshape(-1)[0])
 
 
 class ReplyGuard:
     """Streaming check of a reply: TEH of the newest reply states, with the prompt they answer.
 
-    With an exchange guard in the profile (:attr:`SafetyProfile.exchange_guard`)
-    it scores :func:`exchange_states` in the reply subspace; without one (a
-    profile fitted without replies) the mean of the newest ``window`` reply
-    states in the prompt subspace ``Q``. The mean of several states summarises
-    what the reply is currently saying; a single token's state is dominated by
-    that token.
+    With an exchange guard in the profile (:attr:`SafetyProfile.exchange_guard`) it scores
+    :func:`exchange_states` with the reply head, and reads reply states at every layer of
+    :attr:`layers` (the probe's read-out layers, side by side); without one (a profile fitted
+    without replies) the mean of the newest ``window`` reply states at the profile's layer in
+    the prompt subspace ``Q``. The mean of several states summarises what the reply is
+    currently saying; a single token's state is dominated by that token.
     """
 
     def __init__(self, profile: SafetyProfile, prompt_state: np.ndarray | None = None, every: int = 8,
@@ -407,13 +395,18 @@ class ReplyGuard:
         if profile.exchange_guard and prompt_state is None:
             raise ValueError("this profile's reply guard judges a reply with its prompt: pass prompt_state")
         self.profile = profile
-        self.prompt_state = prompt_state
-        self.prompt_logit = probe_logit(profile, prompt_state) if prompt_state is not None else None
+        self.prompt_logit = probe_logit(profile, prompt_state) if profile.exchange_guard else None  # type: ignore[arg-type]
         self.every = every
         self.window = window
         self.max_teh = 0.0
 
+    @property
+    def layers(self) -> list[int]:
+        """The layers whose reply states :meth:`score` takes, side by side in this order."""
+        return self.profile.read_layers if self.profile.exchange_guard else [int(self.profile.layer)]
+
     def score(self, reply_hidden: np.ndarray) -> float:
+        """TEH % of the newest window of ``reply_hidden`` (n, len(layers)·d)."""
         states = np.asarray(reply_hidden)
         if states.ndim == 1:
             states = states[None, :]
@@ -421,9 +414,11 @@ class ReplyGuard:
             return 0.0
         prof = self.profile
         if prof.exchange_guard:
-            x = exchange_states(self.prompt_state, states[-self.window:], prof.reply_scales,  # type: ignore[arg-type]
-                                every=len(states[-self.window:]), window=self.window,
-                                prompt_logit=self.prompt_logit)[-1]
+            probe = prof.readout()
+            assert isinstance(probe, Readout) and self.prompt_logit is not None and prof.reply_scales is not None
+            newest = states[-self.window:]
+            x = exchange_states(probe, newest, self.prompt_logit, prof.reply_scales, every=len(newest),
+                                window=self.window)[-1]
             return float(teh(prof.reply_readout(), x))
         return float(teh(window_scorer(prof), states[-self.window :].mean(axis=0)))
 

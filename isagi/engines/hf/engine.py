@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, suppress
 from typing import Any
 
 import numpy as np
 
-from isagi.engines.base import GenerationOptions, check_layer
+from isagi.engines.base import GenerationOptions, check_layer, layer_list
 
 
 class TransformersEngine:
@@ -155,15 +155,18 @@ class TransformersEngine:
                 progress(len(chunk))
 
     def reply_states(
-        self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
+        self, chats: list[list[dict[str, str]]], layer: int | Sequence[int], *, max_new_tokens: int = 24,
+        batch_size: int = 16,
     ) -> list[np.ndarray]:
-        """Batched greedy replies with left padding, then one teacher-forced pass for the states."""
+        """Batched greedy replies with left padding, then one teacher-forced pass for the states
+        (several layers: side by side, in their order)."""
         import torch
 
         from isagi.engines.hf.generation import left_padded, mask_positions, pad_id
         from isagi.engines.hf.hooks import capture_layer
 
         lm = self.loaded
+        layers = layer_list(layer)
         stops = lm.stop_token_ids
         out: list[np.ndarray] = []
         for start in range(0, len(chats), batch_size):
@@ -183,9 +186,10 @@ class TransformersEngine:
                         break
                     n += 1
                 lengths.append(n)
-            with capture_layer(lm.model, layer, keep_all=True) as cap, torch.inference_mode():
+            with ExitStack() as stack, torch.inference_mode():
+                caps = [stack.enter_context(capture_layer(lm.model, x, keep_all=True)) for x in layers]
                 lm.model(input_ids=gen, attention_mask=full_mask, position_ids=mask_positions(full_mask), logits_to_keep=1)
-                states = cap.full[-1].float().cpu().numpy()
+                states = np.concatenate([cap.full[-1].float().cpu().numpy() for cap in caps], axis=-1)
             # the state at position p is the state "after feeding token p": reply tokens are fed at width..width+n-1
             out += [states[i, width : width + n] for i, n in enumerate(lengths)]
         return out

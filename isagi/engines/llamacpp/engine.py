@@ -27,12 +27,12 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from isagi.engines.base import GenerationOptions, check_layer
+from isagi.engines.base import GenerationOptions, check_layer, layer_list
 from isagi.engines.kv_prefix import PrefixStore
 from isagi.engines.llamacpp.decoding import LlamaCppDecoding
 from isagi.engines.llamacpp.forward import ForwardPasses
@@ -258,16 +258,20 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
                 self._clear(None)  # a truncated cache holds no layer above the captured ones
 
     def reply_states(
-        self, chats: list[list[dict[str, str]]], layer: int, *, max_new_tokens: int = 24, batch_size: int = 16
+        self, chats: list[list[dict[str, str]]], layer: int | Sequence[int], *, max_new_tokens: int = 24,
+        batch_size: int = 16,
     ) -> list[np.ndarray]:
-        """Greedy replies to ``chats`` and their ``layer`` states; with several slots, up to one
-        reply per slot decodes at once (a thread each), each the reply it gets alone."""
+        """Greedy replies to ``chats`` and their ``layer`` states (several layers: side by side);
+        with several slots, up to one reply per slot decodes at once (a thread each), each the
+        reply it gets alone."""
+        layers = layer_list(layer)
 
         def one(chat: list[dict[str, str]]) -> np.ndarray:
-            with self.generation(chat, layer, GenerationOptions(max_new_tokens=max_new_tokens)) as gen:
+            options = GenerationOptions(max_new_tokens=max_new_tokens)
+            with self.generation(chat, layers[-1], options, also_capture=tuple(layers[:-1])) as gen:
                 for _ in gen.stream():
                     pass
-                return gen.reply_hidden(layer)
+                return np.concatenate([gen.reply_hidden(x) for x in layers], axis=1)
 
         width = min(self.slots, len(chats))
         if width <= 1:
