@@ -311,8 +311,9 @@ def profile_show(model: ModelOpt = None, backend: BackendOpt = None, home: HomeO
         "prompt_guard": (f"{_probe_words(s)} over layers {', '.join(map(str, s.read_layers))}: "
                          "TEH = 100 sigmoid(logit)" if s.weights is not None else "share of norm in the forbidden subspace"),
         "teh_threshold": s.threshold, "teh_reply_threshold": s.reply_threshold, "forbidden_dims": int(s.Q.shape[1]),
-        "reply_guard": ("the reply judged with its prompt (exchange probe, "
-                        f"{int(s.reply_Q.shape[1])} dims)" if s.reply_Q is not None else "reply windows in the prompt subspace"),
+        "reply_guard": ("the reply judged with its prompt: the prompt probe's logit of the newest 8 reply states "
+                        "beside its logit of the prompt, weighed by a logistic head" if s.reply_Q is not None
+                        else "reply windows in the prompt subspace"),
         "threshold_rule": s.details.get("threshold_rule"),
         "safety_categories": list(s.categories), "roc_auc_out_of_fold": roc.get("auc"),
         "safety_cv": s.details.get("cv"), "report": p.report,
