@@ -205,7 +205,7 @@ def run_replies(
     each set (for a quicker look; the figures are then for that sample).
     """
     from isagi.safety.build import generate_reply_states
-    from isagi.safety.runtime import ReplyGuard, exchange_scores
+    from isagi.safety.runtime import exchange_scores
 
     sets = load_benchmark_sets(benchmarks_dir)
     groups: dict[str, list[str]] = {"harmful": ["advbench"],
@@ -218,7 +218,7 @@ def run_replies(
             texts = sets[name][:limit] if limit else sets[name]
             chats = [_chat(system_prompt, t) for t in texts]
             P = _states(lm, system_prompt, profile.read_layers, texts)
-            R = generate_reply_states(lm, chats, ReplyGuard(profile, P[0]).layers, max_new_tokens=max_new_tokens,
+            R = generate_reply_states(lm, chats, profile.reply_layers, max_new_tokens=max_new_tokens,
                                       progress=counter(progress, f"Replies to {name}", len(chats)))
             withheld = [bool(len(r)) and bool((exchange_scores(profile, p, r) > profile.reply_threshold).any())
                         for p, r in zip(P, R, strict=True)]

@@ -887,8 +887,9 @@ def _generate(
 
 
 def _guard_states(gen: Decoding, guard: ReplyGuard) -> np.ndarray:
-    """The reply's states at the guard's layers, side by side (:attr:`ReplyGuard.layers`)."""
-    return np.concatenate([gen.reply_hidden(layer) for layer in guard.layers], axis=1)
+    """The newest ``guard.window`` reply states at the guard's layers, side by side
+    (:attr:`ReplyGuard.layers`): all a check reads, with the Continue's ``before`` in front."""
+    return np.concatenate([gen.reply_hidden(layer)[-guard.window:] for layer in guard.layers], axis=1)
 
 
 def _joined(before: np.ndarray | None, states: np.ndarray) -> np.ndarray:

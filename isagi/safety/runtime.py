@@ -153,6 +153,12 @@ class SafetyProfile:
         return basis[:, sv > 1e-6 * sv.max()], centre
 
     @property
+    def reply_layers(self) -> list[int]:
+        """The layers a reply is read at, side by side in this order: the probe's read-out layers
+        with an exchange guard (:func:`exchange_states`), else the profile's layer."""
+        return self.read_layers if self.exchange_guard else [int(self.layer)]
+
+    @property
     def exchange_guard(self) -> bool:
         """Whether replies are judged with their prompt through the probe (:func:`exchange_states`)."""
         return self.reply_Q is not None
@@ -395,15 +401,14 @@ class ReplyGuard:
         if profile.exchange_guard and prompt_state is None:
             raise ValueError("this profile's reply guard judges a reply with its prompt: pass prompt_state")
         self.profile = profile
+        self.layers = profile.reply_layers  # the reply states :meth:`score` takes, side by side
+        # an exchange guard's readers and the prompt's logit, once per reply (not per check point)
+        self._head = profile.reply_readout() if profile.exchange_guard else None
+        self._probe = profile.readout()
         self.prompt_logit = probe_logit(profile, prompt_state) if profile.exchange_guard else None  # type: ignore[arg-type]
         self.every = every
         self.window = window
         self.max_teh = 0.0
-
-    @property
-    def layers(self) -> list[int]:
-        """The layers whose reply states :meth:`score` takes, side by side in this order."""
-        return self.profile.read_layers if self.profile.exchange_guard else [int(self.profile.layer)]
 
     def score(self, reply_hidden: np.ndarray) -> float:
         """TEH % of the newest window of ``reply_hidden`` (n, len(layers)·d)."""
@@ -413,13 +418,12 @@ class ReplyGuard:
         if len(states) == 0:
             return 0.0
         prof = self.profile
-        if prof.exchange_guard:
-            probe = prof.readout()
-            assert isinstance(probe, Readout) and self.prompt_logit is not None and prof.reply_scales is not None
+        if self._head is not None:
+            assert isinstance(self._probe, Readout) and self.prompt_logit is not None and prof.reply_scales is not None
             newest = states[-self.window:]
-            x = exchange_states(probe, newest, self.prompt_logit, prof.reply_scales, every=len(newest),
+            x = exchange_states(self._probe, newest, self.prompt_logit, prof.reply_scales, every=len(newest),
                                 window=self.window)[-1]
-            return float(teh(prof.reply_readout(), x))
+            return float(teh(self._head, x))
         return float(teh(window_scorer(prof), states[-self.window :].mean(axis=0)))
 
     def check(self, reply_hidden: np.ndarray) -> tuple[bool, float]:
