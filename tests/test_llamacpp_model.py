@@ -321,6 +321,70 @@ def test_reply_states_of_several_layers_stand_side_by_side_as_each_alone(default
     np.testing.assert_allclose(both[:, :d], low, rtol=1e-4, atol=1e-4)
 
 
+GROUP_TEXTS = ("What is the capital of France?", "How do I kill a Python process?", "Name a bird.",
+               "Write a short poem about the sea and the wind at night, in four lines.",
+               "Explain how bread rises.", "What is two plus two?", "Tell me about the water cycle.")
+
+
+def test_prompt_states_in_groups_are_each_prompts_own(default_llama) -> None:
+    """The build's prompt states are read side by side in groups (isagi.engines.llamacpp.batched):
+    each prompt's states equal those of the prompt evaluated alone, row for row (up to the rounding of
+    a larger matrix product), while the
+    shared system prompt is evaluated once for the whole group, not once per prompt."""
+    e = default_llama
+    chats = [[{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": t}]
+             for t in GROUP_TEXTS]
+    layers = [6, e.default_safety_layer]
+    names = e._names(layers)
+    alone = []
+    for chat in chats:
+        e._clear(None)
+        alone.append(e._decode(e.chat_tokens(chat), 0, capture=names, truncate=True))
+    e._clear(None)
+    before = e.evaluated_tokens
+    grouped = list(e.iter_prompt_states(chats, layers))
+    lengths = [len(e.chat_tokens(c)) for c in chats]
+    shared = min(len(e.chat_tokens(chats[0])[:n]) for n in lengths)
+    assert e.evaluated_tokens - before < sum(lengths) - (len(chats) - 1) * 10, "the shared prefix was not shared"
+    assert shared > 10
+    for got, ref, n in zip(grouped, alone, lengths, strict=True):
+        for layer in layers:
+            assert got[layer].shape == ref[layer].shape == (n, e.hidden_size)
+            assert row_cosine(got[layer], ref[layer]).min() > 0.999, layer  # 0.99988 seen: rounding
+
+
+def test_replies_in_groups_follow_each_reply_decoded_alone(default_llama) -> None:
+    """The build's greedy replies decode side by side, a token of each reply per llama_decode:
+    each starts with the token the reply decoded alone starts with, and keeps that reply's
+    tokens and states until a near-tie of two tokens goes the other way (a larger matrix
+    product rounds differently); a reply from another sequence's cells would differ at once."""
+    from isagi.engines.llamacpp.batched import HeldPrefix
+
+    e = default_llama
+    chats = [[{"role": "user", "content": t}] for t in GROUP_TEXTS]
+    layer = e.default_safety_layer
+    names = e._names([layer])
+    alone_ids, alone_states = [], []
+    for chat in chats:
+        with e.generation(chat, layer, GenerationOptions(max_new_tokens=12)) as gen:
+            for _ in gen.stream():
+                pass
+            alone_ids.append(list(gen.new_ids))
+            alone_states.append(gen.reply_hidden())
+    tokens: list[list[int]] = []
+    got = e.grouped_replies([e.chat_tokens(c) for c in chats], names, 12, e.stop_token_ids, HeldPrefix(), tokens)
+    e._clear(None)
+    agreed = 0
+    for ids, ref_ids, states, ref in zip(tokens, alone_ids, got, alone_states, strict=True):
+        assert ids[0] == ref_ids[0]
+        same = next((i for i, (a, b) in enumerate(zip(ids, ref_ids, strict=False)) if a != b), min(len(ids), len(ref_ids)))
+        fed = min(same, len(states[layer]), len(ref))
+        assert row_cosine(states[layer][:fed], ref[:fed]).min() > 0.999
+        assert len(states[layer]) == len(ids) - (len(ids) == 12)  # the last token of a full reply is not fed back
+        agreed += ids == ref_ids
+    assert agreed >= len(chats) // 2, (tokens, alone_ids)
+
+
 def test_a_states_only_prefill_reads_the_same_states_and_decodes_nothing(default_llama) -> None:
     """The turn's lookup prompt, when the reply comes from another prompt, stops after the last
     captured layer: the same states as a full prefill, no prefix saved from its half-written KV

@@ -252,13 +252,22 @@ def test_an_exploration_takes_every_slot_while_chat_replies_wait_and_ends_as_alo
     assert not batched._slot_owner and len(batched._free) == batched.slots
 
 
+def _reply_alone(engine, chat, layer: int) -> np.ndarray:
+    """A greedy reply's states decoded on its own (a one-slot engine's ``reply_states`` decodes
+    its replies side by side in groups instead)."""
+    with engine.generation(chat, layer, GenerationOptions(max_new_tokens=NEW)) as gen:
+        for _ in gen.stream():
+            pass
+        return gen.reply_hidden()
+
+
 def test_calibration_replies_in_slots_equal_those_decoded_one_at_a_time(engines, settings_default):
     """``reply_states`` (the profile build's greedy replies) decodes a reply per slot at once:
     the same replies, state for state, in fewer ``llama_decode`` calls than tokens."""
     alone, batched = engines
     layer = alone.default_layer
     chats = [_chat(settings_default.system_prompt, t) for t in TOPICS] * 2  # more replies than slots
-    expected = alone.reply_states(chats, layer, max_new_tokens=NEW)
+    expected = [_reply_alone(alone, chat, layer) for chat in chats]
     before = batched.steps.decodes
     got = batched.reply_states(chats, layer, max_new_tokens=NEW)
     decodes = batched.steps.decodes - before

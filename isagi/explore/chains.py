@@ -282,15 +282,10 @@ def explore(
     embeddings: list[np.ndarray] = []
     for i, alpha in enumerate(step_alphas):
         prompt = step_prompt(i, seed, prev_text, keyword, max_words)
-        H = prompt_hidden_states(
-            lm,
-            [
-                messages_for(prompt, system_prompt),
-                messages_for(DIVERGENT_PREFIX + prompt, system_prompt),
-            ],
-            L,
-        ).astype(np.float64)
-        h_plain, h_div = H[0], H[1]
+        # each prompt evaluated alone: the direction is a small difference of two states, which
+        # the rounding of a shared batch (padding, a grouped llama_decode) would move
+        h_plain, h_div = (prompt_hidden_states(lm, [messages_for(p, system_prompt)], L, batch_size=1)[0]
+                          .astype(np.float64) for p in (prompt, DIVERGENT_PREFIX + prompt))
         v = ogd_direction(h_plain, h_div, h_prev)
         s = step_vector(v, float(np.linalg.norm(h_plain)), alpha, Q if safe else None)
         text, R, new_ids, step_chat = generate_reply(

@@ -34,6 +34,7 @@ import numpy as np
 
 from isagi.engines.base import GenerationOptions, check_layer, layer_list
 from isagi.engines.kv_prefix import PrefixStore
+from isagi.engines.llamacpp.batched import GROUP_SEQS, BatchedPasses, HeldPrefix, groups
 from isagi.engines.llamacpp.decoding import LlamaCppDecoding
 from isagi.engines.llamacpp.forward import ForwardPasses
 from isagi.engines.llamacpp.load import load_model, model_quant, open_context, start_backend
@@ -41,7 +42,7 @@ from isagi.engines.llamacpp.sequences import Sequences
 from isagi.engines.llamacpp.text import ChatText
 
 
-class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
+class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
     """A GGUF model in one llama.cpp context (the design: the docstrings of the modules of
     :mod:`isagi.engines.llamacpp`)."""
 
@@ -224,37 +225,17 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
                 if progress is not None:  # one prompt at a time: progress moves with every prompt
                     progress(1)
             return
-        # One sequence: each prompt's leading tokens shared with the previous prompt (the system
-        # prompt at least) stay in the KV cache and keep their states (a causal model's state at a
-        # position depends only on the tokens up to it), so only the rest is evaluated.
-        prev: list[int] = []
-        prev_states: dict[int, np.ndarray] = {}
-        mine = object()  # the cache is this loop's while it owns it; a decode in between takes it
+        # One slot: groups of prompts side by side, their common prefix evaluated once and kept
+        # from group to group (isagi.engines.llamacpp.batched)
+        token_lists = [self.chat_tokens(chat) for chat in chats]
+        held = HeldPrefix()
         try:
-            for chat in chats:
-                ids = self.chat_tokens(chat)
-                if self.owner is not mine:
-                    self._clear(mine)
-                    prev = []
-                shared = 0
-                for a, b in zip(ids, prev, strict=False):
-                    if a != b:
-                        break
-                    shared += 1
-                if shared == len(ids):
-                    states = {layer: v[:shared] for layer, v in prev_states.items()}
-                else:
-                    with self.lock:
-                        self._ll.llama_memory_seq_rm(self._mem, 0, shared, -1)
-                    new = self._decode(ids[shared:], shared, capture=names, truncate=True)
-                    states = {layer: np.concatenate([prev_states[layer][:shared], new[layer]]) if shared else new[layer]
-                              for layer in new}
-                prev, prev_states = ids, states
-                yield states
-                if progress is not None:  # one prompt at a time: progress moves with every prompt
-                    progress(1)
+            for group in groups(token_lists, width=min(batch_size, GROUP_SEQS), cells=self._n_ctx):
+                yield from self.grouped_prompt_states([token_lists[i] for i in group], names, held)
+                if progress is not None:
+                    progress(len(group))
         finally:
-            if self.owner is mine:
+            if self.owner is held.owner:
                 self._clear(None)  # a truncated cache holds no layer above the captured ones
 
     def reply_states(
@@ -273,9 +254,23 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences):
                     pass
                 return np.concatenate([gen.reply_hidden(x) for x in layers], axis=1)
 
+        if self.slots == 1:  # side by side in groups (isagi.engines.llamacpp.batched)
+            for layer_ in layers:
+                self.check_layer(layer_)
+            names, stops = self._names(layers), self.stop_token_ids
+            token_lists = [self.chat_tokens(chat) for chat in chats]
+            held, out = HeldPrefix(), []
+            try:
+                for group in groups(token_lists, width=min(batch_size, GROUP_SEQS), cells=self._n_ctx,
+                                    extra=max_new_tokens):
+                    for got in self.grouped_replies([token_lists[i] for i in group], names, max_new_tokens, stops,
+                                                    held):
+                        out.append(np.concatenate([got[x] for x in layers], axis=1))
+            finally:
+                if self.owner is held.owner:
+                    self._clear(None)
+            return out
         width = min(self.slots, len(chats))
-        if width <= 1:
-            return [one(chat) for chat in chats]
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=width, thread_name_prefix="isagi-reply") as pool:

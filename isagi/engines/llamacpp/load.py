@@ -29,6 +29,7 @@ import ctypes
 from pathlib import Path
 from typing import Any
 
+from isagi.engines.llamacpp.batched import GROUP_SEQS
 from isagi.errors import ModelLoadError
 
 FLASH_ATTN = 0  # llama_flash_attn_type: -1 AUTO (llama.cpp's default: on for the CPU), 0 disabled, 1 enabled
@@ -80,7 +81,9 @@ def open_context(ll: Any, model: Any, *, n_ctx: int, slots: int, n_threads: int,
     # several sequences: one KV stream each (kv_unified off), so each decodes as in a context
     # of its own (isagi.engines.llamacpp_steps); n_ctx is then the sum of the slots' contexts
     cparams.n_ctx = n_ctx * slots
-    cparams.n_seq_max = slots
+    # one slot: one KV cache that GROUP_SEQS sequences share, for the build's grouped passes
+    # (isagi.engines.llamacpp.batched); everyday decodings use sequence 0 alone
+    cparams.n_seq_max = slots if slots > 1 else GROUP_SEQS
     cparams.kv_unified = slots == 1
     cparams.n_batch = cparams.n_ubatch = 512
     cparams.n_threads = cparams.n_threads_batch = n_threads
