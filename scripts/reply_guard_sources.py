@@ -1,0 +1,131 @@
+"""Where the reply guard's false alarms come from, on calibration replies only.
+
+Replays the build's reply head (:func:`isagi.safety.build.fit_reply_guard`'s design: logistic,
+each check point a row, each reply weighted once, a reply's score its largest check point) on
+more calibration replies than a build fits on, and prints, at several budgets (shares of the
+benign replies' out-of-fold scores above the threshold):
+
+- out of fold (5 folds): the share of harmful and of benign replies withheld, the benign split
+  into ordinary requests and look-alikes;
+- each corpus source held out in turn: head and threshold from the other sources, scored on it.
+
+No evaluation set is read. The states (the whole corpus, for the prompt probe's out-of-fold
+logits) and the replies are cached in ``--cache`` (about 22 minutes on 2 cores the first time).
+Figures: docs/measurements.md, "Where the reply guard's false alarms come from".
+
+    python scripts/reply_guard_sources.py --cache .isagi/reply-guard-sources
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from isagi.config import DEFAULT_SYSTEM_PROMPT, load_settings
+from isagi.data.safety import load_safety_corpus
+from isagi.safety.build import (
+    REPLY_CALIBRATION_TOKENS,
+    Corpus,
+    chat,
+    generate_reply_states,
+    read_layers,
+    reply_sample,
+    safety_states,
+)
+from isagi.safety.calibration import roc_auc
+from isagi.safety.probe import (
+    DEFAULT_C,
+    DEFAULT_PROBE,
+    fit_readout,
+    group_folds,
+    out_of_fold,
+    quantile_threshold,
+)
+from isagi.safety.runtime import exchange_states
+
+PER_SOURCE = {"harmful": 90, "benign": 150}
+BUDGETS = (0.01, 0.005, 0.0025)
+
+
+def collect(cache: Path) -> tuple[np.ndarray, dict]:
+    """The corpus's safety states and the sampled replies' states, from ``cache`` or computed now."""
+    states, replies = cache / "states.npy", cache / "replies.pkl"
+    if states.exists() and replies.exists():
+        return np.load(states), pickle.loads(replies.read_bytes())
+    from isagi.engines import load_engine
+
+    lm = load_engine(load_settings())
+    rows = load_safety_corpus()
+    chats = [chat(DEFAULT_SYSTEM_PROMPT, r["text"]) for r in rows]
+    layers = read_layers(lm.num_layers, lm.default_safety_layer)
+    X = safety_states(lm, chats, layers)
+    pick = reply_sample(rows, PER_SOURCE)
+    R = generate_reply_states(lm, [chats[i] for i in pick], layers, max_new_tokens=REPLY_CALIBRATION_TOKENS)
+    cache.mkdir(parents=True, exist_ok=True)
+    np.save(states, X)
+    replies.write_bytes(pickle.dumps({"pick": pick, "R": R, "layers": layers}))
+    return X, {"pick": pick, "R": R, "layers": layers}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=Path, required=True, help="folder for the states and replies")
+    args = ap.parse_args()
+    X, got = collect(args.cache)
+    rows = load_safety_corpus()
+    corpus = Corpus.of(X, rows)
+    blocks = [X.shape[1] // len(got["layers"])] * len(got["layers"])
+    oof = out_of_fold(corpus.X, corpus.labels, blocks, group_folds(corpus.groups), spec=DEFAULT_PROBE)
+    probe = fit_readout(corpus.X, corpus.labels, blocks, spec=DEFAULT_PROBE)
+    pick = np.asarray(got["pick"])
+    y, src = corpus.labels[pick], corpus.sources[pick]
+    look, ordinary = corpus.kinds.lookalike[pick], corpus.kinds.ordinary[pick]
+    raw = [exchange_states(probe, r, float(z), np.ones(2)) for r, z in zip(got["R"], oof[pick], strict=True)]
+    read = np.concatenate([x[:, 0] for x in raw if len(x)])
+    scales = np.array([np.abs(read).mean(), np.abs(oof[pick]).mean()])
+    ex = [x / scales for x in raw]
+
+    def fit(ids: np.ndarray):
+        ids = [i for i in ids if len(ex[i])]
+        w = np.concatenate([[1.0 / len(ex[i])] * len(ex[i]) for i in ids])
+        return fit_readout(np.concatenate([ex[i] for i in ids]), np.concatenate([[y[i]] * len(ex[i]) for i in ids]),
+                           [1, 1], C=DEFAULT_C, sample_weight=w * len(ids) / w.sum())
+
+    def score(head, i: int) -> float:
+        return float(head.logits(ex[i]).max()) if len(ex[i]) else -np.inf
+
+    def out_of_fold_scores(ids: np.ndarray) -> np.ndarray:
+        out: dict[int, float] = {}
+        for f in group_folds([str(i) for i in ids], 5, 0):
+            head = fit(np.setdiff1d(ids, ids[f]))
+            out.update({int(i): score(head, int(i)) for i in ids[f]})
+        return np.array([out[int(i)] for i in ids])
+
+    every = np.arange(len(ex))
+    s = out_of_fold_scores(every)
+    print(f"{len(ex)} replies ({int(y.sum())} harmful), out-of-fold AUC {roc_auc(s[y == 1], s[y == 0]):.4f}")
+    for budget in BUDGETS:
+        t = quantile_threshold(s[y == 0], budget)
+        print(f"budget {budget}: withheld harmful {np.mean(s[y == 1] > t):.3f}, benign {np.mean(s[y == 0] > t):.3f} "
+              f"(ordinary {np.mean(s[(y == 0) & ordinary] > t):.3f}, look-alike {np.mean(s[(y == 0) & look] > t):.3f} "
+              f"of {int(((y == 0) & look).sum())})")
+    print("each source held out (head and threshold from the others):")
+    for budget in BUDGETS:
+        parts = []
+        for source in sorted(set(src.tolist())):
+            train, test = every[src != source], every[src == source]
+            st = out_of_fold_scores(train)
+            t = quantile_threshold(st[y[train] == 0], budget)
+            head = fit(train)
+            sc, yt = np.array([score(head, int(i)) for i in test]), y[test]
+            tpr = f"{np.mean(sc[yt == 1] > t):.2f}" if (yt == 1).any() else "-"
+            fpr = f"{np.mean(sc[yt == 0] > t):.3f}" if (yt == 0).any() else "-"
+            parts.append(f"{source} harmful {tpr} benign {fpr}")
+        print(f"budget {budget}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
