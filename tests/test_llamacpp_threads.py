@@ -352,8 +352,14 @@ def test_comparisons_and_tries_take_small_decodes_unless_only_prompts_come():
     clock.now += th.CHECK_S + 1.0  # a pause: the comparison is due, and a turn's prompt comes first
     assert not policy.choose(50, prompt).probe
     assert policy.choose(1, ONE).probe
-    clock.now += th.PROBE_MAX_S  # only prompts for a long while (calibration): they take it
-    assert policy.choose(50, prompt).probe
+    clock.now += 10 * th.PROBE_MAX_S  # a long pause (the user reads, types): still not the prompt
+    assert not policy.choose(50, prompt).probe
+    # only prompts, back to back, for a long while (calibration): once overdue, they take it
+    probes = []
+    end = clock.now + 2 * th.PROBE_MAX_S
+    while clock.now < end:
+        probes.append(_step(policy, clock, FAST / 5, ON_ONE / 4, n=50).probe)
+    assert any(probes) and not probes[0]
 
 
 def test_a_core_taken_now_and_then_moves_the_mean_and_the_policy():

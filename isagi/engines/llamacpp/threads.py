@@ -58,8 +58,11 @@ BACK_MARGIN = 0.9  # a try moves back when it took less than this share of one t
 WINDOW = 16  # recent decodes kept per kind and count
 # A comparison or a try runs on a decode of at most this many tokens (a reply's token, a few
 # replies' tokens), where the other count's cost is small; on any decode once it is PROBE_MAX_S
-# overdue (prompts only: calibration). Else the first decode after a pause, a turn's prompt,
-# would take it and the reply's first token would come later.
+# overdue while decodes keep coming (prompts only, back to back: calibration). Else the first
+# decode after a pause, a turn's prompt, would take it and the reply's first token would come
+# later: a user's next message comes after a pause longer than PROBE_MAX_S, so every turn's
+# prompt ran on one thread and its first token came 1.7x later (docs/measurements.md, "The
+# first decode after a pause").
 PROBE_TOKENS = 8
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,7 @@ class ThreadPolicy:
         self._probe_wait = PROBE_S
         self._next_probe = clock() + CHECK_S
         self._returned_at = -float("inf")
+        self._last_at = -float("inf")  # when the last decode ended
         self.drops = 0  # moves to one thread (tests, benches)
         self.returns = 0  # moves back to the full count
 
@@ -148,7 +152,10 @@ class ThreadPolicy:
         if self.full == 1:
             return Choice(1)
         now = self._clock()
-        due = now >= self._next_probe and (n_tokens <= PROBE_TOKENS or now >= self._next_probe + PROBE_MAX_S)
+        # decodes back to back (no pause since the last one): only then may a large one be the probe
+        streaming = now - self._last_at < CHECK_S
+        overdue = streaming and now >= self._next_probe + PROBE_MAX_S
+        due = now >= self._next_probe and (n_tokens <= PROBE_TOKENS or overdue)
         if self.threads == self.full:
             if due and self.estimate(self.full, kind) is not None:
                 return Choice(1, probe=True)
@@ -166,6 +173,7 @@ class ThreadPolicy:
         if self.full == 1:
             return
         now = self._clock()
+        self._last_at = now
         per_token = seconds / max(1, n_tokens)
         if not cut:
             self._times.setdefault((choice.threads, kind), deque(maxlen=WINDOW)).append(per_token)
