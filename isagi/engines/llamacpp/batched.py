@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from isagi.engines.kv_prefix import shared_prefix
 from isagi.engines.llama_thread import on_llama_thread
 
 GROUP_SEQS = 16  # sequences of the one-slot context: prompts evaluated side by side
@@ -37,14 +38,8 @@ MAX_BATCH = 512  # the context's n_batch: tokens of one llama_decode
 
 def common_prefix(token_lists: Sequence[Sequence[int]]) -> int:
     """The number of leading tokens every list shares."""
-    first = token_lists[0]
-    n = min(len(t) for t in token_lists)
-    for other in token_lists[1:]:
-        i = 0
-        while i < n and other[i] == first[i]:
-            i += 1
-        n = i
-    return n
+    first = tuple(token_lists[0])
+    return min((shared_prefix(first, list(other)) for other in token_lists[1:]), default=len(first))
 
 
 def groups(token_lists: Sequence[Sequence[int]], *, width: int, cells: int, extra: int = 0) -> Iterator[list[int]]:
@@ -54,7 +49,7 @@ def groups(token_lists: Sequence[Sequence[int]], *, width: int, cells: int, extr
     group: list[int] = []
     for i in range(len(token_lists)):
         trial = [*group, i]
-        p = shared_prefix([token_lists[j] for j in trial])
+        p = group_prefix([token_lists[j] for j in trial])
         need = p + sum(len(token_lists[j]) - p + extra for j in trial)
         if group and (len(trial) > width or need > cells):
             yield group
@@ -65,7 +60,7 @@ def groups(token_lists: Sequence[Sequence[int]], *, width: int, cells: int, extr
         yield group
 
 
-def shared_prefix(token_lists: Sequence[Sequence[int]]) -> int:
+def group_prefix(token_lists: Sequence[Sequence[int]]) -> int:
     """The group's prefix evaluated once: its common prefix, leaving each prompt one token of its own
     (the token whose logits a reply starts from); none for a prompt alone, which is then evaluated
     in one piece, exactly as a decoding evaluates it."""
@@ -121,8 +116,8 @@ class BatchedPasses:
             new = self._batch_decode(batch, [(t, q + i, 0, False) for i, t in enumerate(target[q:])], names, truncate)
             states = {layer: np.concatenate([states[layer], got]) if q else got for layer, got in new.items()}
         held.ids, held.states = list(target), states
-        for seq in range(1, n):
-            if target:
+        if target:
+            for seq in range(1, n):
                 ll.llama_memory_seq_cp(self._mem, 0, seq, 0, len(target))
         return states
 
@@ -154,11 +149,26 @@ class BatchedPasses:
                         logits_of[seq] = self._logits(i).copy()
         return {layer: np.concatenate(p) if len(p) > 1 else p[0] for layer, p in parts.items()}
 
+    def in_groups(self, token_lists: list[list[int]], *, width: int, extra: int,
+                  run: Callable[[list[list[int]], HeldPrefix], list[dict[int, np.ndarray]]],
+                  ) -> Iterator[tuple[list[int], list[dict[int, np.ndarray]]]]:
+        """``run`` (:meth:`grouped_prompt_states` or :meth:`grouped_replies`) on each group of
+        :func:`groups` in turn, with one :class:`HeldPrefix` from group to group: (the group's
+        indices, what ``run`` gave). The KV cache is cleared afterwards if this still holds it
+        (a truncated prefix holds no layer above the captured ones)."""
+        held = HeldPrefix()
+        try:
+            for group in groups(token_lists, width=min(width, GROUP_SEQS), cells=self._n_ctx, extra=extra):
+                yield group, run([token_lists[i] for i in group], held)
+        finally:
+            if self.owner is held.owner:
+                self._clear(None)
+
     def grouped_prompt_states(self, token_lists: list[list[int]], names: dict[bytes, int], held: HeldPrefix,
                               ) -> list[dict[int, np.ndarray]]:
         """Every token's states of each prompt of one group (:func:`groups`) at the ``names``
         layers, as each gets alone; the graph stops after the last of them."""
-        p = shared_prefix(token_lists)
+        p = group_prefix(token_lists)
         batch = self._ll.llama_batch_init(MAX_BATCH, 0, 1)
         try:
             with self.lock:
@@ -185,7 +195,7 @@ class BatchedPasses:
         reply's tokens are appended to it."""
         n = len(token_lists)
         made_ids: list[list[int]] = [[] for _ in range(n)]
-        p = shared_prefix(token_lists)
+        p = group_prefix(token_lists)
         got: list[dict[int, list[np.ndarray]]] = [{layer: [] for layer in names.values()} for _ in range(n)]
         batch = self._ll.llama_batch_init(MAX_BATCH, 0, 1)
         try:

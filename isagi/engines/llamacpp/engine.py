@@ -34,7 +34,7 @@ import numpy as np
 
 from isagi.engines.base import GenerationOptions, check_layer, layer_list
 from isagi.engines.kv_prefix import PrefixStore
-from isagi.engines.llamacpp.batched import GROUP_SEQS, BatchedPasses, HeldPrefix, groups
+from isagi.engines.llamacpp.batched import BatchedPasses
 from isagi.engines.llamacpp.decoding import LlamaCppDecoding
 from isagi.engines.llamacpp.forward import ForwardPasses
 from isagi.engines.llamacpp.load import load_model, model_quant, open_context, start_backend
@@ -228,24 +228,28 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
         # One slot: groups of prompts side by side, their common prefix evaluated once and kept
         # from group to group (isagi.engines.llamacpp.batched)
         token_lists = [self.chat_tokens(chat) for chat in chats]
-        held = HeldPrefix()
-        try:
-            for group in groups(token_lists, width=min(batch_size, GROUP_SEQS), cells=self._n_ctx):
-                yield from self.grouped_prompt_states([token_lists[i] for i in group], names, held)
-                if progress is not None:
-                    progress(len(group))
-        finally:
-            if self.owner is held.owner:
-                self._clear(None)  # a truncated cache holds no layer above the captured ones
+        for group, states in self.in_groups(token_lists, width=batch_size, extra=0,
+                                            run=lambda ids, held: self.grouped_prompt_states(ids, names, held)):
+            yield from states
+            if progress is not None:
+                progress(len(group))
 
     def reply_states(
         self, chats: list[list[dict[str, str]]], layer: int | Sequence[int], *, max_new_tokens: int = 24,
         batch_size: int = 16,
     ) -> list[np.ndarray]:
-        """Greedy replies to ``chats`` and their ``layer`` states (several layers: side by side);
-        with several slots, up to one reply per slot decodes at once (a thread each), each the
-        reply it gets alone."""
+        """Greedy replies to ``chats`` and their ``layer`` states (several layers: side by side).
+        One slot: up to ``batch_size`` replies side by side in groups (:mod:`isagi.engines.llamacpp.batched`),
+        each the same kind of reply as alone, not always the same bytes; several slots: a reply per
+        slot at once (a thread each), each the reply it gets alone."""
         layers = layer_list(layer)
+        if self.slots == 1:
+            for layer_ in layers:
+                self.check_layer(layer_)
+            names, stops = self._names(layers), self.stop_token_ids
+            replies = self.in_groups([self.chat_tokens(chat) for chat in chats], width=batch_size, extra=max_new_tokens,
+                                     run=lambda ids, held: self.grouped_replies(ids, names, max_new_tokens, stops, held))
+            return [np.concatenate([got[x] for x in layers], axis=1) for _group, part in replies for got in part]
 
         def one(chat: list[dict[str, str]]) -> np.ndarray:
             options = GenerationOptions(max_new_tokens=max_new_tokens)
@@ -254,22 +258,6 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
                     pass
                 return np.concatenate([gen.reply_hidden(x) for x in layers], axis=1)
 
-        if self.slots == 1:  # side by side in groups (isagi.engines.llamacpp.batched)
-            for layer_ in layers:
-                self.check_layer(layer_)
-            names, stops = self._names(layers), self.stop_token_ids
-            token_lists = [self.chat_tokens(chat) for chat in chats]
-            held, out = HeldPrefix(), []
-            try:
-                for group in groups(token_lists, width=min(batch_size, GROUP_SEQS), cells=self._n_ctx,
-                                    extra=max_new_tokens):
-                    for got in self.grouped_replies([token_lists[i] for i in group], names, max_new_tokens, stops,
-                                                    held):
-                        out.append(np.concatenate([got[x] for x in layers], axis=1))
-            finally:
-                if self.owner is held.owner:
-                    self._clear(None)
-            return out
         width = min(self.slots, len(chats))
         from concurrent.futures import ThreadPoolExecutor
 
