@@ -19,7 +19,6 @@ Figures: docs/measurements.md, "Where the reply guard's false alarms come from".
 from __future__ import annotations
 
 import argparse
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -51,10 +50,14 @@ BUDGETS = (0.01, 0.005, 0.0025)
 
 
 def collect(cache: Path) -> tuple[np.ndarray, dict]:
-    """The corpus's safety states and the sampled replies' states, from ``cache`` or computed now."""
-    states, replies = cache / "states.npy", cache / "replies.pkl"
+    """The corpus's safety states and the sampled replies' states, from ``cache`` or computed now.
+    Plain arrays only (no pickle: a cache file is never code)."""
+    states, replies = cache / "states.npy", cache / "replies.npz"
     if states.exists() and replies.exists():
-        return np.load(states), pickle.loads(replies.read_bytes())
+        with np.load(replies, allow_pickle=False) as f:
+            cuts = np.cumsum(f["lengths"])[:-1]
+            return np.load(states, allow_pickle=False), {
+                "pick": f["pick"].tolist(), "layers": f["layers"].tolist(), "R": np.split(f["states"], cuts)}
     from isagi.engines import load_engine
 
     lm = load_engine(load_settings())
@@ -66,7 +69,8 @@ def collect(cache: Path) -> tuple[np.ndarray, dict]:
     R = generate_reply_states(lm, [chats[i] for i in pick], layers, max_new_tokens=REPLY_CALIBRATION_TOKENS)
     cache.mkdir(parents=True, exist_ok=True)
     np.save(states, X)
-    replies.write_bytes(pickle.dumps({"pick": pick, "R": R, "layers": layers}))
+    np.savez(replies, pick=np.asarray(pick), layers=np.asarray(layers), lengths=np.array([len(r) for r in R]),
+             states=np.concatenate(R))
     return X, {"pick": pick, "R": R, "layers": layers}
 
 
