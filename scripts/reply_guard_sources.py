@@ -3,11 +3,16 @@
 Replays the build's reply head (:func:`isagi.safety.build.fit_reply_guard`'s design: logistic,
 each check point a row, each reply weighted once, a reply's score its largest check point) on
 more calibration replies than a build fits on, and prints, at several budgets (shares of the
-benign replies' out-of-fold scores above the threshold):
+benign replies' out-of-fold scores above the threshold) and at the build's own rule (a budget
+for each kind of benign reply, :data:`isagi.safety.build.REPLY_ORDINARY_BUDGET` and
+:data:`~isagi.safety.build.REPLY_LOOKALIKE_BUDGET`):
 
 - out of fold (5 folds): the share of harmful and of benign replies withheld, the benign split
   into ordinary requests and look-alikes;
-- each corpus source held out in turn: head and threshold from the other sources, scored on it.
+- each corpus source held out in turn: head and threshold from the other sources, scored on it;
+- at the build's sample size (:data:`isagi.safety.build.REPLIES_PER_SOURCE`), ``DRAWS`` random
+  draws of the cached replies: head and threshold from the draw, scored on the replies it left
+  out, one budget over all benign replies beside the build's two.
 
 No evaluation set is read. The states (the whole corpus, for the prompt probe's out-of-fold
 logits) and the replies are cached in ``--cache`` (about 22 minutes on 2 cores the first time).
@@ -26,7 +31,10 @@ import numpy as np
 from isagi.config import DEFAULT_SYSTEM_PROMPT, load_settings
 from isagi.data.safety import load_safety_corpus
 from isagi.safety.build import (
+    REPLIES_PER_SOURCE,
     REPLY_CALIBRATION_TOKENS,
+    REPLY_LOOKALIKE_BUDGET,
+    REPLY_ORDINARY_BUDGET,
     Corpus,
     chat,
     generate_reply_states,
@@ -38,15 +46,18 @@ from isagi.safety.calibration import roc_auc
 from isagi.safety.probe import (
     DEFAULT_C,
     DEFAULT_PROBE,
+    BenignKinds,
     fit_readout,
     group_folds,
     out_of_fold,
     quantile_threshold,
+    two_budget_threshold,
 )
 from isagi.safety.runtime import exchange_states
 
 PER_SOURCE = {"harmful": 90, "benign": 150}
 BUDGETS = (0.01, 0.005, 0.0025)
+DRAWS = 12
 
 
 def collect(cache: Path) -> tuple[np.ndarray, dict]:
@@ -93,10 +104,10 @@ def main() -> None:
     ex = [x / scales for x in raw]
 
     def fit(ids: np.ndarray):
-        ids = [i for i in ids if len(ex[i])]
-        w = np.concatenate([[1.0 / len(ex[i])] * len(ex[i]) for i in ids])
-        return fit_readout(np.concatenate([ex[i] for i in ids]), np.concatenate([[y[i]] * len(ex[i]) for i in ids]),
-                           [1, 1], C=DEFAULT_C, sample_weight=w * len(ids) / w.sum())
+        keep = [i for i in ids if len(ex[i])]
+        w = np.concatenate([[1.0 / len(ex[i])] * len(ex[i]) for i in keep])
+        return fit_readout(np.concatenate([ex[i] for i in keep]), np.concatenate([[y[i]] * len(ex[i]) for i in keep]),
+                           [1, 1], C=DEFAULT_C, sample_weight=w * len(keep) / w.sum())
 
     def score(head, i: int) -> float:
         return float(head.logits(ex[i]).max()) if len(ex[i]) else -np.inf
@@ -116,6 +127,11 @@ def main() -> None:
         print(f"budget {budget}: withheld harmful {np.mean(s[y == 1] > t):.3f}, benign {np.mean(s[y == 0] > t):.3f} "
               f"(ordinary {np.mean(s[(y == 0) & ordinary] > t):.3f}, look-alike {np.mean(s[(y == 0) & look] > t):.3f} "
               f"of {int(((y == 0) & look).sum())})")
+    t, _ = two_budget_threshold(s, BenignKinds(ordinary=(y == 0) & ordinary, lookalike=(y == 0) & look),
+                                ordinary_budget=REPLY_ORDINARY_BUDGET, lookalike_budget=REPLY_LOOKALIKE_BUDGET)
+    print(f"the build's rule (ordinary {REPLY_ORDINARY_BUDGET}, look-alike {REPLY_LOOKALIKE_BUDGET}): withheld harmful "
+          f"{np.mean(s[y == 1] > t):.3f}, benign {np.mean(s[y == 0] > t):.3f} (ordinary "
+          f"{np.mean(s[(y == 0) & ordinary] > t):.3f}, look-alike {np.mean(s[(y == 0) & look] > t):.3f})")
     print("each source held out (head and threshold from the others):")
     for budget in BUDGETS:
         parts = []
@@ -129,6 +145,31 @@ def main() -> None:
             fpr = f"{np.mean(sc[yt == 0] > t):.3f}" if (yt == 0).any() else "-"
             parts.append(f"{source} harmful {tpr} benign {fpr}")
         print(f"budget {budget}: " + "; ".join(parts))
+    print(f"the build's sample size ({REPLIES_PER_SOURCE} per source), {DRAWS} draws, scored on the replies left out "
+          "(mean ± sd; look-alike max):")
+    rng = np.random.default_rng(1)
+    rules = {"1 % of all benign": lambda sc, m: quantile_threshold(sc[m.ordinary | m.lookalike], 0.01),
+             "the build's two budgets": lambda sc, m: two_budget_threshold(
+                 sc, m, ordinary_budget=REPLY_ORDINARY_BUDGET, lookalike_budget=REPLY_LOOKALIKE_BUDGET)[0]}
+    got_rule: dict[str, list[tuple[float, float, float]]] = {name: [] for name in rules}
+    for _ in range(DRAWS):
+        draw = np.array(sorted(
+            int(i) for source in sorted(set(src.tolist())) for label, name in ((1, "harmful"), (0, "benign"))
+            for pool in [every[(src == source) & (y == label)]] if len(pool)
+            for i in rng.choice(pool, min(REPLIES_PER_SOURCE[name], len(pool)), replace=False)))
+        rest = np.setdiff1d(every, draw)
+        sd = out_of_fold_scores(draw)
+        head = fit(draw)
+        sr = np.array([score(head, int(i)) for i in rest])
+        kinds = BenignKinds(ordinary=(y[draw] == 0) & ordinary[draw], lookalike=(y[draw] == 0) & look[draw])
+        for name, rule in rules.items():
+            t = rule(sd, kinds)
+            got_rule[name].append((float(np.mean(sr[y[rest] == 1] > t)), float(np.mean(sr[(y[rest] == 0) & look[rest]] > t)),
+                                   float(np.mean(sr[(y[rest] == 0) & ordinary[rest]] > t))))
+    for name, figures in got_rule.items():
+        a = np.array(figures)
+        print(f"{name}: withheld harmful {a[:, 0].mean():.3f} ± {a[:, 0].std():.3f}, look-alike {a[:, 1].mean():.4f} ± "
+              f"{a[:, 1].std():.4f} (max {a[:, 1].max():.3f}), ordinary {a[:, 2].mean():.4f}")
 
 
 if __name__ == "__main__":

@@ -145,7 +145,8 @@ def _replies(c: Corpus, rows: np.ndarray, seed: int) -> list[np.ndarray]:
 def _exchanges(c: Corpus, prof: SafetyProfile, seed: int = 0) -> Exchanges:
     rows = np.arange(seed % 2, len(c.labels), 2)
     logits = np.asarray(prof.readout().logits(c.X[rows]))
-    return Exchanges(reply_states=_replies(c, rows, seed), prompt_logits=logits, labels=c.labels[rows], cats=c.cats[rows])
+    return Exchanges(reply_states=_replies(c, rows, seed), prompt_logits=logits, labels=c.labels[rows], cats=c.cats[rows],
+                     kinds=BenignKinds(ordinary=c.kinds.ordinary[rows], lookalike=c.kinds.lookalike[rows]))
 
 
 def _with_reply_guard(prof: SafetyProfile, fitted: tuple) -> SafetyProfile:
@@ -158,10 +159,15 @@ def _with_reply_guard(prof: SafetyProfile, fitted: tuple) -> SafetyProfile:
 def test_the_reply_guard_reads_replies_through_the_prompt_probe_and_judges_them_with_their_prompt():
     c = _corpus(4)
     prof = fit_safety_profile(c, LAYERS, C=0.5)
-    fitted = fit_reply_guard(_exchanges(c, prof), prof.readout(), budget=0.05, C=1.0)
+    fitted = fit_reply_guard(_exchanges(c, prof), prof.readout(), ordinary_budget=0.05, lookalike_budget=0.05, C=1.0)
     readout, scales, threshold, det = fitted
     assert readout.Q.shape == (2, 2) and scales.shape == (2,)
     assert det["oof_auc"] > 0.95 and det["oof_withheld_benign"] <= 0.05 + 1e-9
+    # each kind of benign reply within its own budget: the look-alikes lean toward harm, so
+    # they bind the threshold and one budget over all benign replies would let twice as many go
+    rule = det["threshold_rule"]
+    assert rule["ordinary_fpr"] <= 0.05 + 1e-9 and rule["lookalike_fpr"] <= 0.05 + 1e-9
+    assert rule["bound_by"] == "lookalike"
     guarded = _with_reply_guard(prof, fitted)
     assert guarded.exchange_guard
     with pytest.raises(ValueError, match="prompt_state"):

@@ -122,14 +122,16 @@ def test_rebuilding_the_default_backends_shipped_profile_agrees_with_it(tmp_path
     for mine, other in ((rebuilt.safety, shipped.safety), (shipped.safety, rebuilt.safety)):
         benign_max = other.details["reply"]["window"]["benign_reply_max"]
         assert mine.window_threshold > benign_max, (mine.window_threshold, benign_max)
-    # The reply guard: its threshold is a quantile (1 %) of out-of-fold scores of the same
-    # greedy replies (the 5th highest of 480), so it moves with the few replies a build decodes
-    # differently: transformers NF4 on another CPU moved it by 8 % (9.40 against 10.23). What
-    # it promises is held instead: both withhold at most the budget of benign replies out of
-    # fold, and they separate harmful from benign replies alike.
+    # The reply guard: its threshold is a quantile (1 %) of out-of-fold scores of each kind of
+    # benign reply (the 2nd highest of some 150), so it moves with the few replies a build
+    # decodes differently: transformers NF4 on another CPU moved it by 8 % (9.40 against 10.23).
+    # What it promises is held instead: both withhold at most each kind's budget of benign
+    # replies out of fold, and they separate harmful from benign replies alike.
     r, s_ = rebuilt.safety.details["reply"], shipped.safety.details["reply"]
     for det in (r, s_):
-        assert det["oof_withheld_benign"] <= det["budget"] + 1e-9, det
+        rule = det["threshold_rule"]
+        for kind in ("ordinary", "lookalike"):
+            assert rule[f"{kind}_fpr"] <= rule[f"{kind}_budget"] + 1e-9, det
     for key, tol in (("oof_auc", 0.02), ("oof_withheld_harmful", 0.08)):
         assert abs(r[key] - s_[key]) <= tol, (key, r[key], s_[key])
 

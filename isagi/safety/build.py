@@ -16,8 +16,10 @@ threshold rule are :mod:`isagi.safety.probe`, what a turn measures is :mod:`isag
    at the read-out layers; a two-input logistic head judges each *exchange state* (that logit
    beside the probe's out-of-fold logit of the prompt,
    :func:`isagi.safety.runtime.exchange_states`) at the streaming guard's check points; a
-   reply's score is its largest check point, and the threshold lets ``REPLY_FPR_BUDGET`` of the
-   benign replies' out-of-fold scores lie above it.
+   reply's score is its largest check point. Its threshold keeps out-of-fold scores within two
+   budgets, one over the replies to ordinary requests and one over the replies to look-alikes
+   (``REPLY_ORDINARY_BUDGET``, ``REPLY_LOOKALIKE_BUDGET``): the false alarms all fall on
+   look-alikes, so one budget over all benign replies lets twice its share of them go.
 3. **Safe OGD's window check** (:func:`isagi.safety.runtime.window_threshold`): the paper's
    share of norm of reply windows in the forbidden directions at the profile's layer, above
    every benign reply's check point by ``REPLY_MARGIN``.
@@ -43,7 +45,6 @@ from isagi.safety.probe import (
     group_folds,
     logit_to_teh,
     out_of_fold,
-    quantile_threshold,
     two_budget_threshold,
 )
 from isagi.safety.runtime import (
@@ -64,9 +65,14 @@ Progress = Callable[[str, int, int], None]
 READ_DEPTHS: tuple[float, ...] = (0.2, 0.4)
 REPLY_CALIBRATION_TOKENS = 64  # the replies the reply guard is fitted on are this long
 # replies per corpus source the reply guard is fitted on: its head has three parameters, so few
-# harmful ones; more benign ones, since its threshold is a 1 % quantile of their scores
+# harmful ones; more benign ones, since its threshold is a 1 % quantile of each kind's scores
 REPLIES_PER_SOURCE = {"harmful": 24, "benign": 84}
-REPLY_FPR_BUDGET = 0.01  # share of benign replies (out of fold) the reply guard may withhold
+# shares of the replies to ordinary requests and to look-alikes (out of fold) the reply guard may
+# withhold: product choices, stated, not fitted, each half the product's target of 2 in 100 benign
+# replies withheld, for the shift from calibration replies to what people ask (docs/measurements.md,
+# "The reply guard's two budgets")
+REPLY_ORDINARY_BUDGET = 0.01
+REPLY_LOOKALIKE_BUDGET = 0.01
 
 
 def read_layers(num_layers: int, safety_layer: int) -> list[int]:
@@ -153,11 +159,15 @@ class Exchanges:
     prompt_logits: np.ndarray
     labels: np.ndarray  # 1: a reply to a harmful prompt
     cats: np.ndarray
+    kinds: BenignKinds  # which replies answer ordinary requests and which look-alikes
 
 
-def fit_reply_guard(ex: Exchanges, probe: Readout, *, budget: float = REPLY_FPR_BUDGET, k: int = 5, seed: int = 0,
+def fit_reply_guard(ex: Exchanges, probe: Readout, *, ordinary_budget: float = REPLY_ORDINARY_BUDGET,
+                    lookalike_budget: float = REPLY_LOOKALIKE_BUDGET, k: int = 5, seed: int = 0,
                     C: float = DEFAULT_C) -> tuple[Readout, np.ndarray, float, dict[str, Any]]:
-    """The reply head, its scales and its threshold (logit) at ``budget`` of benign replies out of fold.
+    """The reply head, its scales and its threshold (logit): the lowest that withholds at most
+    ``ordinary_budget`` of the replies to ordinary requests and ``lookalike_budget`` of those to
+    look-alikes, out of fold.
 
     ``probe``: the prompt probe, which reads each reply window (:func:`exchange_states`).
     Every check point of a reply is a row, weighted so each reply counts once; a reply's
@@ -184,9 +194,11 @@ def fit_reply_guard(ex: Exchanges, probe: Readout, *, budget: float = REPLY_FPR_
     for test in group_folds([str(i) for i in range(len(X))], k, seed):
         readout = fit(np.setdiff1d(np.arange(len(X)), test))
         oof[test] = [score(readout, i) for i in test]
-    threshold = quantile_threshold(oof[y == 0], budget)
+    threshold, cost = two_budget_threshold(oof, ex.kinds, ordinary_budget=ordinary_budget,
+                                           lookalike_budget=lookalike_budget)
     readout = fit(np.arange(len(X)))
-    details = {"calibrated": True, "kind": "exchange head", "budget": budget,
+    details = {"calibrated": True, "kind": "exchange head",
+               "threshold_rule": {"ordinary_budget": ordinary_budget, "lookalike_budget": lookalike_budget, **cost},
                "n_harmful_replies": int((y == 1).sum()), "n_benign_replies": int((y == 0).sum()),
                "oof_auc": roc_auc(oof[y == 1], oof[y == 0]),
                "oof_withheld_harmful": float((oof[y == 1] > threshold).mean()),
@@ -240,7 +252,9 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *,
     exchanges = None
     if replies is not None:
         rows, states = replies
-        exchanges = Exchanges(reply_states=states, prompt_logits=oof[rows], labels=y[rows], cats=corpus.cats[rows])
+        exchanges = Exchanges(reply_states=states, prompt_logits=oof[rows], labels=y[rows], cats=corpus.cats[rows],
+                              kinds=BenignKinds(ordinary=corpus.kinds.ordinary[rows],
+                                                lookalike=corpus.kinds.lookalike[rows]))
         r_readout, scales, r_thr, reply_det = fit_reply_guard(exchanges, readout, C=C)
         reply = {"reply_Q": r_readout.Q.astype(np.float32), "reply_centre": r_readout.centre.astype(np.float32),
                  "reply_scales": scales.astype(np.float32), "reply_weights": r_readout.weights.astype(np.float32),
