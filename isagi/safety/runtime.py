@@ -34,8 +34,8 @@ the request itself. A two-input logistic head fitted on the model's own greedy
 replies to calibration prompts (replies to harmful prompts, generated with the
 prompt guard off, are the positives; replies to benign ones and to ordinary
 requests the negatives) weighs them. Its threshold lets a stated share of the
-benign replies' out-of-fold scores (a reply's score: its largest check point) lie
-above it. Two numbers read through the probe, fitted on the whole calibration
+out-of-fold scores (a reply's score: its largest check point) of the replies to
+ordinary requests, and another of the replies to look-alikes, lie above it. Two numbers read through the probe, fitted on the whole calibration
 corpus, generalise to replies from a source the head never saw; a head over the raw
 states, fitted on a few hundred replies, did not (docs/measurements.md, "The reply
 guard reads through the probe").
