@@ -10,8 +10,8 @@ for each kind of benign reply, :data:`isagi.safety.build.REPLY_ORDINARY_BUDGET` 
 - out of fold (5 folds): the share of harmful and of benign replies withheld, the benign split
   into ordinary requests and look-alikes;
 - each corpus source held out in turn: head and threshold from the other sources, scored on it;
-- at the build's sample size (:data:`isagi.safety.build.REPLIES_PER_SOURCE`), ``DRAWS`` random
-  draws of the cached replies: head and threshold from the draw, scored on the replies it left
+- at the build's sample size, ``DRAWS`` draws of the cached replies by the build's own
+  :func:`~isagi.safety.build.reply_sample` (seeds 1 to ``DRAWS``): head and threshold from the draw, scored on the replies it left
   out, one budget over all benign replies beside the build's two.
 
 No evaluation set is read. The states (the whole corpus, for the prompt probe's out-of-fold
@@ -147,16 +147,14 @@ def main() -> None:
         print(f"budget {budget}: " + "; ".join(parts))
     print(f"the build's sample size ({REPLIES_PER_SOURCE} per source), {DRAWS} draws, scored on the replies left out "
           "(mean ± sd; look-alike max):")
-    rng = np.random.default_rng(1)
+    # the cached replies as rows reply_sample draws from, as the build draws from the corpus
+    cached = [{"source_group": str(src[i]), "label": "harmful" if y[i] else "benign"} for i in every]
     rules = {"1 % of all benign": lambda sc, m: quantile_threshold(sc[m.ordinary | m.lookalike], 0.01),
              "the build's two budgets": lambda sc, m: two_budget_threshold(
                  sc, m, ordinary_budget=REPLY_ORDINARY_BUDGET, lookalike_budget=REPLY_LOOKALIKE_BUDGET)[0]}
     got_rule: dict[str, list[tuple[float, float, float]]] = {name: [] for name in rules}
-    for _ in range(DRAWS):
-        draw = np.array(sorted(
-            int(i) for source in sorted(set(src.tolist())) for label, name in ((1, "harmful"), (0, "benign"))
-            for pool in [every[(src == source) & (y == label)]] if len(pool)
-            for i in rng.choice(pool, min(REPLIES_PER_SOURCE[name], len(pool)), replace=False)))
+    for seed in range(1, DRAWS + 1):
+        draw = np.array(sorted(reply_sample(cached, REPLIES_PER_SOURCE, seed=seed)))
         rest = np.setdiff1d(every, draw)
         sd = out_of_fold_scores(draw)
         head = fit(draw)
