@@ -560,31 +560,34 @@ def build_blocks(ui: WebUI) -> Any:
         # in Gradio, so neither a streaming reply nor other users' turns delay it), then one run
         # in the model's queue sends every message the page has waiting, in order
         # (app.handlers.waiting). "always_last": a second Enter during that run is taken by it,
-        # or by one more run after it, never dropped.
+        # or by one more run after it, never dropped. A turn's timer shows on the chat only: over
+        # every output it would write "0.1s" into the alert line and the panels.
         waiting_h = ui.waiting
         ev_send = gr.on([send.click, msg.submit], R(waiting_h.queue, ["message", "sid"], u.QUEUE), [msg, state],
                         out(u.QUEUE), api_name=NO_API, queue=False, show_progress="hidden", js=TAKE_MESSAGE,
                         trigger_mode="multiple",
                         ).then(R(waiting_h.send_waiting, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
                                  u.TURN),
-                               [state, *gen_in], out(u.TURN), show_progress="minimal", api_name=NO_API,
+                               [state, *gen_in], out(u.TURN), show_progress="minimal", show_progress_on=chat,
+                               api_name=NO_API,
                                trigger_mode="always_last", **model_q)
         # one message, one turn, for API clients (/send): the page never triggers it
         ev_api_send = send_api.click(send_fn, [msg, state, *gen_in], out(u.TURN), api_name="send", **model_q)
         relist(ev_send)
         ev_regen = regen.click(R(chat_h.regenerate, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
                                  u.TURN),
-                               [state, *gen_in], out(u.TURN), show_progress="minimal",
+                               [state, *gen_in], out(u.TURN), show_progress="minimal", show_progress_on=chat,
                                api_name="regenerate", **model_q)
         relist(ev_regen)
         ev_cont = cont.click(R(chat_h.continue_reply, ["sid", "max_tokens", "sample", "temperature", "colour_by"],
                                u.TURN),
-                             [state, *gen_in], out(u.TURN), show_progress="minimal",
+                             [state, *gen_in], out(u.TURN), show_progress="minimal", show_progress_on=chat,
                              api_name="continue_reply", **model_q)
         relist(ev_cont)
         ev_edit = edit_send.click(R(chat_h.edit_send, ["message", "edit_turn", "sid", "max_tokens", "sample",
                                                       "temperature", "colour_by"], u.EDIT_TURN),
                                   [msg, edit_turn, state, *gen_in], out(u.EDIT_TURN), show_progress="minimal",
+                                  show_progress_on=chat,
                                   api_name=NO_API, **model_q)
         relist(ev_edit)
         for button, step in ((version_prev, -1), (version_next, 1)):

@@ -133,3 +133,24 @@ def test_a_reload_during_a_reply_shows_it_stopped_at_once(slower_url, context_of
     page.wait_for_timeout(4_000)  # two syncs later it is still there (it was not parked under the page)
     assert user_messages(page) == [question]
     assert page.query_selector("#isagi-chat .isagi-tier-cancelled")
+
+
+# Records, for each element id, whether Gradio's progress tracker in it was ever shown (its class
+# says "minimal" or "full" instead of "hidden") while the observer ran.
+_TRACKERS = """ids => { window.__shown = {};
+  for (const id of ids) { const el = document.getElementById(id); window.__shown[id] = false;
+    new MutationObserver(() => { for (const t of el.querySelectorAll('[data-testid=status-tracker]'))
+      if (!t.classList.contains('hidden')) window.__shown[id] = true; })
+    .observe(el, {childList: true, subtree: true, characterData: true, attributes: true}); } }"""
+
+
+def test_a_turns_timer_shows_on_the_chat_only(slow_url, context_of):
+    """Gradio draws a running event's timer ("0.1s") over each output it shows progress on: over
+    the alert line it read as an alert, and over the panels and the status line as noise."""
+    page = open_page(context_of(), slow_url)
+    ids = ["isagi-chat", "isagi-alert", "isagi-turn", "isagi-status"]
+    page.evaluate(_TRACKERS, ids)
+    send(page, "What is a lighthouse?")
+    wait_replies(page, 1)
+    shown = page.evaluate("() => window.__shown")
+    assert shown == {"isagi-chat": True, "isagi-alert": False, "isagi-turn": False, "isagi-status": False}, shown

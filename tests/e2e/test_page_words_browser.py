@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import live_server, open_page
-from tests.e2e.test_web_e2e import badge_words, send_and_wait, set_max_tokens
+from tests.e2e.test_web_e2e import alert_text, badge_words, send_and_wait, set_max_tokens
 
 pytestmark = pytest.mark.browser
 
@@ -106,9 +106,9 @@ def test_the_box_opens_when_the_model_can_answer_and_no_alert_is_left(browser, t
                 "() => (document.querySelector('#isagi-status')?.innerText || '').includes('live session(s)')",
                 timeout=5_000)
             assert not page.locator("#isagi-send").is_disabled()
-            assert page.inner_text("#isagi-alert").strip() == ""
+            assert alert_text(page) == ""
             set_max_tokens(page, 8)
             assert send_and_wait(page, "Hello there") == "EXPLORE"
-            assert page.inner_text("#isagi-alert").strip() == ""
+            assert alert_text(page) == ""
         finally:
             ctx.close()

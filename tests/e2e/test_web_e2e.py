@@ -99,6 +99,11 @@ def send(page, text: str) -> None:
     box.press("Enter")
 
 
+def alert_text(page) -> str:
+    """The alert line's message: not the hidden timer Gradio keeps counting inside it."""
+    return page.inner_text("#isagi-alert [data-testid=markdown-wrapper]").strip()
+
+
 def send_and_wait(page, text: str, timeout_ms: int = 300_000) -> str:
     """Send, wait until the turn has finished, return its badge."""
     before = reply_count(page)
