@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-from tests.e2e.conftest import open_page, table_rows
+from tests.e2e.conftest import live_server, open_page, table_rows
 from tests.e2e.test_reload import user_messages
-from tests.e2e.test_web_e2e import badges, open_tab, send, send_and_wait, session_id, set_max_tokens
+from tests.e2e.test_web_e2e import badges, open_tab, send, send_and_wait, session_id
 
 pytestmark = pytest.mark.browser
 
@@ -60,13 +60,26 @@ def regenerate_and_wait(page) -> None:
 
 
 
+# Stop and Esc need a reply that is still streaming when they act. The tiny engine's own replies
+# end within about a second of streaming (256 tokens at most), too soon on a fast machine: these
+# tests get a server whose every reply streams a fixed text over about 5 s.
+SCRIPT = "A slow scripted story about a lighthouse keeper, streaming token by token so Stop can act."
+SECOND_STREAMING = ("() => { const c = document.querySelector('#isagi-chat').innerText;"
+                    " return c.includes('generating') && (c.match(/A slow scripted/g) || []).length >= 2; }")
+
+
+@pytest.fixture(scope="module")
+def slow_url(tmp_path_factory):
+    with live_server(tmp_path_factory, fake=True, fake_args=("--reply", SCRIPT, "--token-delay-s", "0.2")) as url:
+        yield url
+
+
 def start_a_long_reply(page) -> None:
-    """A first exchange, then a reply of up to 2,048 tokens, once 400 characters of it show."""
+    """A first exchange, then a second reply, once it streams (it goes on for about 5 s)."""
     send_and_wait(page, "Say hello.")
-    set_max_tokens(page, 2048)
     send(page, "Write a very long story about a lighthouse keeper.")
-    page.wait_for_function("() => document.querySelector('#isagi-chat').innerText.length > 400",
-                           timeout=120_000)
+    page.wait_for_function(SECOND_STREAMING, timeout=120_000, polling=50)
+
 
 def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_dir):
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
@@ -87,17 +100,17 @@ def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_d
         ctx.close()
 
 
-def test_stop_then_a_question_starts_clean(fake_url, browser, screenshot_dir):
+def test_stop_then_a_question_starts_clean(slow_url, browser, screenshot_dir):
     """The same two questions with and without a stopped story between them: the second
-    question's prompt is exactly as long either way (greedy replies are the same)."""
+    question's prompt is exactly as long either way (the scripted replies are the same)."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
-        control = open_page(ctx, fake_url)
+        control = open_page(ctx, slow_url)
         send_and_wait(control, "Say hello.")
         send_and_wait(control, "Say hello again.")
         clean_prompt = prompt_tokens(control)
         other = browser.new_context(viewport={"width": 1440, "height": 1000})
-        page = open_page(other, fake_url)
+        page = open_page(other, slow_url)
         start_a_long_reply(page)
         page.click("#isagi-stop")
         page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
@@ -138,12 +151,12 @@ def test_regenerate_of_an_answer_from_memory_gives_a_new_one(fake_url, browser, 
         ctx.close()
 
 
-def test_esc_stops_a_reply_as_the_stop_button_does(fake_url, browser, screenshot_dir):
+def test_esc_stops_a_reply_as_the_stop_button_does(slow_url, browser, screenshot_dir):
     """Issue 39: Esc, pressed anywhere on the page while a reply streams, stops it as Stop does
     (the turn is kept as stopped, the chat goes on)."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
-        page = open_page(ctx, fake_url)
+        page = open_page(ctx, slow_url)
         start_a_long_reply(page)
         page.keyboard.press("Escape")
         page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
