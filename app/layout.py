@@ -560,8 +560,8 @@ def build_blocks(ui: WebUI) -> Any:
         # in Gradio, so neither a streaming reply nor other users' turns delay it), then one run
         # in the model's queue sends every message the page has waiting, in order
         # (app.handlers.waiting). "always_last": a second Enter during that run is taken by it,
-        # or by one more run after it, never dropped. A turn's timer shows on the chat only: over
-        # every output it would write "0.1s" into the alert line and the panels.
+        # or by one more run after it, never dropped. A turn's timer shows on the chat only: shown
+        # over every output, it read as an alert in the alert line and as noise on the panels.
         waiting_h = ui.waiting
         ev_send = gr.on([send.click, msg.submit], R(waiting_h.queue, ["message", "sid"], u.QUEUE), [msg, state],
                         out(u.QUEUE), api_name=NO_API, queue=False, show_progress="hidden", js=TAKE_MESSAGE,

@@ -135,12 +135,15 @@ def test_a_reload_during_a_reply_shows_it_stopped_at_once(slower_url, context_of
     assert page.query_selector("#isagi-chat .isagi-tier-cancelled")
 
 
-# Records, for each element id, whether Gradio's progress tracker in it was ever shown (its class
-# says "minimal" or "full" instead of "hidden") while the observer ran.
+# Records, for each element id, whether a turn's timer was drawn in it: Gradio's progress tracker
+# there took the "minimal" look the turn events ask for (a hidden tracker keeps the class "hidden"
+# and only counts its seconds unseen).
 _TRACKERS = """ids => { window.__shown = {};
   for (const id of ids) { const el = document.getElementById(id); window.__shown[id] = false;
-    new MutationObserver(() => { for (const t of el.querySelectorAll('[data-testid=status-tracker]'))
-      if (!t.classList.contains('hidden')) window.__shown[id] = true; })
+    const look = () => { for (const t of el.querySelectorAll('[data-testid=status-tracker]'))
+      if (t.classList.contains('minimal')) window.__shown[id] = true; };
+    look();
+    new MutationObserver(look)
     .observe(el, {childList: true, subtree: true, characterData: true, attributes: true}); } }"""
 
 

@@ -1,6 +1,8 @@
-"""Regenerate and Stop in the real browser (Debian's Chromium through Playwright), on a
+"""Regenerate, Stop and Esc in the real browser (Debian's Chromium through Playwright), on a
 live app with the tiny real engine (:mod:`tests.e2e.fake_server`), so they run anywhere
-in seconds; ``ISAGI_E2E_URL`` runs them against a running server on the real model.
+in seconds. ``ISAGI_E2E_URL`` runs the Regenerate tests against a running server on the real
+model; Stop and Esc always get a fake server of their own whose replies stream a fixed text
+slowly (:func:`scripted_url`), so that a reply still streams when they act.
 
 - Regenerate replaces the last turn: the chat, the history store (Sessions table) and
   the autosaved file count the same turns afterwards.
@@ -36,7 +38,7 @@ def table_turns(page, sid: str) -> int:
 # Regenerate's "generating…" line can last less than a poll on a fast machine: an observer
 # on the chat records it, and a changed latency in the "Latest turn" panel (to the ms) counts
 # too. Only the latency: the panel's whole text also changes while the event is pending (Gradio
-# draws its "0.0s" progress over the event's outputs), before the new turn has even started.
+# keeps a hidden "0.0s" timer inside each output), before the new turn has even started.
 _LATENCY = "((document.querySelector('#isagi-turn').innerText.match(/Latency\\s+([0-9.]+ s)/) || [])[1] || '')"
 _WATCH = """() => {
   window.__isagiSaw = false;
@@ -61,21 +63,22 @@ def regenerate_and_wait(page) -> None:
 
 
 # Stop and Esc need a reply that is still streaming when they act. The tiny engine's own replies
-# end within about a second of streaming (256 tokens at most), too soon on a fast machine: these
-# tests get a server whose every reply streams a fixed text over about 5 s.
+# end within about a second of streaming (256 tokens at most), too soon on a fast machine.
 SCRIPT = "A slow scripted story about a lighthouse keeper, streaming token by token so Stop can act."
 SECOND_STREAMING = ("() => { const c = document.querySelector('#isagi-chat').innerText;"
                     " return c.includes('generating') && (c.match(/A slow scripted/g) || []).length >= 2; }")
 
 
 @pytest.fixture(scope="module")
-def slow_url(tmp_path_factory):
+def scripted_url(tmp_path_factory):
+    """A fake server whose every reply streams :data:`SCRIPT` over its first 24 tokens, one every
+    0.2 s (about 5 s a reply, while the tiny model decodes that many, as it does here)."""
     with live_server(tmp_path_factory, fake=True, fake_args=("--reply", SCRIPT, "--token-delay-s", "0.2")) as url:
         yield url
 
 
 def start_a_long_reply(page) -> None:
-    """A first exchange, then a second reply, once it streams (it goes on for about 5 s)."""
+    """A first exchange, then a second reply, once it streams (about 4 s of it are left then)."""
     send_and_wait(page, "Say hello.")
     send(page, "Write a very long story about a lighthouse keeper.")
     page.wait_for_function(SECOND_STREAMING, timeout=120_000, polling=50)
@@ -100,17 +103,17 @@ def test_regenerate_replaces_the_turn_everywhere(fake_url, browser, screenshot_d
         ctx.close()
 
 
-def test_stop_then_a_question_starts_clean(slow_url, browser, screenshot_dir):
+def test_stop_then_a_question_starts_clean(scripted_url, browser, screenshot_dir):
     """The same two questions with and without a stopped story between them: the second
     question's prompt is exactly as long either way (the scripted replies are the same)."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
-        control = open_page(ctx, slow_url)
+        control = open_page(ctx, scripted_url)
         send_and_wait(control, "Say hello.")
         send_and_wait(control, "Say hello again.")
         clean_prompt = prompt_tokens(control)
         other = browser.new_context(viewport={"width": 1440, "height": 1000})
-        page = open_page(other, slow_url)
+        page = open_page(other, scripted_url)
         start_a_long_reply(page)
         page.click("#isagi-stop")
         page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
@@ -151,12 +154,12 @@ def test_regenerate_of_an_answer_from_memory_gives_a_new_one(fake_url, browser, 
         ctx.close()
 
 
-def test_esc_stops_a_reply_as_the_stop_button_does(slow_url, browser, screenshot_dir):
+def test_esc_stops_a_reply_as_the_stop_button_does(scripted_url, browser, screenshot_dir):
     """Issue 39: Esc, pressed anywhere on the page while a reply streams, stops it as Stop does
     (the turn is kept as stopped, the chat goes on)."""
     ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
     try:
-        page = open_page(ctx, slow_url)
+        page = open_page(ctx, scripted_url)
         start_a_long_reply(page)
         page.keyboard.press("Escape")
         page.wait_for_selector("#isagi-chat .isagi-tier-cancelled", timeout=30_000)
