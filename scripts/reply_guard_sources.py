@@ -11,8 +11,9 @@ for each kind of benign reply, :data:`isagi.safety.build.REPLY_ORDINARY_BUDGET` 
   into ordinary requests and look-alikes;
 - each corpus source held out in turn: head and threshold from the other sources, scored on it;
 - at the build's sample size, ``DRAWS`` draws of the cached replies by the build's own
-  :func:`~isagi.safety.build.reply_sample` (seeds 1 to ``DRAWS``): head and threshold from the draw, scored on the replies it left
-  out, one budget over all benign replies beside the build's two.
+  :func:`~isagi.safety.build.reply_sample` (seeds 1 to ``DRAWS``): head and threshold from the
+  draw, scored on the replies it left out, one budget over all benign replies beside the
+  build's two.
 
 No evaluation set is read. The states (the whole corpus, for the prompt probe's out-of-fold
 logits) and the replies are cached in ``--cache`` (about 22 minutes on 2 cores the first time).
