@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from typing import Any
 
 import pytest
@@ -50,8 +51,11 @@ PROBE = """async ([hash, fnIndex]) => {
   return [dataStatus, join.status, await join.text()];
 }"""
 
-# In the page: run load_miku by fn_index on the page's own session hash with a file object
-# naming ``path``, and return the files note it answers.
+# In the page: run load_miku by fn_index with a file object naming ``path``, and return the
+# files note it answers. ``hash`` must be one no page client listens on: Gradio hands each
+# message of a session to whichever of its open event streams reads it first, and the page's
+# own client opens one every two seconds (its sync timer), so on the page's hash this stream
+# could miss its answer and wait for ever.
 LOAD = """async ([hash, fnIndex, path, nInputs, slot]) => {
   const data = Array(nInputs).fill(null); data[slot] = {path, orig_name: 'x.miku', meta: {_type: 'gradio.FileData'}};
   data[nInputs - 1] = 'tier';
@@ -60,8 +64,11 @@ LOAD = """async ([hash, fnIndex, path, nInputs, slot]) => {
   const {event_id} = await join.json();
   const stream = await fetch(`gradio_api/queue/data?session_hash=${hash}`);
   const reader = stream.body.getReader(); let text = '';
+  const late = new Promise(res => setTimeout(() => res({late: true}), 60000));
   while (true) {
-    const {value, done} = await reader.read(); if (done) break;
+    const read = await Promise.race([reader.read(), late]);
+    if (read.late) { reader.cancel(); return `no answer to ${event_id} in 60 s: ${text}`; }
+    const {value, done} = read; if (done) break;
     text += new TextDecoder().decode(value);
     for (const line of text.split('\\n')) {
       if (!line.startsWith('data:')) continue;
@@ -90,7 +97,9 @@ def test_a_pages_session_hash_and_uploads_are_its_users_own(fake_auth_url, brows
         status, joined, _ = bob.evaluate(PROBE, [his, listing["id"]])
         assert (status, joined) == (200, 200)
         # bob's page names server paths in the file input: one neutral answer for all
-        notes = {bob.evaluate(LOAD, [his, load["id"], path, len(load["inputs"]), load["inputs"].index(upload_id)])
+        # (each on a hash of its own, which bob's login holds from its first use: see LOAD)
+        notes = {bob.evaluate(LOAD, [f"probe{secrets.token_hex(6)}", load["id"], path, len(load["inputs"]),
+                                     load["inputs"].index(upload_id)])
                  for path in ("/etc/passwd", "/nonexistent/alice.miku", "../../history.sqlite3")}
         assert len(notes) == 1 and NOT_YOUR_UPLOAD in notes.pop()
         # alice saves her session; bob's page loads a .miku of his own through the file input
