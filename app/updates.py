@@ -94,7 +94,7 @@ class PageUpdate:
 
 # Each event's outputs, in the order the layout wires them.
 VIEW = ("chat", "turn", "summary", "map", "growth", "teh")  # what the page draws of its session
-LOAD = ("state", "status", *VIEW, "timer", "alert")  # the timer runs only while the model loads
+LOAD = ("state", "status", *VIEW, "timer", "alert", "seen")  # the timer runs only while the model loads
 TICK = LOAD
 SYNC = ("seen", "alert", *VIEW, "status")
 TURN = ("state", "chat", "textbox", "alert", *VIEW[1:], "status", "seen")  # Send, Enter, Regenerate
@@ -102,19 +102,19 @@ EDIT_TURN = (*TURN, "edit_turn")  # an edited message resent
 STOP = ("chat", "alert", *VIEW[1:], "textbox")  # the box takes back what still waited (app.handlers.waiting)
 QUEUE = ("textbox", "chat", "alert")  # Send and Enter, at once: the message shown waiting
 VERSION = ("chat", "alert", *VIEW[1:])  # ‹ and › under the last reply
-NEW_CHAT = ("state", "alert", *VIEW)
+NEW_CHAT = ("state", "alert", *VIEW, "seen")
 RECOLOUR = ("map",)
 STORED = ("stored",)
 SELECT = ("chosen",)
 LIST = ("table", "sessions_note")
-RESUME = ("state", "sessions_note", *VIEW, "tabs", "alert")
+RESUME = ("state", "sessions_note", *VIEW, "tabs", "alert", "seen")
 FILE = ("download", "files_note")  # Save .miku, Export
 ASK_DELETE = ("pending", "sessions_note", "confirm", "cancel")
 CONFIRM_DELETE = ("table", "sessions_note", "pending", "confirm", "cancel")
-UPLOAD = ("state", "files_note", *VIEW, "table", "tabs", "alert")
+UPLOAD = ("state", "files_note", *VIEW, "table", "tabs", "alert", "seen")
 EXPLORE = ("ex_steps", "ex_plot", "mcb")
 CHATS = ("chats", "chat_title")  # the sidebar's list of chats, and the open one's title
-OPEN_CHAT = ("state", "alert", *VIEW, *CHATS)
+OPEN_CHAT = ("state", "alert", *VIEW, *CHATS, "seen")
 RENAME = (*CHATS, "alert")
 ASK_DELETE_CHAT = ("chat_confirm", "chat_cancel", "alert")
-DELETE_CHAT = ("state", "alert", *VIEW, *CHATS, "chat_confirm", "chat_cancel")
+DELETE_CHAT = ("state", "alert", *VIEW, *CHATS, "chat_confirm", "chat_cancel", "seen")

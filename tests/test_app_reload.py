@@ -18,6 +18,7 @@ import pytest
 
 from isagi.app.loader import EngineHolder
 from isagi.app.ui import WebUI
+from isagi.app.updates import KEEP
 from isagi.ids import new_session_id
 from isagi.session.registry import SessionRegistry
 from isagi.session.service import SessionService
@@ -225,3 +226,25 @@ def test_two_tabs_of_one_browser_share_the_session_and_new_chat_in_one_loses_not
     assert out.state == a
     assert _user_texts(out.chat) == [Q1, Q2, "tab one goes on"]
     assert store.get_session(a, owner="alice").turns == 3
+
+
+def test_a_sync_sent_with_the_session_a_page_left_paints_nothing(alice_world):
+    """The page's sync (every two seconds) carries the session the page shows and what it drew
+    of it (``seen``). One sent just before the page switches session (a load, New chat, opening
+    a chat from the list, Resume) answers after the switch: it must find that session already
+    drawn and paint nothing, or the page would show the old chat under the new session. So
+    every switch sets ``seen`` to what it drew, and a sync with it changes nothing."""
+    ui, engine, store, a = alice_world
+    other = _talk(ui, ALICE, "a second chat")
+    switches = {
+        "load": lambda: quiet(ui.chat.on_load, a, "tier", ALICE),
+        "new chat": lambda: quiet(ui.chat.new_chat, a, "tier", ALICE),
+        "open from the list": lambda: quiet(ui.chats.open_chat, other, a, "", "tier", ALICE),
+        "resume": lambda: quiet(ui.history.resume, a, other, "tier", request=ALICE),
+    }
+    for name, switch in switches.items():
+        out = switch()
+        assert out.seen not in (None, KEEP), name
+        assert ui.chat.sync(out.state, out.seen, "tier", ALICE).changed() == {}, name
+        # and a sync with what the page drew before (nothing yet) does redraw: the check can fail
+        assert "chat" in ui.chat.sync(out.state, None, "tier", ALICE).changed(), name

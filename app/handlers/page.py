@@ -154,15 +154,19 @@ class Page:
     # -- what the page draws ----------------------------------------------------
     def view(self, sid: str | None, colour_by: str = "tier", owner: str | None = LOCAL_OWNER) -> PageUpdate:
         """The chat and the five panels (:data:`app.updates.VIEW`) of ``owner``'s session, from its
-        live state; empty ones when there is none (unknown, another owner's, or still loading)."""
+        live state; empty ones when there is none (unknown, another owner's, or still loading).
+
+        For an event that changes the page's session, so it sets ``seen`` too: what the page now
+        shows. A sync sent before the change, with the session the page left, then finds that
+        session unchanged since it was drawn and paints nothing over the new one."""
         try:
             session = self.sessions.session(sid, owner)
         except (KeyError, EngineLoading):
             empty: list[dict[str, Any]] = []
             return PageUpdate(chat=[], turn=turn_markdown(None), summary="Trajectories: **0**",
                               map=plots.map_figure({}), growth=plots.growth_figure(empty),
-                              teh=plots.teh_figure(empty))
-        return self.view_of(session, colour_by)
+                              teh=plots.teh_figure(empty), seen=None)
+        return self.view_of(session, colour_by).but(seen=self.seen(sid, session))
 
     def view_of(self, session: Any, colour_by: str) -> PageUpdate:
         """The page's view of ``session``: a bounded amount of work and data whatever its
