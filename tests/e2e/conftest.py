@@ -226,14 +226,27 @@ def shown_rows(page) -> list[dict[str, str]]:
     return [dict(zip(headers, r, strict=False)) for r in rows]
 
 
+# Whether an event ran on an output: its progress tracker (Gradio's status-tracker, class
+# "hide" when idle) was seen shown since the watch began.
+_WATCH_RUN = """sel => { const el = document.querySelector(sel); window.__ran = false;
+  const look = () => { for (const t of el.querySelectorAll('[data-testid=status-tracker]'))
+    if (!t.classList.contains('hide')) window.__ran = true; };
+  new MutationObserver(look).observe(el, {subtree: true, childList: true, attributes: true}); }"""
+_RAN_AND_DONE = """sel => window.__ran && Array.from(document.querySelector(sel)
+  .querySelectorAll('[data-testid=status-tracker]')).every(t => t.classList.contains('hide'))"""
+
+
 def table_rows(page) -> list[dict[str, str]]:
-    """The Sessions table's rows after a refresh (opens the Sessions tab)."""
+    """The Sessions table's rows after a refresh (opens the Sessions tab). It waits for the
+    refresh's event to run on the table and end: the note it writes may already be there from
+    an earlier refresh, and the rows may rightly be the same as before."""
     from tests.e2e.test_web_e2e import open_tab
 
     open_tab(page, "Sessions")
+    page.evaluate(_WATCH_RUN, "#isagi-sessions")
     page.click("#isagi-refresh")
+    page.wait_for_function(_RAN_AND_DONE, arg="#isagi-sessions")
     page.wait_for_function("() => document.body.innerText.includes('most recent session(s)')")
-    page.wait_for_timeout(500)
     return shown_rows(page)
 
 

@@ -76,7 +76,7 @@ def chatted(request, browser, look_url):
         page = open_page(ctx, f"{look_url}?__theme={theme}")
         send_and_wait(page, QUESTION)
         page.wait_for_selector("#isagi-chat .katex")
-        page.wait_for_selector("#isagi-map .main-svg")
+        page.wait_for_selector("#isagi-map .xtick text")  # the map drawn after the turn (the empty one has no axes)
         page.wait_for_timeout(800)  # the plots' last redraw
         yield theme, page
     finally:

@@ -77,9 +77,11 @@ def test_copy_puts_a_message_on_the_clipboard(browser, url):
     page = open_page(ctx, url)
     send_and_wait(page, D)
     user_row(page, 0).locator(".isagi-copy").click()
+    user_row(page, 0).locator(".isagi-copy.isagi-copied").wait_for()  # the write is asynchronous
     assert page.evaluate("navigator.clipboard.readText()") == D, "a question is copied exactly as sent"
     reply = page.locator("#isagi-chat [data-testid=bot]").first
     reply.locator(".isagi-copy").click()
+    reply.locator(".isagi-copy.isagi-copied").wait_for()
     copied = page.evaluate("navigator.clipboard.readText()")
     assert copied and copied == reply.locator(".message-content").evaluate(
         "b => { const c = b.cloneNode(true); c.querySelectorAll('.isagi-actions').forEach(n => n.remove()); "

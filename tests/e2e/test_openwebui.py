@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from tests.e2e.conftest import _free_port, live_server
 from tests.e2e.openwebui import LoggingProxy, open_webui
@@ -93,9 +94,17 @@ def _open_chat(browser, url: str):
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(url, wait_until="domcontentloaded")
     page.locator("#chat-input").wait_for(state="visible")
-    page.wait_for_timeout(1000)
-    for _ in range(3):  # the first start's "what's new" dialog covers the page
+    # The first start's "what's new" dialog covers the page, and on a busy machine it may open
+    # late: Escape until the box takes a click (a trial click fails while anything covers it).
+    for _ in range(30):
         page.keyboard.press("Escape")
+        try:
+            page.locator("#chat-input").click(trial=True, timeout=1000)
+            page.wait_for_timeout(500)  # a dialog that opens just now is closed on the next round
+            page.locator("#chat-input").click(trial=True, timeout=1000)
+            break
+        except PlaywrightTimeout:
+            continue
     return ctx, page, errors
 
 

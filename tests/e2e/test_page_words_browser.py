@@ -104,7 +104,7 @@ def test_the_box_opens_when_the_model_can_answer_and_no_alert_is_left(browser, t
             # both, but the page may paint the box a frame before the banner on a loaded machine
             page.wait_for_function(
                 "() => (document.querySelector('#isagi-status')?.innerText || '').includes('live session(s)')",
-                timeout=5_000)
+                timeout=30_000)
             assert not page.locator("#isagi-send").is_disabled()
             assert alert_text(page) == ""
             set_max_tokens(page, 8)

@@ -28,9 +28,10 @@ REPLY = "A slow scripted reply, streaming in token by token so a test can act wh
 
 @pytest.fixture(scope="module")
 def slow_url(tmp_path_factory):
-    """A fake-engine app: replies stream REPLY at 0.1 s a token; MARKER is refused."""
+    """A fake-engine app: replies stream REPLY at 0.2 s a token (about 5 s a reply, time for
+    a test to act while one streams); MARKER is refused."""
     with live_server(tmp_path_factory, fake=True,
-                     fake_args=("--reply", REPLY, "--token-delay-s", "0.1", "--refuse-marker", MARKER)) as url:
+                     fake_args=("--reply", REPLY, "--token-delay-s", "0.2", "--refuse-marker", MARKER)) as url:
         yield url
 
 

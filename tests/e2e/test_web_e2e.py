@@ -254,7 +254,8 @@ def test_stop_ends_generation_within_a_second(new_page, screenshot_dir):
         "return i.length && document.querySelector('#isagi-chat').innerText.length > 400; }",
         timeout=300_000,
     )
-    page.wait_for_timeout(1000)
+    page.wait_for_timeout(300)
+    assert "generating" in page.inner_text("#isagi-chat"), "the reply ended before Stop: nothing to stop"
     clicked = time.monotonic()
     page.click("#isagi-stop")
     # streaming stops: the last change of the reply text (info lines excluded) after the click
