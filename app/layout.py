@@ -64,6 +64,9 @@ div.isagi-math { margin: 0.5em 0; }
 .dark .js-plotly-plot .main-svg text:not(.hoverlayer *) { fill: var(--body-text-color) !important; }
 .dark .js-plotly-plot .gridlayer path, .dark .js-plotly-plot .zerolinelayer path { stroke: #3a4250 !important; }
 .dark .js-plotly-plot .legend .bg { fill: transparent !important; }
+/* Gradio fades a hidden progress tracker out but keeps its running timer ("0.1s") inside every
+   output of an event: screen readers, copy and innerText read it as the output's text */
+[data-testid=status-tracker].hide { display: none !important; }
 """
 
 # The chat list (the sidebar): its radio drawn as a list of rows, one chat a row, the open one marked.

@@ -135,13 +135,15 @@ def test_a_reload_during_a_reply_shows_it_stopped_at_once(slower_url, context_of
     assert page.query_selector("#isagi-chat .isagi-tier-cancelled")
 
 
-# Records, for each element id, whether a turn's timer was drawn in it: Gradio's progress tracker
-# there took the "minimal" look the turn events ask for (a hidden tracker keeps the class "hidden"
-# and only counts its seconds unseen).
-_TRACKERS = """ids => { window.__shown = {};
+# Records, for each element id, whether a turn's timer was drawn in it (Gradio's progress tracker
+# there took the "minimal" look the turn events ask for; a hidden tracker has the class "hide" and
+# counts its seconds unseen), and whether a timer ("0.1s") was ever part of its text.
+_TRACKERS = """ids => { window.__shown = {}; window.__read = {};
   for (const id of ids) { const el = document.getElementById(id); window.__shown[id] = false;
+    window.__read[id] = false;
     const look = () => { for (const t of el.querySelectorAll('[data-testid=status-tracker]'))
-      if (t.classList.contains('minimal')) window.__shown[id] = true; };
+      if (t.classList.contains('minimal')) window.__shown[id] = true;
+      if (/\\d\\.\\ds/.test(el.innerText)) window.__read[id] = true; };
     look();
     new MutationObserver(look)
     .observe(el, {childList: true, subtree: true, characterData: true, attributes: true}); } }"""
@@ -157,3 +159,6 @@ def test_a_turns_timer_shows_on_the_chat_only(slow_url, context_of):
     wait_replies(page, 1)
     shown = page.evaluate("() => window.__shown")
     assert shown == {"isagi-chat": True, "isagi-alert": False, "isagi-turn": False, "isagi-status": False}, shown
+    # and the timer of a hidden tracker is not part of the text (what a screen reader reads)
+    read = page.evaluate("() => window.__read")
+    assert read == {"isagi-chat": True, "isagi-alert": False, "isagi-turn": False, "isagi-status": False}, read
