@@ -343,10 +343,12 @@ def test_a_client_gone_before_its_answer_leaves_no_turn(served, monkeypatch):
 
     lm = served.engine.lm
     monkeypatch.setattr(lm, "generation", lm.generation)  # put back after the test (the tiny model is shared)
-    script_replies(served.engine, "a slow reply that the client will not wait for", tokens=12, delay_s=0.3)
+    # a reply of at least 6 s, a client that gives up after 2 s: time for a loaded machine to
+    # start the request's turn before the client goes, and for the client to go before it ends
+    script_replies(served.engine, "a slow reply that the client will not wait for", tokens=12, delay_s=0.5)
     before = set(served.registry.live_ids("bob"))
     with pytest.raises(httpx.TimeoutException):  # a non-streamed request given up, as a client's timeout does
-        httpx.post(served.url + "/v1/chat/completions", timeout=0.5, headers={"Authorization": "Bearer key-bob"},
+        httpx.post(served.url + "/v1/chat/completions", timeout=2.0, headers={"Authorization": "Bearer key-bob"},
                    json={"model": served.model, "messages": [{"role": "user", "content": "too slow for me"}]})
     api = served.app.state.isagi_api
     for _ in range(600):

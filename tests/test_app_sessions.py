@@ -211,11 +211,13 @@ def test_reaper_thread_evicts(engine):
     assert reg.evicted_total >= 1
 
 
-def test_the_engines_saved_states_go_when_the_last_session_is_evicted_or_closed(registry, engine, clock):
+def test_the_engines_saved_states_go_when_the_last_session_is_evicted_or_closed(registry, engine, clock,
+                                                                                  monkeypatch):
     """Issue 37: nothing model-sized outlives the open sessions: the engine is told to forget its
     saved states when idle eviction or a closed page leaves no session live, not before."""
     calls: list[int] = []
-    engine.lm.forget_saved_states = lambda: calls.append(1) or 0
+    # (the tiny model is shared by the whole test run: the count is undone after the test)
+    monkeypatch.setattr(engine.lm, "forget_saved_states", lambda: calls.append(1) or 0)
     a, b = registry.create(), registry.create()
     _turn(engine, registry.entry(a).session, "what is a manifold?")
     clock.t += 30

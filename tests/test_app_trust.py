@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -112,6 +113,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         mp.setenv("GRADIO_TEMP_DIR", str(cache))
         engine = tiny_engine(home, auth="alice:a,bob:b", max_new_tokens=8)
         app = create_app(engine, engine.settings)
+    # alice's waiting upload must outlive the module's tests (a slow run takes over the two
+    # minutes after which an upload never opened is removed)
+    app.state.isagi_uploads.ttl_s = 3600.0
     with serving(app) as url, logged_in(url, "alice", "a") as alice:
         raw_alice = RawGradio(alice, "alice", "a")
         send = next(d for d in raw_alice.deps() if d.get("api_name") == "send")
@@ -367,6 +371,28 @@ def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
             peak = max(peak, sum(seen.values()))
             time.sleep(0.002)
 
+    # "At once", made certain: each of bob's ten bodies stalls after its first chunk until the
+    # server has taken all ten requests' headers (each reserves room in the quota then), so the
+    # two that fit are still arriving when the other eight ask. Without it, a request whose
+    # headers came after an earlier upload had finished would find room, and pass.
+    ledger = app.state.isagi_uploads
+    reserve, tried, all_tried = ledger.reserve, [], threading.Event()
+
+    def counted(quota_key: str, nbytes: int) -> Any:
+        try:
+            return reserve(quota_key, nbytes)
+        finally:
+            if quota_key == "bob":
+                tried.append(nbytes)
+                if len(tried) >= 10:
+                    all_tried.set()
+
+    class Stalling(io.FileIO):
+        def read(self, size: int = -1) -> bytes:
+            if self.tell() > 0:
+                all_tried.wait(60)
+            return super().read(size)
+
     with serving(app) as url, logged_in(url, "alice", "a") as alice:
         small = tmp_path / "alice.miku"
         small.write_bytes(b"alice's upload")
@@ -374,9 +400,10 @@ def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         statuses: list[int] = []
+        ledger.reserve = counted  # type: ignore[method-assign]
 
         def one() -> None:
-            with logged_in(url, "bob", "b") as bob, open(payload(), "rb") as f:
+            with logged_in(url, "bob", "b") as bob, Stalling(payload(), "rb") as f:
                 try:
                     statuses.append(bob.post("gradio_api/upload", files=[("files", ("big.miku", f))]).status_code)
                 except httpx.TransportError:  # refused before its body was read: the connection closes
@@ -399,7 +426,7 @@ def test_an_upload_flood_keeps_the_cache_within_the_quota(tmp_path) -> None:
         ledger = app.state.isagi_uploads
         assert ledger.usage("bob") <= quota and len(ledger.waiting("bob")) == 2
         assert Path(hers).read_bytes() == b"alice's upload"
-    assert at_once.count(200) >= 1 and at_once.count(413) >= 7, at_once  # two fit: 2 x 6 MiB < 16 MiB
+    assert at_once == [200] * 2 + [413] * 8, at_once  # two fit: 2 x 6 MiB < 16 MiB
     assert peak <= quota + len(b"alice's upload"), f"the cache held {peak / MIB:.1f} MiB"
     engine.store.close()
 

@@ -249,11 +249,13 @@ def test_new_chat_starts_empty_and_saves_the_old(ui):
 
 def test_loading_engine_is_reported_not_crashed(tmp_path):
     settings = tiny_engine(tmp_path).settings
-    gate = threading.Event()
-    holder = EngineHolder(lambda progress: (progress("converting", 1, 4), gate.wait(30), tiny_engine(tmp_path))[2])
+    gate, converting = threading.Event(), threading.Event()
+    holder = EngineHolder(lambda progress: (progress("converting", 1, 4), converting.set(), gate.wait(30),
+                                            tiny_engine(tmp_path))[3])
     reg = SessionRegistry(lambda: holder.engine)
     ui = WebUI(holder, SessionService(reg), settings)
     holder.start()
+    assert converting.wait(30)  # the loader's thread has said what it does
     out = run(ui.chat.send("hello", None, 4))
     assert "Loading the model" in out[0].alert
     assert "converting" in ui.page.status_line()

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
+from isagi.app.handlers import chat as chat_handlers
 from isagi.app.handlers.waiting import WAITING_NOTE
 from isagi.app.loader import EngineHolder
 from isagi.app.outbox import Outbox
@@ -170,9 +171,12 @@ def test_a_page_that_goes_away_stops_its_turn_and_a_reload_reads_it_stopped(tmp_
     assert svc.live_ids("local") == [sid]  # shown by the new page: not parked under it
 
 
-def test_a_reload_reads_the_session_once_the_stopping_turn_has_recorded_itself(tmp_path):
+def test_a_reload_reads_the_session_once_the_stopping_turn_has_recorded_itself(tmp_path, monkeypatch):
     """The unload came first and stopped the turn, which still ends (a model step, a prompt
     chunk): the reloaded page's load waits for it instead of reading the session without it."""
+    # the load waits up to STOP_WAIT_S (10 s); the turn below takes 1 s and a tiny model's turn,
+    # which a loaded machine may stretch past that: the test is of the waiting, not its limit
+    monkeypatch.setattr(chat_handlers, "STOP_WAIT_S", 60.0)
     ui = make_ui(tmp_path)
     svc = ui.page.sessions
     sid = svc.new("local", None)

@@ -95,6 +95,7 @@ def _expected(seq: int, n: int) -> list[int]:
 
 def test_every_decode_runs_on_the_llama_thread_and_replies_share_decodes(runner):
     r, ll = runner
+    r.gather_s = 0.1  # (5 ms by default: a thread the machine delays longer would miss a shared step)
     out: dict[int, list[int]] = {}
     threads = [threading.Thread(target=_reply, args=(r, seq, 12, out)) for seq in range(4)]
     for t in threads:
