@@ -156,9 +156,9 @@ class Page:
         """The chat and the five panels (:data:`app.updates.VIEW`) of ``owner``'s session, from its
         live state; empty ones when there is none (unknown, another owner's, or still loading).
 
-        For an event that changes the page's session, so it sets ``seen`` too: what the page now
-        shows. A sync sent before the change, with the session the page left, then finds that
-        session unchanged since it was drawn and paints nothing over the new one."""
+        Every event that switches the page's session draws it here, so this sets ``seen`` too
+        (what the page now shows): a sync sent before the switch, with the session the page
+        left, then finds that session as drawn and paints nothing over the new one."""
         try:
             session = self.sessions.session(sid, owner)
         except (KeyError, EngineLoading):
