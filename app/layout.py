@@ -67,6 +67,9 @@ div.isagi-math { margin: 0.5em 0; }
 /* Gradio fades a hidden progress tracker out but keeps its running timer ("0.1s") inside every
    output of an event: screen readers, copy and innerText read it as the output's text */
 [data-testid=status-tracker].hide { display: none !important; }
+/* Stop is drawn faded while nothing generates or waits (it still answers: "Nothing was generating") */
+#isagi-stop { transition: opacity 0.15s; }
+body:not(:has(#isagi-chat .isagi-generating, #isagi-chat .isagi-waiting)) #isagi-stop { opacity: 0.45; }
 """
 
 # The chat list (the sidebar): its radio drawn as a list of rows, one chat a row, the open one marked.

@@ -124,7 +124,7 @@ def info_html(m: dict[str, Any], *, before: str = "", after: str = "") -> str:
 def pending_html(tier: str | None, distance: float | None) -> str:
     label = "PENDING" if tier is None else enum_label(tier.upper() if isinstance(tier, str) else tier, BADGES)
     d = f" d = {fmt(distance, 4)} ·" if distance is not None else ""
-    return f'<div class="isagi-info">{_badge(label)}{d} generating…</div>'
+    return f'<div class="isagi-info isagi-generating">{_badge(label)}{d} generating…</div>'
 
 
 def user_html(text: Any, turn: int | None = None) -> str:

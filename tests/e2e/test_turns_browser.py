@@ -167,3 +167,25 @@ def test_esc_stops_a_reply_as_the_stop_button_does(scripted_url, browser, screen
         page.screenshot(path=str(screenshot_dir / "esc-stops.png"), full_page=True)
     finally:
         ctx.close()
+
+
+STOP_OPACITY = "() => Number(getComputedStyle(document.querySelector('#isagi-stop')).opacity)"
+
+
+def test_stop_is_drawn_faded_while_nothing_generates(scripted_url, browser, screenshot_dir):
+    """Stop is drawn at full strength only while a reply generates (or a message waits for
+    the model); before the first turn and after a reply ends it is faded (Open WebUI shows its
+    Stop only while a reply generates)."""
+    ctx = browser.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        page = open_page(ctx, scripted_url)
+        page.wait_for_function(f"() => ({STOP_OPACITY})() < 0.6")  # (after its 0.15 s transition)
+        start_a_long_reply(page)
+        page.wait_for_function(f"() => ({STOP_OPACITY})() == 1")
+        page.screenshot(path=str(screenshot_dir / "stop-while-generating.png"))
+        page.wait_for_function(
+            "() => !document.querySelector('#isagi-chat').innerText.includes('generating')", timeout=60_000)
+        page.wait_for_function(f"() => ({STOP_OPACITY})() < 0.6")
+        page.screenshot(path=str(screenshot_dir / "stop-faded-when-idle.png"))
+    finally:
+        ctx.close()
