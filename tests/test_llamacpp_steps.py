@@ -53,6 +53,14 @@ def _greedy_through_steps(engine, seq: int, ids: list[int], layer: int) -> tuple
     return out, np.concatenate(states) if states else np.zeros((0, engine.hidden_size), np.float32)
 
 
+@pytest.fixture
+def patient_steps(engines, monkeypatch):
+    """For tests that count shared ``llama_decode`` calls: a step waits 100 ms (not 5) for the
+    other replies' tokens, so a thread a loaded machine delays still joins it (the count is of
+    sharing, not of the window)."""
+    monkeypatch.setattr(engines[1].steps, "gather_s", 0.1)
+
+
 def _all_at_once(engine, fn, n: int) -> int:
     """``fn(i)`` for every ``i < n``, a thread each, all at once; the ``llama_decode`` calls they took."""
     threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
@@ -64,11 +72,9 @@ def _all_at_once(engine, fn, n: int) -> int:
     return engine.steps.decodes - before
 
 
-def test_replies_decoded_together_equal_each_decoded_alone(engines, settings_default, monkeypatch):
+@pytest.mark.usefixtures("patient_steps")
+def test_replies_decoded_together_equal_each_decoded_alone(engines, settings_default):
     alone, batched = engines
-    # a step waits 5 ms for the other replies' tokens; on a loaded machine a thread can miss
-    # that, and the count below is of sharing, not of the window: give it 100 ms
-    monkeypatch.setattr(batched.steps, "gather_s", 0.1)
     layer = alone.default_layer
     chats = [_chat(settings_default.system_prompt, t) for t in TOPICS]
     expected = []
@@ -264,13 +270,11 @@ def _reply_alone(engine, chat, layer: int) -> np.ndarray:
         return gen.reply_hidden()
 
 
-def test_calibration_replies_in_slots_equal_those_decoded_one_at_a_time(engines, settings_default, monkeypatch):
+@pytest.mark.usefixtures("patient_steps")
+def test_calibration_replies_in_slots_equal_those_decoded_one_at_a_time(engines, settings_default):
     """``reply_states`` (the profile build's greedy replies) decodes a reply per slot at once:
     the same replies, state for state, in fewer ``llama_decode`` calls than tokens."""
     alone, batched = engines
-    # a step waits 5 ms for the other replies' tokens; on a loaded machine a thread can miss
-    # that, and the count below is of sharing, not of the window: give it 100 ms
-    monkeypatch.setattr(batched.steps, "gather_s", 0.1)
     layer = alone.default_layer
     chats = [_chat(settings_default.system_prompt, t) for t in TOPICS] * 2  # more replies than slots
     expected = [_reply_alone(alone, chat, layer) for chat in chats]

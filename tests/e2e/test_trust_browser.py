@@ -80,6 +80,11 @@ LOAD = """async ([hash, fnIndex, path, nInputs, slot]) => {
 }"""
 
 
+def fresh_hash() -> str:
+    """A session hash no page listens on (see LOAD); the login that first uses it holds it."""
+    return f"probe{secrets.token_hex(6)}"
+
+
 def test_a_pages_session_hash_and_uploads_are_its_users_own(fake_auth_url, browser, tmp_path, screenshot_dir):
     a_ctx, alice, a_hashes = login(browser, fake_auth_url, "alice", "a")
     b_ctx, bob, b_hashes = login(browser, fake_auth_url, "bob", "b")
@@ -96,12 +101,10 @@ def test_a_pages_session_hash_and_uploads_are_its_users_own(fake_auth_url, brows
         # streams is cut, as the probe cuts it, and his page would lose its connection.)
         status, joined, body = bob.evaluate(PROBE, [hers, listing["id"]])
         assert (status, joined) == (403, 403) and OTHER_LOGIN in body, body
-        status, joined, _ = bob.evaluate(PROBE, [f"probe{secrets.token_hex(6)}", listing["id"]])
+        status, joined, _ = bob.evaluate(PROBE, [fresh_hash(), listing["id"]])
         assert (status, joined) == (200, 200)
         # bob's page names server paths in the file input: one neutral answer for all
-        # (each on a new hash, which bob's login holds from its first use: see LOAD)
-        notes = {bob.evaluate(LOAD, [f"probe{secrets.token_hex(6)}", load["id"], path, len(load["inputs"]),
-                                     load["inputs"].index(upload_id)])
+        notes = {bob.evaluate(LOAD, [fresh_hash(), load["id"], path, len(load["inputs"]), load["inputs"].index(upload_id)])
                  for path in ("/etc/passwd", "/nonexistent/alice.miku", "../../history.sqlite3")}
         assert len(notes) == 1 and NOT_YOUR_UPLOAD in notes.pop()
         # alice saves her session; bob's page loads a .miku of his own through the file input
