@@ -56,7 +56,7 @@ from isagi.safety.probe import (
 )
 from isagi.safety.runtime import exchange_states
 
-PER_SOURCE = {"harmful": 90, "benign": 150}
+PER_SOURCE = {"harmful": 90, "lookalike": 150, "ordinary": 150}
 BUDGETS = (0.01, 0.005, 0.0025)
 DRAWS = 12
 

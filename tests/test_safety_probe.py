@@ -203,14 +203,19 @@ def test_the_reply_guard_reads_replies_through_the_prompt_probe_and_judges_them_
         SafetyProfile.from_state(state)
 
 
-def test_the_reply_sample_takes_every_source_and_label_and_is_fixed():
-    rows = ([{"source_group": "x", "label": "harmful"}] * 30 + [{"source_group": "x", "label": "benign"}] * 30
-            + [{"source_group": "y", "label": "harmful"}] * 5)
-    per = {"harmful": 10, "benign": 12}
+def test_the_reply_sample_takes_every_source_and_kind_and_is_fixed():
+    harmful = {"label": "harmful", "benign_kind": None}
+    look = {"label": "benign", "benign_kind": "lookalike"}
+    ordinary = {"label": "benign", "benign_kind": "ordinary"}
+    rows = ([{"source_group": "x", **harmful}] * 30 + [{"source_group": "x", **look}] * 30
+            + [{"source_group": "x", **ordinary}] * 30 + [{"source_group": "y", **harmful}] * 5
+            + [{"source_group": "y", **ordinary}] * 2)
+    per = {"harmful": 10, "lookalike": 12, "ordinary": 4}
     pick = reply_sample(rows, per_source=per)
-    assert len(pick) == len(set(pick)) == 10 + 12 + 5
-    assert sum(rows[i]["label"] == "benign" for i in pick) == 12
-    assert sum(rows[i]["source_group"] == "y" for i in pick) == 5
+    assert len(pick) == len(set(pick)) == 10 + 12 + 4 + 5 + 2
+    assert sum(rows[i]["benign_kind"] == "lookalike" for i in pick) == 12
+    assert sum(rows[i]["benign_kind"] == "ordinary" for i in pick) == 4 + 2
+    assert sum(rows[i]["source_group"] == "y" for i in pick) == 5 + 2
     assert pick == reply_sample(rows, per_source=per)
 
 
@@ -313,3 +318,22 @@ def test_a_profile_fitted_with_replies_of_its_corpus_rows_reads_their_out_of_fol
     assert prof.window_threshold is not None and np.isfinite(prof.window_threshold)
     p, r = c.X[pick[0]], R[0]
     assert np.isfinite(ReplyGuard(prof, p).score(r))
+
+
+def test_quantile_threshold_keeps_its_budget_on_scores_it_never_saw():
+    """The threshold is a budget for *new* benign scores: over many draws of n scores and one more,
+    the new one lands above the threshold at most ``budget`` of the time. The plain empirical
+    quantile (at most budget·n of the n above) overshoots by about 1/(n+1), which is most of a
+    1 % budget over the reply guard's 161 look-alike replies."""
+    rng = np.random.default_rng(0)
+    n, budget, trials = 161, 0.01, 20000
+    draws = rng.standard_normal((trials, n + 1))
+    thresholds = np.array([quantile_threshold(row[:n], budget) for row in draws])
+    over = (draws[:, n] > thresholds).mean()
+    assert over <= budget  # expected 1/162 = 0.0062; the spread over 20000 trials is 0.0006
+    # the empirical quantile the rule replaced: its expected rate is 2/162 = 0.0123
+    plain = np.sort(draws[:, :n], axis=1)[:, n - 1 - int(np.floor(budget * n))]
+    assert (draws[:, n] > plain).mean() > budget
+    # within budget on the scores themselves too, and never above the largest
+    assert all((row[:n] > t).mean() <= budget for row, t in zip(draws[:50], thresholds[:50], strict=True))
+    assert quantile_threshold(np.arange(10.0), 0.001) == 9.0

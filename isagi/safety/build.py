@@ -64,9 +64,12 @@ Progress = Callable[[str, int, int], None]
 # out of the probe's directions at that layer keeps every reading unchanged.
 READ_DEPTHS: tuple[float, ...] = (0.2, 0.4)
 REPLY_CALIBRATION_TOKENS = 64  # the replies the reply guard is fitted on are this long
-# replies per corpus source the reply guard is fitted on: its head has three parameters, so few
-# harmful ones; more benign ones, since its threshold is a 1 % quantile of each kind's scores
-REPLIES_PER_SOURCE = {"harmful": 24, "benign": 84}
+# replies per corpus source and kind the reply guard is fitted on (harmful, and benign replies to
+# look-alikes and to ordinary requests): its head has three parameters, so few harmful ones; most
+# are look-alikes, where its threshold is decided (a 1 % quantile of their scores: no reply to an
+# ordinary request has come near it out of fold, docs/measurements.md, "The thresholds keep their
+# budgets on new rows")
+REPLIES_PER_SOURCE = {"harmful": 24, "lookalike": 84, "ordinary": 28}
 # shares of the replies to ordinary requests and to look-alikes (out of fold) the reply guard may
 # withhold: product choices, stated, not fitted, each half the product's target of 2 in 100 benign
 # replies withheld, for the shift from calibration replies to what people ask (docs/measurements.md,
@@ -280,17 +283,19 @@ def fit_safety_profile(corpus: Corpus, layers: Sequence[int], *,
 
 
 def reply_sample(rows: Sequence[dict[str, Any]], per_source: dict[str, int] | None = None, seed: int = 0) -> list[int]:
-    """Corpus rows the reply guard is fitted on, fixed by ``seed``: ``per_source[label]`` rows of each
-    label of each source (:data:`REPLIES_PER_SOURCE`)."""
+    """Corpus rows the reply guard is fitted on, fixed by ``seed``: ``per_source[kind]`` rows of each
+    kind (``harmful``, ``lookalike``, ``ordinary``: a row's label, and a benign row's
+    ``benign_kind``) of each source (:data:`REPLIES_PER_SOURCE`)."""
     per_source = per_source or REPLIES_PER_SOURCE
     rng = np.random.default_rng(seed)
     pick: list[int] = []
     sources = sorted({r["source_group"] for r in rows})
     for source in sources:
-        for label in ("harmful", "benign"):
-            idx = [i for i, r in enumerate(rows) if r["source_group"] == source and r["label"] == label]
+        for kind in ("harmful", "lookalike", "ordinary"):
+            idx = [i for i, r in enumerate(rows) if r["source_group"] == source
+                   and (r["label"] if r["label"] == "harmful" else r["benign_kind"]) == kind]
             if idx:
-                pick += sorted(rng.choice(idx, size=min(per_source[label], len(idx)), replace=False).tolist())
+                pick += sorted(rng.choice(idx, size=min(per_source[kind], len(idx)), replace=False).tolist())
     return pick
 
 

@@ -21,8 +21,9 @@ looks like harm) and *look-alikes* (requests built or chosen to resemble harm: h
 safety education, the twins a word away from a harmful request). A budget stated only over
 look-alikes pushes the threshold up until the guard misses plain harm; one stated only over
 ordinary requests lets it refuse most look-alikes. The threshold is the lowest that keeps
-both: at most ``ordinary_budget`` of the ordinary and ``lookalike_budget`` of the look-alike
-rows' *out-of-fold* scores above it.
+both, read off the rows' *out-of-fold* scores: a new ordinary request lands above it with
+probability at most ``ordinary_budget`` and a new look-alike at most ``lookalike_budget``
+(:func:`quantile_threshold`).
 """
 
 from __future__ import annotations
@@ -228,12 +229,21 @@ def out_of_fold(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], folds: Sequ
 
 
 def quantile_threshold(benign: np.ndarray, budget: float) -> float:
-    """The lowest threshold with at most ``budget`` of ``benign`` above it (flagged: score > threshold)."""
+    """The lowest threshold at which a *new* benign score, drawn as ``benign`` were, lands above it
+    (is flagged: score > threshold) with probability at most ``budget``.
+
+    With the n scores sorted, a new exchangeable score exceeds the k-th largest with probability
+    k/(n+1) (ties aside): the threshold is the k-th largest for the largest k with
+    k/(n+1) <= ``budget`` (split-conformal). The share of ``benign`` itself above it is lower,
+    (k-1)/n. Taking the empirical quantile instead, at most ``budget``·n of the scores above,
+    exceeds the budget on new scores by up to 1/(n+1), which matters for the reply guard's few
+    hundred replies. When even the largest score gives 1/(n+1) > ``budget`` the largest is taken.
+    """
     b = np.sort(np.asarray(benign, dtype=np.float64).ravel())
     if len(b) == 0:
         raise ValueError("no benign scores to set a threshold on")
-    allowed = int(np.floor(budget * len(b) + 1e-9))
-    return float(b[len(b) - 1 - allowed])
+    k = max(1, int(np.floor(budget * (len(b) + 1) + 1e-9)))
+    return float(b[len(b) - min(k, len(b))])
 
 
 @dataclass(frozen=True)
