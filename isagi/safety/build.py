@@ -66,9 +66,9 @@ READ_DEPTHS: tuple[float, ...] = (0.2, 0.4)
 REPLY_CALIBRATION_TOKENS = 64  # the replies the reply guard is fitted on are this long
 # replies per corpus source and kind the reply guard is fitted on (harmful, and benign replies to
 # look-alikes and to ordinary requests): its head has three parameters, so few harmful ones; most
-# are look-alikes, where its threshold is decided (a 1 % quantile of their scores: no reply to an
-# ordinary request has come near it out of fold, docs/measurements.md, "The thresholds keep their
-# budgets on new rows")
+# are look-alikes, where its threshold is decided (a 1 % budget over their scores: no reply to an
+# ordinary request has been over it out of fold in any build since the two budgets,
+# docs/measurements.md, "The thresholds keep their budgets on new rows")
 REPLIES_PER_SOURCE = {"harmful": 24, "lookalike": 84, "ordinary": 28}
 # shares of the replies to ordinary requests and to look-alikes (out of fold) the reply guard may
 # withhold: product choices, stated, not fitted, each half the product's target of 2 in 100 benign
