@@ -41,7 +41,10 @@ def test_profile_is_well_formed(safety: SafetyProfile, lm):
     Q = safety.Q.astype(np.float64)
     assert safety.read_layers[-1] == safety.layer and len(safety.read_layers) >= 2
     n = len(safety.read_layers)
-    assert Q.shape[0] == d * n and n <= Q.shape[1] <= 64 * n  # a few directions a layer, not the whole space
+    # a few directions a layer, not the whole space: at most the MLP's units (members x hidden) a layer
+    probe = safety.details["probe"]
+    units = probe["members"] * probe["hidden"] if probe["kind"] == "mlp" else 1
+    assert Q.shape[0] == d * n and n <= Q.shape[1] <= units * n and units <= d // 4
     assert np.allclose(Q.T @ Q, np.eye(Q.shape[1]), atol=1e-5)
     # block-diagonal: each column lies inside one layer's block, and every layer has some
     blocks = [np.linalg.norm(Q[i * d:(i + 1) * d], axis=0) for i in range(n)]

@@ -290,6 +290,24 @@ def test_the_mlp_probe_reads_what_no_single_direction_can_through_an_orthonormal
     assert np.allclose(teh(mlp, safe_point((Q, mlp.centre), H)), teh(mlp, mlp.centre), atol=1e-9)
 
 
+def test_the_mlp_probes_members_are_their_seeds_networks_whatever_process_fits_them():
+    """The members are fitted side by side in worker processes: member k must still be the network
+    of seed ``seed + k`` on its own resample, so a probe of four members is exactly the average of
+    the probe of members 0-1 and the probe of members 2-3 (a bug sharing one seed or one resample
+    between members, or mixing up their order, breaks the equality)."""
+    from isagi.safety.probe import ProbeSpec
+
+    c, held = _ring(0), _ring(1)
+    spec = ProbeSpec("mlp", alpha=1.0, hidden=4, members=4)
+    four = fit_readout(c.X, c.labels, [D, D], spec=spec)
+    first = fit_readout(c.X, c.labels, [D, D], spec=dataclasses.replace(spec, members=2))
+    second = fit_readout(c.X, c.labels, [D, D], spec=dataclasses.replace(spec, members=2, seed=2))
+    assert np.allclose(four.logits(held.X), (first.logits(held.X) + second.logits(held.X)) / 2, atol=1e-9)
+    assert not np.allclose(first.logits(held.X), second.logits(held.X), atol=1e-3)  # the seeds differ
+    again = fit_readout(c.X, c.labels, [D, D], spec=spec)
+    assert np.array_equal(again.logits(held.X), four.logits(held.X))  # fixed, run to run
+
+
 def test_a_profile_with_the_mlp_probe_round_trips_and_scores_as_its_readout():
     from isagi.safety.probe import ProbeSpec
 

@@ -8,7 +8,7 @@ threshold rule are :mod:`isagi.safety.probe`, what a turn measures is :mod:`isag
    (:func:`isagi.data.safety.load_safety_corpus`: the project's rows, the twins and the public
    corpora) is read at each layer of ``layers`` (the ``content+post`` read-out,
    :mod:`isagi.manifold.pooling`), the layers side by side. The probe
-   (:data:`isagi.safety.probe.DEFAULT_PROBE`: five small ReLU networks, averaged) is fitted on
+   (:data:`isagi.safety.probe.DEFAULT_PROBE`: ten small ReLU networks, averaged) is fitted on
    them; its threshold is set on *out-of-fold* logits (5 folds that keep each twin
    pair whole) by the two-budget rule (:func:`isagi.safety.probe.two_budget_threshold`).
 2. **The reply guard.** The model's own greedy replies (prompt guard off) to a fixed sample of

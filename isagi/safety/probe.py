@@ -58,6 +58,7 @@ class ProbeSpec:
     ``mlp``: ``members`` one-hidden-layer ReLU networks of ``hidden`` units each (L2 ``alpha``),
     each fitted on a class-balanced resample of the rows, their logits averaged: the average is
     itself one network of ``members × hidden`` units, so it reads as a :class:`Readout` too.
+    Member k draws its resample and its initial weights with seed ``seed + k``.
     """
 
     kind: str = "logistic"
@@ -65,6 +66,7 @@ class ProbeSpec:
     alpha: float = 3.0
     hidden: int = 64
     members: int = 5
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("logistic", "mlp"):
@@ -78,14 +80,14 @@ class ProbeSpec:
 
     @classmethod
     def parse(cls, text: str) -> ProbeSpec:
-        """``logistic:C`` or ``mlp:HIDDEN`` (five members, alpha 3), as ``isagi eval safety-cv --probe`` takes them."""
+        """``logistic:C`` or ``mlp:HIDDEN`` (the default probe's members and alpha), as ``isagi eval safety-cv --probe`` takes them."""
         kind, _, value = text.strip().partition(":")
         try:
             if kind == "logistic":
                 spec = cls("logistic", C=float(value or DEFAULT_C))
                 ok = spec.C > 0
             elif kind == "mlp":
-                spec = cls("mlp", hidden=int(value or DEFAULT_PROBE.hidden))
+                spec = cls("mlp", hidden=int(value or DEFAULT_PROBE.hidden), members=DEFAULT_PROBE.members)
                 ok = spec.hidden > 0
             else:
                 ok = False
@@ -98,18 +100,22 @@ class ProbeSpec:
     def as_dict(self) -> dict[str, Any]:
         if self.kind == "logistic":
             return {"kind": "logistic", "C": self.C, "standardised": True, "class_weight": "balanced"}
-        return {"kind": "mlp", "alpha": self.alpha, "hidden": self.hidden, "members": self.members,
+        return {"kind": "mlp", "alpha": self.alpha, "hidden": self.hidden, "members": self.members, "seed": self.seed,
                 "standardised": True, "class_balance": "resampled"}
 
 
 # The prompt guard's probe, chosen on the calibration corpus only by its 5-fold figures
 # (docs/measurements.md, "The MLP probe"): five networks of 8 ReLU units flagged more harmful rows
 # out of fold than the logistic probe at the same two budgets, as many as networks of 32 or 64
-# units did; 8 units keep the forbidden subspace small (40 directions per layer), which is what
+# units did; 8 units keep the forbidden subspace small (40 directions per layer at five members), which is what
 # Safe OGD projects out of a step. Said plainly: `isagi eval safety-cv`'s own rule (held out by
 # source and by category) ranks the logistic probe on layers 12+18+24 above it (0.691 against
 # 0.669); that grid finished after this choice was built and shipped (issue 36 stays open).
-DEFAULT_PROBE = ProbeSpec("mlp", alpha=3.0, hidden=8, members=5)
+# Ten members, not five: out of fold on the calibration rows, the verdict of 2.3 % of the rows
+# (235 of 10,018) depended on which five seeds fitted the members, and the threshold moved from
+# 75.4 % to 77.7 % between seed sets; with ten, 1.5-1.7 % and 75.8-76.0 % (docs/measurements.md,
+# "Ten members"). A row's verdict should not be a draw of seeds. The cost: 80 directions per layer.
+DEFAULT_PROBE = ProbeSpec("mlp", alpha=3.0, hidden=8, members=10)
 
 
 def fit_readout(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], *, C: float = DEFAULT_C,
@@ -169,10 +175,7 @@ def _fit_mlp(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], spec: ProbeSpe
     holds an orthonormal basis of each (block-diagonal), so ``W' = Q Qᵀ W'`` and the head reads the
     coordinates ``Qᵀ (x − c)`` through ``hidden = Qᵀ W'``.
     """
-    import warnings
-
-    from sklearn.exceptions import ConvergenceWarning
-    from sklearn.neural_network import MLPClassifier
+    from joblib import Parallel, cpu_count, delayed
 
     mean = X.mean(axis=0)
     scale = X.std(axis=0) + 1e-6
@@ -180,18 +183,17 @@ def _fit_mlp(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], spec: ProbeSpe
     centre = X[y == 0].mean(axis=0)
     # class balance by resampling: each class is drawn as often as the other
     w = np.where(y == 1, (y == 0).sum() / max(int((y == 1).sum()), 1), 1.0)
+    # The members are independent (each draws with its own seed), so they are fitted side by side,
+    # one process per core: the same networks in any order, in about 1/cores of the time.
+    nets = Parallel(n_jobs=min(spec.members, cpu_count()))(
+        delayed(_fit_member)(Z, y, w / w.sum(), spec, spec.seed + k) for k in range(spec.members))
     W, b, v, e = [], [], [], []
-    for k in range(spec.members):
-        rows = np.random.default_rng(k).choice(len(X), size=len(X), p=w / w.sum())
-        net = MLPClassifier(hidden_layer_sizes=(spec.hidden,), alpha=spec.alpha, max_iter=300, random_state=k)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)
-            net.fit(Z[rows], y[rows])
-        Wk = net.coefs_[0] / scale[:, None]
+    for W0, b0, v0, e0 in nets:
+        Wk = W0 / scale[:, None]
         W.append(Wk)
-        b.append(net.intercepts_[0] + (centre - mean) @ Wk)
-        v.append(net.coefs_[1][:, 0] / spec.members)
-        e.append(float(net.intercepts_[1][0]) / spec.members)
+        b.append(b0 + (centre - mean) @ Wk)
+        v.append(v0 / spec.members)
+        e.append(e0 / spec.members)
     Wall = np.concatenate(W, axis=1)
     bases, start = [], 0
     for width in blocks:
@@ -206,6 +208,24 @@ def _fit_mlp(X: np.ndarray, y: np.ndarray, blocks: Sequence[int], spec: ProbeSpe
         row, col = row + B.shape[0], col + B.shape[1]
     return Readout(Q=Q, centre=centre, weights=np.concatenate(v), bias=float(sum(e)),
                    hidden=Q.T @ Wall, hidden_bias=np.concatenate(b))
+
+
+def _fit_member(Z: np.ndarray, y: np.ndarray, p: np.ndarray, spec: ProbeSpec,
+                seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """A member of the MLP probe on the standardised states ``Z``: a network fitted on rows drawn
+    with the class-balancing probabilities ``p`` (``seed`` draws them and the initial weights).
+    Returns its input weights, hidden biases, output weights and output bias."""
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.neural_network import MLPClassifier
+
+    rows = np.random.default_rng(seed).choice(len(Z), size=len(Z), p=p)
+    net = MLPClassifier(hidden_layer_sizes=(spec.hidden,), alpha=spec.alpha, max_iter=300, random_state=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        net.fit(Z[rows], y[rows])
+    return net.coefs_[0], net.intercepts_[0], net.coefs_[1][:, 0], float(net.intercepts_[1][0])
 
 
 def group_folds(groups: Sequence[Any], k: int = K_FOLDS, seed: int = 0) -> list[np.ndarray]:
