@@ -293,8 +293,8 @@ def test_the_mlp_probe_reads_what_no_single_direction_can_through_an_orthonormal
 def test_the_mlp_probes_members_are_their_seeds_networks_whatever_process_fits_them():
     """The members are fitted side by side in worker processes: member k must still be the network
     of seed ``seed + k`` on its own resample, so a probe of four members is exactly the average of
-    the probe of members 0-1 and the probe of members 2-3 (a bug sharing one seed or one resample
-    between members, or mixing up their order, breaks the equality)."""
+    the probe of members 0-1 and the probe of members 2-3 (a bug that gave two members one seed or
+    one resample, or dropped a member's result, breaks the equality)."""
     from isagi.safety.probe import ProbeSpec
 
     c, held = _ring(0), _ring(1)

@@ -111,9 +111,9 @@ class ProbeSpec:
 # Safe OGD projects out of a step. Said plainly: `isagi eval safety-cv`'s own rule (held out by
 # source and by category) ranks the logistic probe on layers 12+18+24 above it (0.691 against
 # 0.669); that grid finished after this choice was built and shipped (issue 36 stays open).
-# Ten members, not five: out of fold on the calibration rows, the verdict of 2.3 % of the rows
-# (235 of 10,018) depended on which five seeds fitted the members, and the threshold moved from
-# 75.4 % to 77.7 % between seed sets; with ten, 1.5-1.7 % and 75.8-76.0 % (docs/measurements.md,
+# Ten members, not five: out of fold on the calibration rows, two sets of five seeds gave 2.3 % of
+# the rows (235 of 10,018 on average) different verdicts, and the threshold moved from 75.4 % to
+# 77.7 % between six seed sets; with ten, 1.5-1.7 % and 75.8-76.0 % (docs/measurements.md,
 # "Ten members"). A row's verdict should not be a draw of seeds. The cost: 80 directions per layer.
 DEFAULT_PROBE = ProbeSpec("mlp", alpha=3.0, hidden=8, members=10)
 
