@@ -16,8 +16,10 @@ on conversations it never saw:
 - the build's probe (:data:`~isagi.safety.probe.DEFAULT_PROBE`), folds (twin pairs whole) and
   threshold rule (:func:`~isagi.safety.probe.two_budget_threshold`), fitted on rows read alone,
   in conversations, both, or each row once (half of the rows each way, what a build of today's
-  cost could read); every score out of fold, a held-out conversation's row scored by the fold
-  that did not fit it;
+  cost could read), with the build's folds and, for both reads, with folds that hold the training
+  conversations whole (the threshold then comes from scores of conversations the fit did not
+  see); every score out of fold, a held-out conversation's row scored by the fold that did not
+  fit it;
 - with ``--lookup``, the tier lookup's side: the distance-scale calibration pairs
   (``isagi/data/pairs_calibration.jsonl``) read alone and in two different conversations, their
   distances in the shipped profile's frame against its distance scale.
@@ -143,24 +145,38 @@ def guard(reads: dict[str, Any]) -> None:
     corpus = Corpus.of(Xa, rows)
     y, n = corpus.labels, len(corpus.labels)
     blocks = [Xa.shape[1] // 3] * 3  # the build reads three layers side by side
-    folds = group_folds(corpus.groups)
+    groups = np.array(corpus.groups, dtype=str)
+    twin_folds = group_folds(corpus.groups)
+    # the training conversations held out whole: a fold is every row read after some of them (the
+    # alone reads of those rows too), and no twin of a row of the fold is fitted on
+    conversation_folds = group_folds(reads["meta"]["history"])
     at_held = {int(r): k for k, r in enumerate(held_rows)}
     benign = y == 0
     once = np.random.default_rng(7).random(n) < 0.5  # "each row once": these rows read in a conversation
-    trainings = {"alone": lambda tr: (Xa[tr], y[tr]), "in conversations": lambda tr: (Xc[tr], y[tr]),
-                 "both (every row twice)": lambda tr: (np.concatenate([Xa[tr], Xc[tr]]), np.concatenate([y[tr], y[tr]])),
-                 "each row once (half in a conversation)": lambda tr: (np.where(once[tr, None], Xc[tr], Xa[tr]), y[tr])}
+
+    def both(tr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.concatenate([Xa[tr], Xc[tr]]), np.concatenate([y[tr], y[tr]])
+
+    trainings = {"alone": (lambda tr: (Xa[tr], y[tr]), twin_folds),
+                 "in conversations": (lambda tr: (Xc[tr], y[tr]), twin_folds),
+                 "both (every row twice)": (both, twin_folds),
+                 "each row once (half in a conversation)": (lambda tr: (np.where(once[tr, None], Xc[tr], Xa[tr]), y[tr]),
+                                                            twin_folds),
+                 "both, folds holding conversations whole": (both, conversation_folds)}
     print(f"{n} calibration rows ({int(y.sum())} harmful); {len(held_rows)} read again in held-out conversations")
-    for name, data in trainings.items():
+    for name, (data, folds) in trainings.items():
         z = {"alone": np.zeros(n), "conv": np.zeros(n), "held": np.zeros(len(held_rows))}
         for test in folds:
-            probe = fit_readout(*data(np.setdiff1d(np.arange(n), test)), blocks, spec=DEFAULT_PROBE)
+            train = np.setdiff1d(np.arange(n), test)
+            train = train[~np.isin(groups[train], groups[test])]  # twin pairs never straddle a fold
+            probe = fit_readout(*data(train), blocks, spec=DEFAULT_PROBE)
             z["alone"][test], z["conv"][test] = probe.logits(Xa[test]), probe.logits(Xc[test])
             mine = [at_held[int(i)] for i in test if int(i) in at_held]
             z["held"][mine] = probe.logits(Xh[mine])
         # the threshold from the benign rows' scores as the fit read them (both reads when both)
-        fitted = {"alone": [z["alone"]], "in conversations": [z["conv"]], "both (every row twice)": [z["alone"], z["conv"]],
-                  "each row once (half in a conversation)": [np.where(once, z["conv"], z["alone"])]}[name]
+        fitted = ([z["alone"]] if name == "alone" else [z["conv"]] if name == "in conversations"
+                  else [np.where(once, z["conv"], z["alone"])] if name.startswith("each row once")
+                  else [z["alone"], z["conv"]])
         kinds = BenignKinds(ordinary=np.concatenate([corpus.kinds.ordinary[benign]] * len(fitted)),
                             lookalike=np.concatenate([corpus.kinds.lookalike[benign]] * len(fitted)))
         threshold, _ = two_budget_threshold(np.concatenate([f[benign] for f in fitted]), kinds)
