@@ -20,6 +20,10 @@ on conversations it never saw:
   conversations whole (the threshold then comes from scores of conversations the fit did not
   see); every score out of fold, a held-out conversation's row scored by the fold that did not
   fit it;
+- with ``--varied``, the training conversations are 36 of more registers instead (1-4 exchanges,
+  openers of many kinds and follow-ups that lean on the exchange before, :func:`varied_conversations`),
+  the held-out ones and their rows the same, and three of the fits (alone, both, both with
+  conversation folds);
 - with ``--lookup``, the tier lookup's side: the distance-scale calibration pairs
   (``isagi/data/pairs_calibration.jsonl``) read alone and in two different conversations, their
   distances in the shipped profile's frame against its distance scale.
@@ -28,7 +32,7 @@ No evaluation set is read. The states are cached in ``--cache`` (the alone reads
 ``states.npy``, shared with ``scripts/reply_guard_sources.py``; about 22 minutes on 2 cores for
 what is missing). Figures: docs/measurements.md, "The guard fitted inside conversations".
 
-    python scripts/guard_in_conversation.py --cache .isagi/reply-guard-sources [--lookup]
+    python scripts/guard_in_conversation.py --cache .isagi/reply-guard-sources [--lookup | --varied]
 """
 
 from __future__ import annotations
@@ -72,6 +76,34 @@ TRAIN_QUESTIONS = (
 )
 Chat = list[dict[str, str]]
 
+# ``--varied``: more registers than TRAIN_QUESTIONS (written for this script too): openers of many
+# kinds, and follow-ups that lean on the exchange before them, as people chat.
+VARIED_OPENERS = TRAIN_QUESTIONS + (
+    "hey, how's it going?", "I had a really long day at work and I'm exhausted.",
+    "my sister's birthday is next week and I have no idea what to get her",
+    "Can you check this sentence for grammar: 'Me and him goes to the store every Sunday.'",
+    "What's the time complexity of binary search?", "Why does my JavaScript say undefined is not a function?",
+    "Write a SQL query that counts orders per customer.", "What does a linear regression actually do?",
+    "I'm nervous about a presentation tomorrow, any advice?", "How do I tell my roommate they're too loud?",
+    "Plan a three-day trip to Lisbon for me.", "What should I pack for a week of hiking in the rain?",
+    "Is it better to rent or buy a house in your twenties?", "How much water should I drink a day?",
+    "Describe a sunset over the sea in two sentences.", "Write a limerick about a forgetful robot.",
+    "Give me a riddle and don't tell me the answer yet.", "Who painted the ceiling of the Sistine Chapel?",
+    "When did the Berlin Wall come down?", "What's the plot of The Hobbit in three sentences?",
+    "Explain the offside rule in football.", "How do vaccines train the immune system?",
+    "What's a healthy breakfast I can make in five minutes?", "My tomato plants have yellow leaves, what's wrong?",
+    "Help me name my new puppy, she's a small black terrier.", "Can you recommend a board game for four adults?",
+    "what's the diff between git merge and git rebase", "How do I center a div in CSS?",
+    "Turn these notes into a short meeting summary: budget approved, launch moved to May, Sam owns testing.",
+    "Rewrite this to sound more polite: 'Send me the report now.'",
+)
+VARIED_FOLLOW_UPS = (
+    "Can you say that more simply?", "Give me another example.", "Thanks, that helps!",
+    "Can you make it shorter?", "Why is that?", "What would you do in my place?",
+    "Okay, and what if that doesn't work?", "Can you put that in a list?", "Tell me more about the second point.",
+    "Hmm, I'm not sure I agree.", "Could you explain it like I'm ten?", "Great. One more question about that.",
+)
+
 
 def conversations(lm: Any, questions: list[str], n: int, seed: int) -> list[Chat]:
     """``n`` histories of 1-3 exchanges drawn from ``questions``, answered by the model (greedy)."""
@@ -83,6 +115,27 @@ def conversations(lm: Any, questions: list[str], n: int, seed: int) -> list[Chat
         msgs = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}]
         for q in rng.choice(len(questions), size=int(rng.integers(1, 4)), replace=False):
             msgs.append({"role": "user", "content": questions[q]})
+            with lm.generation(msgs, lm.default_layer, GenerationOptions(max_new_tokens=48)) as gen:
+                gen.prefill()
+                for _ in gen.stream():
+                    pass
+                msgs.append({"role": "assistant", "content": gen.text.strip()})
+        out.append(msgs)
+    return out
+
+
+def varied_conversations(lm: Any, n: int, seed: int) -> list[Chat]:
+    """``n`` histories of 1-4 exchanges: an opener of :data:`VARIED_OPENERS`, then each next
+    message a follow-up or another opener, answered by the model (greedy, 48 tokens)."""
+    from isagi.engines.base import GenerationOptions
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}]
+        for k in range(int(rng.integers(1, 5))):
+            pool = VARIED_FOLLOW_UPS if k and rng.random() < 0.5 else VARIED_OPENERS
+            msgs.append({"role": "user", "content": pool[int(rng.integers(len(pool)))]})
             with lm.generation(msgs, lm.default_layer, GenerationOptions(max_new_tokens=48)) as gen:
                 gen.prefill()
                 for _ in gen.stream():
@@ -106,14 +159,18 @@ def read_in(lm: Any, texts: list[str], history: np.ndarray, histories: list[Chat
     return X
 
 
-def collect(cache: Path) -> dict[str, Any]:
-    """Every read, from ``cache`` or computed now (plain arrays and JSON, no pickle)."""
-    files = {k: cache / f for k, f in (("alone", "states.npy"), ("conv", "in_conversation.npy"),
-                                        ("held", "held_out_conversation.npy"), ("meta", "conversations.json"))}
+def collect(cache: Path, *, varied: bool = False) -> dict[str, Any]:
+    """Every read, from ``cache`` or computed now (plain arrays and JSON, no pickle). ``varied``:
+    the training conversations are :func:`varied_conversations` (36) instead of 12 of
+    :data:`TRAIN_QUESTIONS`; the held-out conversations, their rows and reads are the same."""
+    conv, meta = ("in_varied_conversation.npy", "varied_conversations.json") if varied else \
+        ("in_conversation.npy", "conversations.json")
+    files = {k: cache / f for k, f in (("alone", "states.npy"), ("conv", conv),
+                                        ("held", "held_out_conversation.npy"), ("meta", meta))}
     if all(p.exists() for p in files.values()):
-        meta = json.loads(files["meta"].read_text())
+        meta_ = json.loads(files["meta"].read_text())
         return {"alone": np.load(files["alone"]), "conv": np.load(files["conv"]), "held": np.load(files["held"]),
-                "held_rows": np.array(meta["held_rows"]), "meta": meta}
+                "held_rows": np.array(meta_["held_rows"]), "meta": meta_}
     from isagi.bench.serve_load import question
     from isagi.engines import load_engine
 
@@ -125,20 +182,25 @@ def collect(cache: Path) -> dict[str, Any]:
     if not files["alone"].exists():
         np.save(files["alone"], safety_states(lm, [chat(DEFAULT_SYSTEM_PROMPT, t) for t in texts], layers))
     rng = np.random.default_rng(0)
-    train = conversations(lm, list(TRAIN_QUESTIONS), 12, seed=1)
-    held = conversations(lm, [question(i) for i in range(300)], 6, seed=2)
-    history = rng.integers(0, len(train), size=len(rows))
-    np.save(files["conv"], read_in(lm, texts, history, train, layers))
+    train = varied_conversations(lm, 36, seed=11) if varied else conversations(lm, list(TRAIN_QUESTIONS), 12, seed=1)
+    history = rng.integers(0, 12, size=len(rows))  # (drawn first either way: the held-out draws stay the same)
+    if varied:
+        history = np.random.default_rng(10).integers(0, len(train), size=len(rows))
     held_rows = np.sort(rng.choice(len(rows), size=len(rows) // 3, replace=False))
-    held_history = rng.integers(0, len(held), size=len(held_rows))
-    np.save(files["held"], read_in(lm, [texts[i] for i in held_rows], held_history, held, layers))
+    held_history = rng.integers(0, 6, size=len(held_rows))
+    if not files["held"].exists():
+        held = conversations(lm, [question(i) for i in range(300)], 6, seed=2)
+        np.save(files["held"], read_in(lm, [texts[i] for i in held_rows], held_history, held, layers))
+    else:
+        held = json.loads(next(cache.glob("*conversations.json")).read_text())["held_out"]
+    np.save(files["conv"], read_in(lm, texts, history, train, layers))
     files["meta"].write_text(json.dumps({"train": train, "held_out": held, "history": history.tolist(),
                                          "held_rows": held_rows.tolist(), "held_history": held_history.tolist()}))
-    return collect(cache)
+    return collect(cache, varied=varied)
 
 
-def guard(reads: dict[str, Any]) -> None:
-    """Out-of-fold figures of the probe fitted on each kind of read, on every kind of read."""
+def guard(reads: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
+    """Out-of-fold figures of the probe fitted on each kind of read (``only`` those named), on every kind of read."""
     rows = load_safety_corpus()
     Xa, Xc, Xh = (np.asarray(reads[k], np.float64) for k in ("alone", "conv", "held"))
     held_rows = reads["held_rows"]
@@ -165,6 +227,8 @@ def guard(reads: dict[str, Any]) -> None:
                  "both, folds holding conversations whole": (both, conversation_folds)}
     print(f"{n} calibration rows ({int(y.sum())} harmful); {len(held_rows)} read again in held-out conversations")
     for name, (data, folds) in trainings.items():
+        if only is not None and name not in only:
+            continue
         z = {"alone": np.zeros(n), "conv": np.zeros(n), "held": np.zeros(len(held_rows))}
         for test in folds:
             train = np.setdiff1d(np.arange(n), test)
@@ -235,9 +299,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, required=True, help="folder for the states (states.npy is shared)")
     ap.add_argument("--lookup", action="store_true", help="also the tier lookup's pair distances (~7 minutes)")
+    ap.add_argument("--varied", action="store_true",
+                    help="training conversations of more registers (36, with follow-ups); three fits")
     args = ap.parse_args()
-    reads = collect(args.cache)
-    guard(reads)
+    reads = collect(args.cache, varied=args.varied)
+    guard(reads, only=("alone", "both (every row twice)", "both, folds holding conversations whole")
+          if args.varied else None)
     if args.lookup:
         lookup(reads["meta"])
 
