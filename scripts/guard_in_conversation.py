@@ -105,16 +105,15 @@ VARIED_FOLLOW_UPS = (
 )
 
 
-def conversations(lm: Any, questions: list[str], n: int, seed: int) -> list[Chat]:
-    """``n`` histories of 1-3 exchanges drawn from ``questions``, answered by the model (greedy)."""
+def answered(lm: Any, asks: list[list[str]]) -> list[Chat]:
+    """A history per list of user messages: each answered in turn by the model (greedy, 48 tokens)."""
     from isagi.engines.base import GenerationOptions
 
-    rng = np.random.default_rng(seed)
     out = []
-    for _ in range(n):
+    for messages in asks:
         msgs = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}]
-        for q in rng.choice(len(questions), size=int(rng.integers(1, 4)), replace=False):
-            msgs.append({"role": "user", "content": questions[q]})
+        for text in messages:
+            msgs.append({"role": "user", "content": text})
             with lm.generation(msgs, lm.default_layer, GenerationOptions(max_new_tokens=48)) as gen:
                 gen.prefill()
                 for _ in gen.stream():
@@ -122,27 +121,26 @@ def conversations(lm: Any, questions: list[str], n: int, seed: int) -> list[Chat
                 msgs.append({"role": "assistant", "content": gen.text.strip()})
         out.append(msgs)
     return out
+
+
+def conversations(lm: Any, questions: list[str], n: int, seed: int) -> list[Chat]:
+    """``n`` histories of 1-3 exchanges drawn from ``questions``, answered by the model (greedy)."""
+    rng = np.random.default_rng(seed)
+    return answered(lm, [[questions[q] for q in rng.choice(len(questions), size=int(rng.integers(1, 4)), replace=False)]
+                         for _ in range(n)])
 
 
 def varied_conversations(lm: Any, n: int, seed: int) -> list[Chat]:
     """``n`` histories of 1-4 exchanges: an opener of :data:`VARIED_OPENERS`, then each next
     message a follow-up or another opener, answered by the model (greedy, 48 tokens)."""
-    from isagi.engines.base import GenerationOptions
-
     rng = np.random.default_rng(seed)
-    out = []
+    asks: list[list[str]] = []
     for _ in range(n):
-        msgs = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}]
+        asks.append([])
         for k in range(int(rng.integers(1, 5))):
             pool = VARIED_FOLLOW_UPS if k and rng.random() < 0.5 else VARIED_OPENERS
-            msgs.append({"role": "user", "content": pool[int(rng.integers(len(pool)))]})
-            with lm.generation(msgs, lm.default_layer, GenerationOptions(max_new_tokens=48)) as gen:
-                gen.prefill()
-                for _ in gen.stream():
-                    pass
-                msgs.append({"role": "assistant", "content": gen.text.strip()})
-        out.append(msgs)
-    return out
+            asks[-1].append(pool[int(rng.integers(len(pool)))])
+    return answered(lm, asks)
 
 
 def read_in(lm: Any, texts: list[str], history: np.ndarray, histories: list[Chat], layers: list[int]) -> np.ndarray:
