@@ -30,9 +30,10 @@ on conversations it never saw:
 
 No evaluation set is read. The states are cached in ``--cache`` (the alone reads in
 ``states.npy``, shared with ``scripts/reply_guard_sources.py``; about 22 minutes on 2 cores for
-what is missing). Figures: docs/measurements.md, "The guard fitted inside conversations".
+what is missing; ``--varied`` with nothing cached, 36 minutes of reads and 12 of fits on a
+slower one). Figures: docs/measurements.md, "The guard fitted inside conversations".
 
-    python scripts/guard_in_conversation.py --cache .isagi/reply-guard-sources [--lookup | --varied]
+    python scripts/guard_in_conversation.py --cache .isagi/reply-guard-sources [--lookup] [--varied]
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ TRAIN_QUESTIONS = (
     "Translate 'good morning' into French and German.", "What is photosynthesis?",
 )
 Chat = list[dict[str, str]]
+TRAIN_CONVERSATIONS, VARIED_CONVERSATIONS, HELD_OUT_CONVERSATIONS = 12, 36, 6
 
 # ``--varied``: more registers than TRAIN_QUESTIONS (written for this script too): openers of many
 # kinds, and follow-ups that lean on the exchange before them, as people chat.
@@ -159,8 +161,8 @@ def read_in(lm: Any, texts: list[str], history: np.ndarray, histories: list[Chat
 
 def collect(cache: Path, *, varied: bool = False) -> dict[str, Any]:
     """Every read, from ``cache`` or computed now (plain arrays and JSON, no pickle). ``varied``:
-    the training conversations are :func:`varied_conversations` (36) instead of 12 of
-    :data:`TRAIN_QUESTIONS`; the held-out conversations, their rows and reads are the same."""
+    the training conversations are :func:`varied_conversations` instead of :func:`conversations`
+    of :data:`TRAIN_QUESTIONS`; the held-out conversations and their rows are the same."""
     conv, meta = ("in_varied_conversation.npy", "varied_conversations.json") if varied else \
         ("in_conversation.npy", "conversations.json")
     files = {k: cache / f for k, f in (("alone", "states.npy"), ("conv", conv),
@@ -179,18 +181,18 @@ def collect(cache: Path, *, varied: bool = False) -> dict[str, Any]:
     cache.mkdir(parents=True, exist_ok=True)
     if not files["alone"].exists():
         np.save(files["alone"], safety_states(lm, [chat(DEFAULT_SYSTEM_PROMPT, t) for t in texts], layers))
+    train = (varied_conversations(lm, VARIED_CONVERSATIONS, seed=11) if varied
+             else conversations(lm, list(TRAIN_QUESTIONS), TRAIN_CONVERSATIONS, seed=1))
+    held = conversations(lm, [question(i) for i in range(300)], HELD_OUT_CONVERSATIONS, seed=2)  # (deterministic)
     rng = np.random.default_rng(0)
-    train = varied_conversations(lm, 36, seed=11) if varied else conversations(lm, list(TRAIN_QUESTIONS), 12, seed=1)
-    history = rng.integers(0, 12, size=len(rows))  # (drawn first either way: the held-out draws stay the same)
+    # the first run's draws, in its order, whichever training conversations: the held-out rows stay the same
+    history = rng.integers(0, TRAIN_CONVERSATIONS, size=len(rows))
+    held_rows = np.sort(rng.choice(len(rows), size=len(rows) // 3, replace=False))
+    held_history = rng.integers(0, HELD_OUT_CONVERSATIONS, size=len(held_rows))
     if varied:
         history = np.random.default_rng(10).integers(0, len(train), size=len(rows))
-    held_rows = np.sort(rng.choice(len(rows), size=len(rows) // 3, replace=False))
-    held_history = rng.integers(0, 6, size=len(held_rows))
     if not files["held"].exists():
-        held = conversations(lm, [question(i) for i in range(300)], 6, seed=2)
         np.save(files["held"], read_in(lm, [texts[i] for i in held_rows], held_history, held, layers))
-    else:
-        held = json.loads(next(cache.glob("*conversations.json")).read_text())["held_out"]
     np.save(files["conv"], read_in(lm, texts, history, train, layers))
     files["meta"].write_text(json.dumps({"train": train, "held_out": held, "history": history.tolist(),
                                          "held_rows": held_rows.tolist(), "held_history": held_history.tolist()}))
@@ -223,6 +225,9 @@ def guard(reads: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
                  "each row once (half in a conversation)": (lambda tr: (np.where(once[tr, None], Xc[tr], Xa[tr]), y[tr]),
                                                             twin_folds),
                  "both, folds holding conversations whole": (both, conversation_folds)}
+    unknown = set(only or ()) - set(trainings)
+    if unknown:
+        raise ValueError(f"no fit named {sorted(unknown)}; the fits are {list(trainings)}")
     print(f"{n} calibration rows ({int(y.sum())} harmful); {len(held_rows)} read again in held-out conversations")
     for name, (data, folds) in trainings.items():
         if only is not None and name not in only:
