@@ -267,37 +267,67 @@ MESSAGE_ACTIONS = r"""<script>
 </script>"""
 
 SERVER_GONE_TEXT = "The ISAGI server has stopped; reload when it is back."
+SERVER_GONE_WATCH_TRIES = 30  # after an event stream is cut, /health is asked once a second this many times
 # A tab whose server stopped says so in a banner (Gradio's own notice comes only when an event
-# fails, and not always). Nothing is polled: when a request of the page to Gradio fails without
-# an answer (the page's own timer sends one every few seconds), the page asks /health once; no
-# answer at all means the server is gone. A server that answers (a blip) shows nothing.
+# fails, and not always). Nothing is polled while the server runs. Two things start a check of
+# /health (no answer at all: the server is gone; an answer, even a 503, is a blip and shows
+# nothing):
+# - a request of the page to Gradio fails without an answer (the page's own timer sends one
+#   every few seconds);
+# - one of Gradio's event streams (queue/data) ends without Gradio's own "close_stream" message,
+#   i.e. it was cut: the server ends its streams so as it stops. /health is then asked once a
+#   second for a while, as the server may answer for a moment while it stops. This one is needed:
+#   an event sent as the server stops (a timer tick) never completes, and Gradio sends no further
+#   tick while one is pending, so no later request would fail.
 SERVER_GONE = """<script>
 (() => {
   const realFetch = window.fetch.bind(window);
   const health = new URL('health', window.location.href.split(/[?#]/)[0]).href;
   let shown = false, checking = false;
+  const show = () => {
+    if (shown) return;
+    shown = true;
+    const d = document.createElement('div');
+    d.id = 'isagi-gone';
+    d.setAttribute('role', 'alert');
+    d.textContent = TEXT;
+    d.style.cssText = 'position:fixed;top:0;left:0;right:0;z-index:10000;padding:10px 16px;'
+      + 'background:#b2182b;color:#fff;font-weight:600;text-align:center;';
+    document.body.appendChild(d);
+  };
+  const answers = () => realFetch(health, {cache: 'no-store'}).then(() => true, () => false);
   const check = () => {
     if (shown || checking) return;
     checking = true;
-    realFetch(health, {cache: 'no-store'}).then(() => { checking = false; }, () => {
-      shown = true;
-      const d = document.createElement('div');
-      d.id = 'isagi-gone';
-      d.setAttribute('role', 'alert');
-      d.textContent = TEXT;
-      d.style.cssText = 'position:fixed;top:0;left:0;right:0;z-index:10000;padding:10px 16px;'
-        + 'background:#b2182b;color:#fff;font-weight:600;text-align:center;';
-      document.body.appendChild(d);
-    });
+    answers().then((up) => { checking = false; if (!up) show(); });
+  };
+  const watch = (tries) => {
+    if (shown) return;
+    answers().then((up) => { if (!up) show(); else if (tries > 1) setTimeout(() => watch(tries - 1), 1000); });
+  };
+  const watchStream = (response) => {
+    if (!response.ok || !response.body) return;
+    const reader = response.clone().body.getReader();
+    const decoder = new TextDecoder();
+    let tail = '', closed = false;
+    const ended = () => { if (!closed) watch(WATCH_TRIES); };
+    const read = () => reader.read().then(({done, value}) => {
+      if (done) return ended();
+      tail = (tail + decoder.decode(value, {stream: true})).slice(-100);
+      if (tail.includes('"close_stream"')) closed = true;
+      return read();
+    }, ended);
+    read();
   };
   window.fetch = (input, init) => {
     const url = typeof input === 'string' ? input : (input && input.url) || String(input);
     const sent = realFetch(input, init);
     if (url.includes('/gradio_api/')) sent.catch(check);
+    if (url.includes('/gradio_api/queue/data')) sent.then(watchStream, () => {});
     return sent;
   };
 })();
-</script>""".replace("TEXT", json.dumps(SERVER_GONE_TEXT))
+</script>""".replace("TEXT", json.dumps(SERVER_GONE_TEXT)).replace("WATCH_TRIES", str(SERVER_GONE_WATCH_TRIES))
 
 # Send and Enter take the message out of the box in the browser, as they fire (the handler gets
 # it): the box is empty at once, and an answer arriving later never wipes what is typed next.

@@ -27,8 +27,7 @@ so another replica takes it over at once; bounded by ``ISAGI_DRAIN_S``, cut shor
 signal. With nothing in flight the drain ends at once. Ctrl-C does not wait for turns: it stops
 them (they are recorded as stopped), as before.
 
-The tabs left open then show Gradio's own notice that the connection to the
-server was lost.
+The tabs left open then show the banner of :data:`app.layout.SERVER_GONE` (the server is gone).
 """
 
 from __future__ import annotations
