@@ -97,7 +97,7 @@ def test_a_tick_pending_as_the_server_stops_does_not_keep_the_banner_away(browse
     event stream, opened once the server has begun to stop, ends at once and cleanly (no event,
     no "close_stream"): the tick never completes and Gradio sends no further tick while one is
     pending, so no request of the tab fails afterwards. Here every event stream of the tab is
-    answered so (the body the stopping server sent, seen in CI's browser), then the server is
+    answered so (what the stopping server sent when the flake was caught here), then the server is
     stopped: the banner must come from the cut stream itself."""
     home, log_path = tmp_path / "home", tmp_path / "server.log"
     home.mkdir()
@@ -109,8 +109,13 @@ def test_a_tick_pending_as_the_server_stops_does_not_keep_the_banner_away(browse
                    lambda route: route.fulfill(status=200, content_type="text/event-stream", body=""))
         ticks: list[str] = []
         page.on("request", lambda r: ticks.append(r.url) if "/gradio_api/queue/join" in r.url else None)
-        page.wait_for_timeout(3 * SYNC_S * 1000)
-        assert len(ticks) == 1, f"the timer went on ticking with its tick pending: {len(ticks)} sent"
+        # a tick already under way may still end through a stream opened before the route; the
+        # next one's stream is cut: from then on the timer is silent
+        deadline, seen = time.monotonic() + 30, -1
+        while not ticks or len(ticks) != seen:
+            assert time.monotonic() < deadline, f"the timer went on ticking with its tick pending: {len(ticks)} sent"
+            seen = len(ticks)
+            page.wait_for_timeout(2.5 * SYNC_S * 1000)
         proc.send_signal(signal.SIGINT)
         proc.wait(EXIT_BOUND_S)
         page.wait_for_selector("#isagi-gone", timeout=30_000)
