@@ -269,16 +269,19 @@ MESSAGE_ACTIONS = r"""<script>
 SERVER_GONE_TEXT = "The ISAGI server has stopped; reload when it is back."
 SERVER_GONE_WATCH_TRIES = 30  # after an event stream is cut, /health is asked once a second this many times
 # A tab whose server stopped says so in a banner (Gradio's own notice comes only when an event
-# fails, and not always). Nothing is polled while the server runs. Two things start a check of
-# /health (no answer at all: the server is gone; an answer, even a 503, is a blip and shows
-# nothing):
+# fails, and not always). Nothing is polled while Gradio's event streams end as Gradio ends them.
+# Two things start a check of /health (no answer at all: the server is gone; an answer, even an
+# error status, is a blip and shows nothing):
 # - a request of the page to Gradio fails without an answer (the page's own timer sends one
 #   every few seconds);
-# - one of Gradio's event streams (queue/data) ends without Gradio's own "close_stream" message,
-#   i.e. it was cut: the server ends its streams so as it stops. /health is then asked once a
-#   second for a while, as the server may answer for a moment while it stops. This one is needed:
-#   an event sent as the server stops (a timer tick) never completes, and Gradio sends no further
-#   tick while one is pending, so no later request would fail.
+# - one of Gradio's event streams (queue/data) ends without Gradio's own close_stream message,
+#   i.e. it was cut, as the server cuts them when it stops. /health is then asked once a second,
+#   up to SERVER_GONE_WATCH_TRIES times after the last cut stream (the server may still answer
+#   for a moment while it stops). This one is needed: an event sent as the server stops (a timer
+#   tick) never completes, and Gradio sends no further tick while one is pending, so no later
+#   request would fail.
+# Behind a balancer another replica answers /health, so no banner comes there (the tab must be
+# reloaded to go on, on the replica that answers).
 SERVER_GONE = """<script>
 (() => {
   const realFetch = window.fetch.bind(window);
@@ -301,20 +304,23 @@ SERVER_GONE = """<script>
     checking = true;
     answers().then((up) => { checking = false; if (!up) show(); });
   };
-  const watch = (tries) => {
+  let left = 0, watching = false;  // the /health checks still to come after the last cut stream
+  const watch = () => {
     if (shown) return;
-    answers().then((up) => { if (!up) show(); else if (tries > 1) setTimeout(() => watch(tries - 1), 1000); });
+    if (left-- <= 0) { watching = false; return; }
+    answers().then((up) => { if (!up) show(); else setTimeout(watch, 1000); });
   };
+  const cut = () => { left = WATCH_TRIES; if (!watching) { watching = true; watch(); } };
   const watchStream = (response) => {
     if (!response.ok || !response.body) return;
     const reader = response.clone().body.getReader();
     const decoder = new TextDecoder();
     let tail = '', closed = false;
-    const ended = () => { if (!closed) watch(WATCH_TRIES); };
+    const ended = () => { if (!closed) cut(); };
     const read = () => reader.read().then(({done, value}) => {
       if (done) return ended();
       tail = (tail + decoder.decode(value, {stream: true})).slice(-100);
-      if (tail.includes('"close_stream"')) closed = true;
+      if (tail.includes('"msg":"close_stream"')) closed = true;
       return read();
     }, ended);
     read();
