@@ -267,26 +267,25 @@ MESSAGE_ACTIONS = r"""<script>
 </script>"""
 
 SERVER_GONE_TEXT = "The ISAGI server has stopped; reload when it is back."
-SERVER_GONE_WATCH_TRIES = 30  # after an event stream is cut, /health is asked once a second this many times
+SERVER_GONE_WATCH_TRIES = 30  # once something looks wrong, /health is asked once a second this many times
 # A tab whose server stopped says so in a banner (Gradio's own notice comes only when an event
-# fails, and not always). Nothing is polled while Gradio's event streams end as Gradio ends them.
-# Two things start a check of /health (no answer at all: the server is gone; an answer, even an
-# error status, is a blip and shows nothing):
+# fails, and not always). Nothing is polled while Gradio's requests and event streams end as
+# Gradio ends them. Two things make the page ask /health, once a second, up to
+# SERVER_GONE_WATCH_TRIES times after the last of them (the server may still answer for a moment
+# while it stops); no answer at all shows the banner, any answer (even an error status) nothing:
 # - a request of the page to Gradio fails without an answer (the page's own timer sends one
 #   every few seconds);
 # - one of Gradio's event streams (queue/data) ends without Gradio's own close_stream message,
-#   i.e. it was cut, as the server cuts them when it stops. /health is then asked once a second,
-#   up to SERVER_GONE_WATCH_TRIES times after the last cut stream (the server may still answer
-#   for a moment while it stops). This one is needed: an event sent as the server stops (a timer
-#   tick) never completes, and Gradio sends no further tick while one is pending, so no later
-#   request would fail.
+#   i.e. it was cut, as the server cuts them when it stops. This one is needed: an event sent as
+#   the server stops (a timer tick) never completes, and Gradio sends no further tick while one
+#   is pending, so no later request would fail.
 # Behind a balancer another replica answers /health, so no banner comes there (the tab must be
 # reloaded to go on, on the replica that answers).
 SERVER_GONE = """<script>
 (() => {
   const realFetch = window.fetch.bind(window);
   const health = new URL('health', window.location.href.split(/[?#]/)[0]).href;
-  let shown = false, checking = false;
+  let shown = false;
   const show = () => {
     if (shown) return;
     shown = true;
@@ -299,24 +298,19 @@ SERVER_GONE = """<script>
     document.body.appendChild(d);
   };
   const answers = () => realFetch(health, {cache: 'no-store'}).then(() => true, () => false);
-  const check = () => {
-    if (shown || checking) return;
-    checking = true;
-    answers().then((up) => { checking = false; if (!up) show(); });
-  };
-  let left = 0, watching = false;  // the /health checks still to come after the last cut stream
+  let left = 0, watching = false;  // the /health checks still to come
   const watch = () => {
     if (shown) return;
     if (left-- <= 0) { watching = false; return; }
     answers().then((up) => { if (!up) show(); else setTimeout(watch, 1000); });
   };
-  const cut = () => { left = WATCH_TRIES; if (!watching) { watching = true; watch(); } };
+  const suspect = () => { left = WATCH_TRIES; if (!watching) { watching = true; watch(); } };
   const watchStream = (response) => {
     if (!response.ok || !response.body) return;
     const reader = response.clone().body.getReader();
     const decoder = new TextDecoder();
     let tail = '', closed = false;
-    const ended = () => { if (!closed) cut(); };
+    const ended = () => { if (!closed) suspect(); };
     const read = () => reader.read().then(({done, value}) => {
       if (done) return ended();
       tail = (tail + decoder.decode(value, {stream: true})).slice(-100);
@@ -328,7 +322,7 @@ SERVER_GONE = """<script>
   window.fetch = (input, init) => {
     const url = typeof input === 'string' ? input : (input && input.url) || String(input);
     const sent = realFetch(input, init);
-    if (url.includes('/gradio_api/')) sent.catch(check);
+    if (url.includes('/gradio_api/')) sent.catch(suspect);
     if (url.includes('/gradio_api/queue/data')) sent.then(watchStream, () => {});
     return sent;
   };
