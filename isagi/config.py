@@ -75,6 +75,11 @@ class Settings:
     # llama.cpp: when the history window drops old exchanges, reuse the previous turn's KV cache
     # with them cut out (a context shift) instead of evaluating the kept history again.
     context_shift: bool = True
+    # A message after some history is read in its conversation first, by the reply's own prefill:
+    # the message read alone (a second prefill) only when that reading is not clearly safe
+    # (isagi.pipeline.engine, Engine._prepare; docs/measurements.md, "Reading the message in its
+    # conversation first").
+    read_in_conversation: bool = True
     auth: str | None = None  # "user:pass,user2:pass2" for the web app
     # "user:KEY,user2:KEY2": Bearer keys of the OpenAI-compatible API (app/api.py), each
     # working as that owner (the same names as ``auth``)
@@ -313,6 +318,8 @@ def load_settings(environ: dict[str, str] | None = None, **overrides: object) ->
         values["prompt_token_budget"] = _int("ISAGI_PROMPT_TOKENS", v)
     if v := env.get("ISAGI_CONTEXT_SHIFT"):
         values["context_shift"] = _switch("ISAGI_CONTEXT_SHIFT", v)
+    if v := env.get("ISAGI_READ_IN_CONVERSATION"):
+        values["read_in_conversation"] = _switch("ISAGI_READ_IN_CONVERSATION", v)
     if v := env.get("ISAGI_AUTH"):
         values["auth"] = v
     if v := env.get("ISAGI_API_KEYS"):

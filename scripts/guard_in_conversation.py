@@ -256,6 +256,52 @@ def guard(reads: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
                   f"look-alike above {np.mean(scores[lookalike] > threshold):.4f}")
 
 
+def cascade(reads: dict[str, Any]) -> None:
+    """The shipped kind of probe (fitted on rows read alone, the build's folds and threshold) read in
+    the conversation first, the message read alone only when that reading is not clearly below the
+    threshold. Out of fold: how often the alone read could be skipped, by kind of row, and how
+    many harmful rows the alone read refuses that the conversation's reading would let through
+    (a "slip"), at several margins below the threshold."""
+    rows = load_safety_corpus()
+    Xa, Xc, Xh = (np.asarray(reads[k], np.float64) for k in ("alone", "conv", "held"))
+    held_rows = reads["held_rows"]
+    corpus = Corpus.of(Xa, rows)
+    y, n = corpus.labels, len(corpus.labels)
+    blocks = [Xa.shape[1] // 3] * 3
+    groups = np.array(corpus.groups, dtype=str)
+    at_held = {int(r): k for k, r in enumerate(held_rows)}
+    z = {"alone": np.zeros(n), "conv": np.zeros(n), "held": np.zeros(len(held_rows))}
+    for test in group_folds(corpus.groups):
+        train = np.setdiff1d(np.arange(n), test)
+        train = train[~np.isin(groups[train], groups[test])]
+        probe = fit_readout(Xa[train], y[train], blocks, spec=DEFAULT_PROBE)
+        z["alone"][test], z["conv"][test] = probe.logits(Xa[test]), probe.logits(Xc[test])
+        mine = [at_held[int(i)] for i in test if int(i) in at_held]
+        z["held"][mine] = probe.logits(Xh[mine])
+    benign = y == 0
+    kinds = BenignKinds(ordinary=corpus.kinds.ordinary[benign], lookalike=corpus.kinds.lookalike[benign])
+    threshold, _ = two_budget_threshold(z["alone"][benign], kinds)
+    tau = logit_to_teh(threshold)
+    teh = {k: np.vectorize(logit_to_teh)(v) for k, v in z.items()}
+    print(f"fitted on rows read alone: threshold {tau:.2f} % (TEH); out of fold")
+    for label, conv, at in (("training conversations", teh["conv"], np.arange(n)),
+                            ("held-out conversations", teh["held"], held_rows)):
+        alone = teh["alone"][at]
+        yy, ordinary, lookalike = y[at], corpus.kinds.ordinary[at], corpus.kinds.lookalike[at]
+        shift = conv - alone
+        print(f"  {label}: TEH in the conversation minus alone, harmful median {np.median(shift[yy == 1]):+.1f} "
+              f"(share below 0: {np.mean(shift[yy == 1] < 0):.3f}), benign median {np.median(shift[yy == 0]):+.1f} "
+              f"(share below 0: {np.mean(shift[yy == 0] < 0):.3f})")
+        refused = (alone > tau) & (yy == 1)
+        for margin in (0.0, 5.0, 10.0, 20.0):
+            skip = conv <= tau - margin
+            slips = int(np.sum(refused & skip))
+            print(f"    margin {margin:4.1f} points: alone read skipped for ordinary {np.mean(skip[ordinary]):.3f}, "
+                  f"look-alike {np.mean(skip[lookalike]):.3f}, harmful {np.mean(skip[yy == 1]):.3f}; "
+                  f"slips {slips} of {int(refused.sum())} harmful rows refused alone "
+                  f"({slips / max(1, int(refused.sum())):.4f})")
+
+
 def lookup(meta: dict[str, Any]) -> None:
     """The calibration pairs' distances in the shipped profile's frame, read alone and in conversations."""
     from isagi.data import load_pairs
@@ -304,8 +350,13 @@ def main() -> None:
     ap.add_argument("--lookup", action="store_true", help="also the tier lookup's pair distances (~7 minutes)")
     ap.add_argument("--varied", action="store_true",
                     help="training conversations of more registers (36, with follow-ups); three fits")
+    ap.add_argument("--cascade", action="store_true",
+                    help="instead of the fits: the shipped kind of probe read in the conversation first")
     args = ap.parse_args()
     reads = collect(args.cache, varied=args.varied)
+    if args.cascade:
+        cascade(reads)
+        return
     guard(reads, only=("alone", "both (every row twice)", "both, folds holding conversations whole")
           if args.varied else None)
     if args.lookup:

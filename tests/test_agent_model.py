@@ -59,13 +59,22 @@ class _Passes:
         return (self.engine.evaluated_tokens - self.start) / prompt_tokens
 
 
-def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_engine) -> None:
+def test_an_exact_repeat_skips_the_prefill_and_decides_as_a_fresh_one(default_engine, monkeypatch) -> None:
+    """With the message read alone (an exact repeat's cached states are such a reading), a repeat
+    decides exactly as a fresh read; read in its conversation first, it is still answered from memory."""
+    import dataclasses
+
     s = default_engine.new_session()
     default_engine.turn(s, "Why do cats purr?")
     with _Passes(default_engine.lm) as passes:
         cached = default_engine.turn(s, "Why do cats purr?")
     assert cached.tier == "RETRIEVE" and passes.forward_calls() == 0, "an exact repeat runs no forward pass"
     s.prompt_states.clear()
+    in_conversation = default_engine.turn(s, "Why do cats purr?")
+    assert in_conversation.tier == "RETRIEVE" and in_conversation.reply_text == cached.reply_text
+    s.prompt_states.clear()
+    monkeypatch.setattr(default_engine, "settings",
+                        dataclasses.replace(default_engine.settings, read_in_conversation=False))
     with _Passes(default_engine.lm) as passes:
         fresh = default_engine.turn(s, "Why do cats purr?")
     # without the state cache: one prefill, at most (llama.cpp may take the system prompt's part

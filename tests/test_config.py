@@ -58,6 +58,14 @@ def test_the_context_shift_is_a_switch(value: str, on: bool) -> None:
     assert load_settings({"ISAGI_CONTEXT_SHIFT": value}).context_shift is on
 
 
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True)])
+def test_reading_the_message_in_its_conversation_is_a_switch_on_by_default(value: str, on: bool) -> None:
+    assert load_settings({}).read_in_conversation is True
+    assert load_settings({"ISAGI_READ_IN_CONVERSATION": value}).read_in_conversation is on
+    with pytest.raises(ConfigError, match="ISAGI_READ_IN_CONVERSATION"):
+        load_settings({"ISAGI_READ_IN_CONVERSATION": "sometimes"})
+
+
 @pytest.mark.parametrize("value, on", [("0", False), ("no", False), ("1", True)])
 def test_adapting_the_thread_count_is_a_switch_on_by_default(value: str, on: bool) -> None:
     assert load_settings({}).adapt_threads is True

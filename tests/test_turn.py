@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import isagi.pipeline.engine as pipeline_engine
 from isagi.errors import InputError, StorageError
 from isagi.pipeline.events import Decided, Done, Refused, Token
 from isagi.session.files import load_session
@@ -191,13 +192,8 @@ def test_a_session_with_its_own_basis_of_another_k_routes_zones_in_the_profiles(
     assert turn.verdict == "ok" and turn.zone in engine.profile.zones.names
 
 
-def test_the_lookup_prefill_is_states_only_once_the_reply_comes_from_a_history_prompt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first turn decodes its reply from the lookup prompt (a full prefill); a later turn
-    decodes from the prompt with history, so its lookup prefill only has to reach the captured
-    layers, and the reply's decoding is a full one."""
-    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4)
+def _spied(engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """(messages, states_only) of every prompt the engine's turns open, in order."""
     opened: list[tuple[int, bool]] = []
     real = engine.lm.generation
 
@@ -206,6 +202,25 @@ def test_the_lookup_prefill_is_states_only_once_the_reply_comes_from_a_history_p
         return real(messages, *args, **kwargs)
 
     monkeypatch.setattr(engine.lm, "generation", spy)
+    return opened
+
+
+def _never_refusing(engine) -> None:
+    """Prompt and reply thresholds at 100 %: no verdict depends on the tiny profile's readings."""
+    import dataclasses
+
+    safety = dataclasses.replace(engine.profile.safety, threshold=100.0, reply_threshold=100.0)
+    engine.profile = dataclasses.replace(engine.profile, safety=safety)
+
+
+def test_the_lookup_prefill_is_states_only_once_the_reply_comes_from_a_history_prompt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading in the conversation off: the first turn decodes its reply from the lookup prompt (a
+    full prefill); a later turn decodes from the prompt with history, so its lookup prefill only
+    has to reach the captured layers, and the reply's decoding is a full one."""
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4, read_in_conversation=False)
+    opened = _spied(engine, monkeypatch)
     session = engine.new_session("s", autosave=False)
     first = engine.turn(session, "Name a colour.")
     assert first.verdict == "ok" and first.reply_text
@@ -213,3 +228,69 @@ def test_the_lookup_prefill_is_states_only_once_the_reply_comes_from_a_history_p
     opened.clear()
     engine.turn(session, "Name a fruit.")
     assert opened == [(2, True), (4, False)]  # the lookup prompt, then system + exchange + message
+
+
+def test_a_later_turn_reads_its_message_in_the_conversation_and_decodes_from_that_prefill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message after some history whose reading there is clearly below the prompt guard's
+    threshold is read once: in the reply's own prompt, which the reply is decoded from. Its TEH
+    and coordinates are that reading's, and no states are cached under the message read alone."""
+    import dataclasses
+
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4, read_in_conversation=True)
+    _never_refusing(engine)
+    safety = dataclasses.replace(engine.profile.safety, threshold=100.0 + pipeline_engine.CONVERSATION_MARGIN + 1)
+    engine.profile = dataclasses.replace(engine.profile, safety=safety)
+    opened = _spied(engine, monkeypatch)
+    session = engine.new_session("s", autosave=False)
+    engine.turn(session, "Name a colour.")
+    cached = len(session.prompt_states)
+    opened.clear()
+    second = engine.turn(session, "Name a fruit.")
+    assert second.verdict == "ok" and second.reply_text and second.generated
+    assert opened == [(4, False)]  # system + exchange + message, read and decoded from: no other prefill
+    assert len(session.prompt_states) == cached  # nothing cached under the message read alone
+
+
+def test_a_reading_not_clearly_safe_in_the_conversation_reads_the_message_alone_as_well(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the reading in the conversation is within the margin of the threshold, the message is
+    read alone as before (its TEH decides), and the reply is then decoded from the prompt with
+    history, evaluated again."""
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4, read_in_conversation=True)
+    _never_refusing(engine)
+    monkeypatch.setattr(pipeline_engine, "CONVERSATION_MARGIN", 101.0)  # nothing is clearly below 100 % - 101
+    opened = _spied(engine, monkeypatch)
+    session = engine.new_session("s", autosave=False)
+    engine.turn(session, "Name a colour.")
+    opened.clear()
+    second = engine.turn(session, "Name a fruit.")
+    assert second.verdict == "ok" and second.reply_text
+    assert opened == [(4, False), (2, True), (4, False)]
+    alone = engine.prompts.build(session, "Name a fruit.", None, with_history=False)
+    h, h_safety = session.cached_states(pipeline_engine._prompt_key(alone))  # the read alone, kept as before
+    assert second.teh_prompt == pytest.approx(engine._teh(h_safety))
+
+
+def test_a_question_asked_before_is_answered_from_memory_when_its_reading_in_the_conversation_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first question of a session is read alone and stored so; asked again after other turns,
+    its reading in the conversation (a random model's, far from the stored one) misses it, and the
+    message is read alone as well, which finds it: answered from memory."""
+    import dataclasses
+
+    engine = tiny_engine(tmp_path, with_store=False, max_new_tokens=4, read_in_conversation=True)
+    _never_refusing(engine)
+    safety = dataclasses.replace(engine.profile.safety, threshold=100.0 + pipeline_engine.CONVERSATION_MARGIN + 1)
+    engine.profile = dataclasses.replace(engine.profile, safety=safety)
+    session = engine.new_session("s", autosave=False)
+    first = engine.turn(session, "Name a colour.")
+    engine.turn(session, "Name a fruit.")
+    session.prompt_states.clear()  # as after a reload: no reading of it is cached
+    opened = _spied(engine, monkeypatch)
+    again = engine.turn(session, "Name a colour.")
+    assert again.tier == "RETRIEVE" and again.reply_text == first.reply_text
+    assert opened[0] == (6, False), "read in its conversation first"

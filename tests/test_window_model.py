@@ -12,7 +12,7 @@ import pytest
 from isagi.bench.turn import NEW_QUESTIONS, history_exchanges
 from isagi.engines.base import REUSE_ANY, GenerationOptions
 from isagi.manifold.window import KEEP_SHARE
-from isagi.pipeline.engine import Engine
+from isagi.pipeline.engine import Engine, _prompt_key
 from isagi.session.turn import Turn
 
 pytestmark = pytest.mark.model
@@ -21,11 +21,12 @@ BUDGET = 512
 REPLY_TOKENS = 24
 
 
-def _long_session_turns(llama_engine, context_shift: bool) -> list[dict]:
+def _long_session_turns(llama_engine, context_shift: bool, in_conversation: bool = False) -> list[dict]:
     """12 turns of a session that starts with 12 exchanges past a 512-token budget, with what each
-    turn's prompt was and how many tokens the turn evaluated."""
+    turn's prompt was and how many tokens the turn evaluated (``in_conversation``: the message read
+    in its conversation first, and alone only when that reading is not clearly safe)."""
     settings = llama_engine.settings.with_overrides(prompt_token_budget=BUDGET, max_message_tokens=64,
-                                                    context_shift=context_shift)
+                                                    context_shift=context_shift, read_in_conversation=in_conversation)
     engine = Engine(settings, llama_engine.lm, llama_engine.profile, store=None)
     lm = engine.lm
     s = engine.new_session(autosave=False)
@@ -40,15 +41,22 @@ def _long_session_turns(llama_engine, context_shift: bool) -> list[dict]:
         before, shifts = lm.evaluated_tokens, lm.context_shifts
         t = engine.turn(s, question, record=False, options=GenerationOptions(max_new_tokens=REPLY_TOKENS))
         assert t.generated and t.verdict == "ok"
-        if t.tier == "AUGMENT":  # the related exchange sits in the prompt too
+        plain = prompt
+        if t.tier == "AUGMENT":  # the related exchange sits in the prompt too, unless the history holds it
             related = _record_of(s, t.nearest_query)
             prompt = engine.prompts.build(s, question, related, history=history)
-        turns.append({"start": start, "prompt": prompt, "ids": lm.chat_tokens(prompt), "tier": t.tier,
+        # the message read alone too (its states are then cached under the lookup prompt)?
+        read_alone = _prompt_key(lookup) in s.prompt_states
+        turns.append({"start": start, "prompt": prompt, "ids": lm.chat_tokens(prompt),
+                      # read in the conversation, then alone: the reply's prompt was evaluated, saved
+                      # and restored (a turn the counts below do not model)
+                      "tier": "READ TWICE" if in_conversation and read_alone else t.tier,
+                      "inserted": prompt != plain,
                       "alone": len(lm.chat_tokens(lookup)), "new_tokens": t.new_tokens,
                       "evaluated": lm.evaluated_tokens - before, "shifts": lm.context_shifts - shifts,
                       # the lookup prompt evaluates its message and what follows it; its system prompt
                       # comes from a saved KV cache once there is one
-                      "lookup": len(lm.chat_tokens(lookup)) - lm.content_span(lookup)[0]})
+                      "lookup": len(lm.chat_tokens(lookup)) - lm.content_span(lookup)[0] if read_alone else 0})
         assert t.prompt_tokens == len(turns[-1]["ids"]) <= BUDGET
     return turns
 
@@ -62,18 +70,20 @@ def _record_of(session, query: str) -> dict:
     raise AssertionError(f"no exchange asked {query!r} in memory")
 
 
-@pytest.mark.parametrize("context_shift", [True, False], ids=["shift", "no-shift"])
-def test_a_turn_evaluates_only_its_new_tokens_and_the_window_moves_in_blocks(llama_engine, context_shift) -> None:
+@pytest.mark.parametrize("context_shift, in_conversation", [(True, False), (False, False), (True, True)],
+                         ids=["shift", "no-shift", "shift-read-in-conversation"])
+def test_a_turn_evaluates_only_its_new_tokens_and_the_window_moves_in_blocks(llama_engine, context_shift,
+                                                                             in_conversation) -> None:
     lm = llama_engine.lm
-    turns = _long_session_turns(llama_engine, context_shift)
+    turns = _long_session_turns(llama_engine, context_shift, in_conversation)
     first = turns[0]
     assert first["evaluated"] >= len(first["ids"]), "with nothing saved the whole window is evaluated"
     starts = [t["start"] for t in turns]
     assert starts == sorted(starts), "the window start never moves back"
     between = drops = 0
     for prev, cur in zip(turns, turns[1:], strict=False):
-        if "AUGMENT" in (prev["tier"], cur["tier"]):
-            continue  # a related exchange sat in one of the prompts: they share less
+        if prev["inserted"] or cur["inserted"] or "READ TWICE" in (prev["tier"], cur["tier"]):
+            continue  # a related exchange sat in one of the prompts (they share less), or a prompt was read twice
         history = len(cur["ids"]) - cur["alone"]
         dropped = 2 * (cur["start"] - prev["start"])  # messages of the exchanges the window dropped
         # the previous prompt without the dropped exchanges starts the new one; the rest is new:

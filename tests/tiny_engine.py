@@ -126,7 +126,11 @@ def tiny_profile() -> Profile:
 
 
 def tiny_settings(home: Path, **overrides: Any) -> Settings:
-    base: dict[str, Any] = {"system_prompt": SYSTEM, "max_new_tokens": 12, "device": "cpu"}
+    # Messages are read alone: reading one in its conversation first relies on a trained model's
+    # states of a message staying close to each other whatever came before, which a random model's
+    # do not (tests that exercise that reading pass read_in_conversation=True).
+    base: dict[str, Any] = {"system_prompt": SYSTEM, "max_new_tokens": 12, "device": "cpu",
+                            "read_in_conversation": False}
     base.update(overrides)
     return load_settings(environ={}, home=home, **base)
 

@@ -320,6 +320,11 @@ class TrajectoryMemory:
                 self._index = None  # switch to HNSW at the next search
         return rid
 
+    def may_hold_question(self, content_key: str) -> bool:
+        """Whether a stored question has this content key (:func:`isagi.manifold.sameness.content_key`);
+        may answer True for a record evicted since, never False for one held."""
+        return content_key in self._texts["content_key"]
+
     def get(self, id: int) -> MemoryRecord:
         """The record with this id (KeyError if unknown or evicted)."""
         s = self._id2slot[int(id)]

@@ -6,11 +6,13 @@ persists each turn) and the turn itself, as named stages (the turn's prompt, its
 validation and its history window are :class:`isagi.pipeline.prompts.Prompts`):
 
 1. **prepare**: validate the message (once: a :class:`~isagi.session.turn.Message` is
-   already valid), prefill [system, message] and capture h at layer L and the
-   safety layer's state in the same forward pass (an exact repeat of a prompt
-   already seen in this session reuses its states, a deterministic function of
-   the prompt, and skips this prefill), project to UGT coordinates, route to a
-   zone;
+   already valid), read it: prefill [system, message] and capture h at layer L
+   and the safety layer's state in the same forward pass (an exact repeat of a
+   prompt already seen in this session reuses its states, a deterministic
+   function of the prompt, and skips this prefill); after some history, the
+   reply's own prompt is read first and the message alone only when that
+   reading is not clearly safe (:meth:`Engine._read_in_conversation`); project
+   to UGT coordinates, route to a zone;
 2. **guard**: TEH of the prompt; over the threshold the turn is refused
    without generating;
 3. **decide**: the two-stage lookup under the session's metric, then the pure
@@ -35,11 +37,13 @@ history store, and if it fails the old one is put back. A Regenerate of an
 answer from memory (RETRIEVE) generates a new reply and stores it in place of
 the remembered one.
 
-All model work of a turn is in :func:`_prefill` and :func:`_generate`, on the
-turn's one :class:`_OpenGeneration`.
+All model work of a turn is in :func:`_prefill`, :meth:`Engine._read_in_conversation`
+and :func:`_generate`, on the turn's one :class:`_OpenGeneration`.
 
-The lookup embedding is the query *alone* (system prompt + message), so a
-repeated question is recognised whatever came before it. Context is handled by
+The lookup embedding is the query *alone* (system prompt + message) when it is
+read alone, and its reading after the history otherwise; a repeated question
+is recognised either way (the exact sameness check, and the calibration pairs
+read in two conversations stay within the retrieve cap: docs/measurements.md). Context is handled by
 a separate, exact check: a message that needs its conversation to be
 understood ("And Germany?", see :func:`isagi.manifold.sameness.depends_on_context`) is
 stored with the key of the message before it, and is only answered from
@@ -96,6 +100,13 @@ log = logging.getLogger(__name__)
 
 
 RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RETRIEVE
+# How far below the prompt guard's threshold (TEH points) a message's reading in its conversation
+# must be for the read alone to be skipped (Engine._read_in_conversation). Chosen on calibration
+# rows out of fold, margins 0-20 tried: at 10, 10 of the 4,252 harmful rows the read alone refuses
+# read below it in the training conversations (0 of 1,423 in held-out ones), and the read alone
+# is skipped for 94 % of ordinary requests (docs/measurements.md, "Reading the message in its
+# conversation first").
+CONVERSATION_MARGIN = 10.0
 NOT_CUT = "Nothing to continue: the last reply was not cut at the token limit."
 
 @dataclass
@@ -103,12 +114,13 @@ class Prepared:
     """What the prepare stage knows of a message: its coordinates, zone and safety state."""
 
     text: str
-    x: np.ndarray  # UGT coordinates of the lookup prompt
+    x: np.ndarray  # UGT coordinates of the message's reading (alone, or in its conversation)
     h_safety: np.ndarray  # the safety layer's state of the message
     zone: str | None
     context_key: str  # content key of the message before this one
     prompt_tokens: int
     history: list[dict[str, str]] | None  # the exchanges that fit beside the message; None: not worked out
+    in_conversation: bool = False  # read after its history (Engine._read_in_conversation), not alone
 
 
 @dataclass
@@ -535,11 +547,23 @@ class Engine:
                 yield Decided(None)
                 return Turn(user_text=text, reply_text="", verdict="cancelled", new_tokens=0)
             teh_prompt, refusal = self._guard(p)
+            d = self._decide(session, text, p.x, p.context_key) if refusal is None else None
+            if d is not None and d.tier is not Tier.RETRIEVE and p.in_conversation \
+                    and session.memory.may_hold_question(content_key(text)):
+                # asked before, maybe stored as read alone: RETRIEVE compares readings of one kind,
+                # so the message is read alone too, and that reading decides (guard included)
+                try:
+                    p = self._prepare(session, text, slot, alone=True)
+                except PrefillStopped:
+                    yield Decided(None)
+                    return Turn(user_text=text, reply_text="", verdict="cancelled", new_tokens=0)
+                teh_prompt, refusal = self._guard(p)
+                d = self._decide(session, text, p.x, p.context_key) if refusal is None else None
             if refusal is not None:
                 yield Decided(None)
                 yield Refused(refusal.reply_text)
                 return refusal
-            d = self._decide(session, text, p.x, p.context_key)
+            assert d is not None
             yield Decided(d.tier.value, d.distance)
             turn = Turn(
                 user_text=text, reply_text="", tier=d.tier.value, distance=d.distance,
@@ -582,24 +606,62 @@ class Engine:
 
     # -- stages -----------------------------------------------------------------
 
-    def _prepare(self, session: Session, text: str, slot: _OpenGeneration) -> Prepared:
-        """Prefill the lookup prompt (or reuse an exact repeat's states), project, route."""
+    def _prepare(self, session: Session, text: str, slot: _OpenGeneration, *, alone: bool = False) -> Prepared:
+        """Read the message (in its conversation first unless ``alone``, else alone; an exact
+        repeat's states are reused), project, route."""
         lookup_prompt = self.prompts.build(session, text, None, with_history=False)
         key = _prompt_key(lookup_prompt)
         cached = session.cached_states(key)
-        # With history the reply is decoded from another prompt (or AUGMENT's), never from this one:
-        # its prefill only has to reach the captured layers. (An exact repeat prefills nothing here.)
         history = self.prompts.fitting_history(session, text) if cached is None else None
-        h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.read_layers, cached,
-                                         states_only=bool(history))
-        if cached is None:
-            session.cache_states(key, h, h_safety)
+        read = self._read_in_conversation(text, history, slot) if history and not alone else None
+        if read is not None:
+            h, h_safety, n_prompt = read
+        else:
+            # With history the reply is decoded from another prompt (or AUGMENT's), never from this
+            # one: its prefill only has to reach the captured layers. (An exact repeat prefills
+            # nothing here.)
+            h, h_safety, n_prompt = _prefill(slot, self.lm, lookup_prompt, self.profile.safety.read_layers, cached,
+                                             states_only=bool(history))
+            if cached is None:
+                session.cache_states(key, h, h_safety)
         x = project(session.basis, h)
         # Zones live in the profile's coordinates; a session may carry its own basis
         # (an imported research session with another k), so route in the profile's.
         zone_x = x if session.basis is self.profile.basis else project(self.profile.basis, h)
         zone, _ = route(self.profile.zones, zone_x)
-        return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt, history)
+        return Prepared(text, x, h_safety, zone, session.last_user_key(), n_prompt, history,
+                        in_conversation=read is not None)
+
+    def _read_in_conversation(
+        self, text: str, history: list[dict[str, str]], slot: _OpenGeneration
+    ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The message read after its history by the reply's own prefill (which the reply is then
+        decoded from), or None when the message must be read alone as well: its reading there is
+        not :data:`CONVERSATION_MARGIN` points below the prompt guard's threshold, or its tokens
+        came from a saved KV cache (a resend of the same prompt), or ``read_in_conversation`` is off.
+
+        The probe was fitted on messages read alone, and a history moves a message's reading
+        towards refusal, rarely the other way: a message this reading lets through is, out of
+        fold on the calibration rows, one the read alone would let through too (docs/measurements.md,
+        "Reading the message in its conversation first"). So the prompt guard's verdicts stay
+        those of the read alone, while most turns skip its prefill. The states kept for the
+        tier lookup and the memory are then this reading's."""
+        if not self.settings.read_in_conversation:
+            return None
+        from isagi.safety.runtime import SAFETY_POOL
+
+        messages = self.prompts.messages(text, None, history)
+        gen = slot.open(messages, reuse_prefix=REUSE_ANY, context_shift=self.settings.context_shift)
+        h = gen.prefill()
+        span = self.lm.content_span(messages)
+        try:
+            h_safety = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, span)
+                                       for layer in self.profile.safety.read_layers])
+        except ValueError:  # the message's tokens came from a saved KV cache: no states to read
+            return None
+        if self._teh(h_safety) > self.profile.safety.threshold - CONVERSATION_MARGIN:
+            return None
+        return h, h_safety, gen.prompt_tokens
 
     def _teh(self, h_safety: np.ndarray) -> float:
         from isagi.safety.runtime import teh
@@ -636,7 +698,8 @@ class Engine:
         h_safety: np.ndarray, history: list[dict[str, str]] | None,
     ) -> Generator[TurnEvent, None, Generated]:
         """Decode the reply with the reply guard (which judges it with the message's safety state
-        ``h_safety``), from the lookup prefill whenever the prompt is the same (no ``history``)."""
+        ``h_safety``), from the open prefill whenever the prompt is the same (no ``history``, or the
+        message was read in this prompt)."""
         from isagi.safety.runtime import ReplyGuard
 
         if d.tier is Tier.AUGMENT:
@@ -645,6 +708,8 @@ class Engine:
             if history is None:
                 history = self.prompts.fitting_history(session, text)
             prompt = self.prompts.messages(text, None, history) if history else None
+        if prompt is not None and slot.current is not None and prompt == slot.messages and not slot.states_only:
+            prompt = None  # the message was read in this very prompt: decode from its prefill
         return (yield from _generate(slot, prompt, ReplyGuard(self.profile.safety, h_safety), stop,
                                      context_shift=self.settings.context_shift))
 
@@ -906,6 +971,7 @@ class _OpenGeneration:
         self.stop = stop  # the turn's Stop, which also ends a prompt's evaluation
         self.current: Decoding | None = None
         self.messages: list[dict[str, str]] | None = None
+        self.states_only = False  # the open prompt's graph may stop after the captured layers: never decoded from
 
     def open(self, messages: list[dict[str, str]], *, reuse_prefix: int = 0, states_only: bool = False,
              context_shift: bool = False, reply_prefix: str = "") -> Decoding:
@@ -916,6 +982,7 @@ class _OpenGeneration:
                                           reply_prefix=reply_prefix)
         self.current.__enter__()
         self.messages = messages
+        self.states_only = states_only
         return self.current
 
     def close(self) -> None:
