@@ -99,6 +99,9 @@ class Decoding(Protocol):
 
     new_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "cancelled" once the stream ends
+    # the prefill reused a saved KV cache with a gap cut out (``context_shift``): the prompt
+    # states it read are then not those of the prompt evaluated afresh
+    context_shifted: bool
 
     def __enter__(self) -> Decoding: ...
 

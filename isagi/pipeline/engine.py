@@ -641,18 +641,23 @@ class Engine:
         came from a saved KV cache (a resend of the same prompt), or ``read_in_conversation`` is off.
 
         The probe was fitted on messages read alone, and a history moves a message's reading
-        towards refusal, rarely the other way: a message this reading lets through is, out of
-        fold on the calibration rows, one the read alone would let through too (docs/measurements.md,
-        "Reading the message in its conversation first"). So the prompt guard's verdicts stay
-        those of the read alone, while most turns skip its prefill. The states kept for the
-        tier lookup and the memory are then this reading's."""
-        if not self.settings.read_in_conversation:
+        towards refusal, rarely the other way: out of fold on the calibration rows, 10 of the
+        4,252 harmful rows the read alone refuses read more than the margin below the threshold
+        in a conversation (docs/measurements.md, "Reading the message in its conversation
+        first"). So the prompt guard's verdicts are nearly always those of the read alone, while
+        most turns skip its prefill. Also read alone: a history restored with a gap cut out
+        (``context_shifted``: its states are not exact), and a profile without a probe (the
+        margin was measured on one). The states kept for the tier lookup and the memory are
+        this reading's."""
+        if not self.settings.read_in_conversation or self.profile.safety.weights is None:
             return None
         from isagi.safety.runtime import SAFETY_POOL
 
         messages = self.prompts.messages(text, None, history)
         gen = slot.open(messages, reuse_prefix=REUSE_ANY, context_shift=self.settings.context_shift)
         h = gen.prefill()
+        if gen.context_shifted:  # the history's cache came from a prompt with more before it: not exact
+            return None
         span = self.lm.content_span(messages)
         try:
             h_safety = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, span)

@@ -100,6 +100,7 @@ class Generation:
         self.steer = steer
         self.new_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.context_shifted = False  # transformers evaluates every prompt whole
         self._stop = threading.Event()
         self._stack = ExitStack()
         self._capture: LayerCapture | None = None

@@ -69,6 +69,7 @@ class LlamaCppDecoding:
         self.steer = None if steer is None else np.asarray(steer, dtype=np.float32).reshape(-1)
         self.new_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.context_shifted = False  # the prefill's saved cache had a gap cut out (Sequences._cut)
         self._stop = threading.Event()
         self._turn_stop = stop  # the turn's Stop: also ends the prompt's evaluation between chunks
         self._prompt: dict[int, np.ndarray] | None = None
@@ -195,7 +196,9 @@ class LlamaCppDecoding:
             return self._prefill_slot()
         e = self.engine
         e._clear(self)
+        shifts = e.context_shifts
         start = e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift) if self.reuse_prefix else 0
+        self.context_shifted = e.context_shifts != shifts
         with self._watching() as stop:
             states = e._decode(self.ids[start:], start, capture=e._names(self.layers), truncate=self.states_only,
                                stop=stop)
@@ -213,8 +216,10 @@ class LlamaCppDecoding:
         else:  # a steered decoding holds its slots from __enter__; a second prefill starts afresh
             with e.lock:
                 e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
+        shifts = e.context_shifts  # (another slot's restore may count too: then this one reads as shifted)
         start = (e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift, seq=self.seq)
                  if self.reuse_prefix else 0)
+        self.context_shifted = e.context_shifts != shifts
         with self._watching() as stop:
             step = e.steps.run(Step(self.seq, self.ids[start:], start, logits="none" if self.states_only else "last",
                                     capture=e._names(self.layers), truncate=self.states_only, stop=stop))
