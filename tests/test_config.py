@@ -58,17 +58,12 @@ def test_the_context_shift_is_a_switch(value: str, on: bool) -> None:
     assert load_settings({"ISAGI_CONTEXT_SHIFT": value}).context_shift is on
 
 
-@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True)])
-def test_reading_the_message_in_its_conversation_is_a_switch_on_by_default(value: str, on: bool) -> None:
-    assert load_settings({}).read_in_conversation is True
-    assert load_settings({"ISAGI_READ_IN_CONVERSATION": value}).read_in_conversation is on
-    with pytest.raises(ConfigError, match="ISAGI_READ_IN_CONVERSATION"):
-        load_settings({"ISAGI_READ_IN_CONVERSATION": "sometimes"})
-
-
-@pytest.mark.parametrize("value, on", [("0", False), ("no", False), ("1", True)])
-def test_adapting_the_thread_count_is_a_switch_on_by_default(value: str, on: bool) -> None:
-    assert load_settings({}).adapt_threads is True
-    assert load_settings({"ISAGI_ADAPT_THREADS": value}).adapt_threads is on
-    with pytest.raises(ConfigError, match="ISAGI_ADAPT_THREADS"):
-        load_settings({"ISAGI_ADAPT_THREADS": "sometimes"})
+@pytest.mark.parametrize("variable, field", [("ISAGI_ADAPT_THREADS", "adapt_threads"),
+                                             ("ISAGI_READ_IN_CONVERSATION", "read_in_conversation")])
+@pytest.mark.parametrize("value, on", [("0", False), ("no", False), ("off", False), ("1", True)])
+def test_switches_on_by_default(variable: str, field: str, value: str, on: bool) -> None:
+    """Adapting the thread count, reading a message in its conversation first."""
+    assert getattr(load_settings({}), field) is True
+    assert getattr(load_settings({variable: value}), field) is on
+    with pytest.raises(ConfigError, match=variable):
+        load_settings({variable: "sometimes"})

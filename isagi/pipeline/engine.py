@@ -104,7 +104,7 @@ RETRIEVE_CANDIDATES = 8  # nearest records checked for an exact match before RET
 # must be for the read alone to be skipped (Engine._read_in_conversation). Chosen on calibration
 # rows out of fold, margins 0-20 tried: at 10, 10 of the 4,252 harmful rows the read alone refuses
 # read below it in the training conversations (0 of 1,423 in held-out ones), and the read alone
-# is skipped for 94 % of ordinary requests (docs/measurements.md, "Reading the message in its
+# is skipped for 93.5 % of ordinary requests (docs/measurements.md, "Reading the message in its
 # conversation first").
 CONVERSATION_MARGIN = 10.0
 NOT_CUT = "Nothing to continue: the last reply was not cut at the token limit."
@@ -651,8 +651,6 @@ class Engine:
         this reading's."""
         if not self.settings.read_in_conversation or self.profile.safety.weights is None:
             return None
-        from isagi.safety.runtime import SAFETY_POOL
-
         messages = self.prompts.messages(text, None, history)
         gen = slot.open(messages, reuse_prefix=REUSE_ANY, context_shift=self.settings.context_shift)
         h = gen.prefill()
@@ -660,8 +658,7 @@ class Engine:
             return None
         span = self.lm.content_span(messages)
         try:
-            h_safety = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, span)
-                                       for layer in self.profile.safety.read_layers])
+            h_safety = _safety_state(gen, self.profile.safety.read_layers, span)
         except ValueError:  # the message's tokens came from a saved KV cache: no states to read
             return None
         if self._teh(h_safety) > self.profile.safety.threshold - CONVERSATION_MARGIN:
@@ -890,11 +887,16 @@ def _prefill(
     gen = slot.open(messages, reuse_prefix=span[0], states_only=states_only and known is None)
     if known is not None:
         return known[0], known[1], gen.prompt_tokens
+    h = gen.prefill()
+    return h, _safety_state(gen, safety_layers, span), gen.prompt_tokens
+
+
+def _safety_state(gen: Decoding, safety_layers: list[int], span: tuple[int, int]) -> np.ndarray:
+    """The safety state of the message at ``span`` of a prefilled decoding: the read-out at each
+    of ``safety_layers``, side by side; ValueError when its tokens came from a saved KV cache."""
     from isagi.safety.runtime import SAFETY_POOL
 
-    h = gen.prefill()
-    h_safety = np.concatenate([decoding_state(gen, layer, SAFETY_POOL, span) for layer in safety_layers])
-    return h, h_safety, gen.prompt_tokens
+    return np.concatenate([decoding_state(gen, layer, SAFETY_POOL, span) for layer in safety_layers])
 
 
 def _generate(
