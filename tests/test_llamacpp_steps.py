@@ -142,6 +142,7 @@ def test_the_engines_decodings_in_slots_equal_those_alone_and_a_stop_leaves_the_
         assert ids == want_ids, i
         assert _same(h, want_h) and _same(hs, want_hs), i
     assert len(got[1][0]) == 5, "Stop ended that reply after its fifth token; the others ran on"
+    batched.settle()  # a closed decoding's slot comes back once the llama.cpp thread has emptied it
     assert not batched._slot_owner and len(batched._free) == batched.slots, "every slot is free again"
 
 
@@ -157,6 +158,7 @@ def test_a_turn_takes_the_lowest_free_slot(engines):
     assert [batched._take_slot(o) for o in later] == [0, 1, 3]
     for o in owners + later:
         batched._give_slot(o)
+    batched.settle()  # a closed decoding's slot comes back once the llama.cpp thread has emptied it
     assert not batched._slot_owner and sorted(batched._free) == list(range(batched.slots))
 
 def test_reply_nll_and_prompt_states_in_a_slot_equal_those_alone(engines, settings_default):
@@ -220,6 +222,7 @@ def test_turns_in_slots_equal_turns_alone_and_the_reply_guard_withholds_the_same
             assert turn.teh_reply == pytest.approx(want.teh_reply, abs=1e-3)
         tokens = sum(t.new_tokens for t in got)
         assert decodes < tokens, "replies shared llama_decode calls"
+        batched.settle()  # a closed decoding's slot comes back once the llama.cpp thread has emptied it
         assert not batched._slot_owner and len(batched._free) == batched.slots
     finally:
         alone.prefixes, batched.prefixes = saved
@@ -258,6 +261,7 @@ def test_an_exploration_takes_every_slot_while_chat_replies_wait_and_ends_as_alo
     chatter.join(300)
     assert got["chain"] == want_chain
     assert got["reply"] == want_reply, "a reply around a steered step is not steered"
+    batched.settle()  # a closed decoding's slot comes back once the llama.cpp thread has emptied it
     assert not batched._slot_owner and len(batched._free) == batched.slots
 
 

@@ -137,3 +137,48 @@ def test_a_step_asked_for_on_the_llama_thread_runs_there_in_place(runner):
     step = on_llama_thread(r.run, Step(2, [7], 4))
     assert int(np.argmax(step.out_logits[-1])) == 11
     assert ll.calls[-1][0] == on_llama_thread(threading.get_ident)
+
+
+def test_a_job_runs_on_the_llama_thread_between_decodes_and_its_caller_does_not_wait(runner):
+    r, ll = runner
+    ll_thread = on_llama_thread(threading.get_ident)
+    started, release, ran = threading.Event(), threading.Event(), []
+    decode = ll.llama_decode
+
+    def slow_decode(ctx: object, b: _Batch) -> int:  # a decode that runs until released
+        started.set()
+        release.wait(5)
+        return decode(ctx, b)
+
+    ll.llama_decode = slow_decode
+    prompt = threading.Thread(target=r.run, args=(Step(1, [3, 4, 5], 0),))
+    prompt.start()
+    assert started.wait(5)
+    t0 = time.monotonic()
+    r.later(lambda: ran.append((threading.get_ident(), len(ll.calls))))
+    assert time.monotonic() - t0 < 0.5 and not ran  # queued: the caller went on while the decode runs
+    release.set()
+    prompt.join(5)
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [(ll_thread, 1)]  # on the llama.cpp thread, after the decode that was running
+    on_llama_thread(r.later, lambda: ran.append("inline"))
+    assert ran[-1] == "inline"  # asked for on that thread: done at once
+
+
+def test_a_prompts_reused_prefix_is_set_up_on_the_llama_thread_and_only_the_rest_is_decoded(runner):
+    r, ll = runner
+    where: list[int] = []
+
+    def reuse() -> int:
+        where.append(threading.get_ident())
+        return 3  # the sequence already holds the first three tokens
+
+    step = r.run(Step(2, [10, 11, 12, 13, 14], 0, reuse=reuse))
+    assert where == [on_llama_thread(threading.get_ident)]
+    assert ll.calls[-1][1] == [(13, 3, 2), (14, 4, 2)]  # the rest, at its positions
+    assert (step.start, step.tokens) == (3, [13, 14])
+    assert int(np.argmax(step.out_logits[-1])) == (14 + 4) % VOCAB
+    r.run(Step(2, [10, 11], 0, reuse=lambda: 1))  # one token left: still a prompt, decoded alone
+    assert ll.calls[-1][1] == [(11, 1, 2)]

@@ -13,6 +13,11 @@ replies' tokens (a reply waits at most one chunk, a prompt is not held back unti
 reply has ended). A prompt a Stop may end (``Step.stop``) ends between its chunks, inside
 one (the context's abort callback, :mod:`isagi.engines.llamacpp.abort`: a chunk holds this
 sequence's tokens alone, so no other sequence's work is cut), or while it waits in the queue.
+A prompt's reused prefix (``Step.reuse``: a saved KV cache loaded into its sequence) is set
+up here too, just before its first chunk, and a closing decoding's sequence is saved and
+emptied here between two decodes (:meth:`StepRunner.later`): done on a turn's own thread,
+each waited for the engine's lock, that is for the decode running (eight busy turns: 84 ms
+a close; docs/measurements.md, "KV cache upkeep on the llama.cpp thread").
 A chunk never shares a batch with other sequences' tokens: with one KV
 stream per sequence, llama.cpp cuts a batch into ubatches holding the same number of
 tokens of each sequence (``split_equal``), so the mix would become many small ubatches,
@@ -26,9 +31,11 @@ the same token for token as in a context of its own (``isagi bench batch``).
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +44,8 @@ import numpy as np
 from isagi.engines.base import PrefillStopped
 from isagi.engines.llama_thread import is_llama_thread, submit_to_llama_thread
 from isagi.engines.llamacpp.abort import ABORTED, POLL_S, PromptAbort, StopWatch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +59,9 @@ class Step:
     capture: dict[bytes, int] | None = None  # node name -> layer, as LayerCapture takes it
     truncate: bool = False  # states only: the graph may stop after the captured layers
     stop: StopWatch | None = None  # a prompt a Stop may end: between chunks, inside one, or while it waits
+    # a prompt's KV cache set up on the llama.cpp thread before its first chunk: returns how many
+    # leading tokens the sequence already holds (they are then not evaluated; ``start`` moves on)
+    reuse: Callable[[], int] | None = None
     # filled in by the runner
     out_logits: np.ndarray | None = None  # (n, vocab): the logits asked for, in token order
     out_states: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> (n, d)
@@ -59,6 +71,11 @@ class Step:
     evaluated: int = 0
     parts: dict[int, list[np.ndarray]] = field(default_factory=dict)
     logit_rows: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def single(self) -> bool:
+        """One token to decode (batched with other sequences' tokens), not a prompt."""
+        return len(self.tokens) == 1 and self.reuse is None
 
     @property
     def done(self) -> bool:
@@ -87,6 +104,7 @@ class StepRunner:
         self._n_batch = n_batch
         self._batch = ll.llama_batch_init(n_batch, 0, n_seq_max)
         self._pending: deque[Step] = deque()
+        self._jobs: deque[Callable[[], None]] = deque()  # KV cache upkeep between decodes (later())
         self._cv = threading.Condition()
         self._running = False
         self._active: set[int] = set()  # sequences decoding a reply (open .. close)
@@ -106,6 +124,30 @@ class StepRunner:
             self._ll.llama_batch_free(self._batch)
             self._batch = None
 
+    def later(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the llama.cpp thread before the next decode, without waiting for it
+        (at once when called there). For a closing decoding's upkeep of the KV cache (saving its
+        sequence as a prefix, emptying it): done between two decodes, it waits for no decode,
+        where the closing turn would wait for the engine's lock, that is for the decode running
+        (a reply's step or a prompt's chunk), before its answer could end. A job must not raise;
+        what one raises is logged."""
+        if is_llama_thread():
+            self._run_job(job)
+            return
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify_all()
+            if not self._running:
+                self._running = True
+                submit_to_llama_thread(self._loop)
+
+    @staticmethod
+    def _run_job(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:  # pragma: no cover - a job ends in finally blocks of its own
+            log.exception("a KV cache job failed")
+
     def open(self, seq: int) -> None:
         """Sequence ``seq`` is decoding: a step waits (a moment) for its next token."""
         with self._cv:
@@ -121,7 +163,7 @@ class StepRunner:
         """Wait up to :attr:`gather_s` for every decoding sequence's next token (held: the lock)."""
         deadline = time.monotonic() + self.gather_s
         while True:
-            waiting = {s.seq for s in self._pending if len(s.tokens) == 1}
+            waiting = {s.seq for s in self._pending if s.single}
             if not waiting or self._active <= waiting:
                 return
             left = deadline - time.monotonic()
@@ -179,11 +221,20 @@ class StepRunner:
         self._running = True
         try:
             while True:
+                while self._jobs:  # before any decode: the closing turns waiting for them end sooner
+                    job = self._jobs.popleft()
+                    self._cv.release()
+                    try:
+                        self._run_job(job)
+                    finally:
+                        self._cv.acquire()
                 if not self._pending:
                     # A reply decoding sends its next token in a moment: stay for it rather than
                     # end and be started again for each token.
                     if self._active:
                         self._cv.wait(self.linger_s)
+                    if self._jobs:
+                        continue
                     if not self._pending:
                         break
                 self._gather()
@@ -197,6 +248,8 @@ class StepRunner:
             for s in self._pending:
                 s.finish(exc)
             self._pending.clear()
+            while self._jobs:  # (they give slots back)
+                self._run_job(self._jobs.popleft())
             raise
         finally:
             self._running = False
@@ -210,7 +263,7 @@ class StepRunner:
         singles: dict[int, Step] = {}
         prompt: Step | None = None
         for s in self._pending:
-            if len(s.tokens) == 1:
+            if s.single:
                 singles.setdefault(s.seq, s)
             elif prompt is None:
                 prompt = s
@@ -228,7 +281,7 @@ class StepRunner:
         """Evaluate ``group``; a prompt with chunks left goes back to the front of the queue."""
         finished = True
         try:
-            if len(group) == 1 and len(group[0].tokens) > 1:
+            if len(group) == 1 and not group[0].single:
                 finished = self._prompt(group[0])
             else:
                 self._singles(group)
@@ -297,10 +350,13 @@ class StepRunner:
     def _prompt(self, s: Step) -> bool:
         """The next chunk (:attr:`prompt_chunk` tokens at most) of a prompt of one sequence;
         True once its last chunk is evaluated (its states and logits are then set)."""
-        n = len(s.tokens)
-        off = s.evaluated
         if s.stop is not None and s.stop.stopped():
             raise PrefillStopped
+        if s.reuse is not None:  # here, not on the caller's thread: no wait for the decode running
+            held, s.reuse = s.reuse(), None
+            s.tokens, s.start = s.tokens[held:], s.start + held
+        n = len(s.tokens)
+        off = s.evaluated
         chunk = s.tokens[off : off + self.prompt_chunk]
         last_chunk = off + len(chunk) == n
         want = [s.logits == "all" or (s.logits == "last" and last_chunk and j == len(chunk) - 1)

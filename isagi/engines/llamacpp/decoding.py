@@ -113,6 +113,7 @@ class LlamaCppDecoding:
         if not self._entered:
             return
         e = self.engine
+        handed_over = False  # the slot goes back once the llama.cpp thread has saved and emptied it
         try:
             if self._steering:
                 e._ll.llama_set_adapter_cvec(e._ctx, None, 0, e.hidden_size, -1, -1)
@@ -123,17 +124,16 @@ class LlamaCppDecoding:
             # (steered or states only: no prefix either)
             keep = bool(self._kv_len) and self.steer is None and not self.states_only
             if self._multi and self.seq is not None:
-                if keep:
-                    e._save_prefix((self.ids + self.new_ids)[: self._kv_len], seq=self.seq)
-                with e.lock:
-                    e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
+                e._close_slot_later(self, self.seq, (self.ids + self.new_ids)[: self._kv_len] if keep else None)
+                handed_over = True
             elif not self._multi and e.owner is self:
                 if keep:
                     e._save_prefix((self.ids + self.new_ids)[: self._kv_len])
                 e._clear(None)
         finally:
             if self._multi:
-                e._give_slot(self)
+                if not handed_over:
+                    e._give_slot(self)
                 self.seq = None
             self._entered = False
 
@@ -211,18 +211,28 @@ class LlamaCppDecoding:
         from isagi.engines.llamacpp_steps import Step
 
         e = self.engine
-        if self.seq is None:
+        if self.seq is None:  # (a steered decoding holds its slots from __enter__)
             self.seq = e._take_slot(self)
-        else:  # a steered decoding holds its slots from __enter__; a second prefill starts afresh
-            with e.lock:
-                e._ll.llama_memory_seq_rm(e._mem, self.seq, -1, -1)
-        shifts = e.context_shifts  # (another slot's restore may count too: then this one reads as shifted)
-        start = (e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift, seq=self.seq)
-                 if self.reuse_prefix else 0)
-        self.context_shifted = e.context_shifts != shifts
+        seq = self.seq
+        shifted: list[bool] = []
+
+        def reuse() -> int:
+            """On the llama.cpp thread: the sequence holds the reused prefix, else nothing (whatever
+            it held before is dropped); how many leading tokens need no evaluation."""
+            if not self.reuse_prefix:
+                e._empty(seq)
+                return 0
+            shifts = e.context_shifts
+            held = int(e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift, seq=seq))
+            shifted.append(e.context_shifts != shifts)
+            return held
+
         with self._watching() as stop:
-            step = e.steps.run(Step(self.seq, self.ids[start:], start, logits="none" if self.states_only else "last",
-                                    capture=e._names(self.layers), truncate=self.states_only, stop=stop))
+            step = e.steps.run(Step(seq, list(self.ids), 0, logits="none" if self.states_only else "last",
+                                    capture=e._names(self.layers), truncate=self.states_only, stop=stop,
+                                    reuse=reuse))
+        self.context_shifted = any(shifted)
+        start = step.start
         self._next_logits = None if step.out_logits is None else step.out_logits[-1]
         self._prompt_start, self._kv_len = start, len(self.ids)
         self._prompt = {layer: self._unsteer(layer, st) for layer, st in step.out_states.items()}

@@ -41,6 +41,7 @@ from isagi.engines.llamacpp.load import load_model, model_quant, open_context, s
 from isagi.engines.llamacpp.sequences import Sequences
 from isagi.engines.llamacpp.text import ChatText
 
+CLOSE_SETTLE_S = 10.0  # how long closing the engine waits for closed decodings' sequences to be emptied
 
 class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
     """A GGUF model in one llama.cpp context (the design: the docstrings of the modules of
@@ -107,6 +108,7 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
         self._slot_owner: dict[int, object] = {}
         self._slots_cv = threading.Condition()
         self._wanting_all = 0  # steered decodings waiting for every slot
+        self._closing: set[threading.Event] = set()
         self._template = self._load_template()
         self._stop_ids: set[int] | None = None
         self.owner: object | None = None  # the Decoding whose sequence the KV cache holds
@@ -172,6 +174,10 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
 
     def close(self) -> None:
         if getattr(self, "steps", None) is not None:
+            if getattr(self, "_closing", None):
+                # no job may use the context once it is freed (bounded: at interpreter exit the
+                # llama.cpp thread may be gone, and a job never run keeps nothing worth a hang)
+                self.settle(timeout=CLOSE_SETTLE_S)
             self.steps.free()
         if getattr(self, "_ctx", None):
             self._ll.llama_free(self._ctx)

@@ -2,7 +2,8 @@
 
 Owns which decoding the KV cache holds (one sequence: the engine's ``owner``,
 cleared before anything else uses it); the slots (several sequences, one KV
-stream each: a decoding takes a free one and frees it when it closes); and
+stream each: a decoding takes a free one and frees it when it closes, the
+llama.cpp thread saving and emptying it between two decodes); and
 moving KV caches between llama.cpp and the prefix store: saved from a sequence
 when its decoding closes, restored into one for a prompt that extends them,
 with a gap cut out where the history window dropped exchanges. Which saved
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import ctypes
 import heapq
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -61,6 +64,7 @@ class Sequences:
     _slot_owner: dict[int, object]
     _slots_cv: Any  # threading.Condition over _free and _slot_owner
     _wanting_all: int  # steered decodings waiting for every slot
+    _closing: set[threading.Event]  # closing decodings whose sequence is not yet saved and emptied
     prefixes: Any  # isagi.engines.kv_prefix.PrefixStore
     can_shift: bool
     context_shifts: int
@@ -73,8 +77,11 @@ class Sequences:
 
     # -- slots (several sequences: isagi.engines.llamacpp_steps) -------------------
     def _take_slot(self, owner: object, *, all_of_them: bool = False) -> int:
-        """A free sequence for ``owner`` (waits until one is free), emptied; ``all_of_them``: every
-        sequence (a steered decoding: the control vector acts on the whole context)."""
+        """A free sequence for ``owner`` (waits until one is free); ``all_of_them``: every
+        sequence (a steered decoding: the control vector acts on the whole context). It may
+        still hold tokens (a forward pass of the one-sequence path writes sequence 0): its
+        prompt's evaluation empties it (:meth:`_restore_prefix`, :meth:`_empty`), so taking
+        one waits for no decode."""
         with self._slots_cv:
             if all_of_them:
                 # while it waits, no reply starts: the replies running end and it goes next
@@ -91,10 +98,11 @@ class Sequences:
                 taken = [heapq.heappop(self._free)]
         for seq in taken:
             self._slot_owner[seq] = owner
-        seq = min(taken)
+        return min(taken)
+
+    def _empty(self, seq: int) -> None:
         with self.lock:
             self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        return seq
 
     def _slot_eval(self, ids: list[int], *, capture: dict[bytes, int] | None, truncate: bool = False,
                    logits: str = "none") -> Any:
@@ -104,12 +112,52 @@ class Sequences:
         owner = object()
         seq = self._take_slot(owner)
         try:
+            self._empty(seq)
             step = self.steps.run(Step(seq, ids, 0, logits=logits, capture=capture, truncate=truncate))
             return step
         finally:
             with self.lock:
                 self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
             self._give_slot(owner)
+
+    def _close_slot_later(self, owner: object, seq: int, tokens: list[int] | None) -> None:
+        """Sequence ``seq`` of a closing decoding: its KV cache kept as a prefix when it holds
+        exactly ``tokens`` (None: not kept), then emptied, and every slot of ``owner`` given
+        back, on the llama.cpp thread between two decodes (:meth:`StepRunner.later`), so the
+        closing turn does not wait for the decode running. Until then the slot stays taken, and
+        a prompt that may extend this cache waits for it (:meth:`settle`)."""
+        done = threading.Event()
+        with self._slots_cv:
+            self._closing.add(done)
+
+        def job() -> None:
+            try:
+                if tokens is not None:
+                    self._save_prefix(tokens, seq=seq)
+            finally:
+                try:
+                    with self.lock:
+                        self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                finally:
+                    self._give_slot(owner)
+                    with self._slots_cv:
+                        self._closing.discard(done)
+                    done.set()
+
+        self.steps.later(job)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until the closing decodings' sequences queued so far are saved and emptied
+        (:meth:`_close_slot_later`; at most until the decode running ends, or ``timeout``
+        seconds in all); whether they are."""
+        from isagi.engines.llama_thread import is_llama_thread
+
+        if is_llama_thread():  # its jobs run there at once: none is waiting
+            return True
+        with self._slots_cv:
+            pending = list(self._closing)
+        end = None if timeout is None else time.monotonic() + timeout
+        return all(done.wait(None if end is None else max(0.0, end - time.monotonic())) for done in pending)
 
     def _give_slot(self, owner: object) -> None:
         """Every sequence ``owner`` holds, free again."""
@@ -124,6 +172,7 @@ class Sequences:
     def forget_saved_states(self) -> int:
         """Drop every saved KV prefix (no open conversation needs one: the server is idle); the
         bytes given back. Under the engine's lock, as every use of the store."""
+        self.settle()
         with self.lock:
             freed = int(self.prefixes.nbytes)
             self.prefixes.clear()
@@ -141,14 +190,16 @@ class Sequences:
                 self.prefixes.put(tokens, buf[:got])
 
     def _restore_prefix(self, ids: list[int], limit: int, *, shift: bool = False, seq: int = 0) -> int:
-        """Load the saved KV cache sharing the longest prefix with ``ids`` into the (cleared)
-        sequence 0, cut to that prefix or ``limit`` tokens; returns how many leading tokens
-        need no evaluation (never all of them: the last prompt token is evaluated for its logits).
+        """Load the saved KV cache sharing the longest prefix with ``ids`` into sequence ``seq``
+        (whatever it held is dropped), cut to that prefix or ``limit`` tokens; returns how many
+        leading tokens need no evaluation (never all of them: the last prompt token is
+        evaluated for its logits); 0: none, and the sequence is empty.
 
         ``shift``: a saved cache that holds more of ``ids`` once a gap is cut out of it
         (:meth:`~isagi.engines.kv_prefix.PrefixStore.best_shift`) is taken instead, and the
         gap is cut out with the positions after it moved down (a context shift)."""
         ll = self._ll
+        self.settle()  # a closing decoding's cache this prompt may extend: saved first
         with self.lock:
             found = self.prefixes.best(ids[:limit])
             moved = self.prefixes.best_shift(ids[:limit]) if shift and self.can_shift else None
@@ -157,6 +208,7 @@ class Sequences:
             elif found is not None:
                 moved, (_tokens, data, shared) = None, found
             else:
+                ll.llama_memory_seq_rm(self._mem, seq, -1, -1)  # nothing to reuse: an empty sequence
                 return 0
             buf = np.frombuffer(data, dtype=np.uint8)  # llama.cpp copies from it, no copy here
             if not int(ll.llama_state_seq_set_data(self._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
