@@ -182,3 +182,19 @@ def test_a_prompts_reused_prefix_is_set_up_on_the_llama_thread_and_only_the_rest
     assert int(np.argmax(step.out_logits[-1])) == (14 + 4) % VOCAB
     r.run(Step(2, [10, 11], 0, reuse=lambda: 1))  # one token left: still a prompt, decoded alone
     assert ll.calls[-1][1] == [(11, 1, 2)]
+
+
+def test_a_job_that_cannot_reach_the_llama_thread_is_not_queued(runner, monkeypatch):
+    import isagi.engines.llamacpp_steps as steps
+
+    r, _ll = runner
+
+    def no_thread(*args: object) -> None:
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(steps, "submit_to_llama_thread", no_thread)
+    with pytest.raises(RuntimeError):
+        r.later(lambda: None)
+    assert not r._jobs and not r._running  # nothing left to run later, and the next step starts a loop
+    monkeypatch.undo()
+    assert int(np.argmax(r.run(Step(0, [1], 0)).out_logits[-1])) == 1

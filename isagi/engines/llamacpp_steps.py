@@ -126,10 +126,11 @@ class StepRunner:
 
     def later(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the llama.cpp thread before the next decode, without waiting for it
-        (at once when called there). For a closing decoding's upkeep of the KV cache (saving its
-        sequence as a prefix, emptying it): done between two decodes, it waits for no decode,
-        where the closing turn would wait for the engine's lock, that is for the decode running
-        (a reply's step or a prompt's chunk), before its answer could end. A job must not raise;
+        (at once when called there; raises, queuing nothing, when that thread cannot be
+        started). For a closing decoding's upkeep of the KV cache (saving its sequence as a
+        prefix, emptying it): done between two decodes, it waits for no decode, where the
+        closing turn would wait for the engine's lock, that is for the decode running (a
+        reply's step or a prompt's chunk), before its answer could end. A job must not raise;
         what one raises is logged."""
         if is_llama_thread():
             self._run_job(job)
@@ -138,8 +139,12 @@ class StepRunner:
             self._jobs.append(job)
             self._cv.notify_all()
             if not self._running:
+                try:
+                    submit_to_llama_thread(self._loop)
+                except BaseException:  # no llama.cpp thread (the interpreter is exiting): not queued
+                    self._jobs.remove(job)
+                    raise
                 self._running = True
-                submit_to_llama_thread(self._loop)
 
     @staticmethod
     def _run_job(job: Callable[[], None]) -> None:

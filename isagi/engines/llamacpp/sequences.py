@@ -144,7 +144,10 @@ class Sequences:
                         self._closing.discard(done)
                     done.set()
 
-        self.steps.later(job)
+        try:
+            self.steps.later(job)
+        except RuntimeError:  # no llama.cpp thread to run it (the interpreter is exiting): here, now
+            job()
 
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the closing decodings' sequences queued so far are saved and emptied
