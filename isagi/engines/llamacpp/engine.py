@@ -43,6 +43,7 @@ from isagi.engines.llamacpp.text import ChatText
 
 CLOSE_SETTLE_S = 10.0  # how long closing the engine waits for closed decodings' sequences to be emptied
 
+
 class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
     """A GGUF model in one llama.cpp context (the design: the docstrings of the modules of
     :mod:`isagi.engines.llamacpp`)."""
