@@ -130,8 +130,8 @@ class StepRunner:
         started). For a closing decoding's upkeep of the KV cache (saving its sequence as a
         prefix, emptying it): done between two decodes, it waits for no decode, where the
         closing turn would wait for the engine's lock, that is for the decode running (a
-        reply's step or a prompt's chunk), before its answer could end. A job must not raise;
-        what one raises is logged."""
+        reply's step or a prompt's chunk), before its answer could end. Jobs run before any step
+        queued after them. A job must not raise; what one raises is logged."""
         if is_llama_thread():
             self._run_job(job)
             return
@@ -243,6 +243,8 @@ class StepRunner:
                     if not self._pending:
                         break
                 self._gather()
+                if self._jobs:  # queued while gathering: a closing turn's save goes before its next prompt
+                    continue
                 group = self._take()
                 self._cv.release()
                 try:

@@ -24,6 +24,7 @@ evaluated.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -40,6 +41,8 @@ from isagi.engines.llamacpp.forward import ForwardPasses
 from isagi.engines.llamacpp.load import load_model, model_quant, open_context, start_backend
 from isagi.engines.llamacpp.sequences import Sequences
 from isagi.engines.llamacpp.text import ChatText
+
+log = logging.getLogger(__name__)
 
 CLOSE_SETTLE_S = 10.0  # how long closing the engine waits for closed decodings' sequences to be emptied
 
@@ -175,10 +178,12 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
 
     def close(self) -> None:
         if getattr(self, "steps", None) is not None:
-            if getattr(self, "_closing", None):
-                # no job may use the context once it is freed (bounded: at interpreter exit the
-                # llama.cpp thread may be gone, and a job never run keeps nothing worth a hang)
-                self.settle(timeout=CLOSE_SETTLE_S)
+            # no job may use the context once it is freed: one still queued after the wait (at
+            # interpreter exit the llama.cpp thread may be gone) keeps the context, not freed
+            if getattr(self, "_closing", None) and not self.settle(timeout=CLOSE_SETTLE_S):
+                log.warning("closing the llama.cpp engine: a closed decoding's KV cache upkeep is still queued; "
+                            "the context is left as it is")
+                return
             self.steps.free()
         if getattr(self, "_ctx", None):
             self._ll.llama_free(self._ctx)

@@ -124,8 +124,9 @@ class Sequences:
         """Sequence ``seq`` of a closing decoding: its KV cache kept as a prefix when it holds
         exactly ``tokens`` (None: not kept), then emptied, and every slot of ``owner`` given
         back, on the llama.cpp thread between two decodes (:meth:`StepRunner.later`), so the
-        closing turn does not wait for the decode running. Until then the slot stays taken, and
-        a prompt that may extend this cache waits for it (:meth:`settle`)."""
+        closing turn does not wait for the decode running. Until then the slot stays taken; the
+        job runs before any prompt queued after it (:meth:`StepRunner.later`), so the next turn
+        of the conversation finds the cache saved."""
         done = threading.Event()
         with self._slots_cv:
             self._closing.add(done)
@@ -202,7 +203,7 @@ class Sequences:
         (:meth:`~isagi.engines.kv_prefix.PrefixStore.best_shift`) is taken instead, and the
         gap is cut out with the positions after it moved down (a context shift)."""
         ll = self._ll
-        self.settle()  # a closing decoding's cache this prompt may extend: saved first
+        self.settle()  # (from a turn's thread) a closing decoding's cache this prompt may extend: saved first
         with self.lock:
             found = self.prefixes.best(ids[:limit])
             moved = self.prefixes.best_shift(ids[:limit]) if shift and self.can_shift else None
