@@ -220,8 +220,7 @@ class LlamaCppDecoding:
             """On the llama.cpp thread: the sequence holds the reused prefix, else nothing (whatever
             it held before is dropped); how many leading tokens need no evaluation."""
             if not self.reuse_prefix:
-                e._empty(seq)
-                return 0
+                return e._empty(seq)
             shifts = e.context_shifts
             held = int(e._restore_prefix(self.ids, self.reuse_prefix, shift=self.context_shift, seq=seq))
             shifted.append(e.context_shifts != shifts)

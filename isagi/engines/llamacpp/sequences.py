@@ -100,9 +100,12 @@ class Sequences:
             self._slot_owner[seq] = owner
         return min(taken)
 
-    def _empty(self, seq: int) -> None:
+    def _empty(self, seq: int) -> int:
+        """Sequence ``seq`` emptied; 0, the tokens it still holds (a ``Step.reuse`` of a prompt
+        evaluated from its start, run on the llama.cpp thread: no wait for the decode running)."""
         with self.lock:
             self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        return 0
 
     def _slot_eval(self, ids: list[int], *, capture: dict[bytes, int] | None, truncate: bool = False,
                    logits: str = "none") -> Any:
@@ -112,12 +115,11 @@ class Sequences:
         owner = object()
         seq = self._take_slot(owner)
         try:
-            self._empty(seq)
-            step = self.steps.run(Step(seq, ids, 0, logits=logits, capture=capture, truncate=truncate))
+            step = self.steps.run(Step(seq, ids, 0, logits=logits, capture=capture, truncate=truncate,
+                                       reuse=lambda: self._empty(seq)))
             return step
         finally:
-            with self.lock:
-                self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            self._empty(seq)
             self._give_slot(owner)
 
     def _close_slot_later(self, owner: object, seq: int, tokens: list[int] | None) -> None:
@@ -137,8 +139,7 @@ class Sequences:
                     self._save_prefix(tokens, seq=seq)
             finally:
                 try:
-                    with self.lock:
-                        self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                    self._empty(seq)
                 finally:
                     self._give_slot(owner)
                     with self._slots_cv:
@@ -153,7 +154,9 @@ class Sequences:
     def settle(self, timeout: float | None = None) -> bool:
         """Wait until the closing decodings' sequences queued so far are saved and emptied
         (:meth:`_close_slot_later`; at most until the decode running ends, or ``timeout``
-        seconds in all); whether they are."""
+        seconds in all); whether they are. For what reads the store or the slots from another
+        thread (forgetting the saved caches, closing the engine, tests); a prompt needs no wait,
+        its KV cache is set up on the llama.cpp thread after the jobs queued before it."""
         from isagi.engines.llama_thread import is_llama_thread
 
         if is_llama_thread():  # its jobs run there at once: none is waiting
@@ -203,7 +206,6 @@ class Sequences:
         (:meth:`~isagi.engines.kv_prefix.PrefixStore.best_shift`) is taken instead, and the
         gap is cut out with the positions after it moved down (a context shift)."""
         ll = self._ll
-        self.settle()  # (from a turn's thread) a closing decoding's cache this prompt may extend: saved first
         with self.lock:
             found = self.prefixes.best(ids[:limit])
             moved = self.prefixes.best_shift(ids[:limit]) if shift and self.can_shift else None
