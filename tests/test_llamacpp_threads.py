@@ -65,6 +65,29 @@ def test_a_quiet_machine_keeps_the_full_count():
     assert all(c.deadline_s is not None for c in choices[1:] if c.threads == 2)
 
 
+def test_on_a_quiet_machine_comparisons_grow_rarer_and_a_slow_decode_brings_the_next_one_soon():
+    """A comparison is a decode on the slower count: each one the full count wins doubles the
+    wait for the next (up to CHECK_MAX_S); a decode cut as slow brings the next one within CHECK_S."""
+    clock = Clock()
+    policy = ThreadPolicy(2, clock=clock)
+    at = []
+    end = clock.now + 120.0
+    while clock.now < end:
+        now = clock.now
+        if _step(policy, clock, FAST, ON_ONE).probe:
+            at.append(now)
+    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+    assert gaps and all(b >= a - 0.05 for a, b in zip(gaps, gaps[1:], strict=False))  # never closer again
+    assert gaps[0] < 2.5 * th.CHECK_S and th.CHECK_MAX_S - 0.1 <= gaps[-1] <= th.CHECK_MAX_S + 0.1
+    assert len(at) <= 120.0 / th.CHECK_MAX_S + 4  # (a comparison a second would be 120)
+    assert policy.threads == 2 and policy.drops == 0
+    cut_at = clock.now
+    assert _step(policy, clock, 40 * FAST, ON_ONE).threads == 2  # cut at its deadline, made again on one
+    while not _step(policy, clock, FAST, ON_ONE).probe:
+        assert clock.now - cut_at <= th.CHECK_S + 0.1
+    assert policy.threads == 2 and policy.drops == 0  # one slow decode moves nothing
+
+
 def test_a_busy_core_drops_to_one_thread_within_a_few_decodes():
     clock = Clock()
     policy = ThreadPolicy(2, clock=clock)

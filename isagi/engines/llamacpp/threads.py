@@ -22,9 +22,16 @@ thread, and moves between the two:
   (llama.cpp removes only those of the micro-batch it was cut in) and it is made again on
   one thread.
   :data:`STRIKES` such decodes in a row and the policy moves to one thread. Now and then
-  (:data:`CHECK_S`) one decode runs on one thread instead; when that is clearly faster
+  one decode runs on one thread instead; when that is clearly faster
   (:data:`DROP_MARGIN`) than the mean of the full count's recent ones, the policy moves
   too: a machine loaded all along gives no slow decodes against its own recent times.
+  The first comparison comes :data:`CHECK_S` after the start (or a move back); each one
+  that finds the full count faster doubles the wait for the next, up to :data:`CHECK_MAX_S`,
+  and a decode slower than usual (:data:`SUSPECT` times its kind's recent time, or cut)
+  brings the next one within :data:`CHECK_S` again: a busy loop that starts beside a quiet
+  server is found as soon as with a comparison every second. A comparison is a
+  decode on the slower count: one a second cost a busy server several per cent of its
+  turns (docs/measurements.md, "Fewer comparisons on a quiet machine").
 - On one thread, now and then (:data:`PROBE_S`, doubled after each failed try up to
   :data:`PROBE_MAX_S`) one decode tries the full count with a deadline at what one thread
   takes (:data:`BACK_MARGIN` of it): done in time, the policy moves back; cut, it is made
@@ -50,7 +57,9 @@ from isagi.engines.llamacpp.abort import ABORTED
 
 SLOW = 2.5  # a full-count decode past this many times its kind's recent seconds per token is cut
 STRIKES = 3  # cut decodes in a row that move the policy to one thread
-CHECK_S = 1.0  # with the full count: how often one decode runs on one thread to compare
+CHECK_S = 1.0  # with the full count: the first wait before one decode runs on one thread to compare
+CHECK_MAX_S = 8.0  # ...doubled after each comparison the full count won, up to this
+SUSPECT = 1.5  # a full-count decode this many times its kind's recent seconds per token: compare soon
 DROP_MARGIN = 0.8  # ...and moves the policy when it took less than this share of the full count's time
 PROBE_S = 1.0  # on one thread: the first wait before a decode tries the full count again
 PROBE_MAX_S = 8.0  # ...doubled after each try that failed, up to this
@@ -96,6 +105,7 @@ class ThreadPolicy:
         self._times: dict[tuple[int, Kind], deque[float]] = {}
         self._strikes = 0
         self._probe_wait = PROBE_S
+        self._check_wait = CHECK_S
         self._next_probe = clock() + CHECK_S
         self._returned_at = -float("inf")
         self._last_at = -float("inf")  # when the last decode ended
@@ -175,14 +185,21 @@ class ThreadPolicy:
         now = self._clock()
         self._last_at = now
         per_token = seconds / max(1, n_tokens)
+        if choice.threads == self.full and not choice.probe:
+            usual = self.estimate(self.full, kind)
+            if cut or (usual is not None and per_token > SUSPECT * usual):  # the machine may have changed
+                self._check_wait = CHECK_S
+                self._next_probe = min(self._next_probe, now + CHECK_S)
         if not cut:
             self._times.setdefault((choice.threads, kind), deque(maxlen=WINDOW)).append(per_token)
         if choice.threads == 1:
             if choice.probe:  # with the full count, one decode on one thread
                 full = self.mean(self.full, kind)
-                self._next_probe = now + CHECK_S
                 if full is not None and per_token < DROP_MARGIN * full:
                     self._drop(now)
+                else:  # the full count won: the next comparison waits longer
+                    self._check_wait = min(2 * self._check_wait, CHECK_MAX_S)
+                    self._next_probe = now + self._check_wait
             return
         if choice.probe:  # on one thread, a try of the full count
             if cut:
@@ -193,6 +210,7 @@ class ThreadPolicy:
                 self.returns += 1
                 self._returned_at = now
                 log.info("llama.cpp decodes back on %d threads (a try took %.1f ms per token)", self.full, per_token * 1e3)
+                self._check_wait = CHECK_S
                 self._next_probe = now + CHECK_S
             return
         if cut:
