@@ -196,5 +196,8 @@ def test_a_job_that_cannot_reach_the_llama_thread_is_not_queued(runner, monkeypa
     with pytest.raises(RuntimeError):
         r.later(lambda: None)
     assert not r._jobs and not r._running  # nothing left to run later, and the next step starts a loop
+    with pytest.raises(RuntimeError):  # a step likewise: taken back, not left waiting for a loop
+        r.run(Step(0, [1], 0))
+    assert not r._pending and not r._running
     monkeypatch.undo()
     assert int(np.argmax(r.run(Step(0, [1], 0)).out_logits[-1])) == 1

@@ -138,13 +138,21 @@ class StepRunner:
         with self._cv:
             self._jobs.append(job)
             self._cv.notify_all()
-            if not self._running:
-                try:
-                    submit_to_llama_thread(self._loop)
-                except BaseException:  # no llama.cpp thread (the interpreter is exiting): not queued
-                    self._jobs.remove(job)
-                    raise
-                self._running = True
+            self._start_loop(self._jobs, job)
+
+    def _start_loop(self, queue: deque[Any], item: Any) -> None:
+        """(Held: the condition.) :meth:`_loop` started on the llama.cpp thread unless it runs;
+        when that thread cannot be started (the interpreter is exiting), ``item`` is taken back
+        out of ``queue`` and the error raised: nothing is left queued for a loop that never
+        comes, and the next call tries again."""
+        if self._running:
+            return
+        try:
+            submit_to_llama_thread(self._loop)
+        except BaseException:
+            queue.remove(item)
+            raise
+        self._running = True
 
     @staticmethod
     def _run_job(job: Callable[[], None]) -> None:
@@ -191,9 +199,8 @@ class StepRunner:
             if on_thread:  # a step asked for on the llama.cpp thread itself: run the loop here
                 while not step.done:
                     self._loop_held()
-            elif not self._running:
-                self._running = True
-                submit_to_llama_thread(self._loop)
+            else:
+                self._start_loop(self._pending, step)
         try:
             # its own event: a decode wakes only the threads it served; a stopped prompt that is
             # still queued (behind another prompt's chunk) is taken back at once
