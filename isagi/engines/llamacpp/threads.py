@@ -29,9 +29,9 @@ thread, and moves between the two:
   that finds the full count faster doubles the wait for the next, up to :data:`CHECK_MAX_S`,
   and a decode slower than usual (:data:`SUSPECT` times its kind's recent time, or cut)
   brings the next one within :data:`CHECK_S` again: a busy loop that starts beside a quiet
-  server is found as soon as with a comparison every second. A comparison is a
-  decode on the slower count: one a second cost a busy server several per cent of its
-  turns (docs/measurements.md, "Fewer comparisons on a quiet machine").
+  server slows its decodes, and the comparison that finds it is then at most that far away. A comparison is a
+  decode on the slower count: one a second kept a share of a busy server's decodes on one
+  thread (docs/measurements.md, "Fewer comparisons on a quiet machine").
 - On one thread, now and then (:data:`PROBE_S`, doubled after each failed try up to
   :data:`PROBE_MAX_S`) one decode tries the full count with a deadline at what one thread
   takes (:data:`BACK_MARGIN` of it): done in time, the policy moves back; cut, it is made
