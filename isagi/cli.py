@@ -723,8 +723,9 @@ def bench_serve(
     threads: Annotated[int | None, typer.Option(
         "--threads", min=1, help="llama.cpp threads of both servers (default: ISAGI_THREADS, else every core)")] = None,
     turns: Annotated[int, typer.Option("--turns", min=1, help="turns per conversation")] = 4,
-    duration: Annotated[float | None, typer.Option(
-        "--duration", help="seconds: users start new conversations until then (default: one conversation each)")] = None,
+    duration: Annotated[float, typer.Option(
+        "--duration", min=0, help="seconds each run lasts: users start new conversations until then "
+                                  "(0: one conversation each)")] = 30.0,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="reply cap (greedy)")] = 32,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="runs per server, setting and number of users")] = 1,
     anchor: Annotated[Path | None, typer.Option(
@@ -740,7 +741,7 @@ def bench_serve(
     options = Options(users=tuple(_count_list(users, "--users")),
                       isagi_parallel=tuple(_count_list(isagi_parallel, "--isagi-parallel")),
                       anchor_parallel=tuple(_count_list(anchor_parallel, "--anchor-parallel")),
-                      threads=threads, turns=turns, duration_s=duration, max_tokens=max_tokens, rounds=rounds,
+                      threads=threads, turns=turns, duration_s=duration or None, max_tokens=max_tokens, rounds=rounds,
                       anchor=anchor, deadline_s=deadline)
     settings = _settings(model=model, home=home)
     data = run_hog(settings, options) if hog else run(settings, options)

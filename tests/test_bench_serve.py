@@ -120,7 +120,7 @@ def test_a_tiny_side_by_side_run_reports_every_field_for_both_servers(settings_d
                     "2 cores), set ISAGI_TEST_ANCHOR=/path/to/llama-server, or ISAGI_TEST_BUILD_ANCHOR=1 "
                     "to build it here")
     got = run(settings_default, Options(users=(1,), isagi_parallel=(1,), anchor_parallel=(1,), threads=1, turns=2,
-                                        max_tokens=8, anchor=binary))
+                                        duration_s=None, max_tokens=8, anchor=binary))
     (row,) = got["runs"]
     assert row["users"] == 1
     fields = {"setting", "turns", "unfinished", "not_reached", "errors", "p50_s", "p95_s", "ttft_p50_s",

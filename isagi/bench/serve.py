@@ -20,6 +20,12 @@ setting the figures pool the rounds; for each server the best setting is the
 one with the lowest p95 (and, for time to first token, the lowest median),
 and ``ratio_p95`` / ``ratio_ttft`` are ISAGI's best over the anchor's.
 
+Each run lasts ``duration_s`` (30 s unless asked otherwise), the users starting
+new conversations until then: with one conversation per user a run's p95 at 8
+users was the second-slowest of its 32 turns and one user's time to first token
+the median of 4, so the ratios of two runs of the same code differed more than
+any change they were meant to show (docs/measurements.md, "Longer runs").
+
 ``--hog`` runs instead: one user, each server quiet and then with a busy loop
 taking one core beside it (a laptop's other programs), its turn p50 in both,
 their ratio and the turns not finished within the deadline.
@@ -58,7 +64,7 @@ class Options:
     anchor_parallel: tuple[int, ...] = (1, 8)
     threads: int | None = None  # None: the settings' (ISAGI_THREADS), else every core
     turns: int = 4
-    duration_s: float | None = None
+    duration_s: float | None = 30.0  # None: one conversation per user
     max_tokens: int = 32
     rounds: int = 1
     anchor: Path | None = None
@@ -386,6 +392,7 @@ def run_hog(settings: Settings, options: Options) -> dict[str, Any]:
         "threads": threads,
         "deadline_s": options.deadline_s,
         "turns_per_conversation": options.turns,
+        "duration_s": options.duration_s,
         "max_tokens": options.max_tokens,
         "rounds": options.rounds,
         "order": log,
