@@ -21,10 +21,8 @@ one with the lowest p95 (and, for time to first token, the lowest median),
 and ``ratio_p95`` / ``ratio_ttft`` are ISAGI's best over the anchor's.
 
 Each run lasts ``duration_s`` (30 s unless asked otherwise), the users starting
-new conversations until then: with one conversation per user a run's p95 at 8
-users was the second-slowest of its 32 turns and one user's time to first token
-the median of 4, so the ratios of two runs of the same code differed more than
-any change they were meant to show (docs/measurements.md, "Longer runs").
+new conversations until then: one conversation per user gave too few turns for
+a p95 or a one-user median to mean anything (docs/measurements.md, "Longer runs").
 
 ``--hog`` runs instead: one user, each server quiet and then with a busy loop
 taking one core beside it (a laptop's other programs), its turn p50 in both,
