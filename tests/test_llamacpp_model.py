@@ -474,3 +474,34 @@ def test_once_no_session_is_open_the_saved_kv_prefixes_are_dropped(default_llama
     clock[0] = 200.0
     assert registry.evict_idle() == [b]
     assert default_llama.prefixes.nbytes == 0 and len(default_llama.prefixes) == 0
+
+
+def test_tokens_of_a_text_tokenised_again_come_from_the_cache_and_stay_the_tokenisers(default_llama,
+                                                                                     monkeypatch) -> None:
+    """A turn tokenises its prompt several times: the repeats are not tokenised again, each call
+    gets a list of its own (a caller that extends it changes nothing kept), the special flag is
+    part of the key, and the cache stays bounded."""
+    from isagi.engines.llamacpp import text as text_module
+
+    e = default_llama
+    chat = CHATS[2]
+    words = "<|im_start|>user\nhello<|im_end|>"
+    plain, special = e._tokenize(words, False), e._tokenize(words, True)
+    assert plain != special  # the flag changes the tokens, so it must be part of the key
+    calls: list[str] = []
+    real = type(e)._tokenize
+
+    def counted(self, text: str, special: bool) -> list[int]:
+        calls.append(text)
+        return real(self, text, special)
+
+    monkeypatch.setattr(type(e), "_tokenize", counted)
+    first = e.chat_tokens(chat)
+    first.append(-1)  # the caller's own list
+    again = e.chat_tokens(chat)
+    assert again == e._tokenize(e.chat_text(chat), True) and -1 not in again
+    assert calls.count(e.chat_text(chat)) == 2  # the first call and the direct one above, not the repeat
+    assert e.tokenize(words, special=False) == plain and e.tokenize(words, special=True) == special
+    for i in range(text_module.TOKENIZED_KEPT + 5):
+        e.tokenize(f"text number {i}")
+    assert len(e._tokenized) == text_module.TOKENIZED_KEPT

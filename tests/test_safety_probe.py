@@ -355,3 +355,23 @@ def test_quantile_threshold_keeps_its_budget_on_scores_it_never_saw():
     # within budget on the scores themselves too, and never above the largest
     assert all((row[:n] > t).mean() <= budget for row, t in zip(draws[:50], thresholds[:50], strict=True))
     assert quantile_threshold(np.arange(10.0), 0.001) == 9.0
+
+
+def test_a_profiles_readout_is_cast_once_scores_as_a_fresh_one_and_follows_a_replaced_part():
+    """Every prompt and reply check scores with the profile's read-out: it is kept with its arrays
+    in float64 (made once, the same scores bit for bit as a read-out of the stored float32 arrays),
+    and made again when the profile's probe is replaced."""
+    from isagi.safety.probe import ProbeSpec
+    from isagi.safety.runtime import Readout
+
+    c = _corpus(7, n=120)
+    prof = fit_safety_profile(c, LAYERS, spec=ProbeSpec("mlp", alpha=1.0, hidden=4, members=2),
+                              ordinary_budget=0.02, lookalike_budget=0.10)
+    prof = SafetyProfile.from_state(prof.to_state())  # as loaded: float32 arrays
+    kept = prof.readout()
+    assert isinstance(kept, Readout) and kept is prof.readout() and kept.Q.dtype == np.float64
+    fresh = Readout(prof.Q, prof.centre, prof.weights, prof.bias, prof.hidden, prof.hidden_bias)
+    assert np.array_equal(kept.logits(c.X), fresh.logits(c.X))
+    prof.weights = -prof.weights
+    flipped = prof.readout()
+    assert flipped is not kept and np.allclose(flipped.logits(c.X), 2 * prof.bias - kept.logits(c.X), atol=1e-9)

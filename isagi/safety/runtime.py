@@ -119,7 +119,8 @@ class SafetyProfile:
         """What :func:`teh` scores a prompt state with: the probe, or (Q, c) for a profile without one."""
         if self.weights is None:
             return self.Q, self.centre
-        return Readout(self.Q, self.centre, self.weights, self.bias, self.hidden, self.hidden_bias)
+        parts = (self.Q, self.centre, self.weights, self.bias, self.hidden, self.hidden_bias)
+        return _kept_readout(self, "_readout", parts)
 
     def reply_readout(self) -> Readout | tuple[np.ndarray, np.ndarray]:
         """The reply guard's scorer of exchange states (:func:`exchange_states`)."""
@@ -127,7 +128,8 @@ class SafetyProfile:
             raise ValueError("this profile has no exchange reply guard")
         if self.reply_weights is None:
             return self.reply_Q, self.reply_centre
-        return Readout(self.reply_Q, self.reply_centre, self.reply_weights, self.reply_bias)
+        return _kept_readout(self, "_reply_readout",
+                             (self.reply_Q, self.reply_centre, self.reply_weights, self.reply_bias, None, None))
 
     def layer_subspace(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(Q_L (d, m), c_L (d,)): the forbidden directions the guards use in layer ``layer``'s
@@ -288,6 +290,24 @@ class Readout:
         if self.hidden is not None:
             u = np.maximum(u @ np.asarray(self.hidden, np.float64) + np.asarray(self.hidden_bias, np.float64), 0.0)
         return u @ np.asarray(self.weights, np.float64) + float(self.bias)
+
+
+def _kept_readout(profile: SafetyProfile, name: str, parts: tuple[Any, ...]) -> Readout:
+    """The profile's :class:`Readout` of ``parts`` (Q, centre, weights, bias, hidden, hidden_bias),
+    its arrays cast to float64 once: every prompt and every reply check point scores with it, and
+    casting a (D, m) Q on each call took most of a score's time. Made again when a part was
+    replaced (kept in the instance's ``__dict__``, not a field: nothing saved or compared)."""
+    kept = profile.__dict__.get(name)
+    if kept is None or len(kept[0]) != len(parts) or any(a is not b for a, b in zip(kept[0], parts, strict=True)):
+        Q, centre, weights, bias, hidden, hidden_bias = parts
+        readout = Readout(np.asarray(Q, np.float64), np.asarray(centre, np.float64), np.asarray(weights, np.float64),
+                          float(bias), _float64(hidden), _float64(hidden_bias))
+        kept = profile.__dict__[name] = (parts, readout)
+    return kept[1]
+
+
+def _float64(a: np.ndarray | None) -> np.ndarray | None:
+    return None if a is None else np.asarray(a, dtype=np.float64)
 
 
 def share(Q: np.ndarray, c: np.ndarray, h: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -123,6 +124,8 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
         self._one_id = (ll.llama_token * 1)()  # the batch of one fed-back reply token, made once
         self._one_batch = ll.llama_batch_get_one(self._one_id, 1)
         self._pieces: dict[int, bytes] = {}
+        self._tokenized: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
+        self._tokenized_lock = threading.Lock()
         self._logit_views: dict[int | None, np.ndarray] = {}
 
     # -- facts ----------------------------------------------------------------

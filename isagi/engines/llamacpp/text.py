@@ -2,8 +2,11 @@
 
 Owns the GGUF's chat template (its own Jinja template, rendered as transformers
 renders it, in a sandbox, then tokenised by llama.cpp, so a prompt is the same
-tokens on either backend), tokenising, token pieces (cached: a reply decodes
-every token's piece) and the UTF-8 stream that turns pieces into text deltas
+tokens on either backend), tokenising (the latest texts' tokens cached: one turn tokenises its
+conversation's prompt three or four times, to count, to find the message's span
+and to evaluate it, and llama.cpp's tokeniser takes several microseconds a
+token), token pieces (cached: a reply decodes every token's piece) and the
+UTF-8 stream that turns pieces into text deltas
 without splitting a character. Kept apart from the forward passes because none
 of it touches the context or its KV cache, only the model's vocabulary.
 """
@@ -11,9 +14,13 @@ of it touches the context or its KV cache, only the model's vocabulary.
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from isagi.errors import ModelLoadError
+
+TOKENIZED_KEPT = 64  # texts whose tokens are kept (the few a turn tokenises again, of a few turns at once)
 
 
 def compile_template(source: str) -> Any:
@@ -40,6 +47,8 @@ class ChatText:
     _vocab: Any
     _template: Any  # the chat template, from _load_template
     _pieces: dict[int, bytes]  # token -> its piece as a reply shows it (special=False)
+    _tokenized: OrderedDict[tuple[str, bool], tuple[int, ...]]  # (text, special) -> tokens, newest last
+    _tokenized_lock: threading.Lock
     source: str  # the GGUF's path, for messages
 
     def _meta(self, key: str) -> str | None:
@@ -72,6 +81,21 @@ class ChatText:
         return buf.raw[:n]
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """``text``'s tokens (a new list: callers may extend it); the latest texts' are kept."""
+        key = (text, special)
+        with self._tokenized_lock:
+            got = self._tokenized.get(key)
+            if got is not None:
+                self._tokenized.move_to_end(key)
+                return list(got)
+        ids = self._tokenize(text, special)
+        with self._tokenized_lock:
+            self._tokenized[key] = tuple(ids)
+            while len(self._tokenized) > TOKENIZED_KEPT:
+                self._tokenized.popitem(last=False)
+        return ids
+
+    def _tokenize(self, text: str, special: bool) -> list[int]:
         data = text.encode("utf-8", "surrogatepass")
         cap = len(data) + 16
         buf = (self._ll.llama_token * cap)()
