@@ -484,7 +484,8 @@ def test_tokens_of_a_text_tokenised_again_come_from_the_cache_and_stay_the_token
     from isagi.engines.llamacpp import text as text_module
 
     e = default_llama
-    chat = CHATS[2]
+    # a chat no other test sends: the engine is shared, so a text an earlier test sent is kept already
+    chat = [CHATS[2][0], {"role": "user", "content": "Name three birds that nest in cliffs, for the cache test."}]
     words = "<|im_start|>user\nhello<|im_end|>"
     plain, special = e._tokenize(words, False), e._tokenize(words, True)
     assert plain != special  # the flag changes the tokens, so it must be part of the key

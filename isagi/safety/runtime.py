@@ -298,16 +298,13 @@ def _kept_readout(profile: SafetyProfile, name: str, parts: tuple[Any, ...]) -> 
     casting a (D, m) Q on each call took most of a score's time. Made again when a part was
     replaced (kept in the instance's ``__dict__``, not a field: nothing saved or compared)."""
     kept = profile.__dict__.get(name)
-    if kept is None or len(kept[0]) != len(parts) or any(a is not b for a, b in zip(kept[0], parts, strict=True)):
+    if kept is None or any(a is not b for a, b in zip(kept[0], parts, strict=True)):
         Q, centre, weights, bias, hidden, hidden_bias = parts
         readout = Readout(np.asarray(Q, np.float64), np.asarray(centre, np.float64), np.asarray(weights, np.float64),
-                          float(bias), _float64(hidden), _float64(hidden_bias))
+                          float(bias), None if hidden is None else np.asarray(hidden, np.float64),
+                          None if hidden_bias is None else np.asarray(hidden_bias, np.float64))
         kept = profile.__dict__[name] = (parts, readout)
     return kept[1]
-
-
-def _float64(a: np.ndarray | None) -> np.ndarray | None:
-    return None if a is None else np.asarray(a, dtype=np.float64)
 
 
 def share(Q: np.ndarray, c: np.ndarray, h: np.ndarray) -> np.ndarray:

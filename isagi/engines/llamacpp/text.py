@@ -4,8 +4,7 @@ Owns the GGUF's chat template (its own Jinja template, rendered as transformers
 renders it, in a sandbox, then tokenised by llama.cpp, so a prompt is the same
 tokens on either backend), tokenising (the latest texts' tokens cached: one turn tokenises its
 conversation's prompt three or four times, to count, to find the message's span
-and to evaluate it, and llama.cpp's tokeniser takes several microseconds a
-token), token pieces (cached: a reply decodes every token's piece) and the
+and to evaluate it; docs/measurements.md, "Less Python per turn"), token pieces (cached: a reply decodes every token's piece) and the
 UTF-8 stream that turns pieces into text deltas
 without splitting a character. Kept apart from the forward passes because none
 of it touches the context or its KV cache, only the model's vocabulary.
