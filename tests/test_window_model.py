@@ -14,6 +14,7 @@ from isagi.engines.base import REUSE_ANY, GenerationOptions
 from isagi.manifold.window import KEEP_SHARE
 from isagi.pipeline.engine import Engine, _prompt_key
 from isagi.session.turn import Turn
+from tests.greedy import assert_greedy
 
 pytestmark = pytest.mark.model
 
@@ -117,7 +118,8 @@ def test_a_turn_evaluates_only_its_new_tokens_and_the_window_moves_in_blocks(lla
 
 def test_a_shifted_cache_decodes_as_the_whole_prompt_evaluated_again(default_llama) -> None:
     """The context shift: the previous turn's cache with the oldest exchanges cut out and the rest
-    moved down gives the reply a full evaluation of the new prompt gives (same tokens, states alike)."""
+    moved down gives the reply a full evaluation of the new prompt gives (the same greedy path up
+    to rounding, states alike)."""
     e = default_llama
     system = {"role": "system", "content": "You are a helpful assistant."}
     history = [m for q, r in history_exchanges(16)
@@ -148,7 +150,11 @@ def test_a_shifted_cache_decodes_as_the_whole_prompt_evaluated_again(default_lla
     whole_ids, whole_states, whole_cost, _ = decode(False)
     prompt = len(e.chat_tokens(later))
     assert shifts == 1 and shifted_cost < prompt / 4 < prompt <= whole_cost
-    assert shifted_ids == whole_ids, (e.detokenize(shifted_ids), e.detokenize(whole_ids))
-    cos = (shifted_states * whole_states).sum(1) / np.linalg.norm(shifted_states, axis=1) / np.linalg.norm(
-        whole_states, axis=1)
+    # the same greedy path, up to the rounding of rotated keys (tests/greedy.py): both are the
+    # greedy path of the new prompt evaluated whole, parting (if at all) at a near-tie only
+    assert_greedy(e, later, shifted_ids, other=whole_ids)
+    same = next((i for i, (a, b) in enumerate(zip(shifted_ids, whole_ids, strict=False)) if a != b), len(whole_ids))
+    assert same >= 1, (e.detokenize(shifted_ids), e.detokenize(whole_ids))
+    a, b = shifted_states[:same], whole_states[:same]
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cos.min() > 0.99, cos

@@ -279,22 +279,33 @@ class LlamaCppEngine(ChatText, ForwardPasses, Sequences, BatchedPasses):
         with ThreadPoolExecutor(max_workers=width, thread_name_prefix="isagi-reply") as pool:
             return list(pool.map(one, chats))
 
+    def reply_logits(self, messages: list[dict[str, str]], reply_ids: list[int]) -> np.ndarray:
+        """The logits (len(reply_ids), vocab) each token of ``reply_ids`` follows after ``messages``:
+        the prompt and the reply evaluated in one go (unsteered, float32 copies)."""
+        prompt = self.chat_tokens(messages)
+        ids = prompt + list(reply_ids)
+        first = len(prompt) - 1
+        if self.slots > 1:
+            every = self._slot_eval(ids, capture=None, logits="all").out_logits
+            assert every is not None
+            return np.array(every[first:first + len(reply_ids)], dtype=np.float32)
+        self._clear(None)
+        self._decode(prompt[:-1], 0, capture=None)
+        rows: list[np.ndarray] = []
+        tail = ids[first : first + len(reply_ids)]  # the tokens whose logits choose the reply's
+        for off in range(0, len(tail), 512):  # one llama_decode's outputs at a time
+            chunk = tail[off : off + 512]
+            with self.lock:
+                self._decode_locked(chunk, first + off, capture=None, all_logits=True)
+                rows += [self._logits(i).copy() for i in range(len(chunk))]
+        return np.stack(rows)
+
     def reply_nll(self, messages: list[dict[str, str]], reply_ids: list[int]) -> float:
         if not reply_ids:
             return math.inf
-        prompt = self.chat_tokens(messages)
-        ids = prompt + list(reply_ids)
-        if self.slots > 1:
-            rows = self._slot_eval(ids, capture=None, logits="all").out_logits
-            assert rows is not None
-            logit_of = rows.__getitem__
-        else:
-            self._clear(None)
-            self._decode(ids, 0, capture=None, all_logits=True)
-            logit_of = self._logits
         total = 0.0
-        for j, tok in enumerate(reply_ids):
-            logits = logit_of(len(prompt) - 1 + j).astype(np.float64)
+        for tok, row in zip(reply_ids, self.reply_logits(messages, reply_ids), strict=True):
+            logits = row.astype(np.float64)
             top = logits.max()
             total += float(top + math.log(np.exp(logits - top).sum()) - logits[tok])
         return total / len(reply_ids)
