@@ -4,11 +4,61 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from isagi.config import Settings, load_settings
+
+#: the llama-server build started at collection (see pytest_collection_finish)
+_ANCHOR_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``anchor`` (they need llama.cpp's llama-server) run last, so that a build
+    started in the background at collection has the whole run to finish in."""
+    items[:] = [i for i in items if not i.get_closest_marker("anchor")] + [
+        i for i in items if i.get_closest_marker("anchor")]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With ISAGI_TEST_BUILD_ANCHOR=1 (CI) and a shared ISAGI_TEST_HOME without a cached
+    llama-server, when a selected test needs one: build it now, in the background at the
+    lowest priority (``nice`` 19), instead of minutes of the run's own time when its test
+    comes. The test waits for it (fixture ``anchor_built_in_background``); a build that
+    failed is tried again there, in the foreground, where its error shows."""
+    home = os.environ.get("ISAGI_TEST_HOME")
+    if (os.environ.get("ISAGI_TEST_BUILD_ANCHOR") != "1" or not home or os.environ.get("ISAGI_TEST_ANCHOR")
+            or not any(i.get_closest_marker("anchor") for i in session.items)):
+        return
+    from isagi.bench import anchor_build
+
+    if anchor_build.cached_path(Path(home)).is_file():
+        return
+    Path(home).mkdir(parents=True, exist_ok=True)
+    with open(Path(home) / "anchor-build.log", "wb") as log:
+        session.config.stash[_ANCHOR_BUILD] = subprocess.Popen(
+            ["nice", "-n", "19", sys.executable, "-c",
+             "import sys, pathlib; from isagi.bench.anchor_build import ensure; ensure(pathlib.Path(sys.argv[1]))",
+             home],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    proc = session.config.stash.get(_ANCHOR_BUILD, None)
+    if proc is not None and proc.poll() is None:  # its test was not reached: nothing left behind
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def anchor_built_in_background(request: pytest.FixtureRequest) -> int | None:
+    """The exit status of the llama-server build started at collection, once it has ended;
+    None when none was started."""
+    proc = request.config.stash.get(_ANCHOR_BUILD, None)
+    return None if proc is None else proc.wait()
 
 
 def _shared_home(tmp_path_factory: pytest.TempPathFactory) -> Path:

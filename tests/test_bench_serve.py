@@ -111,9 +111,11 @@ def _anchor_binary(home: Path) -> Path | None:
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_a_tiny_side_by_side_run_reports_every_field_for_both_servers(settings_default, tmp_path: Path) -> None:
+@pytest.mark.anchor
+def test_a_tiny_side_by_side_run_reports_every_field_for_both_servers(settings_default, tmp_path: Path,
+                                                                      anchor_built_in_background) -> None:
     if os.environ.get("ISAGI_TEST_BUILD_ANCHOR") == "1" and _anchor_binary(settings_default.home) is None:
-        anchor_build.ensure(settings_default.home)  # minutes: the first run only
+        anchor_build.ensure(settings_default.home)  # minutes: the first run only (or the background build failed)
     binary = _anchor_binary(settings_default.home)
     if binary is None:
         pytest.skip("no llama-server built: run `isagi bench serve` once (it builds and caches one, minutes on "
