@@ -2,13 +2,14 @@
 
 llama.cpp evaluates a batch of tokens with other kernels than a single token, and a shifted
 cache holds rotated keys, so two ways to reach the same context round differently: their
-logits agree to a fraction of a logit. Where two tokens nearly tie, greedy decoding may then take
-either, and which one depends on the CPU's kernels (seen on a CPU without AVX-512, where a
-reply cut and continued went on "gentle soul" and the reply decoded in one go "hardworking
-man"; docs/measurements.md, "Greedy paths and rounding"). A test that a path is the greedy path of a context therefore states: every token is
-the argmax of one evaluation of the context and the tokens before it, up to :data:`ROUNDING`
-logits; and where two such paths part, both tokens are within :data:`ROUNDING` of the top.
-A wrong context (a token missing, the turn closed and reopened) misses by whole logits.
+logits agree to a fraction of a logit. Where two tokens nearly tie, greedy decoding may then
+take either, and which one depends on the CPU's kernels (seen on a CPU without AVX-512, where
+a reply cut and continued went on "gentle soul" and the reply decoded in one go "hardworking
+man"; docs/measurements.md, "Greedy paths and rounding"). A test that a path is the greedy
+path of a context therefore states: every token is the argmax of one evaluation of the
+context and the tokens before it, up to :data:`ROUNDING` logits; and where two such paths
+part, both tokens are within :data:`ROUNDING` of the top. A wrong context (a token missing,
+the turn closed and reopened) misses by whole logits.
 """
 
 from __future__ import annotations
