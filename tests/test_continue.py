@@ -201,7 +201,8 @@ def test_on_the_real_model_a_greedy_reply_cut_and_continued_is_the_greedy_reply(
     lm = llama_engine.lm
     prompt = llama_engine.prompts.messages(q, None, [])
     assert cut.reply_text.startswith(whole.reply_text[:20]) and len(cut.reply_text + more.reply_text) > 60
-    path = lm.tokenize(cut.reply_text + more.reply_text, special=False)
+    # the reply so far as Continue feeds it (its text re-tokenised), then the continuation
+    path = lm.tokenize(cut.reply_text, special=False) + lm.tokenize(more.reply_text, special=False)
     assert_greedy(lm, prompt, path, other=lm.tokenize(whole.reply_text, special=False))
     # the check tells a wrong context apart: the same reply so far after its turn was closed
     wrong = [*prompt, {"role": "assistant", "content": cut.reply_text}, {"role": "user", "content": "Go on."}]
