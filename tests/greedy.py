@@ -22,22 +22,27 @@ import numpy as np
 ROUNDING = 1.0
 
 
+def _gaps(rows: np.ndarray, path: list[int]) -> np.ndarray:
+    return rows.max(axis=1) - rows[np.arange(len(path)), path]
+
+
 def slack(lm, messages: list[dict[str, str]], path: list[int]) -> np.ndarray:
     """For each token of ``path`` after ``messages``: the top logit minus the token's own logit,
     from one evaluation of the prompt and the whole path (0 where the token is the argmax)."""
-    rows = lm.reply_logits(messages, path)
-    return rows.max(axis=1) - rows[np.arange(len(path)), path]
+    return _gaps(lm.reply_logits(messages, path), path)
 
 
 def assert_greedy(lm, messages: list[dict[str, str]], path: list[int], other: list[int] | None = None) -> None:
     """``path`` is the greedy path after ``messages`` up to rounding; and if ``other`` (another
-    greedy path of the same context) parts from it, it does so at a near-tie of the two tokens."""
-    gaps = slack(lm, messages, path)
+    greedy path of the same context) parts from it, it does so at a near-tie of the two tokens
+    (read from the same evaluation: up to the parting the two paths hold the same tokens)."""
+    rows = lm.reply_logits(messages, path)
+    gaps = _gaps(rows, path)
     assert gaps.max() <= ROUNDING, (lm.detokenize(path), gaps.round(3).tolist())
     if other is None or other[: len(path)] == path[: len(other)]:
         return
     k = next(i for i, (a, b) in enumerate(zip(path, other, strict=False)) if a != b)
-    row = lm.reply_logits(messages, path[: k + 1])[k]
+    row = rows[k]
     assert row.max() - row[other[k]] <= ROUNDING, (
         f"the paths part at token {k} where {lm.detokenize([other[k]])!r} lies "
         f"{row.max() - row[other[k]]:.3f} logits under the top: not a near-tie",
