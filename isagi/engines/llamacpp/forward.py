@@ -76,6 +76,9 @@ class ForwardPasses:
                 truncate: bool = False, stop: StopWatch | None = None) -> dict[int, np.ndarray]:
         """Evaluate ``ids`` at positions ``start...`` in sequence 0; states (n, d) of the captured layers.
 
+        ``all_logits``: logits for every token, readable (:meth:`_logits`) only for the last
+        chunk of 512, the outputs of the last ``llama_decode`` (``reply_logits`` reads them a
+        chunk at a time).
         ``truncate``: stop computing once the captured layers are read; the KV cache
         above them and the logits are then left unwritten, so only for states alone.
         ``stop``: a prompt a Stop may end (:meth:`~isagi.engines.llamacpp.abort.PromptAbort.watch`),
