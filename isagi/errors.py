@@ -30,6 +30,10 @@ class InputError(IsagiError):
     """A message is empty, too long, or otherwise unusable."""
 
 
+class SeedRefused(InputError):
+    """The concept explorer's seed reads over the prompt guard's threshold: refused as the chat would refuse it."""
+
+
 class ProfileError(IsagiError):
     """A per-model profile is missing, stale or unreadable."""
 

@@ -352,8 +352,34 @@ def explore_on(
     steps = max(1, min(int(steps), MAX_STEPS))
     max_new_tokens = max(1, min(int(max_new_tokens), int(engine.settings.max_new_tokens)))
     with engine.model_turns:
+        if seed.strip():
+            refuse_harmful_seed(engine, seed.strip())
         return explore(engine.lm, engine.profile.safety, seed, steps=steps, safe=safe,
                        max_new_tokens=max_new_tokens, system_prompt=engine.settings.system_prompt)
+
+
+def refuse_harmful_seed(engine: ExploringEngine, seed: str) -> float:
+    """The prompt guard's TEH of ``seed`` read as the chat reads a message alone (the engine's
+    system prompt, then the seed, read out at the profile's layers as it was calibrated); raises
+    :class:`~isagi.errors.SeedRefused` over the guard's threshold. An exploration's steps are
+    replies to the seed's prompt, steered: Safe OGD keeps the steering out of the forbidden
+    directions, not the seed's own topic, so a seed the chat would refuse is refused here too.
+    (:func:`explore` itself checks nothing: the evaluations explore harmful seeds on purpose.)"""
+    from isagi.errors import SeedRefused
+    from isagi.safety.build import chat, safety_states
+    from isagi.safety.runtime import category_of, teh
+
+    safety = engine.profile.safety
+    h = safety_states(engine.lm, [chat(engine.settings.system_prompt, seed)], safety.read_layers)[0]
+    score = float(teh(safety, h))
+    if score > safety.threshold:
+        category = category_of(safety, h).replace("_", " ")
+        raise SeedRefused(
+            f"The explorer refuses this seed, as the chat would: it looks like {category} "
+            f"(TEH {score:.1f} % against the threshold {safety.threshold:.1f} %). "
+            "Explore another concept, or rephrase it with more context."
+        )
+    return score
 
 
 def render(result: ExplorationResult) -> str:
